@@ -1,0 +1,260 @@
+"""The Qwen2 decoder in MindSpore with a KV cache (use_past): a full (prefill) and an incremental step.
+
+Only plain ops with CPU kernels in MindSpore 2.10 (fp32/fp16) are used, so the same graph
+runs on the CPU and under GE on Ascend: mean/rsqrt RMSNorm, rotate-half RoPE, BatchMatMul
+attention with grouped-query attention done by reshaping q. Module and parameter names equal
+the Hugging Face checkpoint names, so the weight map is the identity.
+
+Shapes: B batch, L tokens in this call, S cache length (= exported seq_length),
+H query heads, KH key/value heads, G = H // KH, D head_dim, E hidden_size, V vocab.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import initializer
+
+from export.config import Qwen2Config
+
+MS_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
+
+
+def _weight(shape, dtype, name: str) -> Parameter:
+    # Lazy zeros: nothing is allocated until the loader sets the checkpoint's data.
+    return Parameter(initializer("zeros", shape, dtype), name=name, requires_grad=False)
+
+
+class Linear(nn.Cell):
+    """y = x @ W^T (+ b), W stored as HF stores it: [out, in]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype) -> None:
+        super().__init__()
+        self.weight = _weight((out_features, in_features), dtype, "weight")
+        self.bias = _weight((out_features,), dtype, "bias") if bias else None
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x):  # [N, in] -> [N, out]
+        y = self.matmul(x, self.weight)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class RMSNorm(nn.Cell):
+    def __init__(self, size: int, eps: float, dtype) -> None:
+        super().__init__()
+        self.weight = _weight((size,), dtype, "weight")
+        self.eps = eps
+
+    def construct(self, x):
+        dtype = x.dtype
+        x32 = ops.cast(x, ms.float32)
+        var = ops.mean(ops.square(x32), -1, keep_dims=True)
+        x32 = x32 * ops.rsqrt(var + self.eps)
+        return ops.cast(x32, dtype) * self.weight
+
+
+class Qwen2MLP(nn.Cell):
+    def __init__(self, cfg: Qwen2Config, dtype) -> None:
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+
+    def construct(self, x):  # [N, E]
+        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate_half(x):  # [..., D]
+    x1, x2 = ops.split(x, x.shape[-1] // 2, axis=-1)
+    return ops.cat((-x2, x1), axis=-1)
+
+
+class Qwen2Attention(nn.Cell):
+    """Self-attention that owns its layer's KV cache Parameters ([B, KH, S, D] each)."""
+
+    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype) -> None:
+        super().__init__()
+        self.h, self.kh, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.g = self.h // self.kh
+        self.scale = 1.0 / float(np.sqrt(self.d))
+        self.q_proj = Linear(cfg.hidden_size, self.h * self.d, True, dtype)
+        self.k_proj = Linear(cfg.hidden_size, self.kh * self.d, True, dtype)
+        self.v_proj = Linear(cfg.hidden_size, self.kh * self.d, True, dtype)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, False, dtype)
+        cache_shape = (batch_size, self.kh, seq_length, self.d)
+        self.key_cache = Parameter(Tensor(np.zeros(cache_shape), dtype), name="key_cache", requires_grad=False)
+        self.value_cache = Parameter(Tensor(np.zeros(cache_shape), dtype), name="value_cache", requires_grad=False)
+        self.bmm_qk = ops.BatchMatMul(transpose_b=True)
+        self.bmm_pv = ops.BatchMatMul()
+
+    def _project(self, x, cos, sin, b, n):
+        """x [B*n, E] -> q [B, KH, G*n, D], k, v [B, KH, n, D] with RoPE applied."""
+        q = self.q_proj(x).reshape(b, n, self.h, self.d)
+        k = self.k_proj(x).reshape(b, n, self.kh, self.d)
+        v = self.v_proj(x).reshape(b, n, self.kh, self.d)
+        cos, sin = cos.reshape(b, n, 1, self.d), sin.reshape(b, n, 1, self.d)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        # query head h uses key head h // G (HF repeat_kv), so [B, n, KH, G, D] -> [B, KH, G*n, D]
+        q = q.reshape(b, n, self.kh, self.g, self.d).transpose(0, 2, 3, 1, 4).reshape(b, self.kh, self.g * n, self.d)
+        return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def _attend(self, q, k, v, mask, b, n):
+        """q [B, KH, G*n, D], k/v [B, KH, T, D], mask [B, 1, n, T] additive -> [B*n, H*D]."""
+        scores = self.bmm_qk(q, k).reshape(b, self.kh, self.g, n, -1)
+        scores = ops.cast(scores, ms.float32) * self.scale + mask.reshape(b, 1, 1, n, -1)
+        probs = ops.cast(ops.softmax(scores, -1), v.dtype).reshape(b, self.kh, self.g * n, -1)
+        out = self.bmm_pv(probs, v).reshape(b, self.kh, self.g, n, self.d)
+        return out.transpose(0, 3, 1, 2, 4).reshape(b * n, self.h * self.d)
+
+    def prefill(self, x, cos, sin, mask, b, n):
+        q, k, v = self._project(x, cos, sin, b, n)
+        seq = self.key_cache.shape[2]
+        if n < seq:  # a shorter bucket: the tail of the cache is masked until decode writes it
+            pad = ops.zeros((b, self.kh, seq - n, self.d), k.dtype)
+            k_all, v_all = ops.cat((k, pad), axis=2), ops.cat((v, pad), axis=2)
+        else:
+            k_all, v_all = k, v
+        k_done = ops.assign(self.key_cache, k_all)
+        v_done = ops.assign(self.value_cache, v_all)
+        out = self._attend(q, k, v, mask, b, n)
+        return self.o_proj(ops.depend(ops.depend(out, k_done), v_done))
+
+    def decode(self, x, cos, sin, mask, index, b):
+        """One token per row; index [B, KH, 3] = (row, head, position) to write in the cache."""
+        q, k, v = self._project(x, cos, sin, b, 1)
+        k_done = ops.scatter_nd_update(self.key_cache, index, k.reshape(b, self.kh, self.d))
+        v_done = ops.scatter_nd_update(self.value_cache, index, v.reshape(b, self.kh, self.d))
+        keys = ops.depend(self.key_cache, k_done)
+        values = ops.depend(self.value_cache, v_done)
+        return self.o_proj(self._attend(q, keys, values, mask, b, 1))
+
+
+class Qwen2DecoderLayer(nn.Cell):
+    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Qwen2Attention(cfg, batch_size, seq_length, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = Qwen2MLP(cfg, dtype)
+
+    def _mlp_block(self, h):
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def prefill(self, x, cos, sin, mask, b, n):  # x [B*n, E]
+        return self._mlp_block(x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n))
+
+    def decode(self, x, cos, sin, mask, index, b):  # x [B, E]
+        return self._mlp_block(x + self.self_attn.decode(self.input_layernorm(x), cos, sin, mask, index, b))
+
+
+class Embedding(nn.Cell):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype) -> None:
+        super().__init__()
+        self.weight = _weight((vocab_size, hidden_size), dtype, "weight")
+
+    def construct(self, ids):  # [N] -> [N, E]
+        return ops.gather(self.weight, ids, 0)
+
+
+class Qwen2Model(nn.Cell):
+    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.CellList([Qwen2DecoderLayer(cfg, batch_size, seq_length, dtype)
+                                   for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class Qwen2ForCausalLM(nn.Cell):
+    """The network with both steps. Inputs are the graph inputs the manifest records:
+
+    prefill(input_ids [B, L] int32 right-padded, valid_length [B] int32 = prompt lengths)
+    decode(input_ids [B, 1] int32, valid_length [B] int32 = tokens in the cache after this step)
+    Both return float32 logits [B, V] of each row's last valid token. Positions come from
+    valid_length inside the graph.
+    """
+
+    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype: str = "float32") -> None:
+        super().__init__()
+        ms_dtype = MS_DTYPES[dtype]
+        self.config, self.batch_size, self.seq_length, self.dtype = cfg, batch_size, seq_length, ms_dtype
+        self.model = Qwen2Model(cfg, batch_size, seq_length, ms_dtype)
+        self.tied = bool(cfg.tie_word_embeddings)
+        self.lm_head = None if self.tied else Linear(cfg.hidden_size, cfg.vocab_size, False, ms_dtype)
+        cos, sin = rope_tables(cfg, seq_length)
+        self.cos, self.sin = Tensor(cos, ms_dtype), Tensor(sin, ms_dtype)  # [S, D] graph constants
+        self.head_matmul = ops.MatMul(transpose_b=True)
+        self.rows = Tensor(np.arange(batch_size, dtype=np.int32))
+        # (row, kv head) part of the cache write index, the position is added per call
+        grid = np.stack(np.meshgrid(np.arange(batch_size), np.arange(cfg.num_key_value_heads), indexing="ij"), -1)
+        self.index_base = Tensor(grid.astype(np.int32))  # [B, KH, 2]
+        self.positions = Tensor(np.arange(seq_length, dtype=np.int32))
+
+    def _logits(self, hidden):  # [B, E] -> [B, V] float32
+        hidden = self.model.norm(hidden)
+        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        return ops.cast(self.head_matmul(hidden, weight), ms.float32)
+
+    def prefill(self, input_ids, valid_length):
+        b, n = input_ids.shape
+        x = self.model.embed_tokens(input_ids.reshape(-1))  # [B*n, E]
+        pos = self.positions[:n]
+        cos = ops.tile(self.cos[:n].reshape(1, n, -1), (b, 1, 1))  # [B, n, D]
+        sin = ops.tile(self.sin[:n].reshape(1, n, -1), (b, 1, 1))
+        causal = pos.reshape(1, n, 1) >= pos.reshape(1, 1, n)  # [1, n(query), n(key)]
+        valid = pos.reshape(1, 1, n) < valid_length.reshape(b, 1, 1)  # [B, 1, n]
+        mask = ops.select(ops.logical_and(causal, valid), ops.zeros((b, n, n), ms.float32),
+                          ops.full((b, n, n), -1e9, dtype=ms.float32))
+        for layer in self.model.layers:
+            x = layer.prefill(x, cos, sin, mask, b, n)
+        last = ops.gather(x, self.rows * n + valid_length - 1, 0)  # [B, E]
+        return self._logits(last)
+
+    def decode(self, input_ids, valid_length):
+        b = input_ids.shape[0]
+        x = self.model.embed_tokens(input_ids.reshape(-1))  # [B, E]
+        pos = valid_length - 1  # [B]
+        cos, sin = ops.gather(self.cos, pos, 0), ops.gather(self.sin, pos, 0)  # [B, D]
+        valid = self.positions.reshape(1, -1) < valid_length.reshape(b, 1)  # [B, S]
+        mask = ops.select(valid, ops.zeros(valid.shape, ms.float32), ops.full(valid.shape, -1e9, dtype=ms.float32))
+        kh = self.index_base.shape[1]
+        where = ops.tile(pos.reshape(b, 1, 1), (1, kh, 1))
+        index = ops.cat((self.index_base, where), axis=-1)  # [B, KH, 3]
+        for layer in self.model.layers:
+            x = layer.decode(x, cos, sin, mask, index, b)
+        return self._logits(x)
+
+
+class PrefillGraph(nn.Cell):
+    """The full graph. auto_prefix=False keeps the parameter names of the network."""
+
+    def __init__(self, net: Qwen2ForCausalLM) -> None:
+        super().__init__(auto_prefix=False)
+        self.net = net
+
+    def construct(self, input_ids, valid_length):
+        return self.net.prefill(input_ids, valid_length)
+
+
+class DecodeGraph(nn.Cell):
+    """The incremental graph: one token per row, same parameters (weights and KV cache)."""
+
+    def __init__(self, net: Qwen2ForCausalLM) -> None:
+        super().__init__(auto_prefix=False)
+        self.net = net
+
+    def construct(self, input_ids, valid_length):
+        return self.net.decode(input_ids, valid_length)
+
+
+def rope_tables(cfg: Qwen2Config, seq_length: int):
+    """cos, sin [S, D] in float32, neox layout (the two halves repeat), as HF computes them."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+    freqs = np.outer(np.arange(seq_length, dtype=np.float32), inv_freq.astype(np.float32))
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)

@@ -1,0 +1,155 @@
+"""Checkpoint weights: read *.safetensors tensor by tensor (mmap), cast to the export dtype, set into the network."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
+
+import numpy as np
+
+from export.errors import ExportError
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+# safetensors dtype -> (numpy dtype of the stored bits, how to widen them to a numpy float)
+_STORED = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": np.uint16,  # numpy has no bfloat16: keep the bits, widen to float32 below
+}
+# Tensors a checkpoint may carry that the network derives itself.
+_DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class SafetensorsFile:
+    """One .safetensors file: header parsed once, tensors read lazily from a memory map."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            with open(path, "rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(size))
+        except (OSError, struct.error, ValueError) as exc:
+            raise ExportError(f"{path}: not a readable safetensors file ({exc}); re-download it") from None
+        header.pop("__metadata__", None)
+        self.header: Dict[str, dict] = header
+        self.data_start = 8 + size
+        self._map: Optional[np.memmap] = None
+
+    def names(self) -> List[str]:
+        return list(self.header)
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as float32/float16 numpy (bf16 widened to float32), a view where possible."""
+        info = self.header[name]
+        dtype = info["dtype"]
+        if dtype not in _STORED:
+            raise ExportError(f"{self.path}: tensor {name} has dtype {dtype}; expected F32, F16 or BF16")
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        begin, end = info["data_offsets"]
+        raw = self._map[self.data_start + begin:self.data_start + end]
+        shape = tuple(info["shape"])
+        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(_STORED[dtype]).itemsize
+        if raw.size != expected:
+            raise ExportError(f"{self.path}: tensor {name} is truncated ({raw.size} of {expected} bytes); re-download it")
+        arr = raw.view(_STORED[dtype]).reshape(shape)
+        if dtype == "BF16":
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        return arr
+
+
+def open_checkpoint(folder: str) -> Dict[str, SafetensorsFile]:
+    """Map every tensor name to the file that holds it (one file, or shards with an index)."""
+    index_path = os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as fh:
+                weight_map = json.load(fh)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ExportError(f"{index_path}: unreadable shard index ({exc}); it needs a 'weight_map' object") from None
+        files: Dict[str, SafetensorsFile] = {}
+        where: Dict[str, SafetensorsFile] = {}
+        for name, shard in sorted(weight_map.items()):
+            path = os.path.join(folder, shard)
+            if shard not in files:
+                if not os.path.isfile(path):
+                    raise ExportError(f"{path}: shard named in {INDEX_FILE} is missing; copy it into {folder}")
+                files[shard] = SafetensorsFile(path)
+            if name not in files[shard].header:
+                raise ExportError(f"{path}: tensor {name} listed in {INDEX_FILE} is not in this shard")
+            where[name] = files[shard]
+        return where
+    paths = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not paths:
+        raise ExportError(f"{folder}: no *.safetensors weights found; save the model with safe_serialization=True")
+    if len(paths) > 1:
+        raise ExportError(f"{folder}: {len(paths)} .safetensors files but no {INDEX_FILE}; add the index file")
+    single = SafetensorsFile(os.path.join(folder, paths[0]))
+    return {name: single for name in single.names()}
+
+
+def plan_weights(expected: Dict[str, Tuple[int, ...]], where: Dict[str, SafetensorsFile],
+                 tied: bool) -> List[str]:
+    """Check names and shapes before reading anything. Returns the names to load.
+
+    Missing and unexpected tensors are reported together, by name; any missing refuses the export.
+    """
+    available: Set[str] = set(where)
+    ignorable = {n for n in available if n.endswith(_DERIVED_SUFFIXES)}
+    if tied:
+        ignorable.add("lm_head.weight")  # a tied head may be saved too; the embedding is used
+    missing = sorted(set(expected) - available)
+    unexpected = sorted(available - set(expected) - ignorable)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)}: {', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)}: {', '.join(unexpected[:8])}{' …' if len(unexpected) > 8 else ''}")
+        if missing:
+            raise ExportError(f"checkpoint tensors do not match config.json ({'; '.join(parts)}); "
+                              "check that the weights belong to this config")
+        log.warning("ignoring checkpoint tensors the network does not use (%s)", "; ".join(parts))
+    for name, shape in expected.items():
+        got = where[name].shape(name)
+        if tuple(got) != tuple(shape):
+            raise ExportError(f"{where[name].path}: tensor {name} has shape {list(got)}, config.json implies "
+                              f"{list(shape)}; check that the weights belong to this config")
+    return list(expected)
+
+
+def iter_weights(names: List[str], where: Dict[str, SafetensorsFile],
+                 np_dtype) -> Iterator[Tuple[str, np.ndarray]]:
+    """Yield (name, array cast to np_dtype), one tensor at a time."""
+    for name in names:
+        arr = where[name].read(name)
+        yield name, np.ascontiguousarray(arr, dtype=np_dtype)
+
+
+def load_into(net, checkpoint: str, progress: Optional[Callable[[int], None]] = None) -> int:
+    """Set every weight Parameter of `net` from the checkpoint. Returns the bytes loaded."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    params = {p.name: p for p in net.get_parameters() if not p.name.endswith(("key_cache", "value_cache"))}
+    expected = {name: tuple(p.shape) for name, p in params.items()}
+    where = open_checkpoint(checkpoint)
+    names = plan_weights(expected, where, tied=bool(net.config.tie_word_embeddings))
+    bf16 = net.dtype == ms.bfloat16
+    np_dtype = np.float32 if bf16 else ms.dtype_to_nptype(net.dtype)
+    total = 0
+    for name, arr in iter_weights(names, where, np_dtype):
+        tensor = Tensor(arr, ms.bfloat16) if bf16 else Tensor.from_numpy(arr)
+        params[name].set_data(tensor)
+        total += int(np.prod(arr.shape, dtype=np.int64)) * (2 if bf16 else arr.dtype.itemsize)
+        if progress is not None:
+            progress(1)
+    return total
