@@ -5,7 +5,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from export.errors import ExportError
 
@@ -54,7 +54,8 @@ class Qwen2Config:
                 f"{source}: model_type {model_type!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        if raw.get("use_sliding_window"):
+        layer_types = raw.get("layer_types") or []
+        if raw.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
             raise ExportError(
                 f"{source}: use_sliding_window=true is not supported; export a checkpoint "
                 "with use_sliding_window=false"
@@ -139,11 +140,11 @@ class ExportConfig:
     name: str
     seq_length: int = 1024
     batch_size: int = 1
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = "float32"  # the CLI resolves "no --dtype" to the device profile's default
+    device: str = "atlas_800i_a2"
     overwrite: bool = False
 
-    def validate(self, model: Qwen2Config, device_dtypes: Dict[str, tuple]) -> None:
+    def validate(self, model: Qwen2Config, device_dtypes: Tuple[str, ...]) -> None:
         if self.batch_size < 1:
             raise ExportError(f"--batch_size must be at least 1, got {self.batch_size}")
         if self.seq_length < 2:
@@ -155,7 +156,7 @@ class ExportConfig:
             )
         if self.dtype not in DTYPES:
             raise ExportError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        allowed = device_dtypes[self.device]
+        allowed = device_dtypes
         if self.dtype not in allowed:
             raise ExportError(
                 f"--dtype {self.dtype} has no kernels on device profile {self.device!r}; "

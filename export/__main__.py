@@ -1,0 +1,60 @@
+"""CLI: python -m export --checkpoint <hf_dir> --output <model_dir> [...]; see --help."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import List, Optional
+
+from export.devices import DEFAULT_PROFILE, PROFILES
+from export.errors import ExportError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m export",
+        description="Export a Hugging Face Qwen2 checkpoint as a model folder: a full (prefill) and an "
+                    "incremental MindIR graph with a KV cache, the GE config.ini of the target device, "
+                    "the tokenizer, one yaml and a manifest with checksums.")
+    p.add_argument("--checkpoint", required=True, help="HF model folder: config.json, *.safetensors, tokenizer files")
+    p.add_argument("--output", required=True, help="model folder to write (refused if it exists, see --overwrite)")
+    p.add_argument("--name", default=None, help="file name stem inside the folder (default: the folder's name)")
+    p.add_argument("--seq_length", type=int, default=1024,
+                   help="tokens per row the graphs hold, prompt plus generated (default: 1024)")
+    p.add_argument("--batch_size", type=int, default=1, help="rows per call, fixed in the graphs (default: 1)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="weights and compute dtype (default: the device profile's, float16 on Atlas, float32 on cpu)")
+    p.add_argument("--device", default=DEFAULT_PROFILE,
+                   help=f"device profile: {', '.join(PROFILES)} (default: {DEFAULT_PROFILE}); "
+                        "picks ge_configs/<device>.ini and the dtypes allowed")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+
+    try:
+        profile = PROFILES.get(args.device)
+        dtype = args.dtype or (profile.default_dtype if profile else "float32")
+        name = args.name or os.path.basename(os.path.normpath(args.output))
+        cfg = ExportConfig(checkpoint=args.checkpoint, output=args.output, name=name, seq_length=args.seq_length,
+                           batch_size=args.batch_size, dtype=dtype, device=args.device, overwrite=args.overwrite)
+        summary = run_export(cfg, show_progress=not args.quiet)
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
+    print(summary.line())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""run_export: checkpoint -> model folder, written into a temporary folder and renamed at the end."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import resource
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any, Dict
+
+from tqdm import tqdm
+
+from export.config import ExportConfig, Qwen2Config
+from export.devices import get_profile
+from export.errors import ExportError
+from export import folder as fmt
+
+log = logging.getLogger(__name__)
+INPUT_MAPPING = "qwen2"  # the lite_runtime InputOfInfer.MAPPING key for this network
+ROLES = ("prefill", "inc")
+
+
+@dataclass
+class ExportSummary:
+    output: str
+    files: int
+    total_bytes: int
+    weight_bytes: int
+    seconds: float
+    peak_rss_bytes: int
+
+    def line(self) -> str:
+        return (f"exported {self.output}: {self.files} files, {_size(self.total_bytes)} "
+                f"(weights {_size(self.weight_bytes)}), {self.seconds:.1f} s, peak RSS {_size(self.peak_rss_bytes)}")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def prepare(cfg: ExportConfig) -> tuple:
+    """Every check that needs no weights: config.json, settings, device, the target folder."""
+    model_cfg = Qwen2Config.from_file(os.path.join(cfg.checkpoint, "config.json"))
+    profile = get_profile(cfg.device)
+    cfg.validate(model_cfg, profile.dtypes)
+    if os.path.exists(cfg.output) and not cfg.overwrite:
+        raise ExportError(f"{cfg.output} already exists. Delete it or pass --overwrite")
+    return model_cfg, profile
+
+
+def run_export(cfg: ExportConfig, show_progress: bool = False) -> ExportSummary:
+    """Export `cfg.checkpoint` to `cfg.output`. Nothing is left behind if it fails."""
+    start = time.time()
+    model_cfg, profile = prepare(cfg)
+    output = os.path.abspath(cfg.output)
+    parent = os.path.dirname(output)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(output)}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        weight_bytes, graphs = _write_graphs(cfg, model_cfg, tmp, show_progress)
+        _write_folder_files(cfg, model_cfg, profile, tmp, graphs)
+        _replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    total = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(output) for f in fs)
+    files = sum(len(fs) for _, _, fs in os.walk(output))
+    return ExportSummary(cfg.output, files, total, weight_bytes, time.time() - start, _peak_rss())
+
+
+def _write_graphs(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_progress: bool):
+    import mindspore as ms
+    import numpy as np
+
+    from export.model import DecodeGraph, PrefillGraph, Qwen2ForCausalLM
+    from export.weights import load_into
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    net = Qwen2ForCausalLM(model_cfg, cfg.batch_size, cfg.seq_length, cfg.dtype)
+    n_weights = len([p for p in net.get_parameters() if not p.name.endswith(("key_cache", "value_cache"))])
+    with tqdm(total=n_weights, desc="weights", unit="tensor", disable=not show_progress) as bar:
+        weight_bytes = load_into(net, cfg.checkpoint, progress=bar.update)
+    b, s = cfg.batch_size, cfg.seq_length
+    examples = {
+        "prefill": (PrefillGraph(net), np.zeros((b, s), np.int32), np.ones((b,), np.int32)),
+        "inc": (DecodeGraph(net), np.zeros((b, 1), np.int32), np.full((b,), 2, np.int32)),
+    }
+    graphs = []
+    for role in tqdm(ROLES, desc="graphs", unit="graph", disable=not show_progress):
+        cell, ids, valid = examples[role]
+        prefix = f"{cfg.name}_{role}"
+        log.info("exporting the %s graph", role)
+        ms.export(cell, ms.Tensor(ids), ms.Tensor(valid), file_name=os.path.join(tmp, prefix), file_format="MINDIR")
+        placed = fmt.place_graph(tmp, prefix)
+        spec = fmt.read_graph_spec(os.path.join(tmp, placed["file"]))
+        graphs.append({"role": role, **placed, "tokens": int(ids.shape[1]), **spec})
+    return weight_bytes, graphs
+
+
+def _write_folder_files(cfg: ExportConfig, model_cfg: Qwen2Config, profile, tmp: str, graphs) -> None:
+    import mindspore as ms
+
+    shutil.copyfile(profile.ini_path, os.path.join(tmp, fmt.GE_CONFIG))
+    tokenizer_files = fmt.copy_tokenizer(cfg.checkpoint, tmp)
+    ids = fmt.special_token_ids(cfg.checkpoint, model_cfg.eos_token_id)
+    by_role = {g["role"]: g for g in graphs}
+    content: Dict[str, Any] = {
+        "model": {"model_type": model_cfg.model_type, "config": model_cfg.to_dict()},
+        "export": {**dataclasses.asdict(cfg), "checkpoint": os.path.abspath(cfg.checkpoint),
+                   "output": os.path.abspath(cfg.output), "mindspore_version": ms.__version__,
+                   "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                   "tokenizer_files": tokenizer_files},
+        "infer": {"model_name": INPUT_MAPPING, "seq_length": cfg.seq_length, "batch_size": cfg.batch_size,
+                  "dtype": cfg.dtype, "device": profile.name, "soc": profile.soc,
+                  "vocab_size": model_cfg.vocab_size, **ids,
+                  "prefill_model_path": by_role["prefill"]["file"],
+                  "increment_model_path": by_role["inc"]["file"], "ge_config_path": fmt.GE_CONFIG},
+    }
+    fmt.write_yaml(tmp, cfg.name, content)
+    fmt.write_manifest(tmp, cfg.name, graphs)
+
+
+def _replace(tmp: str, output: str) -> None:
+    """Move the finished folder into place; an old folder (--overwrite) goes only once the new one is there."""
+    old = None
+    if os.path.exists(output):
+        old = os.path.join(os.path.dirname(output), f".{os.path.basename(output)}.old-{os.getpid()}")
+        os.replace(output, old)
+    os.replace(tmp, output)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
