@@ -38,6 +38,10 @@ class SafetensorsFile:
         header.pop("__metadata__", None)
         self.header: Dict[str, dict] = header
         self.data_start = 8 + size
+        expected = self.data_start + max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+        actual = os.path.getsize(path)
+        if actual < expected:
+            raise ExportError(f"{path}: truncated ({actual} of {expected} bytes); re-download or re-copy it")
         self._map: Optional[np.memmap] = None
 
     def names(self) -> List[str]:
@@ -144,7 +148,7 @@ def load_into(net, checkpoint: str, progress: Optional[Callable[[int], None]] = 
     where = open_checkpoint(checkpoint)
     names = plan_weights(expected, where, tied=bool(net.config.tie_word_embeddings))
     bf16 = net.dtype == ms.bfloat16
-    np_dtype = np.float32 if bf16 else ms.dtype_to_nptype(net.dtype)
+    np_dtype = {ms.float32: np.float32, ms.float16: np.float16, ms.bfloat16: np.float32}[net.dtype]
     total = 0
     for name, arr in iter_weights(names, where, np_dtype):
         tensor = Tensor(arr, ms.bfloat16) if bf16 else Tensor.from_numpy(arr)

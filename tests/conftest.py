@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random Qwen2 checkpoints written here, their HF reference, exported folders."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import make_demo_checkpoint  # noqa: E402  (scripts/ is not a package)
+
+# name -> make_checkpoint settings; GQA and MHA, tied and untied heads
+CHECKPOINTS = {
+    "gqa_tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, seed=0),
+    "mha_untied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False, seed=1),
+}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_demo_checkpoint.build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {name: make_demo_checkpoint.make_checkpoint(str(root / name), tokenizer=tokenizer, **kw)
+            for name, kw in CHECKPOINTS.items()}
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory, checkpoints):
+    """One model folder per checkpoint: cpu profile, fp32, batch 2, seq_length 32."""
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+
+    root = tmp_path_factory.mktemp("model_dirs")
+    folders = {}
+    for name, ckpt in checkpoints.items():
+        out = str(root / name)
+        run_export(ExportConfig(checkpoint=ckpt, output=out, name=name, seq_length=32, batch_size=2,
+                                dtype="float32", device="cpu"))
+        folders[name] = out
+    return folders
+
+
+@pytest.fixture(scope="session", autouse=True)
+def graph_mode():
+    import mindspore as ms
+
+    ms.set_context(mode=ms.GRAPH_MODE)

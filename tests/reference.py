@@ -1,0 +1,41 @@
+"""The Hugging Face reference (transformers Qwen2ForCausalLM, fp32, CPU) and comparison helpers."""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import List
+
+import numpy as np
+
+
+@lru_cache(maxsize=8)
+def hf_model(checkpoint: str):
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+def hf_last_logits(checkpoint: str, tokens: List[int]) -> np.ndarray:
+    """float32 logits [V] of the last token of one unpadded prompt."""
+    import torch
+
+    with torch.no_grad():
+        return hf_model(checkpoint)(torch.tensor([tokens])).logits[0, -1].float().numpy()
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    """Largest absolute difference relative to the reference's largest magnitude."""
+    return float(np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max())
+
+
+def prompts(batch: int, lengths: List[int], seed: int = 0, vocab: int = 380) -> List[List[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(1, vocab, n)] for n in lengths[:batch]]
+
+
+def right_pad(rows: List[List[int]], width: int, pad: int = 0) -> np.ndarray:
+    out = np.full((len(rows), width), pad, np.int32)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out

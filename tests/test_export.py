@@ -1,0 +1,254 @@
+"""python -m export: folder contents, manifest checksums, graphs against HF, every bad input's error."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from export.__main__ import main
+from reference import hf_last_logits, prompts, rel_err, right_pad
+
+TOL = 1e-4
+
+
+def graph_cells(folder: str):
+    """Both graphs loaded with mindspore.load + nn.GraphCell, by the manifest's file names."""
+    import mindspore as ms
+    from mindspore import nn
+
+    with open(os.path.join(folder, "manifest.json")) as fh:
+        graphs = {g["role"]: g for g in json.load(fh)["graphs"]}
+    return tuple(nn.GraphCell(ms.load(os.path.join(folder, graphs[r]["file"]))) for r in ("prefill", "inc"))
+
+
+def hand_off_cache(src, dst) -> None:
+    """The KV cache Parameters of the prefill cell into the incremental cell (GraphCells never share)."""
+    dst_params = {p.name: p for p in dst.get_parameters()}
+    for p in src.get_parameters():
+        if p.name.endswith(("key_cache", "value_cache")):
+            dst_params[p.name].set_data(p)
+
+
+def run(cell, ids, lengths):
+    import mindspore as ms
+
+    return cell(ms.Tensor(np.asarray(ids, np.int32)), ms.Tensor(np.asarray(lengths, np.int32))).asnumpy()
+
+
+def export_cli(capsys, *args) -> tuple:
+    code = main(["-q", *args])
+    out, err = capsys.readouterr()
+    return code, out.strip(), err.strip()
+
+
+# --- a good export -----------------------------------------------------------------------------
+
+def test_folder_contents_and_manifest(exported):
+    folder = exported["gqa_tied"]
+    files = sorted(os.listdir(folder))
+    assert files == sorted([
+        "gqa_tied.yaml", "gqa_tied_prefill_graph.mindir", "gqa_tied_inc_graph.mindir", "config.ini",
+        "manifest.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+        "generation_config.json"])
+    with open(os.path.join(folder, "manifest.json")) as fh:
+        manifest = json.load(fh)
+    assert manifest["format_version"] == 1 and manifest["yaml"] == "gqa_tied.yaml"
+    assert set(manifest["files"]) == set(files) - {"manifest.json"}
+    for rel, entry in manifest["files"].items():
+        with open(os.path.join(folder, rel), "rb") as fh:
+            data = fh.read()
+        assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}, rel
+    specs = {g["role"]: (g["inputs"], g["outputs"]) for g in manifest["graphs"]}
+    assert specs["prefill"] == ([{"name": "input_ids", "dtype": "int32", "shape": [2, 32]},
+                                 {"name": "valid_length", "dtype": "int32", "shape": [2]}],
+                                [{"name": "logits", "dtype": "float32", "shape": [2, 512]}])
+    assert specs["inc"] == ([{"name": "input_ids", "dtype": "int32", "shape": [2, 1]},
+                             {"name": "valid_length", "dtype": "int32", "shape": [2]}],
+                            [{"name": "logits", "dtype": "float32", "shape": [2, 512]}])
+
+
+def test_yaml_carries_what_the_runtime_needs(exported):
+    with open(os.path.join(exported["mha_untied"], "mha_untied.yaml")) as fh:
+        doc = yaml.safe_load(fh)
+    infer = doc["infer"]
+    assert {k: infer[k] for k in ("model_name", "seq_length", "batch_size", "dtype", "device", "eos_token_id",
+                                  "pad_token_id", "prefill_model_path", "increment_model_path",
+                                  "ge_config_path")} == {
+        "model_name": "qwen2", "seq_length": 32, "batch_size": 2, "dtype": "float32", "device": "cpu",
+        "eos_token_id": [0], "pad_token_id": 0, "prefill_model_path": "mha_untied_prefill_graph.mindir",
+        "increment_model_path": "mha_untied_inc_graph.mindir", "ge_config_path": "config.ini"}
+    assert doc["model"]["config"]["num_key_value_heads"] == 4
+    assert doc["model"]["config"]["tie_word_embeddings"] is False
+
+
+def test_config_ini_is_the_profiles_file(exported):
+    from export.devices import PROFILES
+
+    with open(os.path.join(exported["gqa_tied"], "config.ini")) as a, open(PROFILES["cpu"].ini_path) as b:
+        assert a.read() == b.read()
+
+
+@pytest.mark.parametrize("name", ["gqa_tied", "mha_untied"])
+def test_exported_graphs_match_hf(exported, checkpoints, name):
+    """The MindIR files, loaded with GraphCell, against HF: prefill then greedy decode, batch of 2."""
+    prefill, inc = graph_cells(exported[name])
+    rows = prompts(2, [4, 13], seed=11)
+    logits = run(prefill, right_pad(rows, 32), [len(r) for r in rows])
+    hand_off_cache(prefill, inc)
+    for step in range(3):
+        for b, row in enumerate(rows):
+            assert rel_err(logits[b], hf_last_logits(checkpoints[name], row)) < TOL, (step, b)
+        nxt = logits.argmax(-1)
+        for b in range(2):
+            rows[b].append(int(nxt[b]))
+        logits = run(inc, nxt.reshape(2, 1), [len(r) for r in rows])
+
+
+def test_sharded_bfloat16_checkpoint_written_by_hf(tmp_path, checkpoints, capsys):
+    """A checkpoint saved by transformers itself: bf16 on disk, sharded with an index file."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    src = checkpoints["gqa_tied"]
+    model = Qwen2ForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    ckpt = tmp_path / "bf16"
+    model.save_pretrained(ckpt, max_shard_size="100KB")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(src, f), ckpt / f)
+    assert (ckpt / "model.safetensors.index.json").exists()
+    out = tmp_path / "folder"
+    code, _, err = export_cli(capsys, "--checkpoint", str(ckpt), "--output", str(out), "--device", "cpu",
+                              "--seq_length", "16", "--batch_size", "1")
+    assert code == 0, err
+    prefill, _ = graph_cells(str(out))
+    row = prompts(1, [6], seed=2)[0]
+    with torch.no_grad():  # the reference: the same bf16 weights, widened to fp32
+        ref = model.float()(torch.tensor([row])).logits[0, -1].numpy()
+    assert rel_err(run(prefill, right_pad([row], 16), [6])[0], ref) < TOL
+
+
+def test_summary_line_and_overwrite(tmp_path, checkpoints, capsys):
+    out = tmp_path / "m"
+    args = ["--checkpoint", checkpoints["gqa_tied"], "--output", str(out), "--device", "cpu", "--seq_length", "8"]
+    code, line, _ = export_cli(capsys, *args)
+    assert code == 0 and line.startswith(f"exported {out}: 9 files, ") and "peak RSS" in line
+    code, _, err = export_cli(capsys, *args)
+    assert (code, err) == (2, f"error: {out} already exists. Delete it or pass --overwrite")
+    (out / "stale.txt").write_text("from an older export")
+    code, _, _ = export_cli(capsys, *args, "--overwrite")
+    assert code == 0 and not (out / "stale.txt").exists()
+    assert sorted(os.listdir(tmp_path)) == ["m"]  # no .partial or .old folders left
+
+
+# --- bad input: one line, no traceback, non-zero exit, nothing left behind ----------------------
+
+@pytest.fixture
+def ckpt_copy(tmp_path, checkpoints):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["gqa_tied"], dst)
+    return dst
+
+
+def _edit_config(ckpt, **changes):
+    path = ckpt / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+def _edit_weights(ckpt, drop=(), reshape=None):
+    from safetensors.numpy import load_file, save_file
+
+    path = str(ckpt / "model.safetensors")
+    tensors = {k: v for k, v in load_file(path).items() if k not in drop}
+    if reshape:
+        name, shape = reshape
+        tensors[name] = np.zeros(shape, tensors[name].dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_bad_inputs(tmp_path, ckpt_copy, capsys):
+    out = tmp_path / "out"
+    base = ["--checkpoint", str(ckpt_copy), "--output", str(out), "--device", "cpu", "--seq_length", "16"]
+    cfg_path = ckpt_copy / "config.json"
+
+    def err(*extra):
+        code, _, message = export_cli(capsys, *base, *extra)
+        assert code == 2
+        assert sorted(os.listdir(tmp_path)) == ["ckpt"], "nothing may be left behind"
+        return message
+
+    assert err("--seq_length", "2048") == (
+        "error: --seq_length 2048 exceeds max_position_embeddings 1024 in config.json; pass a smaller --seq_length")
+    assert err("--batch_size", "0") == "error: --batch_size must be at least 1, got 0"
+    assert err("--dtype", "bfloat16") == (
+        "error: --dtype bfloat16 has no kernels on device profile 'cpu'; use one of float32, float16")
+    assert err("--device", "atlas_9000") == (
+        "error: --device 'atlas_9000' is not a known profile; known: atlas_800i_a2, atlas_800t_a2, atlas_800, "
+        "atlas_300i_duo, cpu")
+
+    _edit_config(ckpt_copy, model_type="llama")
+    assert err() == f"error: {cfg_path}: model_type 'llama' is not supported; supported: qwen2"
+    _edit_config(ckpt_copy, model_type="qwen2", use_sliding_window=True)
+    assert err() == (f"error: {cfg_path}: use_sliding_window=true is not supported; "
+                     "export a checkpoint with use_sliding_window=false")
+    _edit_config(ckpt_copy, use_sliding_window=False)
+
+    text = cfg_path.read_text()
+    cfg_path.write_text(text[:40])
+    assert err().startswith(f"error: {cfg_path}: not valid JSON (")
+    cfg_path.unlink()
+    assert err() == f"error: {cfg_path}: not found; pass --checkpoint a Hugging Face model folder with config.json"
+    cfg_path.write_text(text)
+
+    _edit_weights(ckpt_copy, drop=("model.norm.weight", "model.layers.1.mlp.up_proj.weight"))
+    assert err() == ("error: checkpoint tensors do not match config.json (missing 2: "
+                     "model.layers.1.mlp.up_proj.weight, model.norm.weight); "
+                     "check that the weights belong to this config")
+
+
+def test_misshaped_weight(tmp_path, ckpt_copy, capsys):
+    _edit_weights(ckpt_copy, reshape=("model.layers.0.self_attn.k_proj.weight", (64, 64)))
+    code, _, err = export_cli(capsys, "--checkpoint", str(ckpt_copy), "--output", str(tmp_path / "o"),
+                              "--device", "cpu", "--seq_length", "8")
+    assert (code, err) == (2, f"error: {ckpt_copy / 'model.safetensors'}: tensor "
+                              "model.layers.0.self_attn.k_proj.weight has shape [64, 64], config.json implies "
+                              "[32, 64]; check that the weights belong to this config")
+
+
+def test_truncated_weights_file(tmp_path, ckpt_copy, capsys):
+    path = ckpt_copy / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:-1000])
+    code, _, err = export_cli(capsys, "--checkpoint", str(ckpt_copy), "--output", str(tmp_path / "o"),
+                              "--device", "cpu", "--seq_length", "8")
+    assert (code, err) == (2, f"error: {path}: truncated ({len(data) - 1000} of {len(data)} bytes); "
+                              "re-download or re-copy it")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_failure_after_the_graphs_leaves_nothing(tmp_path, ckpt_copy, capsys):
+    """No tokenizer is found only after both graphs are written: the partial folder must go."""
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (ckpt_copy / f).unlink()
+    code, _, err = export_cli(capsys, "--checkpoint", str(ckpt_copy), "--output", str(tmp_path / "o"),
+                              "--device", "cpu", "--seq_length", "8")
+    assert (code, err) == (2, f"error: {ckpt_copy}: no tokenizer files (tokenizer.json, vocab.json + merges.txt "
+                              "or tokenizer.model); copy the model's tokenizer into the checkpoint folder")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_cli_error_is_one_line_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "export", "--checkpoint", str(tmp_path / "nope"),
+                           "--output", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'nope' / 'config.json'}: not found; pass --checkpoint a Hugging Face model folder "
+        "with config.json"]
