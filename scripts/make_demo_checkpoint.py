@@ -63,7 +63,9 @@ def random_weights(cfg, seed: int, dtype) -> Dict[str, np.ndarray]:
     def vec(n: int, mean: float = 0.0, std: float = 0.1) -> np.ndarray:
         return (mean + std * rng.standard_normal(n)).astype(dtype)
 
-    w = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab_size, e)).astype(dtype)}
+    # A small embedding keeps it from dominating the residual stream: with a tied head a large one
+    # makes the model predict its own last token forever, which makes for weak greedy tests.
+    w = {"model.embed_tokens.weight": (0.1 * rng.standard_normal((cfg.vocab_size, e))).astype(dtype)}
     for n in range(cfg.num_hidden_layers):
         p = f"model.layers.{n}."
         w[p + "input_layernorm.weight"] = vec(e, 1.0)

@@ -1,0 +1,127 @@
+"""The `mslite` backend: mindspore_lite (2.3+) with the GE provider on Atlas. NOT RUN on this project's machines.
+
+mindspore_lite cannot be installed where this project is developed and tested (PyPI has only
+2.0.0 for Python 3.7, and there is no Ascend device). So this module is kept thin: every
+decision (context settings, which ini, the ModelGroup and build order) is made by the plain
+functions `context_plan`, `build_plan` and `read_ge_config`, which the tests check as data;
+`MsLiteBackend` only carries those plans out against the documented mindspore_lite API:
+
+    ctx = Context(); ctx.target = ["ascend"]; ctx.ascend.device_id/rank_id; ctx.ascend.provider = "ge"
+    prefill, inc = Model(), Model()
+    group = ModelGroup(ModelGroupFlag.SHARE_WEIGHT); group.add_model([prefill, inc])   # before building
+    prefill.build_from_file(path, ModelType.MINDIR, ctx, config_path=<config.ini>); inc.build_from_file(...)
+
+`add_model` must come before `build_from_file`: it tags both models with one group id, and that
+id is what makes GE build them into one session, sharing the weights and the KV cache Parameters.
+"""
+from __future__ import annotations
+
+import configparser
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+
+from lite_runtime.backends import unavailable
+from lite_runtime.errors import InferError
+from lite_runtime.folder import TensorSpec
+
+INSTALL_HINT = ("install the mindspore_lite wheel that matches your CANN from "
+                "https://www.mindspore.cn/lite/docs/en/master/use/downloads.html and source CANN's set_env.sh, "
+                "or pass backend 'ms' to run on the CPU with MindSpore")
+# mindspore_lite.DataType member name -> numpy dtype name
+_DTYPES = {"INT32": "int32", "INT64": "int64", "FLOAT32": "float32", "FLOAT16": "float16", "BOOL": "bool"}
+REQUIRED_GE_OPTIONS = {"ascend_context": {"provider": "ge"},
+                       "ge_session_options": {"ge.exec.precision_mode": "must_keep_origin_dtype"}}
+
+
+def context_plan(config) -> Dict[str, Any]:
+    """The Context attributes to set, in order, as {attribute path: value}."""
+    if config.target == "CPU":
+        raise InferError("backend 'mslite' on the CPU cannot share the KV cache between the two graphs (weight "
+                         "sharing is GE-only); use backend 'ms' for a folder exported with --device cpu")
+    return {"ascend.device_id": int(config.device_id), "ascend.rank_id": int(config.rank_id),
+            "ascend.provider": "ge", "target": ["ascend"]}
+
+
+def read_ge_config(path: str) -> Dict[str, Dict[str, str]]:
+    """The ini as {section: {option: value}}, checked for what the graphs rely on."""
+    parser = configparser.ConfigParser(interpolation=None, comment_prefixes=(";", "#"), strict=True)
+    parser.optionxform = str  # GE option names are case-sensitive
+    try:
+        with open(path, encoding="utf-8") as fh:
+            parser.read_file(fh)
+    except (OSError, configparser.Error) as exc:
+        raise InferError(f"{path}: unreadable GE config ({str(exc).splitlines()[0]}); re-export the folder") from None
+    sections = {s: dict(parser.items(s)) for s in parser.sections()}
+    for section, options in REQUIRED_GE_OPTIONS.items():
+        for key, value in options.items():
+            if sections.get(section, {}).get(key) != value:
+                raise InferError(f"{path}: [{section}] {key}={value} is required (found "
+                                 f"{sections.get(section, {}).get(key)!r}); use an ini from ge_configs/")
+    return sections
+
+
+def build_plan(config) -> List[Tuple]:
+    """The calls that load both graphs into one ModelGroup, in the order they must happen."""
+    if not config.ge_config_path:
+        raise InferError("backend 'mslite' needs ge_config_path (the folder's config.ini); pass a model folder "
+                         "or ge_config_path")
+    read_ge_config(config.ge_config_path)
+    ini = config.ge_config_path
+    return [
+        ("Model", "prefill"),
+        ("Model", "inc"),
+        ("ModelGroup", "SHARE_WEIGHT"),
+        ("add_model", ("prefill", "inc")),
+        ("build_from_file", "prefill", config.prefill_model_path, "MINDIR", ini),
+        ("build_from_file", "inc", config.increment_model_path, "MINDIR", ini),
+    ]
+
+
+def short_name(tensor_name: str) -> str:
+    """MindIR input names may carry the graph's prefix (`<graph>:input_ids`)."""
+    return tensor_name.rsplit(":", 1)[-1]
+
+
+class MsLiteBackend:  # pragma: no cover - needs mindspore_lite and an Ascend device
+    name = "mslite"
+
+    def __init__(self, config) -> None:
+        try:
+            import mindspore_lite as mslite
+        except (ImportError, OSError):
+            raise unavailable("mslite", "mindspore_lite", INSTALL_HINT) from None
+        self._mslite = mslite
+        context = mslite.Context()
+        for attr, value in context_plan(config).items():
+            owner = context
+            *path, last = attr.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            setattr(owner, last, value)
+        models: Dict[str, Any] = {}
+        group = None
+        for step in build_plan(config):
+            if step[0] == "Model":
+                models[step[1]] = mslite.Model()
+            elif step[0] == "ModelGroup":
+                group = mslite.ModelGroup(getattr(mslite.ModelGroupFlag, step[1]))
+            elif step[0] == "add_model":
+                group.add_model([models[role] for role in step[1]])
+            elif step[0] == "build_from_file":
+                _, role, path, model_type, ini = step
+                models[role].build_from_file(path, getattr(mslite.ModelType, model_type), context, config_path=ini)
+        self._group = group  # kept alive with the models
+        self.models = models
+        self._inputs = {role: model.get_inputs() for role, model in models.items()}
+
+    def input_specs(self, role: str) -> Tuple[TensorSpec, ...]:
+        return tuple(TensorSpec(short_name(t.name), _DTYPES.get(t.dtype.name, t.dtype.name.lower()), tuple(t.shape))
+                     for t in self._inputs[role])
+
+    def run(self, role: str, inputs: Dict[str, np.ndarray]) -> np.ndarray:
+        tensors = self._inputs[role]
+        for tensor in tensors:
+            tensor.set_data_from_numpy(np.ascontiguousarray(inputs[short_name(tensor.name)]))
+        outputs = self.models[role].predict(tensors)
+        return outputs[0].get_data_to_numpy()

@@ -1,0 +1,89 @@
+"""InferConfig: what a loaded model needs, from a model folder or from two graph files."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from lite_runtime.errors import InferError
+from lite_runtime.folder import ModelFolder, load_folder
+
+MODEL_TYPES = ("mindir",)
+TARGETS = ("Ascend", "CPU")
+
+
+@dataclass
+class InferConfig:
+    """Names follow MindFormers' InferConfig; `backend`, `model_dir` and the token ids are ours.
+
+    Built with `InferConfig.from_folder(path)` in the usual case. Given graph paths alone,
+    `infer_seq_length` and `batch_size` must be passed, and are checked against the graphs on load.
+    """
+
+    prefill_model_path: str = ""
+    increment_model_path: str = ""
+    model_type: str = "mindir"
+    model_name: str = "qwen2"  # the InputOfInfer.MAPPING key
+    infer_seq_length: Optional[int] = None
+    batch_size: Optional[int] = None
+    target: str = "Ascend"
+    device_id: int = 0
+    rank_id: int = 0
+    ge_config_path: str = ""
+    backend: str = "auto"
+    model_dir: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+    eos_token_id: List[int] = field(default_factory=list)
+    pad_token_id: int = 0
+    vocab_size: Optional[int] = None
+    dtype: str = "float32"
+    device: str = ""  # the export's device profile, when known
+    verify_checksums: bool = True
+    folder: Optional[ModelFolder] = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_folder(cls, path: str, **overrides: Any) -> "InferConfig":
+        """Everything from the folder's manifest and yaml; `overrides` are InferConfig fields."""
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise InferError(f"unknown InferConfig field(s) {', '.join(unknown)}; valid: "
+                             f"{', '.join(f.name for f in dataclasses.fields(cls) if f.name != 'folder')}")
+        folder = load_folder(path, verify=overrides.get("verify_checksums", True))
+        infer = folder.infer
+        eos = infer.get("eos_token_id") or []
+        values: Dict[str, Any] = dict(
+            prefill_model_path=folder.graphs["prefill"].path, increment_model_path=folder.graphs["inc"].path,
+            model_name=infer.get("model_name", "qwen2"), infer_seq_length=folder.seq_length,
+            batch_size=folder.batch_size, target="CPU" if infer.get("device") == "cpu" else "Ascend",
+            ge_config_path=folder.ge_config_path, model_dir=folder.path, tokenizer_path=folder.path,
+            eos_token_id=[int(e) for e in (eos if isinstance(eos, list) else [eos])],
+            pad_token_id=int(infer.get("pad_token_id", 0)), vocab_size=int(infer["vocab_size"]),
+            dtype=infer.get("dtype", "float32"), device=infer.get("device", ""), folder=folder)
+        for key in ("infer_seq_length", "batch_size"):
+            if key in overrides and overrides[key] not in (None, values[key]):
+                raise InferError(f"{key}={overrides[key]} disagrees with {folder.yaml_path} ({values[key]}): "
+                                 "shapes are fixed at export; re-export with the size you need")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.model_type not in MODEL_TYPES:
+            raise InferError(f"model_type {self.model_type!r} is not supported; use one of {', '.join(MODEL_TYPES)}")
+        if self.target not in TARGETS:
+            raise InferError(f"target {self.target!r} is not one of {', '.join(TARGETS)}")
+        for key in ("prefill_model_path", "increment_model_path"):
+            path = getattr(self, key)
+            if not path:
+                raise InferError(f"{key} is empty; pass a model folder or both graph files")
+            if not os.path.isfile(path):
+                raise InferError(f"{key} {path}: not found")
+        if self.ge_config_path and not os.path.isfile(self.ge_config_path):
+            raise InferError(f"ge_config_path {self.ge_config_path}: not found")
+        if self.infer_seq_length is None or self.batch_size is None:
+            raise InferError("infer_seq_length and batch_size are needed when loading graph files without a "
+                             "model folder; pass the values the graphs were exported with")
+        if self.device_id < 0 or self.rank_id < 0:
+            raise InferError(f"device_id ({self.device_id}) and rank_id ({self.rank_id}) must be >= 0")

@@ -1,0 +1,167 @@
+"""Reading a model folder written by `python -m export`, with every check done before anything runs."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from lite_runtime.errors import ModelFolderError
+
+FORMAT = "mslite-llm-model-folder"
+SUPPORTED_VERSIONS = (1,)
+MANIFEST = "manifest.json"
+ROLES = ("prefill", "inc")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple
+
+    @classmethod
+    def from_dict(cls, raw: Dict[str, Any]) -> "TensorSpec":
+        return cls(raw["name"], raw["dtype"], tuple(int(d) for d in raw["shape"]))
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    role: str
+    path: str  # absolute
+    tokens: int
+    inputs: tuple  # of TensorSpec, in graph order
+    outputs: tuple
+
+
+@dataclass(frozen=True)
+class ModelFolder:
+    path: str
+    name: str
+    yaml_path: str
+    infer: Dict[str, Any]  # the yaml's `infer` section
+    model: Dict[str, Any]  # the yaml's `model` section
+    graphs: Dict[str, GraphSpec]
+    ge_config_path: str
+
+    @property
+    def seq_length(self) -> int:
+        return int(self.infer["seq_length"])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.infer["batch_size"])
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_yaml(path: str) -> Dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = yaml.safe_load(fh)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ModelFolderError(f"{path}: unreadable yaml ({str(exc).splitlines()[0]}); re-export the folder") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("infer"), dict):
+        raise ModelFolderError(f"{path}: no `infer` section; re-export the folder with python -m export")
+    return doc
+
+
+def load_folder(path: str, verify: bool = True) -> ModelFolder:
+    """Check and describe a model folder. `verify` re-hashes every file against the manifest."""
+    if not os.path.isdir(path):
+        raise ModelFolderError(f"{path}: not a folder; pass a model folder written by python -m export")
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise ModelFolderError(f"{manifest_path}: missing; this is not a model folder written by python -m export")
+    try:
+        with open(manifest_path, encoding="utf-8") as fh:
+            manifest = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ModelFolderError(f"{manifest_path}: unreadable ({exc}); re-copy the folder") from None
+    if manifest.get("format") != FORMAT or manifest.get("format_version") not in SUPPORTED_VERSIONS:
+        raise ModelFolderError(f"{manifest_path}: format {manifest.get('format')!r} version "
+                               f"{manifest.get('format_version')!r} is not supported (this runtime reads "
+                               f"{FORMAT} version {', '.join(map(str, SUPPORTED_VERSIONS))}); re-export the folder")
+    _check_files(path, manifest["files"], verify)
+    yamls = sorted(f for f in os.listdir(path) if f.endswith((".yaml", ".yml")))
+    if yamls != [manifest["yaml"]]:
+        raise ModelFolderError(f"{path}: expected exactly one yaml, {manifest['yaml']}, found "
+                               f"{', '.join(yamls) or 'none'}; remove the others")
+    graphs = _graphs(path, manifest)
+    yaml_path = os.path.join(path, manifest["yaml"])
+    doc = _read_yaml(yaml_path)
+    folder = ModelFolder(path=os.path.abspath(path), name=manifest["name"], yaml_path=yaml_path,
+                         infer=doc["infer"], model=doc.get("model", {}), graphs=graphs,
+                         ge_config_path=os.path.join(os.path.abspath(path), manifest["ge_config"]))
+    _check_specs_against_yaml(folder)
+    return folder
+
+
+def _check_files(path: str, files: Dict[str, Dict[str, Any]], verify: bool) -> None:
+    for rel, entry in files.items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            raise ModelFolderError(f"{full}: missing (listed in {MANIFEST}); re-copy the folder")
+        size = os.path.getsize(full)
+        if size != entry["size"]:
+            raise ModelFolderError(f"{full}: {size} bytes, {MANIFEST} says {entry['size']} (truncated or "
+                                   "changed copy); re-copy the folder")
+        if verify and _sha256(full) != entry["sha256"]:
+            raise ModelFolderError(f"{full}: sha256 differs from {MANIFEST} (corrupted copy); re-copy the folder")
+    mindirs = sorted(os.path.relpath(os.path.join(r, f), path).replace(os.sep, "/")
+                     for r, _, fs in os.walk(path) for f in fs if f.endswith(".mindir"))
+    extra = [m for m in mindirs if m not in files]
+    if extra:
+        raise ModelFolderError(f"{os.path.join(path, extra[0])}: graph not listed in {MANIFEST}; remove it or "
+                               "re-export the folder")
+
+
+def _graphs(path: str, manifest: Dict[str, Any]) -> Dict[str, GraphSpec]:
+    graphs: Dict[str, GraphSpec] = {}
+    for raw in manifest["graphs"]:
+        role = raw["role"]
+        if role in graphs:
+            raise ModelFolderError(f"{os.path.join(path, MANIFEST)}: two graphs with role {role!r}; re-export")
+        graphs[role] = GraphSpec(role=role, path=os.path.join(os.path.abspath(path), raw["file"]),
+                                 tokens=int(raw["tokens"]),
+                                 inputs=tuple(TensorSpec.from_dict(t) for t in raw["inputs"]),
+                                 outputs=tuple(TensorSpec.from_dict(t) for t in raw["outputs"]))
+    missing = [r for r in ROLES if r not in graphs]
+    if missing:
+        raise ModelFolderError(f"{os.path.join(path, MANIFEST)}: no {' and no '.join(missing)} graph; "
+                               "re-export the folder")
+    for spec in graphs.values():
+        if not os.path.isfile(spec.path):
+            raise ModelFolderError(f"{spec.path}: {spec.role} graph is missing; re-copy the folder")
+    return graphs
+
+
+def _check_specs_against_yaml(folder: ModelFolder) -> None:
+    infer = folder.infer
+    b, s, vocab = folder.batch_size, folder.seq_length, int(infer["vocab_size"])
+    expect = {("prefill", "input_ids"): (b, s), ("inc", "input_ids"): (b, 1)}
+    for role, spec in folder.graphs.items():
+        for t in spec.inputs:
+            want = expect.get((role, t.name), (b,) if t.name == "valid_length" else None)
+            if want is not None and t.shape != want:
+                raise ModelFolderError(f"{folder.yaml_path}: batch_size {b} / seq_length {s} disagree with the "
+                                       f"{role} graph's {t.name} shape {list(t.shape)}; re-export the folder")
+        logits = spec.outputs[0]
+        if logits.shape != (b, vocab):
+            raise ModelFolderError(f"{folder.yaml_path}: batch_size {b} / vocab_size {vocab} disagree with the "
+                                   f"{role} graph's logits shape {list(logits.shape)}; re-export the folder")
+    for key, role in (("prefill_model_path", "prefill"), ("increment_model_path", "inc")):
+        if os.path.basename(folder.graphs[role].path) != infer.get(key):
+            raise ModelFolderError(f"{folder.yaml_path}: infer.{key} {infer.get(key)!r} is not the {role} graph "
+                                   f"of {MANIFEST} ({os.path.basename(folder.graphs[role].path)}); re-export")
+
+

@@ -1,0 +1,246 @@
+"""TextGenerator: the `text_generation` task. Loads both graphs on a backend and generates token by token.
+
+The KV cache lives in the graphs. This object records which tokens each cache row holds, so
+`infer` (one step) and `generate` (a whole request) can be called in any order and any number
+of times: a step that extends every cached row by one token runs the incremental graph, anything
+else runs prefill. A lock serialises callers, so a streaming thread cannot interleave with another
+request on the same cache.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from lite_runtime.backends import check_inputs, load_backend, resolve_backend
+from lite_runtime.config import InferConfig
+from lite_runtime.errors import InferError
+from lite_runtime.inputs import InputOfInfer
+from lite_runtime.sampling import GenerationSettings, choose, process
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InferOutput:
+    """One step: per row, the chosen next token and its probability under the processed scores."""
+
+    next_tokens: List[int]
+    probs: List[float]
+
+
+@dataclass
+class GenerateOutput:
+    sequences: List[List[int]]  # per row: the prompt ids followed by the generated ids
+    finish_reasons: List[str]  # per row: "eos" or "length"
+    prompt_lengths: List[int]
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+    new_tokens: int = field(default=0)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens made by the incremental graph per second (the first token of each row comes from prefill)."""
+        made = self.new_tokens - len(self.sequences)
+        return made / self.decode_seconds if self.decode_seconds > 0 and made > 0 else 0.0
+
+
+class TextGenerator:
+    def __init__(self, config: InferConfig, tokenizer=None) -> None:
+        self.config = config
+        self.backend_name = resolve_backend(config.backend, config.target)
+        self.inputs = InputOfInfer.get(config.model_name)
+        self.backend = load_backend(self.backend_name, config)
+        self.batch_size, self.seq_length = int(config.batch_size), int(config.infer_seq_length)
+        self._check_graph_specs()
+        self._tokenizer = tokenizer
+        self.defaults = GenerationSettings.from_generation_config(config.model_dir).updated(
+            eos_token_id=config.eos_token_id or None, pad_token_id=config.pad_token_id)
+        self._cache: Optional[List[List[int]]] = None  # tokens held by each cache row (padding rows too)
+        self._cache_rows = 0  # how many of them are real rows
+        self._checked = set()
+        self._lock = threading.RLock()
+
+    # --- loading ----------------------------------------------------------------------------------
+    def _check_graph_specs(self) -> None:
+        """The engine's view of each graph against the manifest (or the config), before any call."""
+        folder = self.config.folder
+        for role in ("prefill", "inc"):
+            got = tuple(self.backend.input_specs(role))
+            if folder is not None and got != folder.graphs[role].inputs:
+                raise InferError(f"{folder.graphs[role].path}: the graph's inputs "
+                                 f"{[(s.name, s.dtype, list(s.shape)) for s in got]} disagree with manifest.json "
+                                 f"{[(s.name, s.dtype, list(s.shape)) for s in folder.graphs[role].inputs]}; re-export")
+            ids = next((s for s in got if s.name == "input_ids"), None)
+            want = (self.batch_size, self.seq_length if role == "prefill" else 1)
+            if ids is None or tuple(ids.shape) != want:
+                raise InferError(f"{self.config.prefill_model_path if role == 'prefill' else self.config.increment_model_path}: "
+                                 f"input_ids shape {list(ids.shape) if ids else None} does not match batch_size "
+                                 f"{self.batch_size} and seq_length {self.seq_length}")
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            path = self.config.tokenizer_path or self.config.model_dir
+            if not path:
+                raise InferError("no tokenizer: pass tokenizer=... or tokenizer_path, or call generate with token ids")
+            try:
+                from transformers import AutoTokenizer
+            except ImportError:
+                raise InferError("loading the folder's tokenizer needs transformers (pip install transformers), "
+                                 "or pass tokenizer=...") from None
+            self._tokenizer = AutoTokenizer.from_pretrained(path)
+        return self._tokenizer
+
+    # --- graph calls ------------------------------------------------------------------------------
+    def _run(self, role: str, arrays: Dict[str, np.ndarray]) -> np.ndarray:
+        if role not in self._checked:
+            check_inputs(role, arrays, self.backend.input_specs(role))
+            self._checked.add(role)
+        return self.backend.run(role, arrays)
+
+    def _prefill(self, rows: List[List[int]]) -> np.ndarray:
+        pad = int(self.defaults.pad_token_id or 0)
+        full = [list(r) for r in rows] + [[pad]] * (self.batch_size - len(rows))
+        logits = self._run("prefill", self.inputs.prefill(full, self.seq_length, pad))
+        self._cache, self._cache_rows = full, len(rows)
+        return logits[:len(rows)]
+
+    def _step(self, advance: Dict[int, int]) -> np.ndarray:
+        """Append advance[row] to those rows; the other rows rewrite their last token (cache unchanged)."""
+        tokens, lengths = [], []
+        for i, row in enumerate(self._cache):
+            if i in advance:
+                row.append(int(advance[i]))
+            tokens.append(row[-1])
+            lengths.append(len(row))
+        return self._run("inc", self.inputs.increment(tokens, lengths))[:self._cache_rows]
+
+    def _forward(self, rows: List[List[int]]) -> np.ndarray:
+        """Logits after each row's last token, reusing the cache when every row extends it by one."""
+        cache = self._cache
+        if (cache is not None and len(rows) == self._cache_rows
+                and all(len(r) == len(c) + 1 and r[:-1] == c for r, c in zip(rows, cache))):
+            return self._step({i: r[-1] for i, r in enumerate(rows)})
+        return self._prefill(rows)
+
+    # --- checks -----------------------------------------------------------------------------------
+    def _check_rows(self, rows: Sequence[Sequence[int]]) -> List[List[int]]:
+        if isinstance(rows, np.ndarray):
+            rows = rows.tolist()
+        if not rows or isinstance(rows[0], (int, np.integer)):
+            raise InferError("input_ids must be a list of token-id lists, one per row")
+        if len(rows) > self.batch_size:
+            raise InferError(f"{len(rows)} rows but the graphs were exported with batch_size {self.batch_size}; "
+                             f"send at most {self.batch_size} or re-export with --batch_size {len(rows)}")
+        out = []
+        for i, row in enumerate(rows):
+            row = [int(t) for t in row]
+            if not row:
+                raise InferError(f"row {i} is empty; every prompt needs at least one token")
+            if len(row) > self.seq_length:
+                raise InferError(f"row {i} has {len(row)} tokens, more than the graphs' seq_length "
+                                 f"{self.seq_length}; shorten the prompt or re-export with a larger --seq_length")
+            vocab = self.config.vocab_size
+            if vocab and not all(0 <= t < vocab for t in row):
+                raise InferError(f"row {i} has a token id outside [0, {vocab}); was it made by another tokenizer?")
+            out.append(row)
+        return out
+
+    def _limits(self, rows: List[List[int]], s: GenerationSettings) -> List[int]:
+        """Tokens each row may generate: max_new_tokens, else max_length - prompt, else up to seq_length."""
+        limits = []
+        for i, row in enumerate(rows):
+            if s.max_new_tokens is not None:
+                total = len(row) + s.max_new_tokens
+                what = f"{len(row)} prompt tokens + max_new_tokens {s.max_new_tokens} = {total}"
+            elif s.max_length is not None:
+                total = s.max_length
+                what = f"max_length {total}"
+                if total <= len(row):
+                    raise InferError(f"row {i}: max_length {total} leaves no room after its {len(row)} prompt "
+                                     "tokens; raise max_length or use max_new_tokens")
+            else:
+                total, what = self.seq_length, ""
+            if total > self.seq_length:
+                raise InferError(f"row {i}: {what} exceeds the graphs' seq_length {self.seq_length}; lower it or "
+                                 f"re-export with --seq_length {total}")
+            limits.append(total - len(row))
+        return limits
+
+    # --- public -----------------------------------------------------------------------------------
+    def encode(self, text: str, apply_chat_template: bool = False, add_special_tokens: bool = False) -> List[int]:
+        if apply_chat_template:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise InferError("the tokenizer has no chat template; drop apply_chat_template / --chat")
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                      add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def __call__(self, inputs, apply_chat_template: bool = False, add_special_tokens: bool = False,
+                 return_full_text: bool = False, streamer=None, **kwargs):
+        """Text in, generated text out (a str for a str, a list for a list)."""
+        single = isinstance(inputs, str)
+        texts = [inputs] if single else list(inputs)
+        ids = [self.encode(t, apply_chat_template, add_special_tokens) for t in texts]
+        out = self.generate(ids, streamer=streamer, **kwargs)
+        texts = [self.tokenizer.decode(seq if return_full_text else seq[n:], skip_special_tokens=True)
+                 for seq, n in zip(out.sequences, out.prompt_lengths)]
+        self.last_output = out
+        return texts[0] if single else texts
+
+    def infer(self, input_ids: Sequence[Sequence[int]], **kwargs) -> InferOutput:
+        """One step for callers that drive the loop: the next token of each row and its probability."""
+        s = self.defaults.updated(**kwargs)
+        rows = self._check_rows(input_ids)
+        rng = np.random.default_rng(s.seed)
+        with self._lock:
+            logits = self._forward(rows)
+        picks = [choose(process(logits[i], rows[i], s), s.do_sample, rng) for i in range(len(rows))]
+        return InferOutput([t for t, _ in picks], [p for _, p in picks])
+
+    def generate(self, input_ids: Sequence[Sequence[int]], streamer=None, **kwargs) -> GenerateOutput:
+        """Per row, the prompt ids followed by the generated ids, stopping at eos or the limit."""
+        s = self.defaults.updated(**kwargs)
+        rows = self._check_rows(input_ids)
+        limits = self._limits(rows, s)
+        eos = set(s.eos_token_id or ())
+        rng = np.random.default_rng(s.seed)
+        seqs = [list(r) for r in rows]
+        reasons: List[Optional[str]] = [None] * len(rows)
+        out = GenerateOutput(seqs, [], [len(r) for r in rows])
+        with self._lock:
+            if streamer is not None:
+                streamer.put(np.array(rows) if len(rows) == 1 else [np.array(r) for r in rows])
+            start = time.perf_counter()
+            logits = self._prefill(rows)
+            out.prefill_seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            while True:
+                new: Dict[int, int] = {}
+                for i in range(len(rows)):
+                    if reasons[i] is None:
+                        token, _ = choose(process(logits[i], seqs[i], s), s.do_sample, rng)
+                        seqs[i].append(token)
+                        new[i] = token
+                        if token in eos:
+                            reasons[i] = "eos"
+                        elif len(seqs[i]) - len(rows[i]) >= limits[i]:
+                            reasons[i] = "length"
+                out.new_tokens += len(new)
+                if streamer is not None:
+                    streamer.put(np.array([new.get(i, -1) for i in range(len(rows))]))
+                if all(reasons):
+                    break
+                logits = self._step({i: t for i, t in new.items() if reasons[i] is None})
+                out.decode_steps += 1
+            out.decode_seconds = time.perf_counter() - start
+            if streamer is not None:
+                streamer.end()
+        out.finish_reasons = [str(r) for r in reasons]
+        return out

@@ -1,0 +1,40 @@
+"""InputOfInfer: per model family, token ids -> the named graph inputs of the prefill and inc graphs."""
+from __future__ import annotations
+
+from typing import Dict, Sequence, Type
+
+import numpy as np
+
+from lite_runtime.errors import InferError
+
+
+class Qwen2Inputs:
+    """The graphs of `python -m export`: `input_ids` and `valid_length` (positions are derived in-graph).
+
+    prefill: input_ids [B, S] right-padded with pad_token_id, valid_length [B] = prompt lengths.
+    inc:     input_ids [B, 1] = each row's newest token, valid_length [B] = tokens in the cache after it.
+    """
+
+    def prefill(self, rows: Sequence[Sequence[int]], seq_length: int, pad_token_id: int) -> Dict[str, np.ndarray]:
+        ids = np.full((len(rows), seq_length), pad_token_id, np.int32)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = row
+        return {"input_ids": ids, "valid_length": np.array([len(r) for r in rows], np.int32)}
+
+    def increment(self, tokens: Sequence[int], lengths: Sequence[int]) -> Dict[str, np.ndarray]:
+        return {"input_ids": np.asarray(tokens, np.int32).reshape(-1, 1),
+                "valid_length": np.asarray(lengths, np.int32)}
+
+
+class InputOfInfer:
+    """The registry: model name -> input builder. A new family is one class and one entry."""
+
+    MAPPING: Dict[str, Type] = {"qwen2": Qwen2Inputs}
+
+    @classmethod
+    def get(cls, model_name: str):
+        try:
+            return cls.MAPPING[model_name]()
+        except KeyError:
+            raise InferError(f"model_name {model_name!r} has no input mapping; known: "
+                             f"{', '.join(sorted(cls.MAPPING))}") from None
