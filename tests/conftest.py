@@ -47,6 +47,14 @@ def exported(tmp_path_factory, checkpoints):
     return folders
 
 
+@pytest.fixture(scope="session")
+def pipes(exported):
+    """One loaded `ms` pipeline per exported folder, shared: loading compiles both graphs."""
+    from lite_runtime import pipeline
+
+    return {name: pipeline("text_generation", model=folder, backend="ms") for name, folder in exported.items()}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def graph_mode():
     import mindspore as ms

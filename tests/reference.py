@@ -39,3 +39,13 @@ def right_pad(rows: List[List[int]], width: int, pad: int = 0) -> np.ndarray:
     for i, row in enumerate(rows):
         out[i, :len(row)] = row
     return out
+
+
+def hf_generate(checkpoint: str, row: List[int], **kwargs) -> List[int]:
+    """HF generate on one unpadded row: the prompt ids followed by the generated ids."""
+    import torch
+
+    with torch.no_grad():
+        out = hf_model(checkpoint).generate(torch.tensor([row]), attention_mask=torch.ones(1, len(row), dtype=torch.long),
+                                            **kwargs)
+    return [int(t) for t in out[0]]

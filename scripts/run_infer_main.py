@@ -1,0 +1,148 @@
+"""Run a model folder (or two graph files): one --prompt and exit, or an interactive loop until EOF or `exit`.
+
+    python scripts/run_infer_main.py --model_dir model_dirs/qwen2-tiny --backend ms --prompt "Hello"
+
+Arguments keep the names of MindFormers' run_infer_main.py; --backend and --chat are new.
+Each request prints a timing line: prefill milliseconds and decode tokens per second.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from typing import List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lite_runtime import InferError, TextIteratorStreamer, pipeline  # noqa: E402
+from lite_runtime.backends import CHOICES  # noqa: E402
+
+
+def str2bool(value: str) -> bool:
+    low = str(value).lower()
+    if low in ("true", "1", "yes", "y", "on"):
+        return True
+    if low in ("false", "0", "no", "n", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def _flag(p: argparse.ArgumentParser, name: str, help_text: str) -> None:
+    """A boolean that takes `--x`, `--x true` or `--x false` (MindFormers wrote `--x True`)."""
+    p.add_argument(name, type=str2bool, nargs="?", const=True, default=False, help=help_text + " (default: false)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model_dir", help="model folder written by python -m export (preferred)")
+    p.add_argument("--prefill_model_path", help="full graph, when not using --model_dir")
+    p.add_argument("--increment_model_path", help="incremental graph, when not using --model_dir")
+    p.add_argument("--config_path", help="GE config.ini (default: the folder's)")
+    p.add_argument("--tokenizer_path", help="tokenizer folder (default: the model folder)")
+    p.add_argument("--backend", choices=CHOICES, default="auto",
+                   help="mslite (Atlas, GE), ms (MindSpore, CPU) or auto: mslite when importable (default)")
+    p.add_argument("--device_id", type=int, default=0)
+    p.add_argument("--rank_id", type=int, default=0)
+    p.add_argument("--seq_length", type=int, default=None,
+                   help="the graphs' sequence length; read from the folder, needed with graph paths")
+    p.add_argument("--batch_size", type=int, default=None,
+                   help="the graphs' batch size; read from the folder, needed with graph paths. The prompt is "
+                        "repeated to fill the batch")
+    _flag(p, "--do_sample", "sample instead of greedy")
+    p.add_argument("--top_k", type=int, default=None, help="keep the k most likely tokens when sampling")
+    p.add_argument("--top_p", type=float, default=None, help="nucleus mass when sampling")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--repetition_penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    p.add_argument("--max_length", type=int, default=None, help="prompt plus generated tokens at most")
+    p.add_argument("--max_output_length", type=int, default=None,
+                   help="generated tokens at most (max_new_tokens); default: until eos or the graphs are full")
+    _flag(p, "--stream", "print text as it is generated")
+    _flag(p, "--chat", "wrap the prompt in the tokenizer's chat template")
+    _flag(p, "--add_special_tokens", "let the tokenizer add its special tokens")
+    p.add_argument("--prompt", help="run this prompt once and exit; without it, read prompts from stdin")
+    p.add_argument("-v", "--verbose", action="store_true", help="log which backend was chosen and why")
+    return p
+
+
+def load(args: argparse.Namespace):
+    extra = {k: v for k, v in (("device_id", args.device_id), ("rank_id", args.rank_id),
+                               ("tokenizer_path", args.tokenizer_path), ("ge_config_path", args.config_path),
+                               ("infer_seq_length", args.seq_length), ("batch_size", args.batch_size)) if v is not None}
+    if args.model_dir:
+        return pipeline("text_generation", model=args.model_dir, backend=args.backend, **extra)
+    if args.prefill_model_path and args.increment_model_path:
+        return pipeline("text_generation", model=(args.prefill_model_path, args.increment_model_path),
+                        backend=args.backend, **extra)
+    raise InferError("pass --model_dir, or both --prefill_model_path and --increment_model_path")
+
+
+def generation_kwargs(args: argparse.Namespace) -> dict:
+    pairs = (("do_sample", args.do_sample), ("top_k", args.top_k), ("top_p", args.top_p),
+             ("temperature", args.temperature), ("repetition_penalty", args.repetition_penalty),
+             ("seed", args.seed), ("max_length", args.max_length), ("max_new_tokens", args.max_output_length))
+    return {k: v for k, v in pairs if v is not None}
+
+
+def answer(pipe, args: argparse.Namespace, text: str) -> None:
+    rows = [text] * pipe.batch_size if args.batch_size else [text]
+    kwargs = dict(apply_chat_template=args.chat, add_special_tokens=args.add_special_tokens,
+                  **generation_kwargs(args))
+    if args.stream:
+        streamer = TextIteratorStreamer(pipe.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        errors: List[BaseException] = []
+
+        def work() -> None:
+            try:
+                pipe(text, streamer=streamer, **kwargs)
+            except BaseException as exc:  # reported in the main thread
+                errors.append(exc)
+                streamer.end()
+
+        thread = threading.Thread(target=work)
+        thread.start()
+        for piece in streamer:
+            print(piece, end="", flush=True)
+        thread.join()
+        print()
+        if errors:
+            raise errors[0]
+    else:
+        outputs = pipe(rows, **kwargs)
+        for i, out in enumerate(outputs):
+            print(out if len(outputs) == 1 else f"[{i}] {out}")
+    result = pipe.last_output
+    print(f"[timing] prefill {result.prefill_seconds * 1000:.1f} ms, decode "
+          f"{result.decode_tokens_per_second:.1f} tok/s ({result.new_tokens} new tokens, "
+          f"finish: {', '.join(result.finish_reasons)}, backend {pipe.backend_name})", file=sys.stderr)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        pipe = load(args)
+        if args.prompt is not None:
+            answer(pipe, args, args.prompt)
+            return 0
+        while True:
+            try:
+                text = input("Please enter your predict data:\n")
+            except EOFError:
+                return 0
+            if text.strip() == "exit":
+                return 0
+            if text.strip():
+                answer(pipe, args, text)
+    except InferError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

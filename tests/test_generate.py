@@ -1,0 +1,69 @@
+"""pipeline(...).generate / infer / __call__ against HF generate on the same checkpoint (ms backend)."""
+from __future__ import annotations
+
+import pytest
+
+from reference import hf_generate, prompts
+
+ROWS = prompts(2, [4, 13], seed=21)
+
+
+@pytest.mark.parametrize("name", ["gqa_tied", "mha_untied"])
+def test_greedy_batch_of_two_equals_hf(pipes, checkpoints, name):
+    out = pipes[name].generate([list(r) for r in ROWS], max_new_tokens=12)
+    for row, got in zip(ROWS, out.sequences):
+        assert got == hf_generate(checkpoints[name], row, max_new_tokens=12, do_sample=False)
+    assert out.prompt_lengths == [4, 13]
+    assert all(r in ("eos", "length") for r in out.finish_reasons)
+
+
+def test_second_request_equals_first_and_single_row_batch(pipes, checkpoints):
+    pipe = pipes["gqa_tied"]
+    first = pipe.generate(ROWS, max_new_tokens=8).sequences
+    assert pipe.generate(ROWS, max_new_tokens=8).sequences == first
+    assert pipe.generate([ROWS[1]], max_new_tokens=8).sequences == [first[1]]  # the padded batch row is dropped
+
+
+def test_infer_then_generate_and_generate_then_infer(pipes):
+    pipe = pipes["mha_untied"]
+    want = pipe.generate(ROWS, max_new_tokens=6).sequences
+    rows = [list(r) for r in ROWS]
+    for _ in range(6):  # the caller drives the loop: one infer per token
+        step = pipe.infer(rows)
+        for r, t in zip(rows, step.next_tokens):
+            r.append(t)
+        assert all(0.0 < p <= 1.0 for p in step.probs)
+    assert rows == want
+    assert pipe.generate(ROWS, max_new_tokens=6).sequences == want
+    assert pipe.infer([want[0][:-1], want[1][:-1]]).next_tokens == [want[0][-1], want[1][-1]]
+
+
+def test_max_length_and_eos_stop_each_row(pipes, checkpoints):
+    pipe = pipes["gqa_tied"]
+    out = pipe.generate(ROWS, max_length=16)
+    assert [len(s) for s in out.sequences] == [16, 16] and out.finish_reasons == ["length", "length"]
+    eos = out.sequences[1][14]  # the second token row 1 generates: make it the end of sequence
+    stopped = pipe.generate(ROWS, max_length=16, eos_token_id=eos)
+    assert stopped.sequences[1] == out.sequences[1][:15] and stopped.finish_reasons[1] == "eos"
+    cut = out.sequences[0].index(eos) + 1 if eos in out.sequences[0][4:] else 16
+    assert stopped.sequences[0] == out.sequences[0][:cut]
+
+
+def test_text_call_equals_hf_greedy_text(pipes, checkpoints, tokenizer):
+    pipe = pipes["gqa_tied"]
+    text = "The quick brown fox"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ref = hf_generate(checkpoints["gqa_tied"], ids, max_new_tokens=10, do_sample=False)
+    assert pipe(text, max_new_tokens=10) == tokenizer.decode(ref[len(ids):], skip_special_tokens=True)
+    assert pipe([text, text], max_new_tokens=10) == [pipe(text, max_new_tokens=10)] * 2
+    assert pipe(text, max_new_tokens=10, return_full_text=True) == tokenizer.decode(ref, skip_special_tokens=True)
+
+
+def test_chat_template_is_the_tokenizers(pipes, checkpoints, tokenizer):
+    pipe = pipes["gqa_tied"]
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer(chat, add_special_tokens=False)["input_ids"]
+    ref = hf_generate(checkpoints["gqa_tied"], ids, max_new_tokens=5, do_sample=False)
+    assert pipe("hi", apply_chat_template=True, max_new_tokens=5) == tokenizer.decode(ref[len(ids):],
+                                                                                       skip_special_tokens=True)
