@@ -87,13 +87,13 @@ class MsLiteBackend:  # pragma: no cover - needs mindspore_lite and an Ascend de
     name = "mslite"
 
     def __init__(self, config) -> None:
+        settings, plan = context_plan(config), build_plan(config)  # decided (and refused) before importing
         try:
             import mindspore_lite as mslite
         except (ImportError, OSError):
             raise unavailable("mslite", "mindspore_lite", INSTALL_HINT) from None
-        self._mslite = mslite
         context = mslite.Context()
-        for attr, value in context_plan(config).items():
+        for attr, value in settings.items():
             owner = context
             *path, last = attr.split(".")
             for part in path:
@@ -101,7 +101,7 @@ class MsLiteBackend:  # pragma: no cover - needs mindspore_lite and an Ascend de
             setattr(owner, last, value)
         models: Dict[str, Any] = {}
         group = None
-        for step in build_plan(config):
+        for step in plan:
             if step[0] == "Model":
                 models[step[1]] = mslite.Model()
             elif step[0] == "ModelGroup":

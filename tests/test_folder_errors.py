@@ -1,0 +1,147 @@
+"""Loading a model folder: every check happens before anything runs, with a one-line error."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from lite_runtime import InferConfig, InferError, InputOfInfer, InferTask, ModelFolderError, pipeline
+
+
+@pytest.fixture
+def folder(tmp_path, exported):
+    dst = tmp_path / "m"
+    shutil.copytree(exported["gqa_tied"], dst)
+    for f in dst.iterdir():
+        f.chmod(0o644)
+    return dst
+
+
+def error_of(fn, *args, **kwargs) -> str:
+    with pytest.raises(InferError) as err:
+        fn(*args, **kwargs)
+    return str(err.value)
+
+
+def test_truncated_graph(folder):
+    graph = folder / "gqa_tied_inc_graph.mindir"
+    size = graph.stat().st_size
+    graph.write_bytes(graph.read_bytes()[:-10])
+    assert error_of(InferConfig.from_folder, str(folder)) == (
+        f"{graph}: {size - 10} bytes, manifest.json says {size} (truncated or changed copy); re-copy the folder")
+
+
+def test_corrupted_graph(folder):
+    graph = folder / "gqa_tied_prefill_graph.mindir"
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    graph.write_bytes(bytes(data))
+    assert error_of(InferConfig.from_folder, str(folder)) == (
+        f"{graph}: sha256 differs from manifest.json (corrupted copy); re-copy the folder")
+
+
+def test_missing_graph(folder):
+    (folder / "gqa_tied_inc_graph.mindir").unlink()
+    assert error_of(InferConfig.from_folder, str(folder)) == (
+        f"{folder / 'gqa_tied_inc_graph.mindir'}: missing (listed in manifest.json); re-copy the folder")
+
+
+def test_second_yaml_and_extra_graph(folder):
+    (folder / "other.yaml").write_text("infer: {}\n")
+    assert error_of(InferConfig.from_folder, str(folder)) == (
+        f"{folder}: expected exactly one yaml, gqa_tied.yaml, found gqa_tied.yaml, other.yaml; remove the others")
+    (folder / "other.yaml").unlink()
+    shutil.copy(folder / "gqa_tied_inc_graph.mindir", folder / "old_inc_graph.mindir")
+    assert error_of(InferConfig.from_folder, str(folder)) == (
+        f"{folder / 'old_inc_graph.mindir'}: graph not listed in manifest.json; remove it or re-export the folder")
+
+
+def test_yaml_that_disagrees_with_the_graphs(folder):
+    yaml_path = folder / "gqa_tied.yaml"
+    yaml_path.write_text(yaml_path.read_text().replace("  seq_length: 32\n  batch_size: 2\n",
+                                                       "  seq_length: 64\n  batch_size: 2\n"))
+    manifest = json.loads((folder / "manifest.json").read_text())  # a consistent manifest for the edited yaml
+    import hashlib
+    data = yaml_path.read_bytes()
+    manifest["files"]["gqa_tied.yaml"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert error_of(InferConfig.from_folder, str(folder)) == (
+        f"{yaml_path}: batch_size 2 / seq_length 64 disagree with the prefill graph's input_ids shape [2, 32]; "
+        "re-export the folder")
+
+
+def test_not_a_folder(tmp_path):
+    assert error_of(pipeline, "text_generation", model=str(tmp_path), backend="ms") == (
+        f"{tmp_path / 'manifest.json'}: missing; this is not a model folder written by python -m export")
+    assert error_of(pipeline, "text_generation", model=str(tmp_path / "nope"), backend="ms") == (
+        f"model {str(tmp_path / 'nope')!r}: not a model folder; pass a folder written by python -m export, "
+        "(prefill_path, increment_path) or an InferConfig")
+
+
+def test_unknown_task_backend_and_model_name(exported):
+    folder = exported["gqa_tied"]
+    assert error_of(pipeline, "summarization", model=folder) == (
+        "task 'summarization' is not supported; supported: text_generation")
+    assert error_of(pipeline, "text_generation", model=folder, backend="onnx") == (
+        "backend 'onnx' is not one of mslite, ms, auto")
+    assert error_of(InputOfInfer.get, "llama") == "model_name 'llama' has no input mapping; known: qwen2"
+    assert error_of(pipeline, "text_generation", model=folder, backend="ms", model_name="glm") == (
+        "model_name 'glm' has no input mapping; known: qwen2")
+    assert error_of(InferTask.get_infer_task, "chat", None) == "task 'chat' is not supported; supported: text_generation"
+    assert InferTask.support_list() == ["text_generation"] and InferTask.check_task_valid("text_generation")
+
+
+def test_mslite_not_installed_says_what_to_do(exported):
+    """mindspore_lite is really absent here (not on PyPI for this Python): the user is told how to get it."""
+    from lite_runtime.backends import mslite_importable
+
+    assert not mslite_importable()
+    from export.devices import PROFILES
+
+    config = InferConfig.from_folder(exported["gqa_tied"], target="Ascend",
+                                     ge_config_path=PROFILES["atlas_800i_a2"].ini_path)
+    assert error_of(pipeline, "text_generation", model=config, backend="mslite") == (
+        "backend 'mslite' needs mindspore_lite, which cannot be imported here: install the mindspore_lite wheel "
+        "that matches your CANN from https://www.mindspore.cn/lite/docs/en/master/use/downloads.html and source "
+        "CANN's set_env.sh, or pass backend 'ms' to run on the CPU with MindSpore")
+
+
+def test_prompt_too_long_and_limits_that_cannot_fit(pipes):
+    pipe = pipes["gqa_tied"]  # batch 2, seq_length 32
+    assert error_of(pipe.generate, [[1] * 33]) == (
+        "row 0 has 33 tokens, more than the graphs' seq_length 32; shorten the prompt or re-export with a "
+        "larger --seq_length")
+    assert error_of(pipe.generate, [[1] * 20], max_new_tokens=20) == (
+        "row 0: 20 prompt tokens + max_new_tokens 20 = 40 exceeds the graphs' seq_length 32; lower it or "
+        "re-export with --seq_length 40")
+    assert error_of(pipe.generate, [[1] * 20], max_length=64) == (
+        "row 0: max_length 64 exceeds the graphs' seq_length 32; lower it or re-export with --seq_length 64")
+    assert error_of(pipe.generate, [[1] * 20], max_length=10) == (
+        "row 0: max_length 10 leaves no room after its 20 prompt tokens; raise max_length or use max_new_tokens")
+    assert error_of(pipe.generate, [[1], [2], [3]]) == (
+        "3 rows but the graphs were exported with batch_size 2; send at most 2 or re-export with --batch_size 3")
+    assert error_of(pipe.generate, [[1, 99999]]) == (
+        "row 0 has a token id outside [0, 512); was it made by another tokenizer?")
+    # a prompt that fills the cache exactly still yields its one token
+    out = pipe.generate([[1] * 31])
+    assert len(out.sequences[0]) == 32 and out.finish_reasons == ["length"]
+
+
+def test_graph_paths_without_a_folder(exported, checkpoints):
+    folder = exported["mha_untied"]
+    names = ("mha_untied_prefill_graph.mindir", "mha_untied_inc_graph.mindir")
+    paths = tuple(os.path.join(folder, n) for n in names)
+    assert error_of(pipeline, "text_generation", model=paths, backend="ms") == (
+        "infer_seq_length and batch_size are needed when loading graph files without a model folder; pass the "
+        "values the graphs were exported with")
+    assert error_of(pipeline, "text_generation", model=paths, backend="ms", infer_seq_length=64, batch_size=2,
+                    target="CPU") == (f"{paths[0]}: input_ids shape [2, 32] does not match batch_size 2 and "
+                                      "seq_length 64")
+    pipe = pipeline("text_generation", model=paths, backend="ms", infer_seq_length=32, batch_size=2, target="CPU",
+                    tokenizer_path=checkpoints["mha_untied"])
+    from reference import hf_generate
+
+    assert pipe.generate([[5, 6, 7]], max_new_tokens=6).sequences[0] == hf_generate(
+        checkpoints["mha_untied"], [5, 6, 7], max_new_tokens=6, do_sample=False, eos_token_id=None)

@@ -1,0 +1,106 @@
+"""The mslite backend's decisions, checked as data (mindspore_lite itself cannot run here), and the GE ini files."""
+from __future__ import annotations
+
+import configparser
+import os
+import subprocess
+import sys
+
+import pytest
+
+from export.devices import GE_CONFIG_DIR, PROFILES
+from lite_runtime import InferConfig, InferError
+from lite_runtime.backends import resolve_backend
+from lite_runtime.backends.mslite import build_plan, context_plan, read_ge_config, short_name
+
+
+def test_context_plan_for_ascend(exported):
+    config = InferConfig.from_folder(exported["gqa_tied"], target="Ascend", device_id=3, rank_id=1)
+    assert context_plan(config) == {"ascend.device_id": 3, "ascend.rank_id": 1, "ascend.provider": "ge",
+                                    "target": ["ascend"]}
+
+
+def test_mslite_refuses_a_cpu_folder(exported):
+    config = InferConfig.from_folder(exported["gqa_tied"])
+    assert config.target == "CPU"
+    with pytest.raises(InferError) as err:
+        context_plan(config)
+    assert str(err.value) == ("backend 'mslite' on the CPU cannot share the KV cache between the two graphs "
+                              "(weight sharing is GE-only); use backend 'ms' for a folder exported with --device cpu")
+
+
+def test_build_plan_groups_before_building(tmp_path, exported):
+    folder = tmp_path / "atlas"
+    import shutil
+    shutil.copytree(exported["gqa_tied"], folder)
+    ini = os.path.join(GE_CONFIG_DIR, "atlas_800i_a2.ini")
+    config = InferConfig.from_folder(str(folder), target="Ascend", ge_config_path=ini)
+    plan = build_plan(config)
+    assert plan == [
+        ("Model", "prefill"), ("Model", "inc"), ("ModelGroup", "SHARE_WEIGHT"), ("add_model", ("prefill", "inc")),
+        ("build_from_file", "prefill", config.prefill_model_path, "MINDIR", ini),
+        ("build_from_file", "inc", config.increment_model_path, "MINDIR", ini),
+    ]
+    with pytest.raises(InferError) as err:  # the cpu profile's ini has no GE options at all
+        build_plan(InferConfig.from_folder(str(folder), target="Ascend"))
+    assert str(err.value) == (f"{folder / 'config.ini'}: [ascend_context] provider=ge is required (found None); "
+                              "use an ini from ge_configs/")
+
+
+@pytest.mark.parametrize("profile", [p for p in PROFILES if p != "cpu"])
+def test_atlas_ini_files(profile):
+    sections = read_ge_config(PROFILES[profile].ini_path)
+    session = sections["ge_session_options"]
+    assert sections["ascend_context"]["provider"] == "ge"
+    assert session["ge.exec.precision_mode"] == "must_keep_origin_dtype"
+    assert session["ge.exec.staticMemoryPolicy"] == "2"
+    assert session["ge.externalWeight"] == "1"  # constants shared across the grouped graphs
+    assert ("ge.exec.formatMode" in session) == (PROFILES[profile].soc == "Ascend910B")
+    with open(PROFILES[profile].ini_path) as fh:  # every option is explained by a comment above it
+        lines = [line.strip() for line in fh]
+    for i, line in enumerate(lines):
+        if "=" in line and not line.startswith(";"):
+            assert lines[i - 1].startswith(";"), (profile, line)
+
+
+def test_every_profile_has_an_ini_and_cpu_has_no_ge_options():
+    assert sorted(f[:-4] for f in os.listdir(GE_CONFIG_DIR) if f.endswith(".ini")) == sorted(PROFILES)
+    parser = configparser.ConfigParser()
+    parser.read(PROFILES["cpu"].ini_path)
+    assert parser.sections() == []
+
+
+def test_auto_backend_and_input_names():
+    assert resolve_backend("auto", "Ascend") == "ms"  # mindspore_lite is not importable here
+    assert resolve_backend("auto", "CPU") == "ms"
+    assert resolve_backend("mslite", "Ascend") == "mslite"
+    assert short_name("68_12_Net_construct_68:input_ids") == "input_ids" and short_name("valid_length") == "valid_length"
+
+
+HIDE = """
+import sys
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("mindspore", "torch", "transformers"):
+            raise ImportError("hidden for the test: " + name)
+sys.meta_path.insert(0, Hide())
+"""
+
+
+def test_lite_runtime_imports_with_mindspore_and_torch_hidden(exported):
+    code = HIDE + f"""
+import lite_runtime
+from lite_runtime import pipeline, InferConfig, InferError
+from lite_runtime.backends.mslite import context_plan, build_plan
+config = InferConfig.from_folder({exported['gqa_tied']!r}, target="Ascend")
+assert context_plan(config)["ascend.provider"] == "ge"
+try:
+    pipeline("text_generation", model={exported['gqa_tied']!r}, backend="ms")
+except InferError as exc:
+    print(exc)
+assert not any(m.split(".")[0] in ("mindspore", "torch", "transformers") for m in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("backend 'ms' needs MindSpore, which cannot be imported here: pip install "
+                                   "mindspore==2.10.0 'numpy<2' (or use backend 'mslite' on Atlas)")
