@@ -5,7 +5,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from export.devices import DEFAULT_PROFILE, PROFILES
 from export.errors import ExportError
@@ -28,9 +28,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=DEFAULT_PROFILE,
                    help=f"device profile: {', '.join(PROFILES)} (default: {DEFAULT_PROFILE}); "
                         "picks ge_configs/<device>.ini and the dtypes allowed")
+    p.add_argument("--prefill_buckets", default="",
+                   help="comma-separated shorter prompt lengths to export full graphs for as well, e.g. 128,512: "
+                        "a prompt runs on the smallest that fits, so prefill cost follows the prompt. All graphs "
+                        "share one weights file and the KV cache (default: only --seq_length)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return p
+
+
+def parse_buckets(text: str) -> Tuple[int, ...]:
+    try:
+        return tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
+    except ValueError:
+        raise ExportError(f"--prefill_buckets {text!r} must be comma-separated integers, e.g. 128,512") from None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -40,11 +51,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     from export.pipeline import run_export
 
     try:
-        profile = PROFILES.get(args.device)
+        profile = PROFILES.get(args.device)  # an unknown name is reported by run_export
         dtype = args.dtype or (profile.default_dtype if profile else "float32")
         name = args.name or os.path.basename(os.path.normpath(args.output))
         cfg = ExportConfig(checkpoint=args.checkpoint, output=args.output, name=name, seq_length=args.seq_length,
-                           batch_size=args.batch_size, dtype=dtype, device=args.device, overwrite=args.overwrite)
+                           batch_size=args.batch_size, dtype=dtype, device=args.device, overwrite=args.overwrite,
+                           prefill_buckets=parse_buckets(args.prefill_buckets))
         summary = run_export(cfg, show_progress=not args.quiet)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)

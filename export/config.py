@@ -143,6 +143,7 @@ class ExportConfig:
     dtype: str = "float32"  # the CLI resolves "no --dtype" to the device profile's default
     device: str = "atlas_800i_a2"
     overwrite: bool = False
+    prefill_buckets: Tuple[int, ...] = ()  # extra, shorter full graphs; the seq_length one is always there
 
     def validate(self, model: Qwen2Config, device_dtypes: Tuple[str, ...]) -> None:
         if self.batch_size < 1:
@@ -154,6 +155,10 @@ class ExportConfig:
                 f"--seq_length {self.seq_length} exceeds max_position_embeddings "
                 f"{model.max_position_embeddings} in config.json; pass a smaller --seq_length"
             )
+        for bucket in self.prefill_buckets:
+            if not 1 <= bucket < self.seq_length:
+                raise ExportError(f"--prefill_buckets: {bucket} must be between 1 and --seq_length - 1 "
+                                  f"({self.seq_length - 1}); the full seq_length graph is always exported")
         if self.dtype not in DTYPES:
             raise ExportError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         allowed = device_dtypes

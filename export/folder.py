@@ -26,25 +26,24 @@ _MINDIR_DTYPES = {"INT32": "int32", "INT64": "int64", "FLOAT": "float32", "FLOAT
                   "BFLOAT16": "bfloat16", "BOOL": "bool"}
 
 
-def graph_file_name(name: str, role: str) -> str:
-    return f"{name}_{role}_graph.mindir"
+def graph_prefix(name: str, role: str, tokens: int, seq_length: int) -> str:
+    """`<name>_prefill` (the seq_length graph), `<name>_prefill_<tokens>` (a bucket), `<name>_inc`."""
+    return f"{name}_{role}" if role == "inc" or tokens == seq_length else f"{name}_{role}_{tokens}"
 
 
-def place_graph(folder: str, prefix: str) -> Dict[str, Optional[str]]:
-    """Bring what mindspore.export wrote for `prefix` to the folder's names.
+def place_graph(folder: str, prefix: str) -> str:
+    """Bring what mindspore.export wrote for `prefix` to `<prefix>_graph.mindir`; returns that name.
 
     MindSpore writes `<prefix>.mindir` for small nets and `<prefix>_graph.mindir` plus
-    `<prefix>_variables/` (referenced by relative path from the graph) above 1 GB.
+    `<prefix>_variables/` above 1 GB; shared_weights then moves all weights to one file.
     """
     split = os.path.join(folder, prefix + "_graph.mindir")
     single = os.path.join(folder, prefix + ".mindir")
-    variables = os.path.join(folder, prefix + "_variables")
     if os.path.isfile(single):
         os.replace(single, split)
     if not os.path.isfile(split):
         raise ExportError(f"{split}: MindSpore did not write the graph file; see the log above")
-    return {"file": os.path.basename(split),
-            "variables": os.path.basename(variables) if os.path.isdir(variables) else None}
+    return os.path.basename(split)
 
 
 def read_graph_spec(path: str) -> Dict[str, List[Dict[str, Any]]]:

@@ -19,7 +19,6 @@ from export import folder as fmt
 
 log = logging.getLogger(__name__)
 INPUT_MAPPING = "qwen2"  # the lite_runtime InputOfInfer.MAPPING key for this network
-ROLES = ("prefill", "inc")
 
 
 @dataclass
@@ -85,6 +84,7 @@ def _write_graphs(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_prog
     import numpy as np
 
     from export.model import DecodeGraph, PrefillGraph, Qwen2ForCausalLM
+    from export.shared_weights import data_location, share_weights
     from export.weights import load_into
 
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -93,19 +93,19 @@ def _write_graphs(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_prog
     with tqdm(total=n_weights, desc="weights", unit="tensor", disable=not show_progress) as bar:
         weight_bytes = load_into(net, cfg.checkpoint, progress=bar.update)
     b, s = cfg.batch_size, cfg.seq_length
-    examples = {
-        "prefill": (PrefillGraph(net), np.zeros((b, s), np.int32), np.ones((b,), np.int32)),
-        "inc": (DecodeGraph(net), np.zeros((b, 1), np.int32), np.full((b,), 2, np.int32)),
-    }
-    graphs = []
-    for role in tqdm(ROLES, desc="graphs", unit="graph", disable=not show_progress):
-        cell, ids, valid = examples[role]
-        prefix = f"{cfg.name}_{role}"
-        log.info("exporting the %s graph", role)
-        ms.export(cell, ms.Tensor(ids), ms.Tensor(valid), file_name=os.path.join(tmp, prefix), file_format="MINDIR")
-        placed = fmt.place_graph(tmp, prefix)
-        spec = fmt.read_graph_spec(os.path.join(tmp, placed["file"]))
-        graphs.append({"role": role, **placed, "tokens": int(ids.shape[1]), **spec})
+    plan = [("prefill", n) for n in sorted(set(cfg.prefill_buckets) | {s})] + [("inc", 1)]
+    cells = {"prefill": PrefillGraph(net), "inc": DecodeGraph(net)}
+    files = []
+    for role, tokens in tqdm(plan, desc="graphs", unit="graph", disable=not show_progress):
+        prefix = fmt.graph_prefix(cfg.name, role, tokens, s)
+        log.info("exporting the %s graph (%d tokens)", role, tokens)
+        valid = np.full((b,), 1 if role == "prefill" else 2, np.int32)
+        ms.export(cells[role], ms.Tensor(np.zeros((b, tokens), np.int32)), ms.Tensor(valid),
+                  file_name=os.path.join(tmp, prefix), file_format="MINDIR")
+        files.append(fmt.place_graph(tmp, prefix))
+    share_weights(tmp, cfg.name, files)
+    graphs = [{"role": role, "file": f, "variables": data_location(cfg.name), "tokens": tokens,
+               **fmt.read_graph_spec(os.path.join(tmp, f))} for (role, tokens), f in zip(plan, files)]
     return weight_bytes, graphs
 
 
@@ -115,7 +115,8 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: Qwen2Config, profile, tmp:
     shutil.copyfile(profile.ini_path, os.path.join(tmp, fmt.GE_CONFIG))
     tokenizer_files = fmt.copy_tokenizer(cfg.checkpoint, tmp)
     ids = fmt.special_token_ids(cfg.checkpoint, model_cfg.eos_token_id)
-    by_role = {g["role"]: g for g in graphs}
+    full = next(g for g in graphs if g["role"] == "prefill" and g["tokens"] == cfg.seq_length)
+    inc = next(g for g in graphs if g["role"] == "inc")
     content: Dict[str, Any] = {
         "model": {"model_type": model_cfg.model_type, "config": model_cfg.to_dict()},
         "export": {**dataclasses.asdict(cfg), "checkpoint": os.path.abspath(cfg.checkpoint),
@@ -125,8 +126,9 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: Qwen2Config, profile, tmp:
         "infer": {"model_name": INPUT_MAPPING, "seq_length": cfg.seq_length, "batch_size": cfg.batch_size,
                   "dtype": cfg.dtype, "device": profile.name, "soc": profile.soc,
                   "vocab_size": model_cfg.vocab_size, **ids,
-                  "prefill_model_path": by_role["prefill"]["file"],
-                  "increment_model_path": by_role["inc"]["file"], "ge_config_path": fmt.GE_CONFIG},
+                  "prefill_model_path": full["file"], "increment_model_path": inc["file"],
+                  "prefill_buckets": sorted(g["tokens"] for g in graphs if g["role"] == "prefill"),
+                  "ge_config_path": fmt.GE_CONFIG},
     }
     fmt.write_yaml(tmp, cfg.name, content)
     fmt.write_manifest(tmp, cfg.name, graphs)
