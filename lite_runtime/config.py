@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from lite_runtime.errors import InferError
-from lite_runtime.folder import ModelFolder, load_folder
+from lite_runtime.folder import ModelFolder, graph_key, load_folder
 
 MODEL_TYPES = ("mindir",)
 TARGETS = ("Ascend", "CPU")
@@ -40,6 +40,7 @@ class InferConfig:
     dtype: str = "float32"
     device: str = ""  # the export's device profile, when known
     verify_checksums: bool = True
+    cpu_threads: Optional[int] = None  # ms backend: CPU kernel threads (default: the cores this process may use)
     folder: Optional[ModelFolder] = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -51,9 +52,10 @@ class InferConfig:
                              f"{', '.join(f.name for f in dataclasses.fields(cls) if f.name != 'folder')}")
         folder = load_folder(path, verify=overrides.get("verify_checksums", True))
         infer = folder.infer
+        full = folder.graphs[graph_key("prefill", folder.seq_length)]
         eos = infer.get("eos_token_id") or []
         values: Dict[str, Any] = dict(
-            prefill_model_path=folder.graphs["prefill"].path, increment_model_path=folder.graphs["inc"].path,
+            prefill_model_path=full.path, increment_model_path=folder.graphs["inc"].path,
             model_name=infer.get("model_name", "qwen2"), infer_seq_length=folder.seq_length,
             batch_size=folder.batch_size, target="CPU" if infer.get("device") == "cpu" else "Ascend",
             ge_config_path=folder.ge_config_path, model_dir=folder.path, tokenizer_path=folder.path,
@@ -68,6 +70,16 @@ class InferConfig:
         config = cls(**values)
         config.validate()
         return config
+
+    def graph_paths(self) -> Dict[str, str]:
+        """Every graph to load, by key (`prefill_<tokens>`, `inc`); the longest prefill graph first."""
+        if self.folder is not None:
+            paths = self.folder.graph_paths()
+        else:
+            paths = {graph_key("prefill", int(self.infer_seq_length)): self.prefill_model_path,
+                     "inc": self.increment_model_path}
+        prefill = sorted((k for k in paths if k != "inc"), key=lambda k: -int(k.split("_")[1]))
+        return {k: paths[k] for k in prefill + ["inc"]}
 
     def validate(self) -> None:
         if self.model_type not in MODEL_TYPES:

@@ -53,6 +53,14 @@ class ModelFolder:
     def batch_size(self) -> int:
         return int(self.infer["batch_size"])
 
+    def graph_paths(self) -> Dict[str, str]:
+        return {key: spec.path for key, spec in self.graphs.items()}
+
+
+def graph_key(role: str, tokens: int) -> str:
+    """`prefill_<tokens>` for each full graph (one per prompt-length bucket), `inc` for the incremental one."""
+    return "inc" if role == "inc" else f"prefill_{tokens}"
+
 
 def _sha256(path: str) -> str:
     digest = hashlib.sha256()
@@ -127,18 +135,19 @@ def _check_files(path: str, files: Dict[str, Dict[str, Any]], verify: bool) -> N
 
 def _graphs(path: str, manifest: Dict[str, Any]) -> Dict[str, GraphSpec]:
     graphs: Dict[str, GraphSpec] = {}
+    where = os.path.join(path, MANIFEST)
     for raw in manifest["graphs"]:
-        role = raw["role"]
-        if role in graphs:
-            raise ModelFolderError(f"{os.path.join(path, MANIFEST)}: two graphs with role {role!r}; re-export")
-        graphs[role] = GraphSpec(role=role, path=os.path.join(os.path.abspath(path), raw["file"]),
-                                 tokens=int(raw["tokens"]),
-                                 inputs=tuple(TensorSpec.from_dict(t) for t in raw["inputs"]),
-                                 outputs=tuple(TensorSpec.from_dict(t) for t in raw["outputs"]))
-    missing = [r for r in ROLES if r not in graphs]
+        role, tokens = raw["role"], int(raw["tokens"])
+        key = graph_key(role, tokens)
+        if role not in ROLES or key in graphs:
+            raise ModelFolderError(f"{where}: unexpected or repeated graph {raw.get('file')!r} ({role}, {tokens} "
+                                   "tokens); re-export the folder")
+        graphs[key] = GraphSpec(role=role, path=os.path.join(os.path.abspath(path), raw["file"]), tokens=tokens,
+                                inputs=tuple(TensorSpec.from_dict(t) for t in raw["inputs"]),
+                                outputs=tuple(TensorSpec.from_dict(t) for t in raw["outputs"]))
+    missing = [r for r in ROLES if not any(g.role == r for g in graphs.values())]
     if missing:
-        raise ModelFolderError(f"{os.path.join(path, MANIFEST)}: no {' and no '.join(missing)} graph; "
-                               "re-export the folder")
+        raise ModelFolderError(f"{where}: no {' and no '.join(missing)} graph; re-export the folder")
     for spec in graphs.values():
         if not os.path.isfile(spec.path):
             raise ModelFolderError(f"{spec.path}: {spec.role} graph is missing; re-copy the folder")
@@ -148,20 +157,20 @@ def _graphs(path: str, manifest: Dict[str, Any]) -> Dict[str, GraphSpec]:
 def _check_specs_against_yaml(folder: ModelFolder) -> None:
     infer = folder.infer
     b, s, vocab = folder.batch_size, folder.seq_length, int(infer["vocab_size"])
-    expect = {("prefill", "input_ids"): (b, s), ("inc", "input_ids"): (b, 1)}
-    for role, spec in folder.graphs.items():
+    for key, spec in folder.graphs.items():
         for t in spec.inputs:
-            want = expect.get((role, t.name), (b,) if t.name == "valid_length" else None)
+            want = {"input_ids": (b, spec.tokens), "valid_length": (b,)}.get(t.name)
             if want is not None and t.shape != want:
                 raise ModelFolderError(f"{folder.yaml_path}: batch_size {b} / seq_length {s} disagree with the "
-                                       f"{role} graph's {t.name} shape {list(t.shape)}; re-export the folder")
-        logits = spec.outputs[0]
-        if logits.shape != (b, vocab):
+                                       f"{spec.role} graph's {t.name} shape {list(t.shape)} "
+                                       f"({os.path.basename(spec.path)}); re-export the folder")
+        if spec.outputs[0].shape != (b, vocab):
             raise ModelFolderError(f"{folder.yaml_path}: batch_size {b} / vocab_size {vocab} disagree with the "
-                                   f"{role} graph's logits shape {list(logits.shape)}; re-export the folder")
-    for key, role in (("prefill_model_path", "prefill"), ("increment_model_path", "inc")):
-        if os.path.basename(folder.graphs[role].path) != infer.get(key):
-            raise ModelFolderError(f"{folder.yaml_path}: infer.{key} {infer.get(key)!r} is not the {role} graph "
-                                   f"of {MANIFEST} ({os.path.basename(folder.graphs[role].path)}); re-export")
-
-
+                                   f"{spec.role} graph's logits shape {list(spec.outputs[0].shape)}; re-export")
+    if graph_key("prefill", s) not in folder.graphs:
+        raise ModelFolderError(f"{folder.yaml_path}: no prefill graph of seq_length {s} tokens in {MANIFEST}; "
+                               "re-export the folder")
+    for key, gkey in (("prefill_model_path", graph_key("prefill", s)), ("increment_model_path", "inc")):
+        if os.path.basename(folder.graphs[gkey].path) != infer.get(key):
+            raise ModelFolderError(f"{folder.yaml_path}: infer.{key} {infer.get(key)!r} is not the graph of "
+                                   f"{MANIFEST} ({os.path.basename(folder.graphs[gkey].path)}); re-export")

@@ -57,6 +57,8 @@ class TextGenerator:
         self.inputs = InputOfInfer.get(config.model_name)
         self.backend = load_backend(self.backend_name, config)
         self.batch_size, self.seq_length = int(config.batch_size), int(config.infer_seq_length)
+        # prompt-length buckets: a batch prefills on the smallest full graph its longest prompt fits
+        self.prefill_sizes = sorted(int(k.split("_")[1]) for k in config.graph_paths() if k != "inc")
         self._check_graph_specs()
         self._warm_up()
         self._tokenizer = tokenizer
@@ -71,24 +73,23 @@ class TextGenerator:
     def _check_graph_specs(self) -> None:
         """The engine's view of each graph against the manifest (or the config), before any call."""
         folder = self.config.folder
-        for role in ("prefill", "inc"):
-            got = tuple(self.backend.input_specs(role))
-            if folder is not None and got != folder.graphs[role].inputs:
-                raise InferError(f"{folder.graphs[role].path}: the graph's inputs "
-                                 f"{[(s.name, s.dtype, list(s.shape)) for s in got]} disagree with manifest.json "
-                                 f"{[(s.name, s.dtype, list(s.shape)) for s in folder.graphs[role].inputs]}; re-export")
+        for key, path in self.config.graph_paths().items():
+            got = tuple(self.backend.input_specs(key))
+            if folder is not None and got != folder.graphs[key].inputs:
+                raise InferError(f"{path}: the graph's inputs {[(s.name, s.dtype, list(s.shape)) for s in got]} "
+                                 f"disagree with manifest.json "
+                                 f"{[(s.name, s.dtype, list(s.shape)) for s in folder.graphs[key].inputs]}; re-export")
             ids = next((s for s in got if s.name == "input_ids"), None)
-            want = (self.batch_size, self.seq_length if role == "prefill" else 1)
+            want = (self.batch_size, 1 if key == "inc" else int(key.split("_")[1]))
             if ids is None or tuple(ids.shape) != want:
-                raise InferError(f"{self.config.prefill_model_path if role == 'prefill' else self.config.increment_model_path}: "
-                                 f"input_ids shape {list(ids.shape) if ids else None} does not match batch_size "
-                                 f"{self.batch_size} and seq_length {self.seq_length}")
+                raise InferError(f"{path}: input_ids shape {list(ids.shape) if ids else None} does not match "
+                                 f"batch_size {self.batch_size} and seq_length {self.seq_length}")
 
     def _warm_up(self) -> None:
         """Run each graph once so compilation happens at load, not inside the first request's timing."""
         start = time.perf_counter()
-        for role in ("prefill", "inc"):
-            self.backend.run(role, {s.name: np.ones(s.shape, s.dtype) for s in self.backend.input_specs(role)})
+        for key in self.config.graph_paths():
+            self.backend.run(key, {s.name: np.ones(s.shape, s.dtype) for s in self.backend.input_specs(key)})
         log.info("%s backend: graphs warmed up in %.2f s", self.backend_name, time.perf_counter() - start)
 
     @property
@@ -106,16 +107,21 @@ class TextGenerator:
         return self._tokenizer
 
     # --- graph calls ------------------------------------------------------------------------------
-    def _run(self, role: str, arrays: Dict[str, np.ndarray]) -> np.ndarray:
-        if role not in self._checked:
-            check_inputs(role, arrays, self.backend.input_specs(role))
-            self._checked.add(role)
-        return self.backend.run(role, arrays)
+    def _run(self, key: str, arrays: Dict[str, np.ndarray]) -> np.ndarray:
+        if key not in self._checked:
+            check_inputs(key, arrays, self.backend.input_specs(key))
+            self._checked.add(key)
+        return self.backend.run(key, arrays)
+
+    def prefill_size(self, longest: int) -> int:
+        """The smallest prefill graph that holds a prompt of `longest` tokens."""
+        return next(n for n in self.prefill_sizes if n >= longest)
 
     def _prefill(self, rows: List[List[int]]) -> np.ndarray:
         pad = int(self.defaults.pad_token_id or 0)
         full = [list(r) for r in rows] + [[pad]] * (self.batch_size - len(rows))
-        logits = self._run("prefill", self.inputs.prefill(full, self.seq_length, pad))
+        tokens = self.prefill_size(max(len(r) for r in rows))
+        logits = self._run(f"prefill_{tokens}", self.inputs.prefill(full, tokens, pad))
         self._cache, self._cache_rows = full, len(rows)
         return logits[:len(rows)]
 

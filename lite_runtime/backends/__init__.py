@@ -49,16 +49,16 @@ def load_backend(name: str, config):
     raise InferError(f"backend {name!r} is not one of {', '.join(BACKENDS)}")
 
 
-def check_inputs(role: str, arrays: Dict[str, np.ndarray], specs: Sequence) -> None:
+def check_inputs(key: str, arrays: Dict[str, np.ndarray], specs: Sequence) -> None:
     """Inputs bound by name must match the graph's declared names, dtypes and shapes exactly."""
     names = [s.name for s in specs]
     if sorted(arrays) != sorted(names):
-        raise InferError(f"the {role} graph takes inputs {', '.join(names)}; the input mapping made "
+        raise InferError(f"the {key} graph takes inputs {', '.join(names)}; the input mapping made "
                          f"{', '.join(arrays)}; the folder and model_name do not belong together")
     for spec in specs:
         arr = arrays[spec.name]
         if str(arr.dtype) != spec.dtype or tuple(arr.shape) != tuple(spec.shape):
-            raise InferError(f"the {role} graph's input {spec.name} is {spec.dtype} {list(spec.shape)}, "
+            raise InferError(f"the {key} graph's input {spec.name} is {spec.dtype} {list(spec.shape)}, "
                              f"got {arr.dtype} {list(arr.shape)}")
 
 

@@ -1,10 +1,15 @@
 """The `ms` backend: MindSpore's MindIR executor (mindspore.load + nn.GraphCell). CPU default; tests run it.
 
-Two GraphCells never share Parameters (each copies its own), so after every prefill the KV
-cache Parameters are handed from the prefill cell to the incremental cell.
+Weights and KV cache are held once: the longest prefill graph is loaded with its data, every
+other graph is loaded without parameter data (a copy of its proto with the data references
+cleared), and each of its Parameters is pointed at the first graph's with `set_data`, which
+shares the storage. So all graphs read and write the same cache, and nothing is handed over.
+(`GraphCell(params_init=...)` would copy instead: one more copy of the weights per graph.)
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import Dict, Tuple
 
 import numpy as np
@@ -12,7 +17,6 @@ import numpy as np
 from lite_runtime.backends import unavailable
 from lite_runtime.folder import TensorSpec
 
-CACHE_SUFFIXES = ("key_cache", "value_cache")
 _DTYPES = {"INT32": "int32", "INT64": "int64", "FLOAT": "float32", "FLOAT16": "float16",
            "BFLOAT16": "bfloat16", "BOOL": "bool"}
 
@@ -45,6 +49,36 @@ def mindir_specs(path: str) -> Tuple[Tuple[TensorSpec, ...], Tuple[TensorSpec, .
     return inputs, outputs
 
 
+def _load_without_data(ms, path: str):
+    """mindspore.load of a copy of `path` whose parameters carry no data (neither embedded nor external)."""
+    from mindspore.train import mind_ir_pb2
+
+    model = mind_ir_pb2.ModelProto()
+    with open(path, "rb") as fh:
+        model.ParseFromString(fh.read())
+    for param in model.graph.parameter:
+        param.ClearField("raw_data")
+        param.ClearField("external_data")
+    with tempfile.TemporaryDirectory(prefix="mslite-llm-") as tmp:
+        stripped = os.path.join(tmp, os.path.basename(path))
+        with open(stripped, "wb") as fh:
+            fh.write(model.SerializeToString())
+        return ms.load(stripped)
+
+
+def _set_cpu_threads(ms, threads) -> None:
+    """MindSpore's CPU kernels default to a pool of 25-30 threads whatever the machine; use the cores we have.
+
+    It can be set once per process; a process that set it already keeps its own choice.
+    """
+    if not threads:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        ms.device_context.cpu.op_tuning.threads_num(int(threads))
+    except RuntimeError:
+        pass
+
+
 class MsBackend:
     name = "ms"
 
@@ -56,21 +90,27 @@ class MsBackend:
             raise InferError(f"{config.prefill_model_path}: a bfloat16 graph has no CPU kernels in MindSpore; "
                              "run it with backend 'mslite' on Atlas A2, or re-export with --dtype float32")
         ms.set_context(mode=ms.GRAPH_MODE)
-        paths = {"prefill": config.prefill_model_path, "inc": config.increment_model_path}
-        self.cells = {role: nn.GraphCell(ms.load(path)) for role, path in paths.items()}
-        self.specs = {role: mindir_specs(path) for role, path in paths.items()}
+        _set_cpu_threads(ms, config.cpu_threads)
+        paths = config.graph_paths()  # the longest prefill graph first
+        first, *others = paths
+        self.cells = {first: nn.GraphCell(ms.load(paths[first]))}
+        owned = {p.name: p for p in self.cells[first].get_parameters()}
+        for key in others:
+            cell = nn.GraphCell(_load_without_data(ms, paths[key]))
+            for param in cell.get_parameters():
+                if param.name not in owned:
+                    from lite_runtime.errors import InferError
+
+                    raise InferError(f"{paths[key]}: parameter {param.name} is not in {paths[first]}; the graphs "
+                                     "do not belong to one export")
+                param.set_data(owned[param.name])
+            self.cells[key] = cell
+        self.specs = {key: mindir_specs(path) for key, path in paths.items()}
         self._tensor = ms.Tensor
-        inc_params = {p.name: p for p in self.cells["inc"].get_parameters()}
-        self._cache_pairs = [(p, inc_params[p.name]) for p in self.cells["prefill"].get_parameters()
-                             if p.name.endswith(CACHE_SUFFIXES)]
 
-    def input_specs(self, role: str) -> Tuple[TensorSpec, ...]:
-        return self.specs[role][0]
+    def input_specs(self, key: str) -> Tuple[TensorSpec, ...]:
+        return self.specs[key][0]
 
-    def run(self, role: str, inputs: Dict[str, np.ndarray]) -> np.ndarray:
-        args = [self._tensor(inputs[spec.name]) for spec in self.specs[role][0]]
-        out = self.cells[role](*args)
-        if role == "prefill":
-            for src, dst in self._cache_pairs:
-                dst.set_data(src)
-        return out.asnumpy()
+    def run(self, key: str, inputs: Dict[str, np.ndarray]) -> np.ndarray:
+        args = [self._tensor(inputs[spec.name]) for spec in self.specs[key][0]]
+        return self.cells[key](*args).asnumpy()

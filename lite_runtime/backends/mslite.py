@@ -7,9 +7,9 @@ functions `context_plan`, `build_plan` and `read_ge_config`, which the tests che
 `MsLiteBackend` only carries those plans out against the documented mindspore_lite API:
 
     ctx = Context(); ctx.target = ["ascend"]; ctx.ascend.device_id/rank_id; ctx.ascend.provider = "ge"
-    prefill, inc = Model(), Model()
-    group = ModelGroup(ModelGroupFlag.SHARE_WEIGHT); group.add_model([prefill, inc])   # before building
-    prefill.build_from_file(path, ModelType.MINDIR, ctx, config_path=<config.ini>); inc.build_from_file(...)
+    one Model per graph (each prefill bucket, then inc)
+    group = ModelGroup(ModelGroupFlag.SHARE_WEIGHT); group.add_model([...all models])   # before building
+    model.build_from_file(path, ModelType.MINDIR, ctx, config_path=<config.ini>) for each
 
 `add_model` must come before `build_from_file`: it tags both models with one group id, and that
 id is what makes GE build them into one session, sharing the weights and the KV cache Parameters.
@@ -62,20 +62,14 @@ def read_ge_config(path: str) -> Dict[str, Dict[str, str]]:
 
 
 def build_plan(config) -> List[Tuple]:
-    """The calls that load both graphs into one ModelGroup, in the order they must happen."""
+    """The calls that load every graph into one ModelGroup, in the order they must happen."""
     if not config.ge_config_path:
         raise InferError("backend 'mslite' needs ge_config_path (the folder's config.ini); pass a model folder "
                          "or ge_config_path")
     read_ge_config(config.ge_config_path)
-    ini = config.ge_config_path
-    return [
-        ("Model", "prefill"),
-        ("Model", "inc"),
-        ("ModelGroup", "SHARE_WEIGHT"),
-        ("add_model", ("prefill", "inc")),
-        ("build_from_file", "prefill", config.prefill_model_path, "MINDIR", ini),
-        ("build_from_file", "inc", config.increment_model_path, "MINDIR", ini),
-    ]
+    paths = config.graph_paths()
+    return ([("Model", key) for key in paths] + [("ModelGroup", "SHARE_WEIGHT"), ("add_model", tuple(paths))]
+            + [("build_from_file", key, path, "MINDIR", config.ge_config_path) for key, path in paths.items()])
 
 
 def short_name(tensor_name: str) -> str:
@@ -107,21 +101,21 @@ class MsLiteBackend:  # pragma: no cover - needs mindspore_lite and an Ascend de
             elif step[0] == "ModelGroup":
                 group = mslite.ModelGroup(getattr(mslite.ModelGroupFlag, step[1]))
             elif step[0] == "add_model":
-                group.add_model([models[role] for role in step[1]])
+                group.add_model([models[key] for key in step[1]])
             elif step[0] == "build_from_file":
-                _, role, path, model_type, ini = step
-                models[role].build_from_file(path, getattr(mslite.ModelType, model_type), context, config_path=ini)
+                _, key, path, model_type, ini = step
+                models[key].build_from_file(path, getattr(mslite.ModelType, model_type), context, config_path=ini)
         self._group = group  # kept alive with the models
         self.models = models
-        self._inputs = {role: model.get_inputs() for role, model in models.items()}
+        self._inputs = {key: model.get_inputs() for key, model in models.items()}
 
-    def input_specs(self, role: str) -> Tuple[TensorSpec, ...]:
+    def input_specs(self, key: str) -> Tuple[TensorSpec, ...]:
         return tuple(TensorSpec(short_name(t.name), _DTYPES.get(t.dtype.name, t.dtype.name.lower()), tuple(t.shape))
-                     for t in self._inputs[role])
+                     for t in self._inputs[key])
 
-    def run(self, role: str, inputs: Dict[str, np.ndarray]) -> np.ndarray:
-        tensors = self._inputs[role]
+    def run(self, key: str, inputs: Dict[str, np.ndarray]) -> np.ndarray:
+        tensors = self._inputs[key]
         for tensor in tensors:
             tensor.set_data_from_numpy(np.ascontiguousarray(inputs[short_name(tensor.name)]))
-        outputs = self.models[role].predict(tensors)
+        outputs = self.models[key].predict(tensors)
         return outputs[0].get_data_to_numpy()
