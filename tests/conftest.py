@@ -33,16 +33,18 @@ def checkpoints(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory, checkpoints):
-    """One model folder per checkpoint: cpu profile, fp32, batch 2, seq_length 32."""
+    """One model folder per checkpoint (cpu profile, fp32, batch 2, seq_length 32), and one with buckets."""
     from export.config import ExportConfig
     from export.pipeline import run_export
 
     root = tmp_path_factory.mktemp("model_dirs")
+    plans = {name: (ckpt, ()) for name, ckpt in checkpoints.items()}
+    plans["gqa_tied_buckets"] = (checkpoints["gqa_tied"], (8, 16))  # prompt-length buckets 8 / 16 / 32
     folders = {}
-    for name, ckpt in checkpoints.items():
+    for name, (ckpt, buckets) in plans.items():
         out = str(root / name)
         run_export(ExportConfig(checkpoint=ckpt, output=out, name=name, seq_length=32, batch_size=2,
-                                dtype="float32", device="cpu"))
+                                dtype="float32", device="cpu", prefill_buckets=buckets))
         folders[name] = out
     return folders
 

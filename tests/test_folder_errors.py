@@ -14,8 +14,6 @@ from lite_runtime import InferConfig, InferError, InputOfInfer, InferTask, Model
 def folder(tmp_path, exported):
     dst = tmp_path / "m"
     shutil.copytree(exported["gqa_tied"], dst)
-    for f in dst.iterdir():
-        f.chmod(0o644)
     return dst
 
 
@@ -23,6 +21,14 @@ def error_of(fn, *args, **kwargs) -> str:
     with pytest.raises(InferError) as err:
         fn(*args, **kwargs)
     return str(err.value)
+
+
+def test_truncated_weights(folder):
+    data = folder / "gqa_tied_variables" / "data_0"
+    size = data.stat().st_size
+    data.write_bytes(data.read_bytes()[:size // 2])
+    assert error_of(InferConfig.from_folder, str(folder)) == (
+        f"{data}: {size // 2} bytes, manifest.json says {size} (truncated or changed copy); re-copy the folder")
 
 
 def test_truncated_graph(folder):
@@ -68,8 +74,7 @@ def test_yaml_that_disagrees_with_the_graphs(folder):
     manifest["files"]["gqa_tied.yaml"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
     (folder / "manifest.json").write_text(json.dumps(manifest))
     assert error_of(InferConfig.from_folder, str(folder)) == (
-        f"{yaml_path}: batch_size 2 / seq_length 64 disagree with the prefill graph's input_ids shape [2, 32]; "
-        "re-export the folder")
+        f"{yaml_path}: no prefill graph of seq_length 64 tokens in manifest.json; re-export the folder")
 
 
 def test_not_a_folder(tmp_path):

@@ -67,3 +67,22 @@ def test_chat_template_is_the_tokenizers(pipes, checkpoints, tokenizer):
     ref = hf_generate(checkpoints["gqa_tied"], ids, max_new_tokens=5, do_sample=False)
     assert pipe("hi", apply_chat_template=True, max_new_tokens=5) == tokenizer.decode(ref[len(ids):],
                                                                                        skip_special_tokens=True)
+
+
+def test_prefill_buckets_give_the_same_tokens(pipes, exported, checkpoints):
+    """A folder with full graphs of 8, 16 and 32 tokens: each prompt runs on the smallest that fits."""
+    import json
+    import os
+
+    bucketed, single = pipes["gqa_tied_buckets"], pipes["gqa_tied"]
+    with open(os.path.join(exported["gqa_tied_buckets"], "manifest.json")) as fh:
+        manifest = json.load(fh)
+    assert sorted((g["role"], g["tokens"]) for g in manifest["graphs"]) == [
+        ("inc", 1), ("prefill", 8), ("prefill", 16), ("prefill", 32)]
+    assert len({g["variables"] for g in manifest["graphs"]}) == 1  # one weights file for all four graphs
+    assert [bucketed.prefill_size(n) for n in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
+    for lengths in ([3, 8], [5, 12], [16, 2], [20, 9]):
+        rows = prompts(2, lengths, seed=sum(lengths))
+        got = bucketed.generate(rows, max_new_tokens=8).sequences
+        assert got == single.generate(rows, max_new_tokens=8).sequences
+        assert got[0] == hf_generate(checkpoints["gqa_tied"], rows[0], max_new_tokens=8, do_sample=False)

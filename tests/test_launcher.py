@@ -5,10 +5,20 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from reference import hf_generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(ROOT, "scripts", "run_infer_main.py")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+
+@pytest.fixture(scope="module")
+def want(checkpoints, tokenizer):
+    ids = tokenizer("Hello world", add_special_tokens=False)["input_ids"]
+    ref = hf_generate(checkpoints["gqa_tied"], ids, max_new_tokens=8, do_sample=False)
+    return tokenizer.decode(ref[len(ids):], skip_special_tokens=True)
 
 
 def launch(*args, stdin=None):
@@ -16,41 +26,36 @@ def launch(*args, stdin=None):
                           timeout=600)
 
 
-def test_prompt_once_then_interactive_loop(exported, checkpoints, tokenizer):
-    folder = exported["gqa_tied"]
-    ids = tokenizer("Hello world", add_special_tokens=False)["input_ids"]
-    ref = hf_generate(checkpoints["gqa_tied"], ids, max_new_tokens=8, do_sample=False)
-    want = tokenizer.decode(ref[len(ids):], skip_special_tokens=True)
-
-    proc = launch("--model_dir", folder, "--backend", "ms", "--prompt", "Hello world", "--max_output_length", "8")
+def test_prompt_once(exported, want):
+    proc = launch("--model_dir", exported["gqa_tied"], "--backend", "ms", "--prompt", "Hello world",
+                  "--max_output_length", "8")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == want + "\n"
     timing = [line for line in proc.stderr.splitlines() if line.startswith("[timing]")]
     assert len(timing) == 1 and " ms, decode " in timing[0] and "backend ms" in timing[0]
 
-    streamed = launch("--model_dir", folder, "--prompt", "Hello world", "--max_output_length", "8", "--stream")
-    assert streamed.returncode == 0, streamed.stderr
-    assert streamed.stdout == want + "\n"  # backend auto falls back to ms here
 
-    loop = launch("--model_dir", folder, "--backend", "ms", "--max_output_length", "8",
+def test_interactive_streaming_loop_until_exit(exported, want):
+    """Backend auto falls back to ms here; each line streams its answer; `exit` ends the loop."""
+    proc = launch("--model_dir", exported["gqa_tied"], "--max_output_length", "8", "--stream",
                   stdin="Hello world\nHello world\nexit\nnever read\n")
-    assert loop.returncode == 0, loop.stderr
-    assert loop.stdout.count(want + "\n") == 2
-    assert sum(line.startswith("[timing]") for line in loop.stderr.splitlines()) == 2
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count(want + "\n") == 2
+    assert sum(line.startswith("[timing]") for line in proc.stderr.splitlines()) == 2
 
 
-def test_launcher_errors(exported):
+def test_launcher_errors(exported, capsys):
+    import run_infer_main
+
     folder = exported["gqa_tied"]
-    too_long = launch("--model_dir", folder, "--backend", "ms", "--prompt", "Hello " * 40)
-    assert too_long.returncode == 2
-    assert too_long.stderr.strip().splitlines()[-1].startswith("error: row 0 has ")
-    assert too_long.stderr.strip().splitlines()[-1].endswith(
+    assert run_infer_main.main(["--model_dir", folder, "--backend", "ms", "--prompt", "Hello " * 40]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: row 0 has ") and err.endswith(
         "tokens, more than the graphs' seq_length 32; shorten the prompt or re-export with a larger --seq_length")
-    mslite = launch("--model_dir", folder, "--backend", "mslite", "--prompt", "hi")
-    assert mslite.returncode == 2
-    assert mslite.stderr.strip().splitlines()[-1] == (
+    assert run_infer_main.main(["--model_dir", folder, "--backend", "mslite", "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.strip() == (
         "error: backend 'mslite' on the CPU cannot share the KV cache between the two graphs (weight sharing is "
         "GE-only); use backend 'ms' for a folder exported with --device cpu")
-    neither = launch("--backend", "ms", "--prompt", "hi")
-    assert (neither.returncode, neither.stderr.strip()) == (
-        2, "error: pass --model_dir, or both --prefill_model_path and --increment_model_path")
+    assert run_infer_main.main(["--backend", "ms", "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: pass --model_dir, or both --prefill_model_path and --increment_model_path")

@@ -30,17 +30,20 @@ def test_mslite_refuses_a_cpu_folder(exported):
 
 
 def test_build_plan_groups_before_building(tmp_path, exported):
-    folder = tmp_path / "atlas"
+    """Every graph (each prefill bucket, then inc) joins one ModelGroup before any of them is built."""
     import shutil
-    shutil.copytree(exported["gqa_tied"], folder)
+
+    folder = tmp_path / "atlas"
+    shutil.copytree(exported["gqa_tied_buckets"], folder)
     ini = os.path.join(GE_CONFIG_DIR, "atlas_800i_a2.ini")
     config = InferConfig.from_folder(str(folder), target="Ascend", ge_config_path=ini)
-    plan = build_plan(config)
-    assert plan == [
-        ("Model", "prefill"), ("Model", "inc"), ("ModelGroup", "SHARE_WEIGHT"), ("add_model", ("prefill", "inc")),
-        ("build_from_file", "prefill", config.prefill_model_path, "MINDIR", ini),
-        ("build_from_file", "inc", config.increment_model_path, "MINDIR", ini),
-    ]
+    paths = config.graph_paths()
+    keys = ("prefill_32", "prefill_16", "prefill_8", "inc")
+    assert tuple(paths) == keys
+    assert build_plan(config) == (
+        [("Model", k) for k in keys] + [("ModelGroup", "SHARE_WEIGHT"), ("add_model", keys)]
+        + [("build_from_file", k, paths[k], "MINDIR", ini) for k in keys])
+    assert paths["prefill_32"] == config.prefill_model_path and paths["inc"] == config.increment_model_path
     with pytest.raises(InferError) as err:  # the cpu profile's ini has no GE options at all
         build_plan(InferConfig.from_folder(str(folder), target="Ascend"))
     assert str(err.value) == (f"{folder / 'config.ini'}: [ascend_context] provider=ge is required (found None); "

@@ -25,11 +25,23 @@ def run(cell, ids, lengths):
     return cell(ms.Tensor(np.asarray(ids, np.int32)), ms.Tensor(np.asarray(lengths, np.int32))).asnumpy()
 
 
+@pytest.fixture(scope="module")
+def nets(checkpoints):
+    """(prefill, decode) cells per checkpoint, batch 2, seq_length 24, built once: compiling is the slow part."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            built[name] = build(checkpoints[name], batch=2, seq=24)
+        return built[name]
+    return get
+
+
 @pytest.mark.parametrize("name", ["gqa_tied", "mha_untied"])
-def test_prefill_and_decode_match_hf_batch_of_two(checkpoints, name):
+def test_prefill_and_decode_match_hf_batch_of_two(nets, checkpoints, name):
     """Batch of 2 prompts of different lengths; prefill, then 3 greedy decode steps, each row vs HF."""
     ckpt = checkpoints[name]
-    prefill, decode = build(ckpt, batch=2, seq=24)
+    prefill, decode = nets(name)
     rows = prompts(2, [5, 11], seed=3)
     logits = run(prefill, right_pad(rows, 24), [len(r) for r in rows])
     for step in range(4):
@@ -43,23 +55,25 @@ def test_prefill_and_decode_match_hf_batch_of_two(checkpoints, name):
         logits = run(decode, nxt.reshape(2, 1), [len(r) for r in rows])
 
 
-def test_prefill_n_then_one_step_equals_full_forward_n_plus_1(checkpoints):
+def test_prefill_n_then_one_step_equals_full_forward_n_plus_1(nets, checkpoints):
     ckpt = checkpoints["gqa_tied"]
-    prefill, decode = build(ckpt, batch=1, seq=16)
-    row = prompts(1, [9], seed=5)[0]
-    run(prefill, right_pad([row[:8]], 16), [8])
-    stepped = run(decode, [[row[8]]], [9])[0]
-    full = run(prefill, right_pad([row], 16), [9])[0]
+    prefill, decode = nets("gqa_tied")
+    row, other = prompts(2, [9, 4], seed=5)
+    run(prefill, right_pad([row[:8], other], 24), [8, 4])
+    stepped = run(decode, [[row[8]], [other[-1]]], [9, 4])[0]  # row 1 rewrites its last token: unchanged
+    full = run(prefill, right_pad([row, other], 24), [9, 4])[0]
     assert rel_err(stepped, full) < TOL
     assert rel_err(stepped, hf_last_logits(ckpt, row)) < TOL
 
 
-def test_prompt_filling_the_whole_cache(checkpoints):
+def test_prompt_filling_the_whole_cache(nets, checkpoints):
     """A prompt of exactly seq_length tokens: no padding at all."""
     ckpt = checkpoints["mha_untied"]
-    prefill, _ = build(ckpt, batch=1, seq=12)
-    row = prompts(1, [12], seed=7)[0]
-    assert rel_err(run(prefill, [row], [12])[0], hf_last_logits(ckpt, row)) < TOL
+    prefill, _ = nets("mha_untied")
+    row, other = prompts(2, [24, 3], seed=7)
+    out = run(prefill, right_pad([row, other], 24), [24, 3])
+    assert rel_err(out[0], hf_last_logits(ckpt, row)) < TOL
+    assert rel_err(out[1], hf_last_logits(ckpt, other)) < TOL
 
 
 def test_float16_network_stays_close_to_hf(checkpoints):
