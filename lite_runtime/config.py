@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from lite_runtime.errors import InferError
-from lite_runtime.folder import ModelFolder, graph_key, load_folder
+from lite_runtime.folder import ModelFolder, graph_key, graph_tokens, load_folder
 
 MODEL_TYPES = ("mindir",)
 TARGETS = ("Ascend", "CPU")
@@ -78,7 +78,7 @@ class InferConfig:
         else:
             paths = {graph_key("prefill", int(self.infer_seq_length)): self.prefill_model_path,
                      "inc": self.increment_model_path}
-        prefill = sorted((k for k in paths if k != "inc"), key=lambda k: -int(k.split("_")[1]))
+        prefill = sorted((k for k in paths if k != "inc"), key=lambda k: -graph_tokens(k))
         return {k: paths[k] for k in prefill + ["inc"]}
 
     def validate(self) -> None:

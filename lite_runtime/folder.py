@@ -62,6 +62,11 @@ def graph_key(role: str, tokens: int) -> str:
     return "inc" if role == "inc" else f"prefill_{tokens}"
 
 
+def graph_tokens(key: str) -> int:
+    """Tokens per row of the graph `key` (the inverse of graph_key): 1 for `inc`."""
+    return 1 if key == "inc" else int(key.split("_", 1)[1])
+
+
 def _sha256(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:

@@ -19,6 +19,7 @@ import numpy as np
 from lite_runtime.backends import check_inputs, load_backend, resolve_backend
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError
+from lite_runtime.folder import graph_key, graph_tokens
 from lite_runtime.inputs import InputOfInfer
 from lite_runtime.sampling import GenerationSettings, choose, process
 
@@ -58,7 +59,7 @@ class TextGenerator:
         self.backend = load_backend(self.backend_name, config)
         self.batch_size, self.seq_length = int(config.batch_size), int(config.infer_seq_length)
         # prompt-length buckets: a batch prefills on the smallest full graph its longest prompt fits
-        self.prefill_sizes = sorted(int(k.split("_")[1]) for k in config.graph_paths() if k != "inc")
+        self.prefill_sizes = sorted(graph_tokens(k) for k in config.graph_paths() if k != "inc")
         self._check_graph_specs()
         self._warm_up()
         self._tokenizer = tokenizer
@@ -80,7 +81,7 @@ class TextGenerator:
                                  f"disagree with manifest.json "
                                  f"{[(s.name, s.dtype, list(s.shape)) for s in folder.graphs[key].inputs]}; re-export")
             ids = next((s for s in got if s.name == "input_ids"), None)
-            want = (self.batch_size, 1 if key == "inc" else int(key.split("_")[1]))
+            want = (self.batch_size, graph_tokens(key))
             if ids is None or tuple(ids.shape) != want:
                 raise InferError(f"{path}: input_ids shape {list(ids.shape) if ids else None} does not match "
                                  f"batch_size {self.batch_size} and seq_length {self.seq_length}")
@@ -121,19 +122,18 @@ class TextGenerator:
         pad = int(self.defaults.pad_token_id or 0)
         full = [list(r) for r in rows] + [[pad]] * (self.batch_size - len(rows))
         tokens = self.prefill_size(max(len(r) for r in rows))
-        logits = self._run(f"prefill_{tokens}", self.inputs.prefill(full, tokens, pad))
+        self._cache = None  # unknown until the graph call succeeds: a failed call leaves a prefill to do
+        logits = self._run(graph_key("prefill", tokens), self.inputs.prefill(full, tokens, pad))
         self._cache, self._cache_rows = full, len(rows)
         return logits[:len(rows)]
 
     def _step(self, advance: Dict[int, int]) -> np.ndarray:
         """Append advance[row] to those rows; the other rows rewrite their last token (cache unchanged)."""
-        tokens, lengths = [], []
-        for i, row in enumerate(self._cache):
-            if i in advance:
-                row.append(int(advance[i]))
-            tokens.append(row[-1])
-            lengths.append(len(row))
-        return self._run("inc", self.inputs.increment(tokens, lengths))[:self._cache_rows]
+        rows = [row + [int(advance[i])] if i in advance else row for i, row in enumerate(self._cache)]
+        self._cache = None  # as in _prefill: recorded only once the graph has run
+        logits = self._run("inc", self.inputs.increment([r[-1] for r in rows], [len(r) for r in rows]))
+        self._cache = rows
+        return logits[:self._cache_rows]
 
     def _forward(self, rows: List[List[int]]) -> np.ndarray:
         """Logits after each row's last token, reusing the cache when every row extends it by one."""

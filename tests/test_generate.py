@@ -86,3 +86,4 @@ def test_prefill_buckets_give_the_same_tokens(pipes, exported, checkpoints):
         got = bucketed.generate(rows, max_new_tokens=8).sequences
         assert got == single.generate(rows, max_new_tokens=8).sequences
         assert got[0] == hf_generate(checkpoints["gqa_tied"], rows[0], max_new_tokens=8, do_sample=False)
+
