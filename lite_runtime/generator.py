@@ -69,6 +69,7 @@ class TextGenerator:
         self._cache_rows = 0  # how many of them are real rows
         self._checked = set()
         self._lock = threading.RLock()
+        self.last_output: Optional[GenerateOutput] = None  # of the last text call, for its timing
 
     # --- loading ----------------------------------------------------------------------------------
     def _check_graph_specs(self) -> None:

@@ -31,13 +31,19 @@ def _mindspore():
     return mindspore, nn
 
 
-def mindir_specs(path: str) -> Tuple[Tuple[TensorSpec, ...], Tuple[TensorSpec, ...]]:
-    """Input and output specs as the MindIR file declares them (names without the graph prefix)."""
+def _read_mindir(path: str):
     from mindspore.train import mind_ir_pb2
 
     model = mind_ir_pb2.ModelProto()
     with open(path, "rb") as fh:
         model.ParseFromString(fh.read())
+    return model
+
+
+def mindir_specs(model) -> Tuple[Tuple[TensorSpec, ...], Tuple[TensorSpec, ...]]:
+    """Input and output specs as a parsed MindIR declares them (names without the graph prefix)."""
+    from mindspore.train import mind_ir_pb2
+
     name_of = mind_ir_pb2.TensorProto.DataType.Name
 
     def spec(value, name):
@@ -49,18 +55,16 @@ def mindir_specs(path: str) -> Tuple[Tuple[TensorSpec, ...], Tuple[TensorSpec, .
     return inputs, outputs
 
 
-def _load_without_data(ms, path: str):
-    """mindspore.load of a copy of `path` whose parameters carry no data (neither embedded nor external)."""
-    from mindspore.train import mind_ir_pb2
+def _load_without_data(ms, model, name: str):
+    """mindspore.load of a parsed MindIR with its parameters' data (embedded or external) cleared.
 
-    model = mind_ir_pb2.ModelProto()
-    with open(path, "rb") as fh:
-        model.ParseFromString(fh.read())
+    Clears the fields on `model` itself; read its specs first.
+    """
     for param in model.graph.parameter:
         param.ClearField("raw_data")
         param.ClearField("external_data")
     with tempfile.TemporaryDirectory(prefix="mslite-llm-") as tmp:
-        stripped = os.path.join(tmp, os.path.basename(path))
+        stripped = os.path.join(tmp, name)
         with open(stripped, "wb") as fh:
             fh.write(model.SerializeToString())
         return ms.load(stripped)
@@ -93,10 +97,14 @@ class MsBackend:
         _set_cpu_threads(ms, config.cpu_threads)
         paths = config.graph_paths()  # the longest prefill graph first
         first, *others = paths
+        self.specs = {}
         self.cells = {first: nn.GraphCell(ms.load(paths[first]))}
+        self.specs[first] = mindir_specs(_read_mindir(paths[first]))
         owned = {p.name: p for p in self.cells[first].get_parameters()}
         for key in others:
-            cell = nn.GraphCell(_load_without_data(ms, paths[key]))
+            model = _read_mindir(paths[key])  # parsed once: specs first, then loaded without its data
+            self.specs[key] = mindir_specs(model)
+            cell = nn.GraphCell(_load_without_data(ms, model, os.path.basename(paths[key])))
             for param in cell.get_parameters():
                 if param.name not in owned:
                     from lite_runtime.errors import InferError
@@ -105,7 +113,6 @@ class MsBackend:
                                      "do not belong to one export")
                 param.set_data(owned[param.name])
             self.cells[key] = cell
-        self.specs = {key: mindir_specs(path) for key, path in paths.items()}
         self._tensor = ms.Tensor
 
     def input_specs(self, key: str) -> Tuple[TensorSpec, ...]:
