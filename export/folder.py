@@ -101,15 +101,19 @@ def sha256_file(path: str, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def file_table(folder: str) -> Dict[str, Dict[str, Any]]:
-    """sha256 and size of every file below `folder` (relative, '/'-separated), manifest excluded."""
+def file_table(folder: str, known: Optional[Dict[str, str]] = None) -> Dict[str, Dict[str, Any]]:
+    """sha256 and size of every file below `folder` (relative, '/'-separated), manifest excluded.
+
+    `known` gives the sha256 of files hashed as they were written (the weights file), by relative path.
+    """
+    known = known or {}
     table = {}
     for root, _, files in os.walk(folder):
         for f in sorted(files):
             path = os.path.join(root, f)
             rel = os.path.relpath(path, folder).replace(os.sep, "/")
             if rel != MANIFEST:
-                table[rel] = {"sha256": sha256_file(path), "size": os.path.getsize(path)}
+                table[rel] = {"sha256": known.get(rel) or sha256_file(path), "size": os.path.getsize(path)}
     return dict(sorted(table.items()))
 
 
@@ -121,9 +125,10 @@ def write_yaml(folder: str, name: str, content: Dict[str, Any]) -> str:
     return path
 
 
-def write_manifest(folder: str, name: str, graphs: List[Dict[str, Any]]) -> Dict[str, Any]:
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "name": name,
-                "yaml": f"{name}.yaml", "ge_config": GE_CONFIG, "graphs": graphs, "files": file_table(folder)}
+def write_manifest(folder: str, name: str, graphs: List[Dict[str, Any]],
+                   known: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "name": name, "yaml": f"{name}.yaml",
+                "ge_config": GE_CONFIG, "graphs": graphs, "files": file_table(folder, known)}
     with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as fh:
         json.dump(manifest, fh, indent=2)
         fh.write("\n")

@@ -36,11 +36,13 @@ class ExportSummary:
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    return f"{n:.1f} GiB"
+        if n < 1024 or unit == "GiB":
+            break
+    return f"{n:.1f} {unit}"
 
 
 def _peak_rss() -> int:
@@ -68,8 +70,8 @@ def run_export(cfg: ExportConfig, show_progress: bool = False) -> ExportSummary:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        weight_bytes, graphs = _write_graphs(cfg, model_cfg, tmp, show_progress)
-        _write_folder_files(cfg, model_cfg, profile, tmp, graphs)
+        weight_bytes, graphs, hashed = _write_graphs(cfg, model_cfg, tmp, show_progress)
+        _write_folder_files(cfg, model_cfg, profile, tmp, graphs, hashed)
         _replace(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -103,13 +105,14 @@ def _write_graphs(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_prog
         ms.export(cells[role], ms.Tensor(np.zeros((b, tokens), np.int32)), ms.Tensor(valid),
                   file_name=os.path.join(tmp, prefix), file_format="MINDIR")
         files.append(fmt.place_graph(tmp, prefix))
-    share_weights(tmp, cfg.name, files)
+    _, data_sha256 = share_weights(tmp, cfg.name, files)
     graphs = [{"role": role, "file": f, "variables": data_location(cfg.name), "tokens": tokens,
                **fmt.read_graph_spec(os.path.join(tmp, f))} for (role, tokens), f in zip(plan, files)]
-    return weight_bytes, graphs
+    return weight_bytes, graphs, {data_location(cfg.name): data_sha256}
 
 
-def _write_folder_files(cfg: ExportConfig, model_cfg: Qwen2Config, profile, tmp: str, graphs) -> None:
+def _write_folder_files(cfg: ExportConfig, model_cfg: Qwen2Config, profile, tmp: str, graphs,
+                        hashed: Dict[str, str]) -> None:
     import mindspore as ms
 
     shutil.copyfile(profile.ini_path, os.path.join(tmp, fmt.GE_CONFIG))
@@ -131,7 +134,7 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: Qwen2Config, profile, tmp:
                   "ge_config_path": fmt.GE_CONFIG},
     }
     fmt.write_yaml(tmp, cfg.name, content)
-    fmt.write_manifest(tmp, cfg.name, graphs)
+    fmt.write_manifest(tmp, cfg.name, graphs, hashed)
 
 
 def _replace(tmp: str, output: str) -> None:

@@ -41,8 +41,11 @@ def _param_bytes(folder: str, param) -> bytes:
     return data
 
 
-def share_weights(folder: str, name: str, graph_files: List[str]) -> Tuple[str, int]:
-    """Rewrite `graph_files` (in `folder`) to share one data file. Returns (its path, bytes written)."""
+def share_weights(folder: str, name: str, graph_files: List[str]) -> Tuple[str, str]:
+    """Rewrite `graph_files` (in `folder`) to share one data file. Returns (its path, its sha256).
+
+    The file's sha256 is computed as it is written, so the manifest need not read it again.
+    """
     from mindspore.train import mind_ir_pb2
 
     location = data_location(name)
@@ -52,8 +55,14 @@ def share_weights(folder: str, name: str, graph_files: List[str]) -> Tuple[str, 
     written: Dict[str, Tuple[int, int, str]] = {}  # parameter -> (offset, length, sha256)
     old_locations = set()
     models = []
+    file_digest = hashlib.sha256()
+
+    def write(out, data: bytes) -> None:
+        out.write(data)
+        file_digest.update(data)
+
     with open(staging, "wb") as out:
-        out.write((1 if sys.byteorder == "little" else 0).to_bytes(1, "little") + bytes(HEADER - 1))
+        write(out, (1 if sys.byteorder == "little" else 0).to_bytes(1, "little") + bytes(HEADER - 1))
         offset = HEADER
         for graph in graph_files:
             model = mind_ir_pb2.ModelProto()
@@ -68,7 +77,7 @@ def share_weights(folder: str, name: str, graph_files: List[str]) -> Tuple[str, 
                         raise ExportError(f"{graph}: parameter {key} differs from the first graph's; "
                                           "the graphs cannot share weights")
                 else:
-                    out.write(data + bytes(-len(data) % ALIGN))
+                    write(out, data + bytes(-len(data) % ALIGN))
                     written[key] = (offset, len(data), digest)
                     offset += len(data) + (-len(data) % ALIGN)
                 if param.external_data.location:
@@ -85,4 +94,4 @@ def share_weights(folder: str, name: str, graph_files: List[str]) -> Tuple[str, 
         os.chmod(path, 0o644)  # MindSpore leaves its files read-only
         with open(path, "wb") as fh:
             fh.write(model.SerializeToString())
-    return data_path, offset
+    return data_path, file_digest.hexdigest()
