@@ -145,7 +145,8 @@ class ExportConfig:
     overwrite: bool = False
     prefill_buckets: Tuple[int, ...] = ()  # extra, shorter full graphs; the seq_length one is always there
 
-    def validate(self, model: Qwen2Config, device_dtypes: Tuple[str, ...]) -> None:
+    def validate(self, model: Qwen2Config, allowed: Tuple[str, ...]) -> None:
+        """`allowed`: the dtypes the device profile has kernels for."""
         if self.batch_size < 1:
             raise ExportError(f"--batch_size must be at least 1, got {self.batch_size}")
         if self.seq_length < 2:
@@ -161,7 +162,6 @@ class ExportConfig:
                                   f"({self.seq_length - 1}); the full seq_length graph is always exported")
         if self.dtype not in DTYPES:
             raise ExportError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        allowed = device_dtypes
         if self.dtype not in allowed:
             raise ExportError(
                 f"--dtype {self.dtype} has no kernels on device profile {self.device!r}; "

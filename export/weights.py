@@ -62,8 +62,9 @@ class SafetensorsFile:
         raw = self._map[self.data_start + begin:self.data_start + end]
         shape = tuple(info["shape"])
         expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(_STORED[dtype]).itemsize
-        if raw.size != expected:
-            raise ExportError(f"{self.path}: tensor {name} is truncated ({raw.size} of {expected} bytes); re-download it")
+        if raw.size != expected:  # the file's size was checked on open: its header contradicts itself
+            raise ExportError(f"{self.path}: tensor {name} spans {raw.size} bytes but its shape {list(shape)} "
+                              f"needs {expected}; the header is damaged, re-download the file")
         arr = raw.view(_STORED[dtype]).reshape(shape)
         if dtype == "BF16":
             arr = (arr.astype(np.uint32) << 16).view(np.float32)
