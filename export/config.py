@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 from export.errors import ExportError
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("qwen2",)
 # dtype of the exported graph -> devices that have kernels for it (see DESIGN.md)
@@ -144,6 +147,21 @@ class ExportConfig:
     device: str = "atlas_800i_a2"
     overwrite: bool = False
     prefill_buckets: Tuple[int, ...] = ()  # extra, shorter full graphs; the seq_length one is always there
+    cpu_kernels: str = "auto"  # our CPU GEMV in the decode step: auto (cpu + float32 when built), on, off
+
+    def use_cpu_kernels(self) -> bool:
+        """Whether the decode graph uses cpu_kernels' GEMV. `on` without the built library is an error."""
+        import cpu_kernels
+
+        if self.cpu_kernels == "off" or self.device != "cpu" or self.dtype != "float32":
+            return False
+        if cpu_kernels.library_path() is None:
+            if self.cpu_kernels == "on":
+                raise ExportError(f"--cpu_kernels on: the CPU kernel library is not built; {cpu_kernels.BUILD_HINT}")
+            log.warning("the CPU kernel library is not built, so the decode graph uses MindSpore's MatMul "
+                        "(about half the decode speed); %s", cpu_kernels.BUILD_HINT)
+            return False
+        return True
 
     def validate(self, model: Qwen2Config, allowed: Tuple[str, ...]) -> None:
         """`allowed`: the dtypes the device profile has kernels for."""
@@ -167,5 +185,10 @@ class ExportConfig:
                 f"--dtype {self.dtype} has no kernels on device profile {self.device!r}; "
                 f"use one of {', '.join(allowed)}"
             )
+        if self.cpu_kernels not in ("auto", "on", "off"):
+            raise ExportError(f"--cpu_kernels {self.cpu_kernels!r} is not one of auto, on, off")
+        if self.cpu_kernels == "on" and (self.device != "cpu" or self.dtype != "float32"):
+            raise ExportError(f"--cpu_kernels on needs --device cpu and --dtype float32 (got --device {self.device}, "
+                              f"--dtype {self.dtype}); graphs for Atlas use MindSpore's own ops")
         if not self.name or any(c in self.name for c in "/\\ ") or self.name.startswith("."):
             raise ExportError(f"--name {self.name!r} must be a plain file name (no slashes or spaces)")

@@ -46,6 +46,37 @@ def place_graph(folder: str, prefix: str) -> str:
     return os.path.basename(split)
 
 
+def portable_kernel_paths(folder: str, graph_files: List[str]) -> int:
+    """Store our CPU kernels' Custom ops by library name, not by this machine's path; returns how many.
+
+    mindspore.export records the absolute path of the library the op was built with; the `ms`
+    backend points the name at the loading machine's library (cpu_kernels.local_func).
+    """
+    import cpu_kernels
+    from mindspore.train import mind_ir_pb2
+
+    count = 0
+    for graph in graph_files:
+        path = os.path.join(folder, graph)
+        model = mind_ir_pb2.ModelProto()
+        with open(path, "rb") as fh:
+            model.ParseFromString(fh.read())
+        changed = 0
+        for prim in model.primitives:
+            for attr in prim.attribute:
+                text = attr.s.decode("utf-8", "replace") if attr.s else ""
+                func = text.split("__", 1)[-1] if attr.name == "uniq_name" else text
+                if cpu_kernels.is_ours(func):
+                    name = cpu_kernels.graph_func(func.rpartition(":")[2])
+                    attr.s = (f"Custom__{name}" if attr.name == "uniq_name" else name).encode()
+                    changed += 1
+        if changed:
+            with open(path, "wb") as fh:
+                fh.write(model.SerializeToString())
+            count += changed
+    return count
+
+
 def read_graph_spec(path: str) -> Dict[str, List[Dict[str, Any]]]:
     """Input names, dtypes and shapes, and output dtypes and shapes, as stored in a MindIR file."""
     from mindspore.train import mind_ir_pb2

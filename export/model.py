@@ -26,20 +26,40 @@ def _weight(shape, dtype, name: str) -> Parameter:
     return Parameter(initializer("zeros", shape, dtype), name=name, requires_grad=False)
 
 
-class Linear(nn.Cell):
-    """y = x @ W^T (+ b), W stored as HF stores it: [out, in]."""
+def gemv_op(with_bias: bool):
+    """Our CPU GEMV kernel as an aot Custom op (cpu_kernels/gemv.cc): [B, I] . [O, I]^T (+ [O]) -> [B, O]."""
+    import cpu_kernels
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype) -> None:
+    func = cpu_kernels.local_func(cpu_kernels.GEMV_BIAS if with_bias else cpu_kernels.GEMV)
+    return ops.Custom(func, out_shape=lambda x, w, *_: (x[0], w[0]), out_dtype=lambda x, *_: x, func_type="aot")
+
+
+class Linear(nn.Cell):
+    """y = x @ W^T (+ b), W stored as HF stores it: [out, in].
+
+    `few_rows` is the decode step's form: with `gemv` (the CPU kernels) it is one Custom op
+    that reads W with every core instead of MindSpore's MatMul, otherwise the same as construct.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, gemv: bool = False) -> None:
         super().__init__()
         self.weight = _weight((out_features, in_features), dtype, "weight")
         self.bias = _weight((out_features,), dtype, "bias") if bias else None
         self.matmul = ops.MatMul(transpose_b=True)
+        self.gemv = gemv_op(bias) if gemv else None
 
     def construct(self, x):  # [N, in] -> [N, out]
         y = self.matmul(x, self.weight)
         if self.bias is not None:
             y = y + self.bias
         return y
+
+    def few_rows(self, x):  # [B, in] -> [B, out], B the batch size
+        if self.gemv is None:
+            return self.construct(x)
+        if self.bias is not None:
+            return self.gemv(x, self.weight, self.bias)
+        return self.gemv(x, self.weight)
 
 
 class RMSNorm(nn.Cell):
@@ -57,14 +77,17 @@ class RMSNorm(nn.Cell):
 
 
 class Qwen2MLP(nn.Cell):
-    def __init__(self, cfg: Qwen2Config, dtype) -> None:
+    def __init__(self, cfg: Qwen2Config, dtype, gemv: bool) -> None:
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, gemv)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, gemv)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, gemv)
 
     def construct(self, x):  # [N, E]
         return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def few_rows(self, x):  # [B, E], the decode step
+        return self.down_proj.few_rows(ops.silu(self.gate_proj.few_rows(x)) * self.up_proj.few_rows(x))
 
 
 def rotate_half(x):  # [..., D]
@@ -75,15 +98,15 @@ def rotate_half(x):  # [..., D]
 class Qwen2Attention(nn.Cell):
     """Self-attention that owns its layer's KV cache Parameters ([B, KH, S, D] each)."""
 
-    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype) -> None:
+    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype, gemv: bool) -> None:
         super().__init__()
         self.h, self.kh, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.g = self.h // self.kh
         self.scale = 1.0 / float(np.sqrt(self.d))
-        self.q_proj = Linear(cfg.hidden_size, self.h * self.d, True, dtype)
-        self.k_proj = Linear(cfg.hidden_size, self.kh * self.d, True, dtype)
-        self.v_proj = Linear(cfg.hidden_size, self.kh * self.d, True, dtype)
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, False, dtype)
+        self.q_proj = Linear(cfg.hidden_size, self.h * self.d, True, dtype, gemv)
+        self.k_proj = Linear(cfg.hidden_size, self.kh * self.d, True, dtype, gemv)
+        self.v_proj = Linear(cfg.hidden_size, self.kh * self.d, True, dtype, gemv)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, False, dtype, gemv)
         cache_shape = (batch_size, self.kh, seq_length, self.d)
         self.key_cache = Parameter(Tensor(np.zeros(cache_shape), dtype), name="key_cache", requires_grad=False)
         self.value_cache = Parameter(Tensor(np.zeros(cache_shape), dtype), name="value_cache", requires_grad=False)
@@ -92,9 +115,13 @@ class Qwen2Attention(nn.Cell):
 
     def _project(self, x, cos, sin, b, n):
         """x [B*n, E] -> q [B, KH, G*n, D], k, v [B, KH, n, D] with RoPE applied."""
-        q = self.q_proj(x).reshape(b, n, self.h, self.d)
-        k = self.k_proj(x).reshape(b, n, self.kh, self.d)
-        v = self.v_proj(x).reshape(b, n, self.kh, self.d)
+        if n == 1:  # the decode step
+            q, k, v = self.q_proj.few_rows(x), self.k_proj.few_rows(x), self.v_proj.few_rows(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(b, n, self.h, self.d)
+        k = k.reshape(b, n, self.kh, self.d)
+        v = v.reshape(b, n, self.kh, self.d)
         cos, sin = cos.reshape(b, n, 1, self.d), sin.reshape(b, n, 1, self.d)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -130,25 +157,24 @@ class Qwen2Attention(nn.Cell):
         v_done = ops.scatter_nd_update(self.value_cache, index, v.reshape(b, self.kh, self.d))
         keys = ops.depend(self.key_cache, k_done)
         values = ops.depend(self.value_cache, v_done)
-        return self.o_proj(self._attend(q, keys, values, mask, b, 1))
+        return self.o_proj.few_rows(self._attend(q, keys, values, mask, b, 1))
 
 
 class Qwen2DecoderLayer(nn.Cell):
-    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype) -> None:
+    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype, gemv: bool) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Qwen2Attention(cfg, batch_size, seq_length, dtype)
+        self.self_attn = Qwen2Attention(cfg, batch_size, seq_length, dtype, gemv)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = Qwen2MLP(cfg, dtype)
-
-    def _mlp_block(self, h):
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self.mlp = Qwen2MLP(cfg, dtype, gemv)
 
     def prefill(self, x, cos, sin, mask, b, n):  # x [B*n, E]
-        return self._mlp_block(x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n))
+        h = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
     def decode(self, x, cos, sin, mask, index, b):  # x [B, E]
-        return self._mlp_block(x + self.self_attn.decode(self.input_layernorm(x), cos, sin, mask, index, b))
+        h = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, mask, index, b)
+        return h + self.mlp.few_rows(self.post_attention_layernorm(h))
 
 
 class Embedding(nn.Cell):
@@ -161,10 +187,10 @@ class Embedding(nn.Cell):
 
 
 class Qwen2Model(nn.Cell):
-    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype) -> None:
+    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype, gemv: bool) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.CellList([Qwen2DecoderLayer(cfg, batch_size, seq_length, dtype)
+        self.layers = nn.CellList([Qwen2DecoderLayer(cfg, batch_size, seq_length, dtype, gemv)
                                    for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -176,15 +202,20 @@ class Qwen2ForCausalLM(nn.Cell):
     decode(input_ids [B, 1] int32, valid_length [B] int32 = tokens in the cache after this step)
     Both return float32 logits [B, V] of each row's last valid token. Positions come from
     valid_length inside the graph.
+
+    gemv=True (float32 CPU folders only) makes every matmul of the decode step our CPU kernel
+    (cpu_kernels); the prefill keeps MindSpore's MatMul.
     """
 
-    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype: str = "float32") -> None:
+    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype: str = "float32",
+                 gemv: bool = False) -> None:
         super().__init__()
         ms_dtype = MS_DTYPES[dtype]
         self.config, self.batch_size, self.seq_length, self.dtype = cfg, batch_size, seq_length, ms_dtype
-        self.model = Qwen2Model(cfg, batch_size, seq_length, ms_dtype)
+        self.model = Qwen2Model(cfg, batch_size, seq_length, ms_dtype, gemv)
         self.tied = bool(cfg.tie_word_embeddings)
         self.lm_head = None if self.tied else Linear(cfg.hidden_size, cfg.vocab_size, False, ms_dtype)
+        self.head_gemv = gemv_op(False) if gemv else None
         cos, sin = rope_tables(cfg, seq_length)
         self.cos, self.sin = Tensor(cos, ms_dtype), Tensor(sin, ms_dtype)  # [S, D] graph constants
         self.head_matmul = ops.MatMul(transpose_b=True)
@@ -194,10 +225,11 @@ class Qwen2ForCausalLM(nn.Cell):
         self.index_base = Tensor(grid.astype(np.int32))  # [B, KH, 2]
         self.positions = Tensor(np.arange(seq_length, dtype=np.int32))
 
-    def _logits(self, hidden):  # [B, E] -> [B, V] float32
+    def _logits(self, hidden, decode: bool = False):  # [B, E] -> [B, V] float32
         hidden = self.model.norm(hidden)
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return ops.cast(self.head_matmul(hidden, weight), ms.float32)
+        matmul = self.head_gemv if decode and self.head_gemv is not None else self.head_matmul
+        return ops.cast(matmul(hidden, weight), ms.float32)
 
     def prefill(self, input_ids, valid_length):
         b, n = input_ids.shape
@@ -226,7 +258,7 @@ class Qwen2ForCausalLM(nn.Cell):
         index = ops.cat((self.index_base, where), axis=-1)  # [B, KH, 3]
         for layer in self.model.layers:
             x = layer.decode(x, cos, sin, mask, index, b)
-        return self._logits(x)
+        return self._logits(x, decode=True)
 
 
 class PrefillGraph(nn.Cell):

@@ -70,8 +70,8 @@ def run_export(cfg: ExportConfig, show_progress: bool = False) -> ExportSummary:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        weight_bytes, graphs, hashed = _write_graphs(cfg, model_cfg, tmp, show_progress)
-        _write_folder_files(cfg, model_cfg, profile, tmp, graphs, hashed)
+        weight_bytes, gemv, graphs, hashed = _write_graphs(cfg, model_cfg, tmp, show_progress)
+        _write_folder_files(cfg, model_cfg, profile, tmp, graphs, hashed, gemv)
         _replace(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -90,7 +90,8 @@ def _write_graphs(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_prog
     from export.weights import load_into
 
     ms.set_context(mode=ms.GRAPH_MODE)
-    net = Qwen2ForCausalLM(model_cfg, cfg.batch_size, cfg.seq_length, cfg.dtype)
+    gemv = cfg.use_cpu_kernels()
+    net = Qwen2ForCausalLM(model_cfg, cfg.batch_size, cfg.seq_length, cfg.dtype, gemv=gemv)
     n_weights = len([p for p in net.get_parameters() if not p.name.endswith(("key_cache", "value_cache"))])
     with tqdm(total=n_weights, desc="weights", unit="tensor", disable=not show_progress) as bar:
         weight_bytes = load_into(net, cfg.checkpoint, progress=bar.update)
@@ -106,13 +107,15 @@ def _write_graphs(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_prog
                   file_name=os.path.join(tmp, prefix), file_format="MINDIR")
         files.append(fmt.place_graph(tmp, prefix))
     _, data_sha256 = share_weights(tmp, cfg.name, files)
+    if gemv:
+        fmt.portable_kernel_paths(tmp, files)
     graphs = [{"role": role, "file": f, "variables": data_location(cfg.name), "tokens": tokens,
                **fmt.read_graph_spec(os.path.join(tmp, f))} for (role, tokens), f in zip(plan, files)]
-    return weight_bytes, graphs, {data_location(cfg.name): data_sha256}
+    return weight_bytes, gemv, graphs, {data_location(cfg.name): data_sha256}
 
 
 def _write_folder_files(cfg: ExportConfig, model_cfg: Qwen2Config, profile, tmp: str, graphs,
-                        hashed: Dict[str, str]) -> None:
+                        hashed: Dict[str, str], gemv: bool) -> None:
     import mindspore as ms
 
     shutil.copyfile(profile.ini_path, os.path.join(tmp, fmt.GE_CONFIG))
@@ -131,6 +134,7 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: Qwen2Config, profile, tmp:
                   "vocab_size": model_cfg.vocab_size, **ids,
                   "prefill_model_path": full["file"], "increment_model_path": inc["file"],
                   "prefill_buckets": sorted(g["tokens"] for g in graphs if g["role"] == "prefill"),
+                  "cpu_kernels": gemv,
                   "ge_config_path": fmt.GE_CONFIG},
     }
     fmt.write_yaml(tmp, cfg.name, content)

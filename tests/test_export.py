@@ -18,14 +18,41 @@ from reference import hf_last_logits, prompts, rel_err, right_pad
 TOL = 1e-4
 
 
-def graph_cells(folder: str):
+def with_local_kernels(folder: str, graph: str, work: str) -> str:
+    """`graph` as plain MindSpore can load it here: a copy in `work` whose Custom ops name this machine's
+    cpu_kernels library (graphs store its bare name), next to a hard link to the folder's weights file
+    (MindSpore refuses weights behind a symlink that leaves the graph's folder)."""
+    import cpu_kernels
+    from mindspore.train import mind_ir_pb2
+
+    model = mind_ir_pb2.ModelProto()
+    with open(os.path.join(folder, graph), "rb") as fh:
+        model.ParseFromString(fh.read())
+    for prim in model.primitives:
+        for attr in prim.attribute:
+            text = attr.s.decode()
+            prefix = "Custom__" if text.startswith("Custom__") else ""
+            if cpu_kernels.is_ours(text[len(prefix):]):
+                attr.s = (prefix + cpu_kernels.local_func(text)).encode()
+    os.makedirs(work, exist_ok=True)
+    for entry in os.listdir(folder):
+        if entry.endswith("_variables") and not os.path.exists(os.path.join(work, entry)):
+            os.makedirs(os.path.join(work, entry))
+            for data in os.listdir(os.path.join(folder, entry)):
+                os.link(os.path.join(folder, entry, data), os.path.join(work, entry, data))
+    with open(os.path.join(work, graph), "wb") as fh:
+        fh.write(model.SerializeToString())
+    return os.path.join(work, graph)
+
+
+def graph_cells(folder: str, work: str):
     """The seq_length prefill graph and the inc graph, each loaded on its own with mindspore.load + GraphCell."""
     import mindspore as ms
     from mindspore import nn
 
     with open(os.path.join(folder, "manifest.json")) as fh:
         graphs = sorted(json.load(fh)["graphs"], key=lambda g: (g["role"] != "prefill", -g["tokens"]))
-    return tuple(nn.GraphCell(ms.load(os.path.join(folder, g["file"]))) for g in (graphs[0], graphs[-1]))
+    return tuple(nn.GraphCell(ms.load(with_local_kernels(folder, g["file"], work))) for g in (graphs[0], graphs[-1]))
 
 
 def hand_off_cache(src, dst) -> None:
@@ -97,12 +124,12 @@ def test_config_ini_is_the_profiles_file(exported):
 
 
 @pytest.mark.parametrize("name", ["gqa_tied", "mha_untied"])
-def test_exported_graphs_match_hf(exported, checkpoints, name):
+def test_exported_graphs_match_hf(exported, checkpoints, name, tmp_path):
     """The MindIR files, each loaded on its own with GraphCell (reading the shared weights file), against HF.
 
     Two independently loaded GraphCells hold separate caches, so the cache is handed over by hand here;
     the runtime's ms backend shares one instead (see lite_runtime/backends/ms.py)."""
-    prefill, inc = graph_cells(exported[name])
+    prefill, inc = graph_cells(exported[name], str(tmp_path))
     rows = prompts(2, [4, 13], seed=11)
     logits = run(prefill, right_pad(rows, 32), [len(r) for r in rows])
     hand_off_cache(prefill, inc)
@@ -131,7 +158,7 @@ def test_sharded_bfloat16_checkpoint_written_by_hf(tmp_path, checkpoints, capsys
     code, _, err = export_cli(capsys, "--checkpoint", str(ckpt), "--output", str(out), "--device", "cpu",
                               "--seq_length", "16", "--batch_size", "1")
     assert code == 0, err
-    prefill, _ = graph_cells(str(out))
+    prefill, _ = graph_cells(str(out), str(tmp_path / "local"))
     row = prompts(1, [6], seed=2)[0]
     with torch.no_grad():  # the reference: the same bf16 weights, widened to fp32
         ref = model.float()(torch.tensor([row])).logits[0, -1].numpy()
@@ -198,6 +225,9 @@ def test_bad_inputs(tmp_path, ckpt_copy, capsys):
         "error: --prefill_buckets '8;12' must be comma-separated integers, e.g. 128,512")
     assert err("--dtype", "bfloat16") == (
         "error: --dtype bfloat16 has no kernels on device profile 'cpu'; use one of float32, float16")
+    assert err("--cpu_kernels", "on", "--device", "atlas_800") == (
+        "error: --cpu_kernels on needs --device cpu and --dtype float32 (got --device atlas_800, --dtype float16); "
+        "graphs for Atlas use MindSpore's own ops")
     assert err("--device", "atlas_9000") == (
         "error: --device 'atlas_9000' is not a known profile; known: atlas_800i_a2, atlas_800t_a2, atlas_800, "
         "atlas_300i_duo, cpu")

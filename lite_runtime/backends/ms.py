@@ -1,10 +1,17 @@
 """The `ms` backend: MindSpore's MindIR executor (mindspore.load + nn.GraphCell). CPU default; tests run it.
 
-Weights and KV cache are held once: the longest prefill graph is loaded with its data, every
-other graph is loaded without parameter data (a copy of its proto with the data references
-cleared), and each of its Parameters is pointed at the first graph's with `set_data`, which
-shares the storage. So all graphs read and write the same cache, and nothing is handed over.
-(`GraphCell(params_init=...)` would copy instead: one more copy of the weights per graph.)
+Weights and KV cache are held once, and only once:
+- every graph is loaded without parameter data (a copy of its proto with the data references
+  cleared), so mindspore.load reads no weights;
+- the first graph's Parameters are set from the weights file itself, memory-mapped
+  copy-on-write: the weights are the page cache's pages, never copied, and the KV cache's pages
+  become private only as they are written;
+- every other graph's Parameters are pointed at the first graph's with `set_data`, which shares
+  the storage: all graphs read and write the same cache, and nothing is handed over.
+(`mindspore.load` with the data and `GraphCell(params_init=...)` would each hold another copy.)
+
+Graphs of `--device cpu` folders may call our CPU kernels (cpu_kernels) as aot Custom ops by
+library name; loading points that name at this machine's built library.
 """
 from __future__ import annotations
 
@@ -55,10 +62,71 @@ def mindir_specs(model) -> Tuple[Tuple[TensorSpec, ...], Tuple[TensorSpec, ...]]
     return inputs, outputs
 
 
+_NUMPY = {"FLOAT": np.float32, "FLOAT16": np.float16, "INT32": np.int32, "INT64": np.int64, "BOOL": np.bool_,
+          "DOUBLE": np.float64, "INT8": np.int8, "UINT8": np.uint8}
+
+
+def _parameter_arrays(model, path: str) -> Dict[str, np.ndarray]:
+    """Each parameter of a parsed MindIR as a numpy array: external data memory-mapped copy-on-write.
+
+    Nothing is read here; pages come in as the graph touches them, and writes (the KV cache)
+    stay private to this process. Embedded data (graphs not written by our export) is copied.
+    """
+    from mindspore.train import mind_ir_pb2
+
+    from lite_runtime.errors import InferError
+
+    type_name = mind_ir_pb2.TensorProto.DataType.Name
+    maps: Dict[str, np.memmap] = {}
+    arrays = {}
+    for param in model.graph.parameter:
+        name = param.name.rsplit(":", 1)[-1]
+        dtype = _NUMPY.get(type_name(param.data_type))
+        if dtype is None:
+            raise InferError(f"{path}: parameter {name} has dtype {type_name(param.data_type)}, which the ms "
+                             "backend cannot run; re-export with --dtype float32")
+        shape = tuple(param.dims)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if param.raw_data:
+            data = np.frombuffer(param.raw_data, dtype=dtype).copy()
+        else:
+            ext = param.external_data
+            location = os.path.join(os.path.dirname(path), ext.location)
+            if location not in maps:
+                try:
+                    maps[location] = np.memmap(location, dtype=np.uint8, mode="c")
+                except (OSError, ValueError) as exc:
+                    raise InferError(f"{location}: cannot map the weights file of {path} ({exc}); "
+                                     "re-copy the model folder") from None
+            if ext.length != nbytes or ext.offset + nbytes > maps[location].size:
+                raise InferError(f"{location}: parameter {name} ({nbytes} bytes at offset {ext.offset}) is not in "
+                                 "the weights file; re-copy the model folder")
+            data = maps[location][ext.offset:ext.offset + nbytes].view(dtype)
+        arrays[name] = data.reshape(shape)
+    return arrays
+
+
+def _relocate_kernels(model, path: str) -> None:
+    """Point Custom ops that call our CPU kernels at this machine's library (see cpu_kernels)."""
+    import cpu_kernels
+
+    from lite_runtime.errors import InferError
+
+    for prim in model.primitives:
+        for attr in prim.attribute:
+            text = attr.s.decode("utf-8", "replace") if attr.s else ""
+            prefix, func = ("Custom__", text[len("Custom__"):]) if text.startswith("Custom__") else ("", text)
+            if cpu_kernels.is_ours(func):
+                try:
+                    attr.s = (prefix + cpu_kernels.local_func(func)).encode()
+                except FileNotFoundError as exc:
+                    raise InferError(f"{path}: the graph calls mslite-llm's CPU kernels, but {exc}") from None
+
+
 def _load_without_data(ms, model, name: str):
     """mindspore.load of a parsed MindIR with its parameters' data (embedded or external) cleared.
 
-    Clears the fields on `model` itself; read its specs first.
+    Clears the fields on `model` itself; read its specs and data locations first.
     """
     for param in model.graph.parameter:
         param.ClearField("raw_data")
@@ -70,7 +138,7 @@ def _load_without_data(ms, model, name: str):
         return ms.load(stripped)
 
 
-def _set_cpu_threads(ms, threads) -> None:
+def _set_cpu_threads(ms, threads) -> int:
     """MindSpore's CPU kernels default to a pool of 25-30 threads whatever the machine; use the cores we have.
 
     It can be set once per process; a process that set it already keeps its own choice.
@@ -81,6 +149,7 @@ def _set_cpu_threads(ms, threads) -> None:
         ms.device_context.cpu.op_tuning.threads_num(int(threads))
     except RuntimeError:
         pass
+    return int(threads)
 
 
 class MsBackend:
@@ -94,24 +163,32 @@ class MsBackend:
             raise InferError(f"{config.prefill_model_path}: a bfloat16 graph has no CPU kernels in MindSpore; "
                              "run it with backend 'mslite' on Atlas A2, or re-export with --dtype float32")
         ms.set_context(mode=ms.GRAPH_MODE)
-        _set_cpu_threads(ms, config.cpu_threads)
+        threads = _set_cpu_threads(ms, config.cpu_threads)
+        import cpu_kernels
+
+        cpu_kernels.set_threads(threads)
         paths = config.graph_paths()  # the longest prefill graph first
-        first, *others = paths
+        first = next(iter(paths))
         self.specs = {}
-        self.cells = {first: nn.GraphCell(ms.load(paths[first]))}
-        self.specs[first] = mindir_specs(_read_mindir(paths[first]))
-        owned = {p.name: p for p in self.cells[first].get_parameters()}
-        for key in others:
-            model = _read_mindir(paths[key])  # parsed once: specs first, then loaded without its data
+        self.cells = {}
+        owned = {}
+        for key, path in paths.items():
+            model = _read_mindir(path)  # parsed once: specs and data locations, then loaded without the data
             self.specs[key] = mindir_specs(model)
-            cell = nn.GraphCell(_load_without_data(ms, model, os.path.basename(paths[key])))
+            arrays = _parameter_arrays(model, path) if key == first else None
+            _relocate_kernels(model, path)
+            cell = nn.GraphCell(_load_without_data(ms, model, os.path.basename(path)))
             for param in cell.get_parameters():
-                if param.name not in owned:
+                if arrays is not None:
+                    owned[param.name] = param
+                    param.set_data(ms.Tensor.from_numpy(arrays[param.name]))
+                elif param.name in owned:
+                    param.set_data(owned[param.name])
+                else:
                     from lite_runtime.errors import InferError
 
-                    raise InferError(f"{paths[key]}: parameter {param.name} is not in {paths[first]}; the graphs "
+                    raise InferError(f"{path}: parameter {param.name} is not in {paths[first]}; the graphs "
                                      "do not belong to one export")
-                param.set_data(owned[param.name])
             self.cells[key] = cell
         self._tensor = ms.Tensor
 

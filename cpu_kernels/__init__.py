@@ -1,0 +1,59 @@
+"""mslite-llm's own CPU kernels (a C++ library built at `pip install`), used as MindSpore aot Custom ops.
+
+Only `--device cpu` folders use them, in the incremental graph's matmuls (see gemv.cc for why).
+A graph stores the library as a bare file name (`LIBRARY_FILE:<function>`); MindSpore needs a
+path that exists, so the `ms` backend rewrites it to this machine's copy when it loads the graph.
+Importable without MindSpore.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from typing import Optional
+
+LIBRARY_FILE = "mslite_llm_cpu_kernels.so"  # the name graphs carry
+GEMV = "MsliteLlmGemv"  # x [B, I] . W[O, I]^T -> [B, O], float32
+GEMV_BIAS = "MsliteLlmGemvBias"  # the same plus b [O]
+FUNCTIONS = (GEMV, GEMV_BIAS)
+BUILD_HINT = "reinstall with a C++ compiler present (apt install g++; pip install -e .)"
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_loaded: Optional[ctypes.CDLL] = None
+
+
+def library_path() -> Optional[str]:
+    """This installation's built library, or None when it was not built (no compiler at install)."""
+    found = sorted(glob.glob(os.path.join(_HERE, "_mslite_llm_cpu_kernels*.so")))
+    return found[0] if found else None
+
+
+def graph_func(function: str) -> str:
+    """The `func` a graph stores: the bare library name, relocated at load by `local_func`."""
+    return f"{LIBRARY_FILE}:{function}"
+
+
+def is_ours(func: str) -> bool:
+    """Whether a Custom op's func string names one of our kernels (as exported, or built anywhere)."""
+    path, _, function = func.rpartition(":")
+    name = os.path.basename(path)
+    return function in FUNCTIONS and (name == LIBRARY_FILE or name.startswith("_mslite_llm_cpu_kernels"))
+
+
+def local_func(func: str) -> str:
+    """`func` pointed at this machine's library. Raises FileNotFoundError when it was not built."""
+    path = library_path()
+    if path is None:
+        raise FileNotFoundError(f"the mslite-llm CPU kernel library is not built in {_HERE}; {BUILD_HINT}")
+    return f"{path}:{func.rpartition(':')[2]}"
+
+
+def set_threads(threads: int) -> None:
+    """Threads the kernels use (the runtime passes its CPU thread count). Loads the library."""
+    global _loaded
+    if _loaded is None:
+        path = library_path()
+        if path is None:
+            return
+        _loaded = ctypes.CDLL(path)
+    _loaded.MsliteLlmSetThreads(ctypes.c_int(int(threads)))
