@@ -94,9 +94,10 @@ int gemv(int nparam, void** params, int* ndims, int64_t** shapes, const char** d
   float* y = static_cast<float*>(params[nparam - 1]);
   const DotFn dot = g_dot;
   const int threads = team_size();
-  // Output rows in blocks of 16 so each thread streams a contiguous part of W.
+  // Output rows in blocks of 16, handed out 8 blocks at a time: a thread that the OS (or a busy
+  // neighbour) holds back does not hold the others at the end of the loop.
   const int64_t blocks = (out + 15) / 16;
-#pragma omp parallel for schedule(static) num_threads(threads) if (out >= 256)
+#pragma omp parallel for schedule(dynamic, 8) num_threads(threads) if (out >= 256)
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t end = (blk + 1) * 16 < out ? (blk + 1) * 16 : out;
     for (int64_t o = blk * 16; o < end; ++o) {

@@ -11,6 +11,7 @@ from lite_runtime.folder import ModelFolder, graph_key, graph_tokens, load_folde
 
 MODEL_TYPES = ("mindir",)
 TARGETS = ("Ascend", "CPU")
+WARM_UP = ("smallest", "all", "none")
 
 
 @dataclass
@@ -41,6 +42,9 @@ class InferConfig:
     device: str = ""  # the export's device profile, when known
     verify_checksums: bool = True
     cpu_threads: Optional[int] = None  # ms backend: CPU kernel threads (default: the cores this process may use)
+    # graphs run once at load so a request does not pay their compilation: "smallest" (the inc graph and
+    # the smallest prefill graph; longer buckets compile on the first prompt that needs them), "all", "none"
+    warm_up: str = "smallest"
     folder: Optional[ModelFolder] = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -97,5 +101,7 @@ class InferConfig:
         if self.infer_seq_length is None or self.batch_size is None:
             raise InferError("infer_seq_length and batch_size are needed when loading graph files without a "
                              "model folder; pass the values the graphs were exported with")
+        if self.warm_up not in WARM_UP:
+            raise InferError(f"warm_up {self.warm_up!r} is not one of {', '.join(WARM_UP)}")
         if self.device_id < 0 or self.rank_id < 0:
             raise InferError(f"device_id ({self.device_id}) and rank_id ({self.rank_id}) must be >= 0")

@@ -88,11 +88,22 @@ class TextGenerator:
                                  f"batch_size {self.batch_size} and seq_length {self.seq_length}")
 
     def _warm_up(self) -> None:
-        """Run each graph once so compilation happens at load, not inside the first request's timing."""
+        """Run graphs once so their compilation happens at load, not inside a request's timing.
+
+        By default the inc graph and the smallest prefill graph: every request needs the first, short
+        prompts the second. Longer buckets compile on the first prompt that needs them, so a server
+        that only sees short prompts never pays their compile time nor their activations' memory.
+        """
         start = time.perf_counter()
-        for key in self.config.graph_paths():
+        keys = list(self.config.graph_paths())
+        if self.config.warm_up == "none":
+            keys = []
+        elif self.config.warm_up == "smallest":
+            keys = [graph_key("prefill", self.prefill_sizes[0]), "inc"]
+        for key in keys:
             self.backend.run(key, {s.name: np.ones(s.shape, s.dtype) for s in self.backend.input_specs(key)})
-        log.info("%s backend: graphs warmed up in %.2f s", self.backend_name, time.perf_counter() - start)
+        log.info("%s backend: %d graph(s) warmed up in %.2f s", self.backend_name, len(keys),
+                 time.perf_counter() - start)
 
     @property
     def tokenizer(self):

@@ -95,6 +95,8 @@ def test_unknown_task_backend_and_model_name(exported):
     assert error_of(pipeline, "text_generation", model=folder, backend="ms", model_name="glm") == (
         "model_name 'glm' has no input mapping; known: qwen2")
     assert error_of(InferTask.get_infer_task, "chat", None) == "task 'chat' is not supported; supported: text_generation"
+    assert error_of(InferConfig.from_folder, folder, warm_up="some") == (
+        "warm_up 'some' is not one of smallest, all, none")
     assert InferTask.support_list() == ["text_generation"] and InferTask.check_task_valid("text_generation")
 
 
