@@ -5,6 +5,14 @@ runs on the CPU and under GE on Ascend: mean/rsqrt RMSNorm, rotate-half RoPE, Ba
 attention with grouped-query attention done by reshaping q. Module and parameter names equal
 the Hugging Face checkpoint names, so the weight map is the identity.
 
+BROADCASTS. Elementwise ops never broadcast implicitly here; operands are brought to the output's
+shape with ops.broadcast_to first. MindSpore 2.10's CPU Add/Sub/Mul/Div kernel, whenever it
+really broadcasts (different shapes, neither a scalar), builds two index arrays of the output's
+size (16 bytes per element) outside its memory pool and keeps them as long as the graph lives,
+one set per op. For the attention mask at 1024 tokens that was 235 MB per layer; the 0.5B shape's
+prefill grew by ~0.35 GiB per layer. With equal shapes the kernel takes its fast path; results
+are bit-identical (scripts/PERFORMANCE.md, section 8).
+
 Shapes: B batch, L tokens in this call, S cache length (= exported seq_length),
 H query heads, KH key/value heads, G = H // KH, D head_dim, E hidden_size, V vocab.
 """
@@ -51,7 +59,9 @@ class Linear(nn.Cell):
     def construct(self, x):  # [N, in] -> [N, out]
         y = self.matmul(x, self.weight)
         if self.bias is not None:
-            y = y + self.bias
+            # explicit broadcasts everywhere: see BROADCASTS in the module docstring. The depend keeps
+            # MindSpore from running every layer's broadcast at graph start.
+            y = y + ops.broadcast_to(ops.depend(self.bias, y), y.shape)
         return y
 
     def few_rows(self, x):  # [B, in] -> [B, out], B the batch size
@@ -72,8 +82,8 @@ class RMSNorm(nn.Cell):
         dtype = x.dtype
         x32 = ops.cast(x, ms.float32)
         var = ops.mean(ops.square(x32), -1, keep_dims=True)
-        x32 = x32 * ops.rsqrt(var + self.eps)
-        return ops.cast(x32, dtype) * self.weight
+        x32 = x32 * ops.broadcast_to(ops.rsqrt(var + self.eps), x32.shape)
+        return ops.cast(x32, dtype) * ops.broadcast_to(ops.depend(self.weight, x32), x32.shape)
 
 
 class Qwen2MLP(nn.Cell):
@@ -123,8 +133,8 @@ class Qwen2Attention(nn.Cell):
         k = k.reshape(b, n, self.kh, self.d)
         v = v.reshape(b, n, self.kh, self.d)
         cos, sin = cos.reshape(b, n, 1, self.d), sin.reshape(b, n, 1, self.d)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q = q * ops.broadcast_to(cos, q.shape) + rotate_half(q) * ops.broadcast_to(sin, q.shape)
+        k = k * ops.broadcast_to(cos, k.shape) + rotate_half(k) * ops.broadcast_to(sin, k.shape)
         # query head h uses key head h // G (HF repeat_kv), so [B, n, KH, G, D] -> [B, KH, G*n, D]
         q = q.reshape(b, n, self.kh, self.g, self.d).transpose(0, 2, 3, 1, 4).reshape(b, self.kh, self.g * n, self.d)
         return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
@@ -132,7 +142,9 @@ class Qwen2Attention(nn.Cell):
     def _attend(self, q, k, v, mask, b, n):
         """q [B, KH, G*n, D], k/v [B, KH, T, D], mask [B, 1, n, T] additive -> [B*n, H*D]."""
         scores = self.bmm_qk(q, k).reshape(b, self.kh, self.g, n, -1)
-        scores = ops.cast(scores, ms.float32) * self.scale + mask.reshape(b, 1, 1, n, -1)
+        # the biggest of the explicit broadcasts (module docstring): 235 MB per layer at 1024 tokens without it
+        mask = ops.broadcast_to(mask.reshape(b, 1, 1, n, -1), scores.shape)
+        scores = ops.cast(scores, ms.float32) * self.scale + mask
         probs = ops.cast(ops.softmax(scores, -1), v.dtype).reshape(b, self.kh, self.g * n, -1)
         out = self.bmm_pv(probs, v).reshape(b, self.kh, self.g, n, self.d)
         return out.transpose(0, 3, 1, 2, 4).reshape(b * n, self.h * self.d)
