@@ -50,7 +50,8 @@ def worker_ours(args) -> Dict[str, Any]:
     load = time.perf_counter() - start
     first = pipe.generate(prompt_rows(args.first_prompt, 1), max_new_tokens=1)
     result: Dict[str, Any] = {"load_s": load, "load_to_first_token_s": time.perf_counter() - start,
-                              "first_prefill_s": first.prefill_seconds, "prefill_s": {}, "buckets": pipe.prefill_sizes}
+                              "first_prefill_s": first.prefill_seconds, "prefill_s": {}, "buckets": pipe.prefill_sizes,
+                              "peak_rss_first_token_gib": peak_rss_gib()}
     for n in args.prompt_lengths:
         runs = [pipe.generate(prompt_rows(n, 1), max_new_tokens=1).prefill_seconds for _ in range(args.repeat)]
         result["prefill_s"][str(n)] = min(runs)
@@ -80,7 +81,8 @@ def worker_hf(args) -> Dict[str, Any]:
         return time.perf_counter() - t, out.tolist()
 
     gen(prompt_rows(args.first_prompt, 1), 1)
-    result: Dict[str, Any] = {"load_s": load, "load_to_first_token_s": time.perf_counter() - start, "prefill_s": {}}
+    result: Dict[str, Any] = {"load_s": load, "load_to_first_token_s": time.perf_counter() - start, "prefill_s": {},
+                              "peak_rss_first_token_gib": peak_rss_gib()}
     for n in args.prompt_lengths:
         result["prefill_s"][str(n)] = min(gen(prompt_rows(n, 1), 1)[0] for _ in range(args.repeat))
     decode = {}
@@ -126,6 +128,7 @@ def export(checkpoint: str, folder: str, args, batch: int) -> Dict[str, Any]:
            "--dtype", "float32", "--seq_length", str(args.seq_length), "--batch_size", str(batch), "--overwrite"]
     if args.buckets:
         cmd += ["--prefill_buckets", ",".join(map(str, args.buckets))]
+    cmd += ["--cpu_kernels", args.cpu_kernels]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
@@ -151,6 +154,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 4])
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--cpu_kernels", choices=("auto", "on", "off"), default="auto",
+                   help="python -m export --cpu_kernels: off measures MindSpore's own MatMul in the decode step")
     p.add_argument("--reexport", action="store_true", help="export again even if the folders exist")
     p.add_argument("--json", default=None, help="where to write the results (default: <work>/benchmark.json)")
     p.add_argument("--worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
@@ -168,7 +173,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                               f"{os.cpu_count()} cores", "checkpoint": checkpoint, "settings": vars(args),
                               "exports": {}, "ours": {}, "hf": None}
     for batch in args.batches:
-        folder = os.path.join(args.work, f"model_b{batch}")
+        folder = os.path.join(args.work, f"model_b{batch}" + ("_matmul" if args.cpu_kernels == "off" else ""))
         print(f"exporting batch {batch} to {folder}", flush=True)
         report["exports"][str(batch)] = {**export(checkpoint, folder, args, batch), "folder_bytes": folder_bytes(folder)}
         print(f"measuring this project, batch {batch}", flush=True)
@@ -195,7 +200,9 @@ def print_table(r: Dict[str, Any]) -> None:
         rows.append((f"decode batch {batch} (tok/s)", ours["decode_tok_s"], hf["decode"][batch]["tok_s"], True))
         same = ours["tokens"] == hf["decode"][batch]["tokens"]
         rows.append((f"  greedy tokens identical, batch {batch}", same, True, None))
-    rows.append(("peak RSS (GiB)", ours1["peak_rss_gib"], hf["peak_rss_gib"], False))
+    rows.append(("peak RSS to first token (GiB)", ours1["peak_rss_first_token_gib"], hf["peak_rss_first_token_gib"],
+                 False))
+    rows.append(("peak RSS, whole run (GiB)", ours1["peak_rss_gib"], hf["peak_rss_gib"], False))
     print(f"\n{'':34}{'mslite-llm (ms)':>16}{'HF transformers':>17}{'ratio':>9}")
     for name, ours_v, hf_v, higher_better in rows:
         if higher_better is None:
