@@ -9,7 +9,7 @@ setup(ext_modules=[Extension(
     "cpu_kernels._mslite_llm_cpu_kernels",
     sources=["cpu_kernels/gemv.cc"],
     language="c++",
-    extra_compile_args=["-O3", "-fopenmp", "-std=c++14"],
-    extra_link_args=["-fopenmp"],
+    extra_compile_args=["-O3", "-std=c++14", "-pthread"],
+    extra_link_args=["-pthread"],
     optional=True,
 )])
