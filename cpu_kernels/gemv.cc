@@ -77,38 +77,42 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   return _mm_cvtss_f32(h);
 }
 
-// Four output rows at once: each x load feeds four weight streams.
+// R rows of x by C rows of W at a time, R*C accumulators in registers: each load feeds several FMAs.
+template <int R, int C>
+__attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const float* w, const float* b, int64_t in,
+                                                            float* y, int64_t ldy, int64_t o) {
+  const int64_t in8 = in & ~int64_t(7);
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const float* wo = w + o * in;
+  for (int64_t i = 0; i < in8; i += 8) {
+    __m256 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(wo + c * in + i);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * in + i);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(wv[c], xv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      float s = hsum(acc[r][c]);
+      for (int64_t i = in8; i < in; ++i) s += wo[c * in + i] * x[r * in + i];
+      y[r * ldy + o + c] = s + (b ? b[o + c] : 0.f);
+    }
+  }
+}
+
 __attribute__((target("avx2,fma"))) void rows_avx2(const float* x, int64_t rows, const float* w, const float* b,
                                                      int64_t in, float* y, int64_t ldy, int64_t o0, int64_t o1) {
-  const int64_t in8 = in & ~int64_t(7);
   int64_t o = o0;
-  for (; o + 4 <= o1; o += 4) {
-    const float* w0 = w + o * in;
-    const float* w1 = w0 + in;
-    const float* w2 = w1 + in;
-    const float* w3 = w2 + in;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* xr = x + r * in;
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-      for (int64_t i = 0; i < in8; i += 8) {
-        const __m256 xv = _mm256_loadu_ps(xr + i);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i), xv, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + i), xv, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + i), xv, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + i), xv, a3);
-      }
-      float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
-      for (int64_t i = in8; i < in; ++i) {
-        s0 += w0[i] * xr[i];
-        s1 += w1[i] * xr[i];
-        s2 += w2[i] * xr[i];
-        s3 += w3[i] * xr[i];
-      }
-      float* yr = y + r * ldy + o;
-      yr[0] = s0 + (b ? b[o] : 0.f);
-      yr[1] = s1 + (b ? b[o + 1] : 0.f);
-      yr[2] = s2 + (b ? b[o + 2] : 0.f);
-      yr[3] = s3 + (b ? b[o + 3] : 0.f);
+  if (rows == 1) {  // decode at batch 1: four weight streams per x load
+    for (; o + 4 <= o1; o += 4) tile_avx2<1, 4>(x, w, b, in, y, ldy, o);
+  } else {  // four weight rows at a time against two rows of x, again for the next two while they are in cache
+    for (; o + 4 <= o1; o += 4) {
+      int64_t r = 0;
+      for (; r + 2 <= rows; r += 2) tile_avx2<2, 4>(x + r * in, w, b, in, y + r * ldy, ldy, o);
+      if (r < rows) tile_avx2<1, 4>(x + r * in, w, b, in, y + r * ldy, ldy, o);
     }
   }
   if (o < o1) rows_generic(x, rows, w, b, in, y, ldy, o, o1);
