@@ -48,6 +48,22 @@ def local_func(func: str) -> str:
     return f"{path}:{func.rpartition(':')[2]}"
 
 
+def retarget(model, target) -> int:
+    """In a parsed MindIR ModelProto, replace each of our kernels' func strings f by target(f); returns how many.
+
+    MindSpore stores the func twice per Custom primitive: `func_name` and `uniq_name` ("Custom__" + func).
+    """
+    count = 0
+    for prim in model.primitives:
+        for attr in prim.attribute:
+            text = attr.s.decode("utf-8", "replace") if attr.s else ""
+            prefix = "Custom__" if text.startswith("Custom__") else ""
+            if is_ours(text[len(prefix):]):
+                attr.s = (prefix + target(text[len(prefix):])).encode()
+                count += 1
+    return count
+
+
 def set_threads(threads: int) -> None:
     """Threads the kernels use (the runtime passes its CPU thread count). Loads the library."""
     global _loaded

@@ -61,15 +61,7 @@ def portable_kernel_paths(folder: str, graph_files: List[str]) -> int:
         model = mind_ir_pb2.ModelProto()
         with open(path, "rb") as fh:
             model.ParseFromString(fh.read())
-        changed = 0
-        for prim in model.primitives:
-            for attr in prim.attribute:
-                text = attr.s.decode("utf-8", "replace") if attr.s else ""
-                func = text.split("__", 1)[-1] if attr.name == "uniq_name" else text
-                if cpu_kernels.is_ours(func):
-                    name = cpu_kernels.graph_func(func.rpartition(":")[2])
-                    attr.s = (f"Custom__{name}" if attr.name == "uniq_name" else name).encode()
-                    changed += 1
+        changed = cpu_kernels.retarget(model, lambda func: cpu_kernels.graph_func(func.rpartition(":")[2]))
         if changed:
             with open(path, "wb") as fh:
                 fh.write(model.SerializeToString())

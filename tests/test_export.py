@@ -28,12 +28,7 @@ def with_local_kernels(folder: str, graph: str, work: str) -> str:
     model = mind_ir_pb2.ModelProto()
     with open(os.path.join(folder, graph), "rb") as fh:
         model.ParseFromString(fh.read())
-    for prim in model.primitives:
-        for attr in prim.attribute:
-            text = attr.s.decode()
-            prefix = "Custom__" if text.startswith("Custom__") else ""
-            if cpu_kernels.is_ours(text[len(prefix):]):
-                attr.s = (prefix + cpu_kernels.local_func(text)).encode()
+    cpu_kernels.retarget(model, cpu_kernels.local_func)
     os.makedirs(work, exist_ok=True)
     for entry in os.listdir(folder):
         if entry.endswith("_variables") and not os.path.exists(os.path.join(work, entry)):

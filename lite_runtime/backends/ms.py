@@ -112,15 +112,10 @@ def _relocate_kernels(model, path: str) -> None:
 
     from lite_runtime.errors import InferError
 
-    for prim in model.primitives:
-        for attr in prim.attribute:
-            text = attr.s.decode("utf-8", "replace") if attr.s else ""
-            prefix, func = ("Custom__", text[len("Custom__"):]) if text.startswith("Custom__") else ("", text)
-            if cpu_kernels.is_ours(func):
-                try:
-                    attr.s = (prefix + cpu_kernels.local_func(func)).encode()
-                except FileNotFoundError as exc:
-                    raise InferError(f"{path}: the graph calls mslite-llm's CPU kernels, but {exc}") from None
+    try:
+        cpu_kernels.retarget(model, cpu_kernels.local_func)
+    except FileNotFoundError as exc:
+        raise InferError(f"{path}: the graph calls mslite-llm's CPU kernels, but {exc}") from None
 
 
 def _load_without_data(ms, model, name: str):
