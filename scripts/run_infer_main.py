@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "--stream", "print text as it is generated")
     _flag(p, "--chat", "wrap the prompt in the tokenizer's chat template")
     _flag(p, "--add_special_tokens", "let the tokenizer add its special tokens")
+    p.add_argument("--warm_up", choices=("smallest", "all", "none"), default=None,
+                   help="graphs to run once at load: the inc graph and the smallest prefill graph (default), all "
+                        "(longer prompt buckets then never compile inside a request), or none")
     p.add_argument("--prompt", help="run this prompt once and exit; without it, read prompts from stdin")
     p.add_argument("-v", "--verbose", action="store_true", help="log which backend was chosen and why")
     return p
@@ -70,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 def load(args: argparse.Namespace):
     extra = {k: v for k, v in (("device_id", args.device_id), ("rank_id", args.rank_id),
                                ("tokenizer_path", args.tokenizer_path), ("ge_config_path", args.config_path),
-                               ("infer_seq_length", args.seq_length), ("batch_size", args.batch_size)) if v is not None}
+                               ("infer_seq_length", args.seq_length), ("batch_size", args.batch_size),
+                               ("warm_up", args.warm_up)) if v is not None}
     if args.model_dir:
         return pipeline("text_generation", model=args.model_dir, backend=args.backend, **extra)
     if args.prefill_model_path and args.increment_model_path:

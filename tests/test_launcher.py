@@ -36,8 +36,9 @@ def test_prompt_once(exported, want):
 
 
 def test_interactive_streaming_loop_until_exit(exported, want):
-    """Backend auto falls back to ms here; each line streams its answer; `exit` ends the loop."""
-    proc = launch("--model_dir", exported["gqa_tied"], "--max_output_length", "8", "--stream",
+    """Backend auto falls back to ms here; each line streams its answer; `exit` ends the loop.
+    The bucketed folder with no warm-up: every graph compiles inside the first request that needs it."""
+    proc = launch("--model_dir", exported["gqa_tied_buckets"], "--max_output_length", "8", "--stream", "--warm_up", "none",
                   stdin="Hello world\nHello world\nexit\nnever read\n")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count(want + "\n") == 2
