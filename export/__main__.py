@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "share one weights file and the KV cache (default: only --seq_length)")
     p.add_argument("--cpu_kernels", choices=("auto", "on", "off"), default="auto",
                    help="--device cpu, float32: run the decode step's matmuls with mslite-llm's own multi-threaded "
-                        "GEMV kernel (built at pip install) instead of MindSpore's MatMul, about 1.6x the decode "
-                        "speed. auto: when the kernel library is built (default); off: plain MindSpore graphs")
+                        "GEMV kernel (built at pip install) instead of MindSpore's MatMul: about 1.2x the decode "
+                        "speed of MatMul on a 2-core machine. auto: when the kernel library is built (default); "
+                        "off: plain MindSpore graphs")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return p
