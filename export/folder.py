@@ -46,27 +46,16 @@ def place_graph(folder: str, prefix: str) -> str:
     return os.path.basename(split)
 
 
-def portable_kernel_paths(folder: str, graph_files: List[str]) -> int:
+def portable_kernel_paths(model) -> int:
     """Store our CPU kernels' Custom ops by library name, not by this machine's path; returns how many.
 
+    `model` is a parsed MindIR proto (share_weights applies this before it writes each graph).
     mindspore.export records the absolute path of the library the op was built with; the `ms`
     backend points the name at the loading machine's library (cpu_kernels.local_func).
     """
     import cpu_kernels
-    from mindspore.train import mind_ir_pb2
 
-    count = 0
-    for graph in graph_files:
-        path = os.path.join(folder, graph)
-        model = mind_ir_pb2.ModelProto()
-        with open(path, "rb") as fh:
-            model.ParseFromString(fh.read())
-        changed = cpu_kernels.retarget(model, lambda func: cpu_kernels.graph_func(func.rpartition(":")[2]))
-        if changed:
-            with open(path, "wb") as fh:
-                fh.write(model.SerializeToString())
-            count += changed
-    return count
+    return cpu_kernels.retarget(model, lambda func: cpu_kernels.graph_func(func.rpartition(":")[2]))
 
 
 def read_graph_spec(path: str) -> Dict[str, List[Dict[str, Any]]]:

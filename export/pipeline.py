@@ -106,9 +106,7 @@ def _write_graphs(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_prog
         ms.export(cells[role], ms.Tensor(np.zeros((b, tokens), np.int32)), ms.Tensor(valid),
                   file_name=os.path.join(tmp, prefix), file_format="MINDIR")
         files.append(fmt.place_graph(tmp, prefix))
-    _, data_sha256 = share_weights(tmp, cfg.name, files)
-    if gemv:
-        fmt.portable_kernel_paths(tmp, files)
+    _, data_sha256 = share_weights(tmp, cfg.name, files, edit=fmt.portable_kernel_paths if gemv else None)
     graphs = [{"role": role, "file": f, "variables": data_location(cfg.name), "tokens": tokens,
                **fmt.read_graph_spec(os.path.join(tmp, f))} for (role, tokens), f in zip(plan, files)]
     return weight_bytes, gemv, graphs, {data_location(cfg.name): data_sha256}

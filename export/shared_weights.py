@@ -15,7 +15,7 @@ import hashlib
 import os
 import shutil
 import sys
-from typing import Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from export.errors import ExportError
 
@@ -41,10 +41,13 @@ def _param_bytes(folder: str, param) -> bytes:
     return data
 
 
-def share_weights(folder: str, name: str, graph_files: List[str]) -> Tuple[str, str]:
+def share_weights(folder: str, name: str, graph_files: List[str],
+                  edit: Optional[Callable[[Any], Any]] = None) -> Tuple[str, str]:
     """Rewrite `graph_files` (in `folder`) to share one data file. Returns (its path, its sha256).
 
     The file's sha256 is computed as it is written, so the manifest need not read it again.
+    `edit`, if given, is applied to each graph's parsed proto before it is written back, so a
+    further rewrite costs no extra parse and write.
     """
     from mindspore.train import mind_ir_pb2
 
@@ -90,6 +93,8 @@ def share_weights(folder: str, name: str, graph_files: List[str]) -> Tuple[str, 
         shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
     os.replace(staging, data_path)
     for graph, model in models:
+        if edit is not None:
+            edit(model)
         path = os.path.join(folder, graph)
         os.chmod(path, 0o644)  # MindSpore leaves its files read-only
         with open(path, "wb") as fh:
