@@ -151,8 +151,6 @@ struct Job {
 
 class Pool {
  public:
-  ~Pool() { resize(1); }
-
   int threads() const { return int(workers_.size()) + 1; }
 
   void resize(int threads) {
