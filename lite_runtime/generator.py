@@ -95,11 +95,12 @@ class TextGenerator:
         that only sees short prompts never pays their compile time nor their activations' memory.
         """
         start = time.perf_counter()
-        keys = list(self.config.graph_paths())
-        if self.config.warm_up == "none":
-            keys = []
+        if self.config.warm_up == "all":
+            keys = list(self.config.graph_paths())
         elif self.config.warm_up == "smallest":
             keys = [graph_key("prefill", self.prefill_sizes[0]), "inc"]
+        else:
+            keys = []
         for key in keys:
             self.backend.run(key, {s.name: np.ones(s.shape, s.dtype) for s in self.backend.input_specs(key)})
         log.info("%s backend: %d graph(s) warmed up in %.2f s", self.backend_name, len(keys),

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lite_runtime import InferError, TextIteratorStreamer, pipeline  # noqa: E402
 from lite_runtime.backends import CHOICES  # noqa: E402
+from lite_runtime.config import WARM_UP  # noqa: E402
 
 
 def str2bool(value: str) -> bool:
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "--stream", "print text as it is generated")
     _flag(p, "--chat", "wrap the prompt in the tokenizer's chat template")
     _flag(p, "--add_special_tokens", "let the tokenizer add its special tokens")
-    p.add_argument("--warm_up", choices=("smallest", "all", "none"), default=None,
+    p.add_argument("--warm_up", choices=WARM_UP, default=None,
                    help="graphs to run once at load: the inc graph and the smallest prefill graph (default), all "
                         "(longer prompt buckets then never compile inside a request), or none")
     p.add_argument("--prompt", help="run this prompt once and exit; without it, read prompts from stdin")
