@@ -15,6 +15,7 @@ FORMAT = "mslite-llm-model-folder"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 GE_CONFIG = "config.ini"
+GOLDEN = "golden.json"  # export/golden.py writes it
 # Files a HF checkpoint may carry that the runtime's tokenizer (and generation defaults) need.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -137,10 +138,26 @@ def write_yaml(folder: str, name: str, content: Dict[str, Any]) -> str:
     return path
 
 
+def exporter_versions(mindspore_version: str) -> Dict[str, str]:
+    """What wrote the folder: MindSpore (the MindIR's producer; Lite must not be older) and this project."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        ours = version("mslite-llm")
+    except PackageNotFoundError:  # run from a checkout that was not pip-installed
+        ours = "unknown"
+    return {"mindspore": mindspore_version, "mslite_llm": ours}
+
+
 def write_manifest(folder: str, name: str, graphs: List[Dict[str, Any]],
-                   known: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+                   known: Optional[Dict[str, str]] = None,
+                   exported_with: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """`golden` names the golden references (export/golden.py) when the folder has them."""
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "name": name, "yaml": f"{name}.yaml",
-                "ge_config": GE_CONFIG, "graphs": graphs, "files": file_table(folder, known)}
+                "ge_config": GE_CONFIG, "exported_with": exported_with or {}, "graphs": graphs,
+                "files": file_table(folder, known)}
+    if GOLDEN in manifest["files"]:
+        manifest["golden"] = GOLDEN
     with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as fh:
         json.dump(manifest, fh, indent=2)
         fh.write("\n")

@@ -25,6 +25,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
 from export.config import Qwen2Config
+from export.rope import rope_tables
 
 MS_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
@@ -294,11 +295,3 @@ class DecodeGraph(nn.Cell):
     def construct(self, input_ids, valid_length):
         return self.net.decode(input_ids, valid_length)
 
-
-def rope_tables(cfg: Qwen2Config, seq_length: int):
-    """cos, sin [S, D] in float32, neox layout (the two halves repeat), as HF computes them."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
-    freqs = np.outer(np.arange(seq_length, dtype=np.float32), inv_freq.astype(np.float32))
-    emb = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)

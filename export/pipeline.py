@@ -29,10 +29,14 @@ class ExportSummary:
     weight_bytes: int
     seconds: float
     peak_rss_bytes: int
+    golden_prompts: int = 0
+    golden_seconds: float = 0.0
 
     def line(self) -> str:
         return (f"exported {self.output}: {self.files} files, {_size(self.total_bytes)} "
-                f"(weights {_size(self.weight_bytes)}), {self.seconds:.1f} s, peak RSS {_size(self.peak_rss_bytes)}")
+                f"(weights {_size(self.weight_bytes)}), {self.seconds:.1f} s, peak RSS {_size(self.peak_rss_bytes)}; "
+                f"golden references: {self.golden_prompts} prompt{'s' if self.golden_prompts != 1 else ''} "
+                f"in {self.golden_seconds:.2f} s")
 
 
 def _size(n: float) -> str:
@@ -70,6 +74,10 @@ def run_export(cfg: ExportConfig, show_progress: bool = False) -> ExportSummary:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
+        # The golden references first: they fail fast on damaged weights, and their memory map of the checkpoint
+        # is released before the network maps it (the network's float32 weights are views of that map, so two maps
+        # alive together would count the checkpoint's pages twice in the peak RSS).
+        doc = _write_golden(cfg, model_cfg, tmp, show_progress)
         weight_bytes, gemv, graphs, hashed = _write_graphs(cfg, model_cfg, tmp, show_progress)
         _write_folder_files(cfg, model_cfg, profile, tmp, graphs, hashed, gemv)
         _replace(tmp, output)
@@ -78,7 +86,9 @@ def run_export(cfg: ExportConfig, show_progress: bool = False) -> ExportSummary:
         raise
     total = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(output) for f in fs)
     files = sum(len(fs) for _, _, fs in os.walk(output))
-    return ExportSummary(cfg.output, files, total, weight_bytes, time.time() - start, _peak_rss())
+    prompts = sum(len(b["rows"]) for b in doc["batches"])
+    return ExportSummary(cfg.output, files, total, weight_bytes, time.time() - start, _peak_rss(),
+                         golden_prompts=prompts, golden_seconds=doc["seconds"])
 
 
 def _write_graphs(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_progress: bool):
@@ -112,6 +122,19 @@ def _write_graphs(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_prog
     return weight_bytes, gemv, graphs, {data_location(cfg.name): data_sha256}
 
 
+def _write_golden(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_progress: bool) -> Dict[str, Any]:
+    """Fixed prompts through the float32 reference (export/golden.py), written to golden.json."""
+    from export import golden
+
+    sizes = sorted(set(cfg.prefill_buckets) | {cfg.seq_length})  # the prefill graphs _write_graphs will export
+    log.info("computing golden references (float32 numpy reference)")
+    total = golden.max_steps(sizes, cfg.seq_length, cfg.batch_size)
+    with tqdm(total=total, desc="golden", unit="step", disable=not show_progress) as bar:
+        doc = golden.compute(model_cfg, cfg.checkpoint, sizes, cfg.seq_length, cfg.batch_size, progress=bar.update)
+    golden.write(tmp, doc)
+    return doc
+
+
 def _write_folder_files(cfg: ExportConfig, model_cfg: Qwen2Config, profile, tmp: str, graphs,
                         hashed: Dict[str, str], gemv: bool) -> None:
     import mindspore as ms
@@ -136,7 +159,7 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: Qwen2Config, profile, tmp:
                   "ge_config_path": fmt.GE_CONFIG},
     }
     fmt.write_yaml(tmp, cfg.name, content)
-    fmt.write_manifest(tmp, cfg.name, graphs, hashed)
+    fmt.write_manifest(tmp, cfg.name, graphs, hashed, exported_with=fmt.exporter_versions(ms.__version__))
 
 
 def _replace(tmp: str, output: str) -> None:

@@ -50,8 +50,8 @@ class SafetensorsFile:
     def shape(self, name: str) -> Tuple[int, ...]:
         return tuple(self.header[name]["shape"])
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor as float32/float16 numpy (bf16 widened to float32), a view where possible."""
+    def stored(self, name: str) -> np.ndarray:
+        """The tensor's bits as stored, a view of the memory map: float32, float16, or uint16 for bf16."""
         info = self.header[name]
         dtype = info["dtype"]
         if dtype not in _STORED:
@@ -65,10 +65,18 @@ class SafetensorsFile:
         if raw.size != expected:  # the file's size was checked on open: its header contradicts itself
             raise ExportError(f"{self.path}: tensor {name} spans {raw.size} bytes but its shape {list(shape)} "
                               f"needs {expected}; the header is damaged, re-download the file")
-        arr = raw.view(_STORED[dtype]).reshape(shape)
-        if dtype == "BF16":
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        return arr
+        return raw.view(_STORED[dtype]).reshape(shape)
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as float32/float16 numpy (bf16 widened to float32), a view where possible."""
+        return widen(self.stored(name))
+
+
+def widen(stored: np.ndarray) -> np.ndarray:
+    """Stored bits (see SafetensorsFile.stored) as a float array: bf16 (uint16 bits) becomes float32, exactly."""
+    if stored.dtype == np.uint16:
+        return (stored.astype(np.uint32) << 16).view(np.float32)
+    return stored
 
 
 def open_checkpoint(folder: str) -> Dict[str, SafetensorsFile]:

@@ -78,7 +78,7 @@ def test_folder_contents_and_manifest(exported):
     assert files == sorted([
         "gqa_tied.yaml", "gqa_tied_prefill_graph.mindir", "gqa_tied_inc_graph.mindir", "gqa_tied_variables/data_0",
         "config.ini", "manifest.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-        "generation_config.json"])
+        "generation_config.json", "golden.json"])
     with open(os.path.join(folder, "manifest.json")) as fh:
         manifest = json.load(fh)
     assert manifest["format_version"] == 1 and manifest["yaml"] == "gqa_tied.yaml"
@@ -164,7 +164,7 @@ def test_summary_line_and_overwrite(tmp_path, checkpoints, capsys):
     out = tmp_path / "m"
     args = ["--checkpoint", checkpoints["gqa_tied"], "--output", str(out), "--device", "cpu", "--seq_length", "8"]
     code, line, _ = export_cli(capsys, *args)
-    assert code == 0 and line.startswith(f"exported {out}: 10 files, ") and "peak RSS" in line
+    assert code == 0 and line.startswith(f"exported {out}: 11 files, ") and "peak RSS" in line
     code, _, err = export_cli(capsys, *args)
     assert (code, err) == (2, f"error: {out} already exists. Delete it or pass --overwrite")
     (out / "stale.txt").write_text("from an older export")

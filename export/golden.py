@@ -1,0 +1,162 @@
+"""Golden references written into every model folder: fixed prompts, the checkpoint's greedy tokens and top-k logits.
+
+`python -m lite_runtime.check` replays them on the device the folder runs on, with only
+mindspore_lite, numpy and pyyaml there, and says whether the device computes what the checkpoint
+means. They are computed at export by export/reference.py (float32 numpy on the checkpoint's own
+weights, whatever the export dtype), never by the exported graphs.
+
+The prompts (documented in model_dirs/README.md, "golden.json"):
+- one batch per prefill graph, smallest first, so every graph GE compiles runs at least once: its
+  longest row has `lead` tokens, more than the next smaller graph holds, so the runtime must pick
+  this graph: lead = max(previous graph + 1, min(3/4 of this graph, seq_length - 15, 256));
+- the folder's batch size in rows, of different lengths (lead, then lead·(B-r)/B), so padding and
+  per-row lengths are exercised;
+- NEW_TOKENS greedy steps per batch (fewer when the cache has no room), the first from the prefill
+  graph, the rest from the incremental one;
+- token ids from fixed texts (English, code, Chinese) through the checkpoint's tokenizer.json, or
+  seeded random ids when there is none: the check itself needs no tokenizer.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from export.config import Qwen2Config
+from export.errors import ExportError
+from export.folder import GOLDEN as GOLDEN_FILE
+
+log = logging.getLogger(__name__)
+
+FORMAT = "mslite-llm-golden"
+FORMAT_VERSION = 1
+NEW_TOKENS = 16
+TOP_K = 8
+LEAD_CAP = 256  # bounds the reference's cost: no prompt is longer, unless a graph needs it to be used at all
+
+TEXTS = (
+    "The history of the printing press begins in the fifteenth century, when movable type made books cheap "
+    "enough for merchants and students. Within fifty years, presses were running in more than two hundred "
+    "cities across Europe, and the number of books in circulation grew from thousands to millions. ",
+    "def fibonacci(n: int) -> list:\n    values = [0, 1]\n    while len(values) < n:\n"
+    "        values.append(values[-1] + values[-2])\n    return values[:n]\n\n"
+    "for i, value in enumerate(fibonacci(12)):\n    print(i, value)\n",
+    "大型语言模型根据前面的词预测下一个词。推理分为两个阶段：预填充阶段一次读取整个提示并写入键值缓存，"
+    "解码阶段每一步只生成一个新词。昇腾服务器通过图引擎运行导出的模型。",
+)
+
+
+def plan_batches(prefill_sizes: Sequence[int], seq_length: int, batch_size: int) -> List[Tuple[int, List[int], int]]:
+    """(graph tokens, the batch's prompt lengths, steps) per prefill graph, smallest graph first."""
+    plan = []
+    previous = 0
+    for n in sorted(prefill_sizes):
+        lead = max(previous + 1, min(3 * n // 4, seq_length - NEW_TOKENS + 1, LEAD_CAP))
+        lengths = [lead] + [max(1, lead * (batch_size - r) // batch_size) for r in range(1, batch_size)]
+        plan.append((n, lengths, min(NEW_TOKENS, seq_length - lead + 1)))
+        previous = n
+    return plan
+
+
+def _text_ids(checkpoint: str, vocab_size: int) -> Optional[List[List[int]]]:
+    """Each of TEXTS as token ids of the checkpoint's tokenizer.json, or None when that cannot be used."""
+    path = os.path.join(checkpoint, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(path)
+        ids = [tokenizer.encode(text, add_special_tokens=False).ids for text in TEXTS]
+    except Exception as exc:  # any failure of a third-party tokenizer file: fall back to random ids
+        log.warning("golden references: %s could not encode the fixed texts (%s); using random token ids", path, exc)
+        return None
+    if not all(ids) or max(max(row) for row in ids) >= vocab_size:
+        return None
+    return ids
+
+
+def prompts_for(plan: List[Tuple[int, List[int], int]], checkpoint: str, vocab_size: int) -> Tuple[List[List[List[int]]], str]:
+    """Token ids per batch and row, and where they came from ("tokenizer.json" or "random")."""
+    texts = _text_ids(checkpoint, vocab_size)
+    rng = np.random.default_rng(20261122)
+    batches = []
+    for b, (_, lengths, _) in enumerate(plan):
+        rows = []
+        for r, n in enumerate(lengths):
+            if texts is None:
+                rows.append([int(t) for t in rng.integers(0, vocab_size, n)])
+            else:
+                text = texts[(b + r) % len(texts)]
+                rows.append((text * (n // len(text) + 1))[:n])
+        batches.append(rows)
+    return batches, "tokenizer.json" if texts is not None else "random"
+
+
+def _top_k(logits: np.ndarray, k: int) -> Tuple[List[int], List[float]]:
+    """The k largest logits, largest first, ties by smaller id (np.argmax's choice)."""
+    idx = np.argpartition(-logits, k - 1)[:k]
+    idx = idx[np.lexsort((idx, -logits[idx]))]
+    return [int(i) for i in idx], [float(f"{logits[i]:.9g}") for i in idx]  # 9 digits round-trip float32
+
+
+def compute(model_cfg: Qwen2Config, checkpoint: str, prefill_sizes: Sequence[int], seq_length: int,
+            batch_size: int, progress: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
+    """Run the plan through the float32 reference; returns the golden document (see write)."""
+    from export.reference import NumpyQwen2
+    from export.weights import open_checkpoint, plan_weights
+
+    start = time.perf_counter()
+    plan = plan_batches(prefill_sizes, seq_length, batch_size)
+    batches, source = prompts_for(plan, checkpoint, model_cfg.vocab_size)
+    where = open_checkpoint(checkpoint)
+    net = NumpyQwen2(model_cfg, where, seq_length)
+    plan_weights(net.weight_shapes(), where, tied=bool(model_cfg.tie_word_embeddings))  # names and shapes, by name
+    rows = [(b, r, list(ids)) for b, batch in enumerate(batches) for r, ids in enumerate(batch)]
+    steps = [plan[b][2] for b, _, _ in rows]
+    caches = [net.new_cache() for _ in rows]
+    records: List[Dict[str, Any]] = [{"prompt": ids, "tokens": [], "top_ids": [], "top_logits": [], "scale": []}
+                                     for _, _, ids in rows]
+    feed = [ids for _, _, ids in rows]
+    active = list(range(len(rows)))
+    while active:
+        logits = net.forward([feed[i] for i in active], [caches[i] for i in active])
+        if not np.isfinite(logits).all():
+            raise ExportError(f"{checkpoint}: the float32 reference produced non-finite logits; the weights are "
+                              "damaged or not this config's")
+        for i, row_logits in zip(active, logits):
+            ids, values = _top_k(row_logits, TOP_K)
+            rec = records[i]
+            rec["tokens"].append(ids[0])
+            rec["top_ids"].append(ids)
+            rec["top_logits"].append(values)
+            rec["scale"].append(float(f"{np.abs(row_logits).max():.9g}"))
+            feed[i] = [ids[0]]
+        active = [i for i in active if len(records[i]["tokens"]) < steps[i]]
+        if progress is not None:
+            progress(1)
+    out_batches = []
+    for b, (tokens, _, n_steps) in enumerate(plan):
+        out_batches.append({"graph": f"prefill_{tokens}", "steps": n_steps,
+                            "rows": [records[i] for i, (rb, _, _) in enumerate(rows) if rb == b]})
+    return {"format": FORMAT, "format_version": FORMAT_VERSION,
+            "computed_by": "export/reference.py: float32 numpy on the checkpoint's weights",
+            "prompt_source": source, "top_k": TOP_K, "seq_length": seq_length, "batch_size": batch_size,
+            "batches": out_batches, "seconds": round(time.perf_counter() - start, 3)}
+
+
+def max_steps(prefill_sizes: Sequence[int], seq_length: int, batch_size: int) -> int:
+    """How many reference forwards `compute` runs (for a progress bar)."""
+    return max(s for _, _, s in plan_batches(prefill_sizes, seq_length, batch_size))
+
+
+def write(folder: str, doc: Dict[str, Any]) -> str:
+    path = os.path.join(folder, GOLDEN_FILE)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, separators=(",", ":"))
+        fh.write("\n")
+    return path
