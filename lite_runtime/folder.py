@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from lite_runtime.errors import ModelFolderError
@@ -44,6 +44,12 @@ class ModelFolder:
     model: Dict[str, Any]  # the yaml's `model` section
     graphs: Dict[str, GraphSpec]
     ge_config_path: str
+    manifest: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def exported_with(self) -> Dict[str, str]:
+        """Versions that wrote the folder ({"mindspore": ..., "mslite_llm": ...}); empty for older folders."""
+        return dict(self.manifest.get("exported_with") or {})
 
     @property
     def seq_length(self) -> int:
@@ -105,6 +111,9 @@ def load_folder(path: str, verify: bool = True) -> ModelFolder:
                                f"{manifest.get('format_version')!r} is not supported (this runtime reads "
                                f"{FORMAT} version {', '.join(map(str, SUPPORTED_VERSIONS))}); re-export the folder")
     _check_files(path, manifest["files"], verify)
+    if manifest.get("golden") and manifest["golden"] not in manifest["files"]:
+        raise ModelFolderError(f"{manifest_path}: golden references {manifest['golden']!r} are not among its files; "
+                               "re-export the folder")
     yamls = sorted(f for f in os.listdir(path) if f.endswith((".yaml", ".yml")))
     if yamls != [manifest["yaml"]]:
         raise ModelFolderError(f"{path}: expected exactly one yaml, {manifest['yaml']}, found "
@@ -114,7 +123,7 @@ def load_folder(path: str, verify: bool = True) -> ModelFolder:
     doc = _read_yaml(yaml_path)
     folder = ModelFolder(path=os.path.abspath(path), name=manifest["name"], yaml_path=yaml_path,
                          infer=doc["infer"], model=doc.get("model", {}), graphs=graphs,
-                         ge_config_path=os.path.join(os.path.abspath(path), manifest["ge_config"]))
+                         ge_config_path=os.path.join(os.path.abspath(path), manifest["ge_config"]), manifest=manifest)
     _check_specs_against_yaml(folder)
     return folder
 

@@ -28,10 +28,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class InferOutput:
-    """One step: per row, the chosen next token and its probability under the processed scores."""
+    """One step: per row, the chosen next token, its probability under the processed scores, and the
+    graph's raw float32 logits [rows, vocab_size] (before any repetition penalty or sampling warper)."""
 
     next_tokens: List[int]
     probs: List[float]
+    logits: Optional[np.ndarray] = field(default=None, repr=False)
 
 
 @dataclass
@@ -229,7 +231,7 @@ class TextGenerator:
         with self._lock:
             logits = self._forward(rows)
         picks = [choose(process(logits[i], rows[i], s), s.do_sample, rng) for i in range(len(rows))]
-        return InferOutput([t for t, _ in picks], [p for _, p in picks])
+        return InferOutput([t for t, _ in picks], [p for _, p in picks], logits)
 
     def generate(self, input_ids: Sequence[Sequence[int]], streamer=None, **kwargs) -> GenerateOutput:
         """Per row, the prompt ids followed by the generated ids, stopping at eos or the limit."""

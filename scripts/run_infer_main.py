@@ -2,7 +2,8 @@
 
     python scripts/run_infer_main.py --model_dir model_dirs/qwen2-tiny --backend ms --prompt "Hello"
 
-Arguments keep the names of MindFormers' run_infer_main.py; --backend and --chat are new.
+Arguments keep the names of MindFormers' run_infer_main.py; --backend, --chat and --check are new.
+`--check` replays the folder's golden references instead of generating (python -m lite_runtime.check).
 Each request prints a timing line: prefill milliseconds and decode tokens per second.
 """
 from __future__ import annotations
@@ -66,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm_up", choices=WARM_UP, default=None,
                    help="graphs to run once at load: the inc graph and the smallest prefill graph (default), all "
                         "(longer prompt buckets then never compile inside a request), or none")
+    _flag(p, "--check", "instead of generating, replay the folder's golden references on this machine and report "
+                        "whether it computes what the checkpoint means (python -m lite_runtime.check); exit code 0 "
+                        "pass, 1 fail")
+    p.add_argument("--check_json", metavar="FILE", help="with --check: also write the report as JSON to FILE")
     p.add_argument("--prompt", help="run this prompt once and exit; without it, read prompts from stdin")
     p.add_argument("-v", "--verbose", action="store_true", help="log which backend was chosen and why")
     return p
@@ -128,6 +133,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if args.check:
+        if not args.model_dir:
+            print("error: --check needs --model_dir (the golden references live in the model folder)", file=sys.stderr)
+            return 2
+        from lite_runtime.check import main as check_main
+
+        extra = ["--json", args.check_json] if args.check_json else []
+        return check_main([args.model_dir, "--backend", args.backend, "--device_id", str(args.device_id), *extra]
+                          + (["-v"] if args.verbose else []))
     try:
         pipe = load(args)
         if args.prompt is not None:

@@ -1,0 +1,185 @@
+"""python -m export.compare --checkpoint <hf_dir> --model_dir <folder>: a folder on this CPU against HF transformers.
+
+HF transformers (PyTorch, float32, the checkpoint's own weights) produces greedy tokens and top-k
+logits for the folder's golden prompts (or, for a folder without them, the same plan
+export/golden.py uses). The folder replays them teacher-forced on the `ms` backend and the report
+is the one `python -m lite_runtime.check` prints, with the limits of the folder's dtype. It also
+replays the folder's stored golden references through HF, which checks the export's own float32
+reference (export/reference.py).
+
+Float16 folders for Atlas run here too: they are the artifact that ships. MindSpore's CPU float16
+kernels are slow (README, "Checking a folder"). Bfloat16 folders cannot run on MindSpore's CPU
+(no kernels) and are refused with what to do instead. Needs torch (the test extra).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from export.errors import ExportError
+from lite_runtime.golden import TOLERANCES, Reference, ReferenceBatch, ReferenceRow, replay
+
+log = logging.getLogger(__name__)
+TORCH_HINT = "pip install torch==2.13.0 (a CPU build: pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)"
+
+
+def hf_model(checkpoint: str, dtype: str = "float32"):
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise ExportError(f"export.compare runs HF transformers as the reference and needs PyTorch: {TORCH_HINT}") from None
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+class HFSteps:
+    """HF model with the two calls `replay` makes (`infer(rows).logits`, `prefill_size`), one row at a time
+    with its own KV cache: a row that extends the previous call's by one token feeds only that token."""
+
+    class Output:
+        def __init__(self, logits: np.ndarray) -> None:
+            self.logits = logits
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self._rows: List[List[int]] = []
+        self._past: list = []
+
+    def prefill_size(self, longest: int) -> int:
+        return longest
+
+    def _last_logits(self, ids, past):
+        import torch
+
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([ids]), past_key_values=past, use_cache=True)
+        return out.logits[0, -1].float().numpy(), out.past_key_values
+
+    def infer(self, rows: Sequence[Sequence[int]]) -> "HFSteps.Output":
+        logits, past = [], []
+        extend = len(rows) == len(self._rows) and all(
+            len(r) == len(c) + 1 and list(r[:-1]) == c for r, c in zip(rows, self._rows))
+        for i, row in enumerate(rows):
+            lg, p = self._last_logits(list(row[-1:]), self._past[i]) if extend else self._last_logits(list(row), None)
+            logits.append(lg)
+            past.append(p)
+        self._rows, self._past = [list(r) for r in rows], past
+        return HFSteps.Output(np.stack(logits))
+
+
+def hf_reference(model, batches: Sequence[Sequence[Sequence[int]]], steps: Sequence[int], top_k: int) -> Reference:
+    """HF float32 greedy continuation and top-k logits of each prompt (rows run one by one)."""
+    from export.golden import _top_k
+
+    stepper = HFSteps(model)
+    out = []
+    for prompts, n in zip(batches, steps):
+        rows = []
+        for prompt in prompts:
+            row = ReferenceRow(list(prompt), [], [], [], [])
+            seq = list(prompt)
+            for _ in range(n):
+                logits = stepper.infer([seq]).logits[0]
+                ids, values = _top_k(logits, top_k)
+                row.tokens.append(ids[0])
+                row.top_ids.append(ids)
+                row.top_logits.append(values)
+                row.scale.append(float(np.abs(logits).max()))
+                seq.append(ids[0])
+            rows.append(row)
+        out.append(ReferenceBatch("", rows))
+    return Reference(source="HF transformers, float32, the checkpoint's weights", batches=out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m export.compare",
+        description="Run a model folder on this CPU (backend ms) and HF transformers on the same prompts, and report "
+                    "greedy token agreement and top-k logit error with the limits of the folder's dtype (the report "
+                    "of python -m lite_runtime.check). Exit code 0: pass, 1: fail, 2: cannot compare.")
+    p.add_argument("--checkpoint", required=True, help="the HF checkpoint folder the model folder was exported from")
+    p.add_argument("--model_dir", required=True, help="model folder written by python -m export")
+    p.add_argument("--json", dest="json_path", metavar="FILE", help="also write the report as JSON to FILE")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def compare(checkpoint: str, model_dir: str, quiet: bool = True):
+    """(report of the folder against HF, rows of the stored golden against HF or None)."""
+    from export.golden import TOP_K, plan_batches, prompts_for
+    from lite_runtime import InferConfig
+    from lite_runtime.check import run_check
+    from lite_runtime.golden import load_golden
+
+    config = InferConfig.from_folder(model_dir, backend="ms", warm_up="none")
+    if config.dtype == "bfloat16":
+        raise ExportError(f"{config.folder.yaml_path}: a bfloat16 folder cannot run on this CPU (MindSpore has no "
+                          "bfloat16 CPU kernels); run python -m lite_runtime.check on the Atlas A2 server it is for, or "
+                          "export a float16 or float32 folder from the same checkpoint and compare that")
+    if config.dtype == "float16" and not quiet:
+        print("float16 graphs run on MindSpore's CPU float16 kernels, several times slower than float32 "
+              "(README, 'Checking a folder')", file=sys.stderr)
+    golden = load_golden(config.folder)
+    if golden is not None:
+        prompts = [[r.prompt for r in b.rows] for b in golden.batches]
+        steps = [len(b.rows[0].tokens) for b in golden.batches]
+        top_k = len(golden.batches[0].rows[0].top_ids[0])
+    else:
+        plan = plan_batches(sorted(config.folder.infer["prefill_buckets"]), config.infer_seq_length, config.batch_size)
+        prompts = prompts_for(plan, config.folder.path, int(config.vocab_size))[0]
+        steps, top_k = [n for _, _, n in plan], TOP_K
+    start = time.perf_counter()
+    if quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    model = hf_model(checkpoint)
+    reference = hf_reference(model, prompts, steps, top_k)
+    log.info("HF reference: %d prompts in %.1f s", sum(map(len, prompts)), time.perf_counter() - start)
+    golden_rows = replay(HFSteps(model), golden, TOLERANCES["float32"]) if golden is not None else None
+    report = run_check(model_dir, backend="ms", reference=reference)
+    return report, golden_rows
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from lite_runtime.check import print_report
+    from lite_runtime.errors import InferError
+
+    try:
+        if not os.path.isdir(args.checkpoint):
+            raise ExportError(f"--checkpoint {args.checkpoint}: not a folder; pass the HF checkpoint the folder was "
+                              "exported from")
+        report, golden_rows = compare(args.checkpoint, args.model_dir, quiet=args.quiet)
+    except (ExportError, InferError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_report(report)
+    if golden_rows is not None:
+        worst = max(r.max_rel for r in golden_rows)
+        same = all(r.first_divergence is None for r in golden_rows)
+        print(f"stored golden references against HF: {'greedy tokens identical' if same else 'greedy tokens DIFFER'}, "
+              f"top-k logits within {worst:.1e} relative")
+    if args.json_path:
+        import json
+
+        doc = report.to_dict()
+        if golden_rows is not None:
+            doc["golden_against_hf"] = [{"prompt": r.prompt, "max_rel": r.max_rel,
+                                         "first_divergence": r.first_divergence} for r in golden_rows]
+        with open(args.json_path, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=2)
+            fh.write("\n")
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

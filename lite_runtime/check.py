@@ -1,0 +1,123 @@
+"""python -m lite_runtime.check <folder>: does this machine's engine compute what the checkpoint means?
+
+Replays the folder's golden references (golden.json, computed in float32 from the checkpoint at
+export) through the chosen backend and compares greedy tokens and top-k logits, with limits set by
+the folder's dtype (lite_runtime/golden.py). Needs only what the folder needs to run: on an Atlas
+server mindspore_lite, numpy and pyyaml; no torch, transformers or MindSpore.
+
+Exit code 0 when every prompt passes, 1 when one fails, 2 when the folder cannot be checked.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import List, Optional
+
+from lite_runtime.backends import CHOICES
+from lite_runtime.config import InferConfig
+from lite_runtime.errors import InferError
+from lite_runtime.golden import TOLERANCES, Reference, Report, load_golden, replay
+from lite_runtime.versions import environment
+
+SEND_BACK = ("rerun with --json report.json and send that file, with the folder's manifest.json and yaml, "
+             "to whoever exported the folder")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m lite_runtime.check",
+        description="Replay a model folder's golden references (fixed prompts with the checkpoint's float32 greedy "
+                    "tokens and top-k logits, stored at export) on this machine and report, per prompt, the first "
+                    "step where the greedy tokens diverge, the logit error and top-1 agreement. Exit code 0: pass, "
+                    "1: fail, 2: the folder cannot be checked.")
+    p.add_argument("model_dir", help="model folder written by python -m export")
+    p.add_argument("--backend", choices=CHOICES, default="auto",
+                   help="mslite (Atlas, GE), ms (MindSpore, CPU) or auto: mslite when importable and the folder "
+                        "targets Ascend (default)")
+    p.add_argument("--json", dest="json_path", metavar="FILE", help="also write the full report as JSON to FILE")
+    p.add_argument("--device_id", type=int, default=None, help="Ascend device to run on (default 0)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    p.add_argument("-v", "--verbose", action="store_true", help="log which backend was chosen and why")
+    return p
+
+
+def run_check(model_dir: str, backend: str = "auto", reference: Optional[Reference] = None, progress=None,
+              **overrides) -> Report:
+    """Load `model_dir` (checksums verified), replay `reference` (default: the folder's golden.json)."""
+    from lite_runtime.task import pipeline
+
+    config = InferConfig.from_folder(model_dir, backend=backend, **overrides)
+    folder = config.folder
+    if reference is None:
+        reference = load_golden(folder)
+    if reference is None:
+        raise InferError(f"{folder.path}: no golden references (golden.json); the folder was exported before "
+                         "mslite-llm wrote them: re-export it with python -m export to check it")
+    tolerance = TOLERANCES.get(config.dtype)
+    if tolerance is None:
+        raise InferError(f"{folder.yaml_path}: dtype {config.dtype!r} has no check limits; known: "
+                         f"{', '.join(TOLERANCES)}")
+    start = time.perf_counter()
+    generator = pipeline("text_generation", model=config, backend=backend)
+    loaded = time.perf_counter() - start
+    rows = replay(generator, reference, tolerance, progress=progress)
+    info = {"environment": environment(generator.backend_name), "exported_with": folder.exported_with,
+            "folder": {k: folder.infer.get(k) for k in ("device", "soc", "dtype", "seq_length", "batch_size",
+                                                        "prefill_buckets", "cpu_kernels")},
+            "load_seconds": round(loaded, 2), "replay_seconds": round(time.perf_counter() - start - loaded, 2)}
+    try:
+        with open(folder.ge_config_path, encoding="utf-8", errors="replace") as fh:
+            info["ge_config"] = fh.read()
+    except OSError:
+        pass
+    return Report(name=folder.name, backend=generator.backend_name, dtype=config.dtype, tolerance=tolerance,
+                  reference=reference.source, rows=rows, info=info)
+
+
+def print_report(report: Report, out=None) -> None:
+    out = out or sys.stdout
+    print(f"reference: {report.reference}", file=out)
+    print(report.table(), file=out)
+    print(report.verdict(), file=out)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    overrides = {"device_id": args.device_id} if args.device_id is not None else {}
+    done = [0]
+
+    def progress(_: int) -> None:
+        done[0] += 1
+        if not args.quiet and done[0] % 16 == 0:
+            print(f"  {done[0]} steps replayed", file=sys.stderr, flush=True)
+
+    if not args.quiet:
+        print(f"loading {args.model_dir} (backend {args.backend}; on Atlas GE compiles each graph on first use, "
+              "minutes per graph)", file=sys.stderr, flush=True)
+    try:
+        report = run_check(args.model_dir, args.backend, progress=progress, **overrides)
+    except InferError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    print_report(report)
+    if args.json_path:
+        with open(args.json_path, "w", encoding="utf-8") as fh:
+            json.dump(report.to_dict(), fh, indent=2)
+            fh.write("\n")
+        print(f"report written to {args.json_path}", file=sys.stderr)
+    if not report.passed:
+        print(f"check failed: {SEND_BACK}" if not args.json_path else
+              f"check failed: send {args.json_path}, with the folder's manifest.json and yaml, to whoever exported "
+              "the folder", file=sys.stderr)
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

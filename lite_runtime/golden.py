@@ -1,0 +1,241 @@
+"""Replaying reference prompts on a loaded folder and judging the logits: the core of `check` and `export.compare`.
+
+The reference is a folder's golden.json (float32 numpy at export, export/golden.py) or, for
+`python -m export.compare`, HF transformers on the checkpoint. Either way each prompt is replayed
+teacher-forced through `TextGenerator.infer`: the prompt prefills, then each reference token is
+fed through the incremental graph, so every step compares logits on the same context even after
+the device would have chosen differently. "First diverging step" is where the device's argmax
+differs from the reference token, which is exactly where free-running greedy generation would
+part ways. Only numpy is needed here: this runs where the folder runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from lite_runtime.errors import ModelFolderError
+from lite_runtime.folder import ModelFolder, graph_key
+
+GOLDEN_FORMAT = "mslite-llm-golden"
+GOLDEN_VERSIONS = (1,)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a folder of this dtype may be from the float32 reference (model_dirs/README.md, "check").
+
+    rel: max |device - reference| over the reference's top-k logits, relative to the step's largest
+    |logit|. A step whose reference top-2 margin is below 2 * rel * that scale is a near tie: the
+    device may pick either token there, and a different pick is reported, not failed.
+    """
+
+    dtype: str
+    rel: float
+
+
+# About 3x the worst error measured against the float32 reference on random checkpoints of five shapes
+# (scripts/measure_check_limits.py; figures in model_dirs/README.md, "golden.json and check"): float16
+# 3.4e-3 (MindSpore's CPU kernels and HF's alike), bfloat16 1.7e-2 (HF on the CPU), float32 1.4e-6.
+TOLERANCES: Dict[str, Tolerance] = {
+    "float32": Tolerance("float32", 1e-4),
+    "float16": Tolerance("float16", 1e-2),
+    "bfloat16": Tolerance("bfloat16", 5e-2),
+}
+
+
+@dataclass
+class ReferenceRow:
+    prompt: List[int]
+    tokens: List[int]  # the reference's greedy token at each step
+    top_ids: List[List[int]]  # per step, the top-k token ids, largest logit first
+    top_logits: List[List[float]]
+    scale: List[float]  # per step, the largest |logit| over the whole vocabulary
+
+
+@dataclass
+class ReferenceBatch:
+    graph: str  # the prefill graph the batch was planned for
+    rows: List[ReferenceRow]
+
+
+@dataclass
+class Reference:
+    source: str  # what computed it, for the report
+    batches: List[ReferenceBatch]
+
+    @classmethod
+    def from_dict(cls, doc: Dict[str, Any], where: str, vocab_size: int, source: str) -> "Reference":
+        """Checked as it is read: a damaged file fails here with its name, never half-way through a replay."""
+        def bad(what: str) -> ModelFolderError:
+            return ModelFolderError(f"{where}: {what}; re-export the folder")
+
+        if not isinstance(doc, dict) or doc.get("format") != GOLDEN_FORMAT:
+            raise bad(f"not a golden reference file (format {doc.get('format') if isinstance(doc, dict) else None!r})")
+        if doc.get("format_version") not in GOLDEN_VERSIONS:
+            raise bad(f"golden format version {doc.get('format_version')!r} is not supported by this runtime")
+        batches = []
+        try:
+            for b, raw in enumerate(doc["batches"]):
+                rows = [ReferenceRow(prompt=[int(t) for t in r["prompt"]], tokens=[int(t) for t in r["tokens"]],
+                                     top_ids=[[int(i) for i in s] for s in r["top_ids"]],
+                                     top_logits=[[float(v) for v in s] for s in r["top_logits"]],
+                                     scale=[float(v) for v in r["scale"]]) for r in raw["rows"]]
+                steps = {len(r.tokens) for r in rows}
+                if not rows or len(steps) != 1 or 0 in steps:
+                    raise bad(f"batch {b} has no rows or rows with different numbers of steps")
+                for r in rows:
+                    n = len(r.tokens)
+                    ids = [t for s in r.top_ids for t in s] + r.prompt + r.tokens
+                    if (len(r.top_ids), len(r.top_logits), len(r.scale)) != (n, n, n) or not r.prompt:
+                        raise bad(f"batch {b} has a row whose per-step lists disagree in length")
+                    if any(len(s) < 2 or s[0] != t for s, t in zip(r.top_ids, r.tokens)):
+                        raise bad(f"batch {b} has a step whose top-k does not start with its token")
+                    if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+                        raise bad(f"batch {b} has token ids outside the vocabulary of {vocab_size}")
+                batches.append(ReferenceBatch(str(raw.get("graph", "")), rows))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise bad(f"malformed ({type(exc).__name__}: {exc})") from None
+        if not batches:
+            raise bad("no batches")
+        return cls(source=source, batches=batches)
+
+
+def load_golden(folder: ModelFolder) -> Optional[Reference]:
+    """The folder's golden references, or None for a folder exported before they existed."""
+    name = folder.manifest.get("golden")
+    if not name:
+        return None
+    path = os.path.join(folder.path, name)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ModelFolderError(f"{path}: unreadable ({exc}); re-copy the folder") from None
+    return Reference.from_dict(doc, path, int(folder.infer["vocab_size"]),
+                               source=f"{name}: {doc.get('computed_by', 'float32 reference at export')}")
+
+
+@dataclass
+class RowResult:
+    prompt: int  # index over all rows of all batches
+    graph: str  # the prefill graph the runtime ran it on
+    prompt_tokens: int
+    steps: int = 0
+    top1_agree: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    first_divergence: Optional[int] = None  # step where the device's argmax left the reference token
+    divergence: Optional[Dict[str, Any]] = None  # device and reference token there, and the reference margin
+    near_ties: List[int] = field(default_factory=list)  # steps that disagree where the reference is a near tie
+    failures: List[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def judge(self, step: int, logits: np.ndarray, ref: ReferenceRow, tol: Tolerance) -> None:
+        """Compare one step's device logits [V] with the reference's top-k at that step."""
+        self.steps += 1
+        if not np.all(np.isfinite(logits)):
+            if not any("non-finite" in f for f in self.failures):
+                self.failures.append(f"non-finite logits from step {step}")
+            return
+        ids, values, scale = np.asarray(ref.top_ids[step]), np.asarray(ref.top_logits[step], np.float64), ref.scale[step]
+        err = float(np.abs(logits[ids].astype(np.float64) - values).max())
+        self.max_abs = max(self.max_abs, err)
+        self.max_rel = max(self.max_rel, err / max(scale, 1e-30))
+        device, want = int(np.argmax(logits)), ref.tokens[step]
+        if device == want:
+            self.top1_agree += 1
+            return
+        margin = float(values[0] - values[1])
+        if self.first_divergence is None:
+            self.first_divergence = step
+            self.divergence = {"step": step, "device_token": device, "reference_token": want,
+                               "reference_margin": margin}
+        if margin <= 2 * tol.rel * scale:
+            self.near_ties.append(step)
+        elif not any("greedy token" in f for f in self.failures):
+            self.failures.append(f"greedy token differs at step {step}: device {device}, reference {want} "
+                                 f"(reference margin {margin:.3g}, not a near tie)")
+
+    def close(self, tol: Tolerance) -> None:
+        if self.max_rel > tol.rel:
+            self.failures.append(f"logit error {self.max_rel:.2e} relative exceeds the {tol.dtype} limit {tol.rel:.0e}")
+
+
+def replay(generator, reference: Reference, tol: Tolerance, progress=None) -> List[RowResult]:
+    """Run every reference batch teacher-forced through `generator.infer`; one RowResult per row."""
+    results: List[RowResult] = []
+    for batch in reference.batches:
+        rows = [list(r.prompt) for r in batch.rows]
+        graph = graph_key("prefill", generator.prefill_size(max(len(r) for r in rows)))
+        mine = [RowResult(len(results) + i, graph, len(r.prompt)) for i, r in enumerate(batch.rows)]
+        for step in range(len(batch.rows[0].tokens)):
+            logits = generator.infer(rows).logits
+            for i, ref in enumerate(batch.rows):
+                mine[i].judge(step, logits[i], ref, tol)
+                rows[i].append(ref.tokens[step])
+            if progress is not None:
+                progress(1)
+        for r in mine:
+            r.close(tol)
+        results.extend(mine)
+    return results
+
+
+@dataclass
+class Report:
+    name: str
+    backend: str
+    dtype: str
+    tolerance: Tolerance
+    reference: str
+    rows: List[RowResult]
+    info: Dict[str, Any] = field(default_factory=dict)  # environment, versions, the folder's settings
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.rows)
+
+    def verdict(self) -> str:
+        steps = sum(r.steps for r in self.rows)
+        worst = max((r.max_rel for r in self.rows), default=0.0)
+        limit = f"({self.dtype} limit {self.tolerance.rel:.0e})"
+        ties = sum(len(r.near_ties) for r in self.rows)
+        tie_note = f"; {ties} near-tie step(s) reported, not failed" if ties else ""
+        if self.passed:
+            return (f"PASS {self.name} on backend {self.backend}: {len(self.rows)} prompts, {steps} steps, greedy "
+                    f"tokens identical, top-k logits within {worst:.1e} relative {limit}{tie_note}")
+        bad = [r for r in self.rows if not r.passed]
+        diverged = [r for r in bad if any("greedy token" in f for f in r.failures)]
+        if diverged:
+            r, d = diverged[0], diverged[0].divergence or {}
+            what = (f"greedy tokens diverge in prompt {r.prompt} ({r.graph}) at step {r.first_divergence}: device "
+                    f"token {d.get('device_token')}, reference {d.get('reference_token')}")
+        else:
+            what = f"prompt {bad[0].prompt} ({bad[0].graph}): {bad[0].failures[0]}"
+        return (f"FAIL {self.name} on backend {self.backend}: {len(bad)} of {len(self.rows)} prompts fail; {what}; "
+                f"worst logit error {worst:.1e} relative {limit}")
+
+    def table(self) -> str:
+        head = ("prompt", "graph", "tokens", "steps", "diverges at", "top-1", "max abs err", "max rel err", "result")
+        lines = [head]
+        for r in self.rows:
+            where = "-" if r.first_divergence is None else str(r.first_divergence)
+            result = "ok" if r.passed else "FAIL"
+            if r.near_ties:
+                result += f" (near tie at {', '.join(map(str, r.near_ties))})"
+            lines.append((str(r.prompt), r.graph, str(r.prompt_tokens), str(r.steps), where,
+                          f"{r.top1_agree}/{r.steps}", f"{r.max_abs:.2e}", f"{r.max_rel:.2e}", result))
+        widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"verdict": self.verdict(), "passed": self.passed, "name": self.name, "backend": self.backend,
+                "dtype": self.dtype, "tolerance": asdict(self.tolerance), "reference": self.reference,
+                "rows": [{**asdict(r), "passed": r.passed} for r in self.rows], "info": self.info}
