@@ -36,21 +36,34 @@ class InferOutput:
     logits: Optional[np.ndarray] = field(default=None, repr=False)
 
 
-@dataclass
-class GenerateOutput:
-    sequences: List[List[int]]  # per row: the prompt ids followed by the generated ids
-    finish_reasons: List[str]  # per row: "eos" or "length"
-    prompt_lengths: List[int]
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    decode_steps: int = 0
-    new_tokens: int = field(default=0)
+class GenerateOutput(list):
+    """What generate returns: the rows of ids (each the prompt followed by the generated ids), as HF's generate
+    returns a tensor of rows, so `out[0]`, `for row in out`, `len(out)` and `tokenizer.batch_decode(out)` work
+    as they do on HF's output; `.sequences` (the rows) and the timing attributes are ours."""
+
+    def __init__(self, sequences: List[List[int]], finish_reasons: Sequence[str] = (),
+                 prompt_lengths: Sequence[int] = ()) -> None:
+        super().__init__(sequences)
+        self.finish_reasons: List[str] = list(finish_reasons)  # per row: "eos" or "length"
+        self.prompt_lengths: List[int] = list(prompt_lengths)
+        self.prefill_seconds = 0.0
+        self.decode_seconds = 0.0
+        self.decode_steps = 0
+        self.new_tokens = 0
+
+    @property
+    def sequences(self) -> List[List[int]]:
+        return list(self)
 
     @property
     def decode_tokens_per_second(self) -> float:
         """Tokens made by the incremental graph per second (the first token of each row comes from prefill)."""
-        made = self.new_tokens - len(self.sequences)
+        made = self.new_tokens - len(self)
         return made / self.decode_seconds if self.decode_seconds > 0 and made > 0 else 0.0
+
+    def __repr__(self) -> str:
+        return (f"GenerateOutput(sequences={list(self)!r}, finish_reasons={self.finish_reasons!r}, "
+                f"prompt_lengths={self.prompt_lengths!r})")
 
 
 class TextGenerator:
@@ -160,7 +173,10 @@ class TextGenerator:
 
     # --- checks -----------------------------------------------------------------------------------
     def _check_rows(self, rows: Sequence[Sequence[int]]) -> List[List[int]]:
-        if isinstance(rows, np.ndarray):
+        if isinstance(rows, (str, bytes)):
+            raise InferError("input_ids is a string; generate() and infer() take token ids: call the pipeline "
+                             "itself for text, pipe(text), or tokenize it first")
+        if hasattr(rows, "tolist"):  # numpy arrays and torch tensors, as HF callers pass them
             rows = rows.tolist()
         if not rows or isinstance(rows[0], (int, np.integer)):
             raise InferError("input_ids must be a list of token-id lists, one per row")
@@ -169,6 +185,13 @@ class TextGenerator:
                              f"send at most {self.batch_size} or re-export with --batch_size {len(rows)}")
         out = []
         for i, row in enumerate(rows):
+            if isinstance(row, (str, bytes)):
+                raise InferError(f"row {i} is a string; input_ids are token ids: call pipe(text) for text")
+            row = row.tolist() if hasattr(row, "tolist") else list(row)
+            bad = next((t for t in row if not isinstance(t, (int, np.integer)) or isinstance(t, bool)), None)
+            if bad is not None:
+                raise InferError(f"row {i} has a token id {bad!r} that is not an integer; input_ids are integer "
+                                 "token ids from the tokenizer")
             row = [int(t) for t in row]
             if not row:
                 raise InferError(f"row {i} is empty; every prompt needs at least one token")

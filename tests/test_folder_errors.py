@@ -131,6 +131,18 @@ def test_prompt_too_long_and_limits_that_cannot_fit(pipes):
         "3 rows but the graphs were exported with batch_size 2; send at most 2 or re-export with --batch_size 3")
     assert error_of(pipe.generate, [[1, 99999]]) == (
         "row 0 has a token id outside [0, 512); was it made by another tokenizer?")
+    assert error_of(pipe.generate, "abc") == (
+        "input_ids is a string; generate() and infer() take token ids: call the pipeline itself for text, "
+        "pipe(text), or tokenize it first")
+    assert error_of(pipe.infer, ["abc"]) == "row 0 is a string; input_ids are token ids: call pipe(text) for text"
+    assert error_of(pipe.generate, [[1.5]]) == (
+        "row 0 has a token id 1.5 that is not an integer; input_ids are integer token ids from the tokenizer")
+    import numpy as np
+
+    assert error_of(pipe.generate, np.array([[1.0, 2.0]])) == (
+        "row 0 has a token id 1.0 that is not an integer; input_ids are integer token ids from the tokenizer")
+    assert error_of(pipe.generate, [[1, True]]) == (
+        "row 0 has a token id True that is not an integer; input_ids are integer token ids from the tokenizer")
     # a prompt that fills the cache exactly still yields its one token
     out = pipe.generate([[1] * 31])
     assert len(out.sequences[0]) == 32 and out.finish_reasons == ["length"]

@@ -87,3 +87,17 @@ def test_prefill_buckets_give_the_same_tokens(pipes, exported, checkpoints):
         assert got == single.generate(rows, max_new_tokens=8).sequences
         assert got[0] == hf_generate(checkpoints["gqa_tied"], rows[0], max_new_tokens=8, do_sample=False)
 
+
+
+def test_output_indexes_like_hf_generate(pipes, checkpoints, tokenizer):
+    """Code written for HF (`out = generate(...); out[0]`, `batch_decode(out)`) works on GenerateOutput."""
+    import torch
+
+    out = pipes["gqa_tied"].generate(ROWS, max_new_tokens=5)
+    hf = [hf_generate(checkpoints["gqa_tied"], r, max_new_tokens=5, do_sample=False) for r in ROWS]
+    assert out[0] == hf[0] and out[-1] == hf[1] and out[:1] == [hf[0]]
+    assert list(out) == hf and len(out) == 2 and out.sequences == hf
+    assert tokenizer.batch_decode(out) == tokenizer.batch_decode(hf)
+    # and HF-style input: a tensor of rows
+    again = pipes["gqa_tied"].generate(torch.tensor([ROWS[1]]), max_new_tokens=5)
+    assert again[0] == hf[1]
