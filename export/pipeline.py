@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import resource
 import shutil
 import time
@@ -70,6 +71,7 @@ def run_export(cfg: ExportConfig, show_progress: bool = False) -> ExportSummary:
     output = os.path.abspath(cfg.output)
     parent = os.path.dirname(output)
     os.makedirs(parent, exist_ok=True)
+    _sweep_leftovers(parent)
     tmp = os.path.join(parent, f".{os.path.basename(output)}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -89,6 +91,36 @@ def run_export(cfg: ExportConfig, show_progress: bool = False) -> ExportSummary:
     prompts = sum(len(b["rows"]) for b in doc["batches"])
     return ExportSummary(cfg.output, files, total, weight_bytes, time.time() - start, _peak_rss(),
                          golden_prompts=prompts, golden_seconds=doc["seconds"])
+
+
+_LEFTOVER = re.compile(r"^\..+\.(partial|old)-(\d+)$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, under another user
+        return True
+    return True
+
+
+def _sweep_leftovers(parent: str) -> None:
+    """Remove `.<name>.partial-<pid>` / `.old-<pid>` folders of exports whose process no longer exists.
+
+    An export killed outright (SIGKILL, the OOM killer, a lost machine) cannot clean up after itself;
+    for a 7B checkpoint its partial folder is ~15 GB. Folders of live processes are left alone.
+    """
+    for entry in sorted(os.listdir(parent)):
+        match = _LEFTOVER.match(entry)
+        path = os.path.join(parent, entry)
+        if not match or not os.path.isdir(path) or _pid_alive(int(match.group(2))):
+            continue
+        size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+        shutil.rmtree(path, ignore_errors=True)
+        log.warning("removed %s (%s), left by an export (process %s) that did not finish", path, _size(size),
+                    match.group(2))
 
 
 def _write_graphs(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_progress: bool):

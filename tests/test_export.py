@@ -173,6 +173,26 @@ def test_summary_line_and_overwrite(tmp_path, checkpoints, capsys):
     assert sorted(os.listdir(tmp_path)) == ["m"]  # no .partial or .old folders left
 
 
+def test_leftovers_of_killed_exports_are_removed(tmp_path, checkpoints, caplog):
+    """An export killed with SIGKILL leaves its partial folder; the next export beside it removes it and says so."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()  # a process id that has just ended
+    partial, old = tmp_path / f".m.partial-{dead}", tmp_path / f".other.old-{dead}"
+    for folder in (partial, old):
+        (folder / "m_variables").mkdir(parents=True)
+        (folder / "m_variables" / "data_0").write_bytes(b"\0" * 2048)
+    running = tmp_path / f".n.partial-{os.getppid()}"  # an export still running (its process exists)
+    running.mkdir()
+    caplog.set_level("WARNING")
+    code = main(["-q", "--checkpoint", checkpoints["gqa_tied"], "--output", str(tmp_path / "m"), "--device", "cpu",
+                 "--seq_length", "8"])
+    assert code == 0
+    assert sorted(os.listdir(tmp_path)) == sorted(["m", running.name])
+    assert [r.getMessage() for r in caplog.records if "left by an export" in r.getMessage()] == [
+        f"removed {tmp_path / partial.name} (2.0 KiB), left by an export (process {dead}) that did not finish",
+        f"removed {tmp_path / old.name} (2.0 KiB), left by an export (process {dead}) that did not finish"]
+
+
 # --- bad input: one line, no traceback, non-zero exit, nothing left behind ----------------------
 
 @pytest.fixture
