@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Dict, Sequence
+from typing import Dict, List, Sequence
 
 import numpy as np
 
@@ -60,6 +60,18 @@ def check_inputs(key: str, arrays: Dict[str, np.ndarray], specs: Sequence) -> No
         if str(arr.dtype) != spec.dtype or tuple(arr.shape) != tuple(spec.shape):
             raise InferError(f"the {key} graph's input {spec.name} is {spec.dtype} {list(spec.shape)}, "
                              f"got {arr.dtype} {list(arr.shape)}")
+
+
+def bind_inputs(key: str, names: Sequence[str], arrays: Dict[str, np.ndarray]) -> List[np.ndarray]:
+    """The arrays in the graph's input order, found by each input's short name (`<graph>:input_ids` ->
+    `input_ids`). An input the mapping did not make is an InferError that names it, never a KeyError."""
+    short = [n.rsplit(":", 1)[-1] for n in names]
+    missing = [n for n in short if n not in arrays]
+    if missing:
+        raise InferError(f"the {key} graph needs input(s) {', '.join(missing)}, which the input mapping did not make "
+                         f"(it made {', '.join(sorted(arrays)) or 'none'}); the folder and model_name do not belong "
+                         "together")
+    return [np.ascontiguousarray(arrays[n]) for n in short]
 
 
 def unavailable(backend: str, what: str, how: str) -> BackendUnavailableError:

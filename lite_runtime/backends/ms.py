@@ -21,7 +21,7 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from lite_runtime.backends import unavailable
+from lite_runtime.backends import bind_inputs, unavailable
 from lite_runtime.folder import TensorSpec
 
 _DTYPES = {"INT32": "int32", "INT64": "int64", "FLOAT": "float32", "FLOAT16": "float16",
@@ -197,5 +197,5 @@ class MsBackend:
         return self.specs[key][0]
 
     def run(self, key: str, inputs: Dict[str, np.ndarray]) -> np.ndarray:
-        args = [self._tensor(inputs[spec.name]) for spec in self.specs[key][0]]
+        args = [self._tensor(a) for a in bind_inputs(key, [s.name for s in self.specs[key][0]], inputs)]
         return self.cells[key](*args).asnumpy()
