@@ -107,3 +107,81 @@ assert not any(m.split(".")[0] in ("mindspore", "torch", "transformers") for m i
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ("backend 'ms' needs MindSpore, which cannot be imported here: pip install "
                                    "mindspore==2.10.0 'numpy<2' (or use backend 'mslite' on Atlas)")
+
+
+@pytest.mark.parametrize("exported_ms, lite, action, message", [
+    ("2.10.0", "2.10.0", "ok", "mindspore_lite 2.10.0 matches MindSpore 2.10.0, which exported this folder"),
+    ("2.10.0", "2.10.1", "ok", "mindspore_lite 2.10.1 matches MindSpore 2.10.0, which exported this folder"),
+    ("2.10.0", "2.7.1", "refuse",
+     "mindspore_lite 2.7.1 is older than MindSpore 2.10.0, which exported this folder: an older Lite may not load "
+     "newer MindIR graphs. Re-export with pip install mindspore==2.7.* (the MindSpore that matches this Lite), or "
+     "install mindspore_lite 2.10"),
+    ("2.7.0", "2.10.0rc1", "warn",
+     "mindspore_lite 2.10.0rc1 is newer than MindSpore 2.7.0, which exported this folder; newer Lite releases load "
+     "older graphs, but run python -m lite_runtime.check on this folder once to be sure"),
+    (None, "2.10.0", "warn",
+     "the folder does not record which MindSpore exported it (exported before mslite-llm recorded it); if the graphs "
+     "fail to load, re-export with the mindspore that matches mindspore_lite 2.10.0"),
+    ("2.10.0", None, "warn",
+     "mindspore_lite does not report its version; the folder was exported with MindSpore 2.10.0: use "
+     "mindspore_lite 2.10 or newer"),
+])
+def test_lite_version_against_the_exporter(exported_ms, lite, action, message):
+    from lite_runtime.versions import check_lite, lite_decision
+
+    assert lite_decision(exported_ms, lite) == (action, message)
+    if action == "refuse":
+        with pytest.raises(InferError) as err:
+            check_lite(exported_ms, lite, None)
+        assert str(err.value) == message
+
+
+def test_the_exporter_version_comes_from_the_folder(exported):
+    import mindspore
+
+    from lite_runtime.backends.mslite import exported_mindspore
+
+    assert exported_mindspore(InferConfig.from_folder(exported["gqa_tied"])) == mindspore.__version__
+    folder = exported["gqa_tied"]
+    paths = (os.path.join(folder, "gqa_tied_prefill_graph.mindir"), os.path.join(folder, "gqa_tied_inc_graph.mindir"))
+    assert exported_mindspore(InferConfig(*paths, infer_seq_length=32, batch_size=2)) is None
+
+
+def test_inputs_bound_by_name_and_a_missing_one_named():
+    import numpy as np
+
+    from lite_runtime.backends import bind_inputs
+
+    arrays = {"input_ids": np.zeros((2, 8), np.int32), "valid_length": np.ones(2, np.int32)}
+    bound = bind_inputs("prefill_8", ["7_Net:valid_length", "7_Net:input_ids"], arrays)
+    assert [a.shape for a in bound] == [(2,), (2, 8)]
+    with pytest.raises(InferError) as err:
+        bind_inputs("inc", ["input_ids", "valid_length", "current_index"], arrays)
+    assert str(err.value) == ("the inc graph needs input(s) current_index, which the input mapping did not make (it "
+                              "made input_ids, valid_length); the folder and model_name do not belong together")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_graph_boundary_is_int32_in_float32_out_in_every_dtype(atlas_exported, dtype):
+    """mindspore_lite.DataType has no bfloat16 and get_data_to_numpy reads bf16 as fp16: inputs and outputs of every
+    graph stay int32/float32, whatever the weights' dtype (which the graphs really do carry)."""
+    import json
+
+    from mindspore.train import mind_ir_pb2
+
+    from export.folder import read_graph_spec
+
+    folder = atlas_exported[dtype]
+    with open(os.path.join(folder, "manifest.json")) as fh:
+        graphs = json.load(fh)["graphs"]
+    assert sorted((g["role"], g["tokens"]) for g in graphs) == [("inc", 1), ("prefill", 8), ("prefill", 32)]
+    for g in graphs:
+        spec = read_graph_spec(os.path.join(folder, g["file"]))
+        assert spec == {"inputs": g["inputs"], "outputs": g["outputs"]}
+        assert [(t["name"], t["dtype"]) for t in spec["inputs"]] == [("input_ids", "int32"), ("valid_length", "int32")]
+        assert [(t["name"], t["dtype"]) for t in spec["outputs"]] == [("logits", "float32")]
+        model = mind_ir_pb2.ModelProto()
+        with open(os.path.join(folder, g["file"]), "rb") as fh:
+            model.ParseFromString(fh.read())
+        types = {mind_ir_pb2.TensorProto.DataType.Name(p.data_type) for p in model.graph.parameter}
+        assert types == {"FLOAT16" if dtype == "float16" else "BFLOAT16"}

@@ -1,4 +1,4 @@
-"""The `mslite` backend: mindspore_lite (2.3+) with the GE provider on Atlas. NOT RUN on this project's machines.
+"""The `mslite` backend: mindspore_lite (cp311 wheels from 2.4.1) with the GE provider on Atlas. NOT RUN here.
 
 mindspore_lite cannot be installed where this project is developed and tested (PyPI has only
 2.0.0 for Python 3.7, and there is no Ascend device). So this module is kept thin: every
@@ -13,6 +13,10 @@ functions `context_plan`, `build_plan` and `read_ge_config`, which the tests che
 
 `add_model` must come before `build_from_file`: it tags both models with one group id, and that
 id is what makes GE build them into one session, sharing the weights and the KV cache Parameters.
+
+Before anything is built, `mindspore_lite.__version__` is compared with the MindSpore that
+exported the folder (manifest `exported_with`): an older Lite is refused, a newer one warned
+about (lite_runtime/versions.py).
 """
 from __future__ import annotations
 
@@ -21,9 +25,14 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
-from lite_runtime.backends import unavailable
+import logging
+
+from lite_runtime.backends import bind_inputs, unavailable
 from lite_runtime.errors import InferError
 from lite_runtime.folder import TensorSpec
+from lite_runtime.versions import check_lite
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = ("install the mindspore_lite wheel that matches your CANN from "
                 "https://www.mindspore.cn/lite/docs/en/master/use/downloads.html and source CANN's set_env.sh, "
@@ -72,6 +81,11 @@ def build_plan(config) -> List[Tuple]:
             + [("build_from_file", key, path, "MINDIR", config.ge_config_path) for key, path in paths.items()])
 
 
+def exported_mindspore(config):
+    """The MindSpore version that wrote the folder's graphs, or None (graph files without a folder, old folders)."""
+    return config.folder.exported_with.get("mindspore") if config.folder is not None else None
+
+
 def short_name(tensor_name: str) -> str:
     """MindIR input names may carry the graph's prefix (`<graph>:input_ids`)."""
     return tensor_name.rsplit(":", 1)[-1]
@@ -86,6 +100,7 @@ class MsLiteBackend:  # pragma: no cover - needs mindspore_lite and an Ascend de
             import mindspore_lite as mslite
         except (ImportError, OSError):
             raise unavailable("mslite", "mindspore_lite", INSTALL_HINT) from None
+        check_lite(exported_mindspore(config), getattr(mslite, "__version__", None), log)
         context = mslite.Context()
         for attr, value in settings.items():
             owner = context
@@ -115,7 +130,7 @@ class MsLiteBackend:  # pragma: no cover - needs mindspore_lite and an Ascend de
 
     def run(self, key: str, inputs: Dict[str, np.ndarray]) -> np.ndarray:
         tensors = self._inputs[key]
-        for tensor in tensors:
-            tensor.set_data_from_numpy(np.ascontiguousarray(inputs[short_name(tensor.name)]))
+        for tensor, array in zip(tensors, bind_inputs(key, [t.name for t in tensors], inputs)):
+            tensor.set_data_from_numpy(array)
         outputs = self.models[key].predict(tensors)
         return outputs[0].get_data_to_numpy()
