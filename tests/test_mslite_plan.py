@@ -1,7 +1,6 @@
 """The mslite backend's decisions, checked as data (mindspore_lite itself cannot run here), and the GE ini files."""
 from __future__ import annotations
 
-import configparser
 import os
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import pytest
 from export.devices import GE_CONFIG_DIR, PROFILES
 from lite_runtime import InferConfig, InferError
 from lite_runtime.backends import resolve_backend
-from lite_runtime.backends.mslite import build_plan, context_plan, read_ge_config, short_name
+from lite_runtime.backends.mslite import build_plan, context_plan, parse_lite_ini, read_ge_config, short_name
 
 
 def test_context_plan_for_ascend(exported):
@@ -57,20 +56,52 @@ def test_atlas_ini_files(profile):
     assert sections["ascend_context"]["provider"] == "ge"
     assert session["ge.exec.precision_mode"] == "must_keep_origin_dtype"
     assert session["ge.exec.staticMemoryPolicy"] == "2"
-    assert session["ge.externalWeight"] == "1"  # constants shared across the grouped graphs
+    assert session["ge.externalWeight"] == "1"
+    assert session["ge.constLifecycle"] == "session"  # weights held once for all graphs of the ModelGroup
     assert ("ge.exec.formatMode" in session) == (PROFILES[profile].soc == "Ascend910B")
     with open(PROFILES[profile].ini_path) as fh:  # every option is explained by a comment above it
         lines = [line.strip() for line in fh]
     for i, line in enumerate(lines):
-        if "=" in line and not line.startswith(";"):
-            assert lines[i - 1].startswith(";"), (profile, line)
+        if "=" in line and not line.startswith("#"):
+            assert lines[i - 1].startswith("#"), (profile, line)
 
 
-def test_every_profile_has_an_ini_and_cpu_has_no_ge_options():
-    assert sorted(f[:-4] for f in os.listdir(GE_CONFIG_DIR) if f.endswith(".ini")) == sorted(PROFILES)
-    parser = configparser.ConfigParser()
-    parser.read(PROFILES["cpu"].ini_path)
-    assert parser.sections() == []
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_every_shipped_ini_parses_as_lite_parses_it(profile):
+    """Lite's config parser knows '#' comments, [sections] and key=value; anything else would reach GE as an option."""
+    path = PROFILES[profile].ini_path
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    assert raw.isascii(), "Lite opens the ini in the locale's encoding: keep it ASCII"
+    section = None
+    for number, line in enumerate(raw.decode().splitlines(), 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        if text.startswith("[") and text.endswith("]"):
+            section = text[1:-1]
+            continue
+        key, eq, _ = text.partition("=")
+        assert eq and key.strip() and section, f"{path}:{number}: {text!r}"
+    parse_lite_ini(path)  # the runtime's parser agrees
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[ge_session_options]\n; old style comment=1\n", "{path}:2: '; old style comment=1' is neither a '#' comment, "
+     "a [section] nor a key=value line inside a section (Lite passes such lines on as options); fix or remove it"),
+    ("[ascend_context]\nprovider ge\n", "{path}:2: 'provider ge' is neither a '#' comment, a [section] nor a "
+     "key=value line inside a section (Lite passes such lines on as options); fix or remove it"),
+    ("provider=ge\n", "{path}:1: 'provider=ge' is neither a '#' comment, a [section] nor a key=value line inside a "
+     "section (Lite passes such lines on as options); fix or remove it"),
+    ("[ascend_context]\nprovider=ge\nprovider=acl\n", "{path}:3: option provider repeated in [ascend_context]; keep one"),
+    ("# \u00e9t\u00e9\n", "{path}:1: non-ASCII text; Lite reads the file in the locale's encoding, keep it ASCII"),
+])
+def test_lite_ini_parser_refuses_what_lite_would_misread(tmp_path, text, message):
+    path = tmp_path / "config.ini"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(InferError) as err:
+        parse_lite_ini(str(path))
+    assert str(err.value) == message.format(path=path)
 
 
 def test_auto_backend_and_input_names():

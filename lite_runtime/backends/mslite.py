@@ -20,7 +20,6 @@ about (lite_runtime/versions.py).
 """
 from __future__ import annotations
 
-import configparser
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
@@ -52,16 +51,45 @@ def context_plan(config) -> Dict[str, Any]:
             "ascend.provider": "ge", "target": ["ascend"]}
 
 
-def read_ge_config(path: str) -> Dict[str, Dict[str, str]]:
-    """The ini as {section: {option: value}}, checked for what the graphs rely on."""
-    parser = configparser.ConfigParser(interpolation=None, comment_prefixes=(";", "#"), strict=True)
-    parser.optionxform = str  # GE option names are case-sensitive
+def parse_lite_ini(path: str) -> Dict[str, Dict[str, str]]:
+    """The ini as MindSpore Lite's own config parser reads it (src/common/config_file.cc), stricter where it is lax.
+
+    Lite: a line whose first non-blank character is `#` is a comment (`;` is NOT: `; a=b` inside a
+    section becomes option `; a` and goes to GE); `[name]` opens a section; `key=value` splits at the
+    first `=`, both sides trimmed; the file is read in the locale's encoding. Here any other line,
+    an option before the first section, a repeated option and a non-ASCII byte are errors naming the line.
+    """
     try:
-        with open(path, encoding="utf-8") as fh:
-            parser.read_file(fh)
-    except (OSError, configparser.Error) as exc:
-        raise InferError(f"{path}: unreadable GE config ({str(exc).splitlines()[0]}); re-export the folder") from None
-    sections = {s: dict(parser.items(s)) for s in parser.sections()}
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as exc:
+        raise InferError(f"{path}: unreadable GE config ({exc}); re-export the folder") from None
+    sections: Dict[str, Dict[str, str]] = {}
+    current = None
+    for number, line in enumerate(raw.split(b"\n"), 1):
+        if any(byte > 127 for byte in line):
+            raise InferError(f"{path}:{number}: non-ASCII text; Lite reads the file in the locale's encoding, keep it "
+                             "ASCII")
+        text = line.decode("ascii").strip()
+        if not text or text.startswith("#"):
+            continue
+        if text.startswith("[") and text.endswith("]") and text[1:-1].strip():
+            current = text[1:-1].strip()
+            sections.setdefault(current, {})
+            continue
+        key, eq, value = text.partition("=")
+        if not eq or not key.strip() or current is None or key.strip().startswith(";"):
+            raise InferError(f"{path}:{number}: {text!r} is neither a '#' comment, a [section] nor a key=value line "
+                             f"inside a section (Lite passes such lines on as options); fix or remove it")
+        if key.strip() in sections[current]:
+            raise InferError(f"{path}:{number}: option {key.strip()} repeated in [{current}]; keep one")
+        sections[current][key.strip()] = value.strip()
+    return sections
+
+
+def read_ge_config(path: str) -> Dict[str, Dict[str, str]]:
+    """The ini as {section: {option: value}} (parsed as Lite parses it), checked for what the graphs rely on."""
+    sections = parse_lite_ini(path)
     for section, options in REQUIRED_GE_OPTIONS.items():
         for key, value in options.items():
             if sections.get(section, {}).get(key) != value:
