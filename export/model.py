@@ -29,6 +29,30 @@ from export.rope import rope_tables
 
 MS_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
+# FLOAT16. MindSpore 2.10's CPU Add/Sub/Mul/Div (and SiLU) take their fast path only for float32; for
+# any other dtype they always build the broadcast index arrays of BROADCASTS (16 bytes per output
+# element, kept while the graph lives), even for equal shapes or a scalar operand. The float16
+# prefill grew by ~0.27 GiB per layer per 1024 tokens per row: a 0.5B-shaped Atlas folder at
+# seq_length 1024, batch 2, reached 20 GB on the CPU. For float16 tensors the elementwise ops here
+# are AddN (bit-identical to Add) and MulNoNan (bit-identical to Mul except that x * 0 is +0, never
+# -0 or NaN); SiLU is x * sigmoid(x). All three are CANN AI Core ops, so the graph stays plain on
+# Ascend (not yet run there; `check` on the device proves the numerics). float32 (fast path) and
+# bfloat16 (Ascend only; MulNoNan has no CPU bfloat16 kernel) keep Add/Mul/SiLU. Measured in
+# scripts/PERFORMANCE.md, section 13.
+_mul_no_nan = ops.MulNoNan()
+
+
+def ew_add(a, b):
+    return ops.addn((a, b)) if a.dtype == ms.float16 else a + b
+
+
+def ew_mul(a, b):
+    return _mul_no_nan(a, b) if a.dtype == ms.float16 else a * b
+
+
+def ew_silu(x):
+    return _mul_no_nan(x, ops.sigmoid(x)) if x.dtype == ms.float16 else ops.silu(x)
+
 
 def _weight(shape, dtype, name: str) -> Parameter:
     # Lazy zeros: nothing is allocated until the loader sets the checkpoint's data.
@@ -62,7 +86,7 @@ class Linear(nn.Cell):
         if self.bias is not None:
             # explicit broadcasts everywhere: see BROADCASTS in the module docstring. The depend keeps
             # MindSpore from running every layer's broadcast at graph start.
-            y = y + ops.broadcast_to(ops.depend(self.bias, y), y.shape)
+            y = ew_add(y, ops.broadcast_to(ops.depend(self.bias, y), y.shape))
         return y
 
     def few_rows(self, x):  # [B, in] -> [B, out], B the batch size
@@ -84,7 +108,7 @@ class RMSNorm(nn.Cell):
         x32 = ops.cast(x, ms.float32)
         var = ops.mean(ops.square(x32), -1, keep_dims=True)
         x32 = x32 * ops.broadcast_to(ops.rsqrt(var + self.eps), x32.shape)
-        return ops.cast(x32, dtype) * ops.broadcast_to(ops.depend(self.weight, x32), x32.shape)
+        return ew_mul(ops.cast(x32, dtype), ops.broadcast_to(ops.depend(self.weight, x32), x32.shape))
 
 
 class Qwen2MLP(nn.Cell):
@@ -95,10 +119,10 @@ class Qwen2MLP(nn.Cell):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, gemv)
 
     def construct(self, x):  # [N, E]
-        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ew_mul(ew_silu(self.gate_proj(x)), self.up_proj(x)))
 
     def few_rows(self, x):  # [B, E], the decode step
-        return self.down_proj.few_rows(ops.silu(self.gate_proj.few_rows(x)) * self.up_proj.few_rows(x))
+        return self.down_proj.few_rows(ew_mul(ew_silu(self.gate_proj.few_rows(x)), self.up_proj.few_rows(x)))
 
 
 def rotate_half(x):  # [..., D]
@@ -134,8 +158,8 @@ class Qwen2Attention(nn.Cell):
         k = k.reshape(b, n, self.kh, self.d)
         v = v.reshape(b, n, self.kh, self.d)
         cos, sin = cos.reshape(b, n, 1, self.d), sin.reshape(b, n, 1, self.d)
-        q = q * ops.broadcast_to(cos, q.shape) + rotate_half(q) * ops.broadcast_to(sin, q.shape)
-        k = k * ops.broadcast_to(cos, k.shape) + rotate_half(k) * ops.broadcast_to(sin, k.shape)
+        q = ew_add(ew_mul(q, ops.broadcast_to(cos, q.shape)), ew_mul(rotate_half(q), ops.broadcast_to(sin, q.shape)))
+        k = ew_add(ew_mul(k, ops.broadcast_to(cos, k.shape)), ew_mul(rotate_half(k), ops.broadcast_to(sin, k.shape)))
         # query head h uses key head h // G (HF repeat_kv), so [B, n, KH, G, D] -> [B, KH, G*n, D]
         q = q.reshape(b, n, self.kh, self.g, self.d).transpose(0, 2, 3, 1, 4).reshape(b, self.kh, self.g * n, self.d)
         return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
@@ -182,12 +206,12 @@ class Qwen2DecoderLayer(nn.Cell):
         self.mlp = Qwen2MLP(cfg, dtype, gemv)
 
     def prefill(self, x, cos, sin, mask, b, n):  # x [B*n, E]
-        h = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n))
+        return ew_add(h, self.mlp(self.post_attention_layernorm(h)))
 
     def decode(self, x, cos, sin, mask, index, b):  # x [B, E]
-        h = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, mask, index, b)
-        return h + self.mlp.few_rows(self.post_attention_layernorm(h))
+        h = ew_add(x, self.self_attn.decode(self.input_layernorm(x), cos, sin, mask, index, b))
+        return ew_add(h, self.mlp.few_rows(self.post_attention_layernorm(h)))
 
 
 class Embedding(nn.Cell):
