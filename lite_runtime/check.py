@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "targets Ascend (default)")
     p.add_argument("--json", dest="json_path", metavar="FILE", help="also write the full report as JSON to FILE")
     p.add_argument("--device_id", type=int, default=None, help="Ascend device to run on (default 0)")
+    p.add_argument("--ge_cache_dir", default=None,
+                   help="mslite: root of GE's compile cache (default ~/.cache/mslite-llm/ge; 'none' turns it off)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.add_argument("-v", "--verbose", action="store_true", help="log which backend was chosen and why")
     return p
@@ -88,7 +90,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    overrides = {"device_id": args.device_id} if args.device_id is not None else {}
+    overrides = {k: v for k, v in (("device_id", args.device_id), ("ge_cache_dir", args.ge_cache_dir)) if v is not None}
     done = [0]
 
     def progress(_: int) -> None:

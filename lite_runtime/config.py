@@ -11,7 +11,7 @@ from lite_runtime.folder import ModelFolder, graph_key, graph_tokens, load_folde
 
 MODEL_TYPES = ("mindir",)
 TARGETS = ("Ascend", "CPU")
-WARM_UP = ("smallest", "all", "none")
+WARM_UP = ("auto", "smallest", "all", "none")
 
 
 @dataclass
@@ -43,8 +43,12 @@ class InferConfig:
     verify_checksums: bool = True
     cpu_threads: Optional[int] = None  # ms backend: CPU kernel threads (default: the cores this process may use)
     # graphs run once at load so a request does not pay their compilation: "smallest" (the inc graph and
-    # the smallest prefill graph; longer buckets compile on the first prompt that needs them), "all", "none"
-    warm_up: str = "smallest"
+    # the smallest prefill graph; longer buckets compile on the first prompt that needs them), "all", "none";
+    # "auto": "all" on mslite (GE compiles for minutes per graph: never inside a request), "smallest" on ms
+    warm_up: str = "auto"
+    # mslite backend: root of GE's compile cache, one folder per folder content, Lite and CANN version
+    # (lite_runtime/backends/ge_options.py); None: ~/.cache/mslite-llm/ge, "none": no cache
+    ge_cache_dir: Optional[str] = None
     folder: Optional[ModelFolder] = field(default=None, repr=False, compare=False)
 
     @classmethod

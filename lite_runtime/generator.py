@@ -66,6 +66,25 @@ class GenerateOutput(list):
                 f"prompt_lengths={self.prompt_lengths!r})")
 
 
+def warm_up_keys(setting: str, backend: str, keys: List[str]) -> List[str]:
+    """The graphs to run once at load, of `keys` (prefill graphs and `inc`), for a warm_up setting.
+
+    "auto" is "all" on mslite: GE compiles a graph for minutes on its first run, which must never
+    happen inside a request (and GE's compile cache makes the next load fast). On ms it is
+    "smallest": the inc graph, which every request needs, and the smallest prefill graph, which
+    short prompts need. Longer buckets compile in seconds on the first prompt that needs them, so a
+    server that only sees short prompts never pays their compile time nor their activations' memory.
+    """
+    if setting == "auto":
+        setting = "all" if backend == "mslite" else "smallest"
+    if setting == "all":
+        return list(keys)
+    if setting == "smallest":
+        smallest = min((k for k in keys if k != "inc"), key=graph_tokens)
+        return [smallest, "inc"]
+    return []
+
+
 class TextGenerator:
     def __init__(self, config: InferConfig, tokenizer=None) -> None:
         self.config = config
@@ -103,19 +122,9 @@ class TextGenerator:
                                  f"batch_size {self.batch_size} and seq_length {self.seq_length}")
 
     def _warm_up(self) -> None:
-        """Run graphs once so their compilation happens at load, not inside a request's timing.
-
-        By default the inc graph and the smallest prefill graph: every request needs the first, short
-        prompts the second. Longer buckets compile on the first prompt that needs them, so a server
-        that only sees short prompts never pays their compile time nor their activations' memory.
-        """
+        """Run graphs once so their compilation happens at load, not inside a request's timing (warm_up_keys)."""
         start = time.perf_counter()
-        if self.config.warm_up == "all":
-            keys = list(self.config.graph_paths())
-        elif self.config.warm_up == "smallest":
-            keys = [graph_key("prefill", self.prefill_sizes[0]), "inc"]
-        else:
-            keys = []
+        keys = warm_up_keys(self.config.warm_up, self.backend_name, list(self.config.graph_paths()))
         for key in keys:
             self.backend.run(key, {s.name: np.ones(s.shape, s.dtype) for s in self.backend.input_specs(key)})
         log.info("%s backend: %d graph(s) warmed up in %.2f s", self.backend_name, len(keys),

@@ -64,9 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "--stream", "print text as it is generated")
     _flag(p, "--chat", "wrap the prompt in the tokenizer's chat template")
     _flag(p, "--add_special_tokens", "let the tokenizer add its special tokens")
+    p.add_argument("--ge_cache_dir", default=None,
+                   help="mslite: where GE keeps compiled graphs, so a restart does not recompile (default "
+                        "~/.cache/mslite-llm/ge, one folder per model folder content, Lite and CANN version; "
+                        "'none' turns it off)")
     p.add_argument("--warm_up", choices=WARM_UP, default=None,
-                   help="graphs to run once at load: the inc graph and the smallest prefill graph (default), all "
-                        "(longer prompt buckets then never compile inside a request), or none")
+                   help="graphs to run once at load: auto (default): all on mslite, where GE compiles for minutes "
+                        "per graph, smallest on ms; smallest: the inc graph and the smallest prefill graph; all "
+                        "(longer prompt buckets then never compile inside a request); none")
     _flag(p, "--check", "instead of generating, replay the folder's golden references on this machine and report "
                         "whether it computes what the checkpoint means (python -m lite_runtime.check); exit code 0 "
                         "pass, 1 fail")
@@ -80,7 +85,7 @@ def load(args: argparse.Namespace):
     extra = {k: v for k, v in (("device_id", args.device_id), ("rank_id", args.rank_id),
                                ("tokenizer_path", args.tokenizer_path), ("ge_config_path", args.config_path),
                                ("infer_seq_length", args.seq_length), ("batch_size", args.batch_size),
-                               ("warm_up", args.warm_up)) if v is not None}
+                               ("warm_up", args.warm_up), ("ge_cache_dir", args.ge_cache_dir)) if v is not None}
     if args.model_dir:
         return pipeline("text_generation", model=args.model_dir, backend=args.backend, **extra)
     if args.prefill_model_path and args.increment_model_path:
@@ -139,7 +144,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         from lite_runtime.check import main as check_main
 
-        extra = ["--json", args.check_json] if args.check_json else []
+        extra = (["--json", args.check_json] if args.check_json else []) + (
+            ["--ge_cache_dir", args.ge_cache_dir] if args.ge_cache_dir is not None else [])
         return check_main([args.model_dir, "--backend", args.backend, "--device_id", str(args.device_id), *extra]
                           + (["-v"] if args.verbose else []))
     try:

@@ -96,7 +96,7 @@ def test_unknown_task_backend_and_model_name(exported):
         "model_name 'glm' has no input mapping; known: qwen2")
     assert error_of(InferTask.get_infer_task, "chat", None) == "task 'chat' is not supported; supported: text_generation"
     assert error_of(InferConfig.from_folder, folder, warm_up="some") == (
-        "warm_up 'some' is not one of smallest, all, none")
+        "warm_up 'some' is not one of auto, smallest, all, none")
     assert InferTask.support_list() == ["text_generation"] and InferTask.check_task_valid("text_generation")
 
 

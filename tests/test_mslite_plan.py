@@ -41,7 +41,7 @@ def test_build_plan_groups_before_building(tmp_path, exported):
     assert tuple(paths) == keys
     assert build_plan(config) == (
         [("Model", k) for k in keys] + [("ModelGroup", "SHARE_WEIGHT"), ("add_model", keys)]
-        + [("build_from_file", k, paths[k], "MINDIR", ini) for k in keys])
+        + [("build_from_file", k, paths[k], "MINDIR", ini, {}) for k in keys])
     assert paths["prefill_32"] == config.prefill_model_path and paths["inc"] == config.increment_model_path
     with pytest.raises(InferError) as err:  # the cpu profile's ini has no GE options at all
         build_plan(InferConfig.from_folder(str(folder), target="Ascend"))
@@ -95,6 +95,8 @@ def test_every_shipped_ini_parses_as_lite_parses_it(profile):
      "section (Lite passes such lines on as options); fix or remove it"),
     ("[ascend_context]\nprovider=ge\nprovider=acl\n", "{path}:3: option provider repeated in [ascend_context]; keep one"),
     ("# \u00e9t\u00e9\n", "{path}:1: non-ASCII text; Lite reads the file in the locale's encoding, keep it ASCII"),
+    ("# no variable_weights_file here\n", "{path}:1: mentions variable_weights_file, which makes Lite parse a LoRA "
+     "weight list even in a comment; remove the line"),
 ])
 def test_lite_ini_parser_refuses_what_lite_would_misread(tmp_path, text, message):
     path = tmp_path / "config.ini"
@@ -216,3 +218,53 @@ def test_graph_boundary_is_int32_in_float32_out_in_every_dtype(atlas_exported, d
             model.ParseFromString(fh.read())
         types = {mind_ir_pb2.TensorProto.DataType.Name(p.data_type) for p in model.graph.parameter}
         assert types == {"FLOAT16" if dtype == "float16" else "BFLOAT16"}
+
+
+def test_ge_compile_cache_is_keyed_by_the_folders_content(tmp_path, exported):
+    """GE loads a cached graph by key without comparing it: the cache folder must change whenever the folder does."""
+    import hashlib
+    import json
+    import shutil
+
+    from lite_runtime.backends.ge_options import DEFAULT_CACHE_ROOT, cache_plan
+
+    folder = tmp_path / "m"
+    shutil.copytree(exported["gqa_tied_buckets"], folder)
+    ini = os.path.join(GE_CONFIG_DIR, "atlas_800i_a2.ini")
+    config = InferConfig.from_folder(str(folder), target="Ascend", ge_config_path=ini, rank_id=1,
+                                     ge_cache_dir=str(tmp_path / "cache"))
+    cann = {"file": "/usr/local/Ascend/ascend-toolkit/latest/version.cfg", "lines": "version=9.0.1"}
+    plan = cache_plan(config, "2.10.0", cann)
+    digest = hashlib.sha256((folder / "manifest.json").read_bytes() + b"|lite=2.10.0|cann=version=9.0.1")
+    want_dir = str(tmp_path / "cache" / f"gqa_tied_buckets-{digest.hexdigest()[:16]}")
+    assert plan == {"dir": want_dir, "session_options": {"ge.graph_compiler_cache_dir": want_dir},
+                    "graph_keys": {"prefill_32": "gqa_tied_buckets_prefill_32_rank1",
+                                   "prefill_16": "gqa_tied_buckets_prefill_16_rank1",
+                                   "prefill_8": "gqa_tied_buckets_prefill_8_rank1", "inc": "gqa_tied_buckets_inc_rank1"}}
+    steps = [step for step in build_plan(config, plan) if step[0] == "build_from_file"]
+    assert [step[5] for step in steps] == [  # identical session options in every graph of the group, a key each
+        {"ge_session_options": {"ge.graph_compiler_cache_dir": want_dir},
+         "ge_graph_options": {"ge.graph_key": plan["graph_keys"][step[1]]}} for step in steps]
+    # another Lite, another CANN, or a re-exported folder: another cache folder
+    assert cache_plan(config, "2.9.0", cann)["dir"] != want_dir
+    assert cache_plan(config, "2.10.0", {"lines": "version=8.5.0"})["dir"] != want_dir
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["exported_with"]["mslite_llm"] = "0.1.1"
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert cache_plan(InferConfig.from_folder(str(folder), ge_cache_dir=str(tmp_path / "cache")), "2.10.0",
+                      cann)["dir"] != want_dir
+    # off on request, and for graph files without a folder (nothing to fingerprint); the default root
+    assert cache_plan(InferConfig.from_folder(str(folder), ge_cache_dir="none"), "2.10.0", cann) is None
+    paths = (str(folder / "gqa_tied_buckets_prefill_graph.mindir"), str(folder / "gqa_tied_buckets_inc_graph.mindir"))
+    assert cache_plan(InferConfig(*paths, infer_seq_length=32, batch_size=2), "2.10.0", cann) is None
+    assert cache_plan(InferConfig.from_folder(str(folder)), "2.10.0", cann)["dir"].startswith(DEFAULT_CACHE_ROOT)
+
+
+def test_warm_up_compiles_every_graph_at_load_on_atlas_and_the_short_ones_on_the_cpu():
+    from lite_runtime.generator import warm_up_keys
+
+    keys = ["prefill_32", "prefill_16", "prefill_8", "inc"]
+    assert warm_up_keys("auto", "mslite", keys) == keys  # GE compiles for minutes: never inside a request
+    assert warm_up_keys("auto", "ms", keys) == ["prefill_8", "inc"]
+    assert warm_up_keys("smallest", "mslite", keys) == ["prefill_8", "inc"]
+    assert warm_up_keys("all", "ms", keys) == keys and warm_up_keys("none", "mslite", keys) == []

@@ -9,7 +9,7 @@ functions `context_plan`, `build_plan` and `read_ge_config`, which the tests che
     ctx = Context(); ctx.target = ["ascend"]; ctx.ascend.device_id/rank_id; ctx.ascend.provider = "ge"
     one Model per graph (each prefill bucket, then inc)
     group = ModelGroup(ModelGroupFlag.SHARE_WEIGHT); group.add_model([...all models])   # before building
-    model.build_from_file(path, ModelType.MINDIR, ctx, config_path=<config.ini>) for each
+    model.build_from_file(path, ModelType.MINDIR, ctx, config_path=<config.ini>, config_dict=<cache options>)
 
 `add_model` must come before `build_from_file`: it tags both models with one group id, and that
 id is what makes GE build them into one session, sharing the weights and the KV cache Parameters.
@@ -20,16 +20,18 @@ about (lite_runtime/versions.py).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+import os
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 import logging
 
 from lite_runtime.backends import bind_inputs, unavailable
+from lite_runtime.backends.ge_options import cache_plan, parse_lite_ini, read_ge_config  # noqa: F401 (re-exported)
 from lite_runtime.errors import InferError
 from lite_runtime.folder import TensorSpec
-from lite_runtime.versions import check_lite
+from lite_runtime.versions import cann_version, check_lite
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +40,6 @@ INSTALL_HINT = ("install the mindspore_lite wheel that matches your CANN from "
                 "or pass backend 'ms' to run on the CPU with MindSpore")
 # mindspore_lite.DataType member name -> numpy dtype name
 _DTYPES = {"INT32": "int32", "INT64": "int64", "FLOAT32": "float32", "FLOAT16": "float16", "BOOL": "bool"}
-REQUIRED_GE_OPTIONS = {"ascend_context": {"provider": "ge"},
-                       "ge_session_options": {"ge.exec.precision_mode": "must_keep_origin_dtype"}}
 
 
 def context_plan(config) -> Dict[str, Any]:
@@ -51,62 +51,27 @@ def context_plan(config) -> Dict[str, Any]:
             "ascend.provider": "ge", "target": ["ascend"]}
 
 
-def parse_lite_ini(path: str) -> Dict[str, Dict[str, str]]:
-    """The ini as MindSpore Lite's own config parser reads it (src/common/config_file.cc), stricter where it is lax.
+def build_plan(config, cache: Optional[Dict[str, Any]] = None) -> List[Tuple]:
+    """The calls that load every graph into one ModelGroup, in the order they must happen.
 
-    Lite: a line whose first non-blank character is `#` is a comment (`;` is NOT: `; a=b` inside a
-    section becomes option `; a` and goes to GE); `[name]` opens a section; `key=value` splits at the
-    first `=`, both sides trimmed; the file is read in the locale's encoding. Here any other line,
-    an option before the first section, a repeated option and a non-ASCII byte are errors naming the line.
+    Each build_from_file carries a config_dict (applied over the ini): with `cache` (cache_plan), GE's
+    compile-cache directory for the session and this graph's cache key; else empty.
     """
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
-    except OSError as exc:
-        raise InferError(f"{path}: unreadable GE config ({exc}); re-export the folder") from None
-    sections: Dict[str, Dict[str, str]] = {}
-    current = None
-    for number, line in enumerate(raw.split(b"\n"), 1):
-        if any(byte > 127 for byte in line):
-            raise InferError(f"{path}:{number}: non-ASCII text; Lite reads the file in the locale's encoding, keep it "
-                             "ASCII")
-        text = line.decode("ascii").strip()
-        if not text or text.startswith("#"):
-            continue
-        if text.startswith("[") and text.endswith("]") and text[1:-1].strip():
-            current = text[1:-1].strip()
-            sections.setdefault(current, {})
-            continue
-        key, eq, value = text.partition("=")
-        if not eq or not key.strip() or current is None or key.strip().startswith(";"):
-            raise InferError(f"{path}:{number}: {text!r} is neither a '#' comment, a [section] nor a key=value line "
-                             f"inside a section (Lite passes such lines on as options); fix or remove it")
-        if key.strip() in sections[current]:
-            raise InferError(f"{path}:{number}: option {key.strip()} repeated in [{current}]; keep one")
-        sections[current][key.strip()] = value.strip()
-    return sections
-
-
-def read_ge_config(path: str) -> Dict[str, Dict[str, str]]:
-    """The ini as {section: {option: value}} (parsed as Lite parses it), checked for what the graphs rely on."""
-    sections = parse_lite_ini(path)
-    for section, options in REQUIRED_GE_OPTIONS.items():
-        for key, value in options.items():
-            if sections.get(section, {}).get(key) != value:
-                raise InferError(f"{path}: [{section}] {key}={value} is required (found "
-                                 f"{sections.get(section, {}).get(key)!r}); use an ini from ge_configs/")
-    return sections
-
-
-def build_plan(config) -> List[Tuple]:
-    """The calls that load every graph into one ModelGroup, in the order they must happen."""
     if not config.ge_config_path:
         raise InferError("backend 'mslite' needs ge_config_path (the folder's config.ini); pass a model folder "
                          "or ge_config_path")
     read_ge_config(config.ge_config_path)
     paths = config.graph_paths()
+
+    def options(key: str) -> Dict[str, Dict[str, str]]:
+        if cache is None:
+            return {}
+        return {"ge_session_options": dict(cache["session_options"]),
+                "ge_graph_options": {"ge.graph_key": cache["graph_keys"][key]}}
+
     return ([("Model", key) for key in paths] + [("ModelGroup", "SHARE_WEIGHT"), ("add_model", tuple(paths))]
-            + [("build_from_file", key, path, "MINDIR", config.ge_config_path) for key, path in paths.items()])
+            + [("build_from_file", key, path, "MINDIR", config.ge_config_path, options(key))
+               for key, path in paths.items()])
 
 
 def exported_mindspore(config):
@@ -123,12 +88,20 @@ class MsLiteBackend:  # pragma: no cover - needs mindspore_lite and an Ascend de
     name = "mslite"
 
     def __init__(self, config) -> None:
-        settings, plan = context_plan(config), build_plan(config)  # decided (and refused) before importing
+        settings = context_plan(config)
+        build_plan(config)  # every refusal happens before mindspore_lite is imported
         try:
             import mindspore_lite as mslite
         except (ImportError, OSError):
             raise unavailable("mslite", "mindspore_lite", INSTALL_HINT) from None
-        check_lite(exported_mindspore(config), getattr(mslite, "__version__", None), log)
+        lite_version = getattr(mslite, "__version__", None)
+        check_lite(exported_mindspore(config), lite_version, log)
+        cache = cache_plan(config, lite_version, cann_version())
+        if cache is not None:
+            os.makedirs(cache["dir"], exist_ok=True)  # GE wants it to exist
+            log.warning("GE compile cache: %s (a restart with this folder, Lite and CANN reuses the compiled graphs; "
+                        "delete it to reclaim the disk)", cache["dir"])
+        plan = build_plan(config, cache)
         context = mslite.Context()
         for attr, value in settings.items():
             owner = context
@@ -146,8 +119,9 @@ class MsLiteBackend:  # pragma: no cover - needs mindspore_lite and an Ascend de
             elif step[0] == "add_model":
                 group.add_model([models[key] for key in step[1]])
             elif step[0] == "build_from_file":
-                _, key, path, model_type, ini = step
-                models[key].build_from_file(path, getattr(mslite.ModelType, model_type), context, config_path=ini)
+                _, key, path, model_type, ini, options = step
+                models[key].build_from_file(path, getattr(mslite.ModelType, model_type), context, config_path=ini,
+                                            config_dict=options or None)
         self._group = group  # kept alive with the models
         self.models = models
         self._inputs = {key: model.get_inputs() for key, model in models.items()}
