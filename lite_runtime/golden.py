@@ -168,6 +168,10 @@ class RowResult:
             self.failures.append(f"logit error {self.max_rel:.2e} relative exceeds the {tol.dtype} limit {tol.rel:.0e}")
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
 def replay(generator, reference: Reference, tol: Tolerance, progress=None) -> List[RowResult]:
     """Run every reference batch teacher-forced through `generator.infer`; one RowResult per row."""
     results: List[RowResult] = []
@@ -209,7 +213,7 @@ class Report:
         ties = sum(len(r.near_ties) for r in self.rows)
         tie_note = f"; {ties} near-tie step(s) reported, not failed" if ties else ""
         if self.passed:
-            return (f"PASS {self.name} on backend {self.backend}: {len(self.rows)} prompts, {steps} steps, greedy "
+            return (f"PASS {self.name} on backend {self.backend}: {_count(len(self.rows), 'prompt')}, {steps} steps, greedy "
                     f"tokens identical, top-k logits within {worst:.1e} relative {limit}{tie_note}")
         bad = [r for r in self.rows if not r.passed]
         diverged = [r for r in bad if any("greedy token" in f for f in r.failures)]
