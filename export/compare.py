@@ -76,7 +76,7 @@ class HFSteps:
 
 def hf_reference(model, batches: Sequence[Sequence[Sequence[int]]], steps: Sequence[int], top_k: int) -> Reference:
     """HF float32 greedy continuation and top-k logits of each prompt (rows run one by one)."""
-    from export.golden import _top_k
+    from export.golden import largest_logits
 
     stepper = HFSteps(model)
     out = []
@@ -87,7 +87,7 @@ def hf_reference(model, batches: Sequence[Sequence[Sequence[int]]], steps: Seque
             seq = list(prompt)
             for _ in range(n):
                 logits = stepper.infer([seq]).logits[0]
-                ids, values = _top_k(logits, top_k)
+                ids, values = largest_logits(logits, top_k)
                 row.tokens.append(ids[0])
                 row.top_ids.append(ids)
                 row.top_logits.append(values)

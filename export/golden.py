@@ -97,7 +97,7 @@ def prompts_for(plan: List[Tuple[int, List[int], int]], checkpoint: str, vocab_s
     return batches, "tokenizer.json" if texts is not None else "random"
 
 
-def _top_k(logits: np.ndarray, k: int) -> Tuple[List[int], List[float]]:
+def largest_logits(logits: np.ndarray, k: int) -> Tuple[List[int], List[float]]:
     """The k largest logits, largest first, ties by smaller id (np.argmax's choice)."""
     idx = np.argpartition(-logits, k - 1)[:k]
     idx = idx[np.lexsort((idx, -logits[idx]))]
@@ -129,7 +129,7 @@ def compute(model_cfg: Qwen2Config, checkpoint: str, prefill_sizes: Sequence[int
             raise ExportError(f"{checkpoint}: the float32 reference produced non-finite logits; the weights are "
                               "damaged or not this config's")
         for i, row_logits in zip(active, logits):
-            ids, values = _top_k(row_logits, TOP_K)
+            ids, values = largest_logits(row_logits, TOP_K)
             rec = records[i]
             rec["tokens"].append(ids[0])
             rec["top_ids"].append(ids)

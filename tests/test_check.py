@@ -190,6 +190,18 @@ def test_check_runs_without_torch_or_transformers_and_imports_without_mindspore(
         "(or use backend 'mslite' on Atlas)")
 
 
+def test_check_on_an_atlas_box_needs_only_numpy_and_pyyaml_besides_lite(atlas_exported):
+    """Everything the project installs but numpy and pyyaml hidden: the check reads the folder, its golden references
+    and its ini, and stops only where mindspore_lite itself is needed (it cannot be installed here)."""
+    hidden = "mindspore,torch,transformers,tokenizers,safetensors,tqdm,sentencepiece,mindspore_lite,cpu_kernels"
+    proc = subprocess.run([sys.executable, "-c", HIDE, hidden, atlas_exported["float16"], "--backend", "mslite", "-q"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: backend 'mslite' needs mindspore_lite, which cannot be imported here: install the mindspore_lite wheel "
+        "that matches your CANN from https://www.mindspore.cn/lite/docs/en/master/use/downloads.html and source "
+        "CANN's set_env.sh, or pass backend 'ms' to run on the CPU with MindSpore")
+
+
 def test_launcher_check(exported, capsys):
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import run_infer_main
