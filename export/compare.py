@@ -76,24 +76,17 @@ class HFSteps:
 
 def hf_reference(model, batches: Sequence[Sequence[Sequence[int]]], steps: Sequence[int], top_k: int) -> Reference:
     """HF float32 greedy continuation and top-k logits of each prompt (rows run one by one)."""
-    from export.golden import largest_logits
+    from export.golden import new_record, record_step
 
     stepper = HFSteps(model)
     out = []
     for prompts, n in zip(batches, steps):
         rows = []
         for prompt in prompts:
-            row = ReferenceRow(list(prompt), [], [], [], [])
-            seq = list(prompt)
+            record, seq = new_record(prompt), list(prompt)
             for _ in range(n):
-                logits = stepper.infer([seq]).logits[0]
-                ids, values = largest_logits(logits, top_k)
-                row.tokens.append(ids[0])
-                row.top_ids.append(ids)
-                row.top_logits.append(values)
-                row.scale.append(float(np.abs(logits).max()))
-                seq.append(ids[0])
-            rows.append(row)
+                seq.append(record_step(record, stepper.infer([seq]).logits[0], top_k))
+            rows.append(ReferenceRow(**record))
         out.append(ReferenceBatch("", rows))
     return Reference(source="HF transformers, float32, the checkpoint's weights", batches=out)
 

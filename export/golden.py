@@ -104,6 +104,21 @@ def largest_logits(logits: np.ndarray, k: int) -> Tuple[List[int], List[float]]:
     return [int(i) for i in idx], [float(f"{logits[i]:.9g}") for i in idx]  # 9 digits round-trip float32
 
 
+def record_step(record: Dict[str, Any], logits: np.ndarray, k: int) -> int:
+    """Append one step of a reference row (greedy token, top-k ids and logits, max |logit|); returns the token."""
+    ids, values = largest_logits(logits, k)
+    record["tokens"].append(ids[0])
+    record["top_ids"].append(ids)
+    record["top_logits"].append(values)
+    record["scale"].append(float(f"{np.abs(logits).max():.9g}"))
+    return ids[0]
+
+
+def new_record(prompt: Sequence[int]) -> Dict[str, Any]:
+    """An empty reference row for `prompt`, in golden.json's layout (lite_runtime.golden.ReferenceRow's fields)."""
+    return {"prompt": list(prompt), "tokens": [], "top_ids": [], "top_logits": [], "scale": []}
+
+
 def compute(model_cfg: Qwen2Config, checkpoint: str, prefill_sizes: Sequence[int], seq_length: int,
             batch_size: int, progress: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
     """Run the plan through the float32 reference; returns the golden document (see write)."""
@@ -119,8 +134,7 @@ def compute(model_cfg: Qwen2Config, checkpoint: str, prefill_sizes: Sequence[int
     rows = [(b, r, list(ids)) for b, batch in enumerate(batches) for r, ids in enumerate(batch)]
     steps = [plan[b][2] for b, _, _ in rows]
     caches = [net.new_cache() for _ in rows]
-    records: List[Dict[str, Any]] = [{"prompt": ids, "tokens": [], "top_ids": [], "top_logits": [], "scale": []}
-                                     for _, _, ids in rows]
+    records = [new_record(ids) for _, _, ids in rows]
     feed = [ids for _, _, ids in rows]
     active = list(range(len(rows)))
     while active:
@@ -129,13 +143,7 @@ def compute(model_cfg: Qwen2Config, checkpoint: str, prefill_sizes: Sequence[int
             raise ExportError(f"{checkpoint}: the float32 reference produced non-finite logits; the weights are "
                               "damaged or not this config's")
         for i, row_logits in zip(active, logits):
-            ids, values = largest_logits(row_logits, TOP_K)
-            rec = records[i]
-            rec["tokens"].append(ids[0])
-            rec["top_ids"].append(ids)
-            rec["top_logits"].append(values)
-            rec["scale"].append(float(f"{np.abs(row_logits).max():.9g}"))
-            feed[i] = [ids[0]]
+            feed[i] = [record_step(records[i], row_logits, TOP_K)]
         active = [i for i in active if len(records[i]["tokens"]) < steps[i]]
         if progress is not None:
             progress(1)
