@@ -108,10 +108,10 @@ def compare(checkpoint: str, model_dir: str, quiet: bool = True):
     """(report of the folder against HF, rows of the stored golden against HF or None)."""
     from export.golden import TOP_K, plan_batches, prompts_for
     from lite_runtime import InferConfig
-    from lite_runtime.check import run_check
+    from lite_runtime.check import check_config
     from lite_runtime.golden import load_golden
 
-    config = InferConfig.from_folder(model_dir, backend="ms", warm_up="none")
+    config = InferConfig.from_folder(model_dir, backend="ms")  # checksums verified once, here
     if config.dtype == "bfloat16":
         raise ExportError(f"{config.folder.yaml_path}: a bfloat16 folder cannot run on this CPU (MindSpore has no "
                           "bfloat16 CPU kernels); run python -m lite_runtime.check on the Atlas A2 server it is for, or "
@@ -137,7 +137,7 @@ def compare(checkpoint: str, model_dir: str, quiet: bool = True):
     reference = hf_reference(model, prompts, steps, top_k)
     log.info("HF reference: %d prompts in %.1f s", sum(map(len, prompts)), time.perf_counter() - start)
     golden_rows = replay(HFSteps(model), golden, TOLERANCES["float32"]) if golden is not None else None
-    report = run_check(model_dir, backend="ms", reference=reference)
+    report = check_config(config, reference)
     return report, golden_rows
 
 

@@ -49,9 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
 def run_check(model_dir: str, backend: str = "auto", reference: Optional[Reference] = None, progress=None,
               **overrides) -> Report:
     """Load `model_dir` (checksums verified), replay `reference` (default: the folder's golden.json)."""
+    return check_config(InferConfig.from_folder(model_dir, backend=backend, **overrides), reference, progress)
+
+
+def check_config(config: InferConfig, reference: Optional[Reference] = None, progress=None) -> Report:
+    """run_check for a folder already read into `config` (its checksums verified then)."""
     from lite_runtime.task import pipeline
 
-    config = InferConfig.from_folder(model_dir, backend=backend, **overrides)
+    backend = config.backend
     folder = config.folder
     if reference is None:
         reference = load_golden(folder)
