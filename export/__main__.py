@@ -28,10 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=DEFAULT_PROFILE,
                    help=f"device profile: {', '.join(PROFILES)} (default: {DEFAULT_PROFILE}); "
                         "picks ge_configs/<device>.ini and the dtypes allowed")
-    p.add_argument("--prefill_buckets", default="",
-                   help="comma-separated shorter prompt lengths to export full graphs for as well, e.g. 128,512: "
+    p.add_argument("--prefill_buckets", default="auto",
+                   help="shorter prompt lengths to export full graphs for as well, comma-separated, e.g. 128,512: "
                         "a prompt runs on the smallest that fits, so prefill cost follows the prompt. All graphs "
-                        "share one weights file and the KV cache (default: only --seq_length)")
+                        "share one weights file and the KV cache. auto (default): on cpu 16, 32, 64, ... and on "
+                        "Atlas 128, 512, 2048, ... below --seq_length; none: only the --seq_length graph")
     p.add_argument("--cpu_kernels", choices=("auto", "on", "off"), default="auto",
                    help="--device cpu, float32: run the decode step's matmuls with mslite-llm's own multi-threaded "
                         "GEMV kernel (built at pip install) instead of MindSpore's MatMul: about 1.2x the decode "
@@ -42,11 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_buckets(text: str) -> Tuple[int, ...]:
+def parse_buckets(text: str) -> Optional[Tuple[int, ...]]:
+    """None for auto (the device's rule), () for none, else the sizes."""
+    if text.strip().lower() == "auto":
+        return None
+    if text.strip().lower() in ("none", ""):
+        return ()
     try:
         return tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
     except ValueError:
-        raise ExportError(f"--prefill_buckets {text!r} must be comma-separated integers, e.g. 128,512") from None
+        raise ExportError(f"--prefill_buckets {text!r} must be auto, none or comma-separated integers, e.g. 128,512") from None
 
 
 def main(argv: Optional[List[str]] = None) -> int:

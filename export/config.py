@@ -146,7 +146,8 @@ class ExportConfig:
     dtype: str = "float32"  # the CLI resolves "no --dtype" to the device profile's default
     device: str = "atlas_800i_a2"
     overwrite: bool = False
-    prefill_buckets: Tuple[int, ...] = ()  # extra, shorter full graphs; the seq_length one is always there
+    # extra, shorter full graphs; the seq_length one is always there. None: the device's rule (devices.default_buckets)
+    prefill_buckets: Optional[Tuple[int, ...]] = None
     cpu_kernels: str = "auto"  # our CPU GEMV in the decode step: auto (cpu + float32 when built), on, off
 
     def use_cpu_kernels(self) -> bool:
@@ -174,7 +175,7 @@ class ExportConfig:
                 f"--seq_length {self.seq_length} exceeds max_position_embeddings "
                 f"{model.max_position_embeddings} in config.json; pass a smaller --seq_length"
             )
-        for bucket in self.prefill_buckets:
+        for bucket in self.prefill_buckets or ():
             if not 1 <= bucket < self.seq_length:
                 raise ExportError(f"--prefill_buckets: {bucket} must be between 1 and --seq_length - 1 "
                                   f"({self.seq_length - 1}); the full seq_length graph is always exported")

@@ -16,6 +16,9 @@ class DeviceProfile:
     hardware: str
     soc: str  # "" for the CPU
     dtypes: Tuple[str, ...]  # dtypes the device has kernels for; the first is the default
+    # default prompt-length buckets (default_buckets): first, first*factor, ... below seq_length
+    bucket_first: int = 128
+    bucket_factor: int = 4
 
     @property
     def default_dtype(self) -> str:
@@ -31,7 +34,7 @@ PROFILES: Dict[str, DeviceProfile] = {
     "atlas_800t_a2": DeviceProfile("atlas_800t_a2", "Atlas 800T A2", "Ascend910B", ("float16", "bfloat16", "float32")),
     "atlas_800": DeviceProfile("atlas_800", "Atlas 800", "Ascend910A", ("float16", "float32")),
     "atlas_300i_duo": DeviceProfile("atlas_300i_duo", "Atlas 300I Duo", "Ascend310P", ("float16",)),
-    "cpu": DeviceProfile("cpu", "CPU", "", ("float32", "float16")),
+    "cpu": DeviceProfile("cpu", "CPU", "", ("float32", "float16"), bucket_first=16, bucket_factor=2),
 }
 DEFAULT_PROFILE = "atlas_800i_a2"
 
@@ -46,3 +49,21 @@ def get_profile(name: str) -> DeviceProfile:
         raise ExportError(f"{profile.ini_path}: GE option file of profile {name!r} is missing; "
                           "reinstall from a full checkout (pip install -e .)")
     return profile
+
+
+def default_buckets(profile: DeviceProfile, seq_length: int) -> Tuple[int, ...]:
+    """The prompt-length buckets an export gets without --prefill_buckets (the seq_length graph comes on top).
+
+    The rule: `bucket_first`, times `bucket_factor`, ... while below seq_length.
+    - CPU: 16, 32, 64, ... Prefill there is compute-bound, so a prompt's cost is its bucket's length: doubling
+      keeps the padding under 2x (a 100-token prompt runs on 128), and a graph costs only seconds to export and
+      to compile on first use (the runtime compiles the others when a prompt needs them).
+    - Atlas: 128, 512, 2048, ... GE compiles each graph for minutes when the folder loads, and the NPU's
+      prefill is cheap next to that, so four times apart keeps the set small (2 extra graphs at 2048).
+    """
+    sizes = []
+    size = profile.bucket_first
+    while size < seq_length:
+        sizes.append(size)
+        size *= profile.bucket_factor
+    return tuple(sizes)

@@ -14,7 +14,7 @@ from typing import Any, Dict
 from tqdm import tqdm
 
 from export.config import ExportConfig, Qwen2Config
-from export.devices import get_profile
+from export.devices import default_buckets, get_profile
 from export.errors import ExportError
 from export import folder as fmt
 
@@ -64,10 +64,18 @@ def prepare(cfg: ExportConfig) -> tuple:
     return model_cfg, profile
 
 
+def resolve(cfg: ExportConfig) -> ExportConfig:
+    """`cfg` with the device's default prompt-length buckets filled in when none were given."""
+    if cfg.prefill_buckets is not None:
+        return cfg
+    return dataclasses.replace(cfg, prefill_buckets=default_buckets(get_profile(cfg.device), cfg.seq_length))
+
+
 def run_export(cfg: ExportConfig, show_progress: bool = False) -> ExportSummary:
     """Export `cfg.checkpoint` to `cfg.output`. Nothing is left behind if it fails."""
     start = time.time()
     model_cfg, profile = prepare(cfg)
+    cfg = resolve(cfg)
     output = os.path.abspath(cfg.output)
     parent = os.path.dirname(output)
     os.makedirs(parent, exist_ok=True)

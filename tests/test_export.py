@@ -173,6 +173,28 @@ def test_summary_line_and_overwrite(tmp_path, checkpoints, capsys):
     assert sorted(os.listdir(tmp_path)) == ["m"]  # no .partial or .old folders left
 
 
+def test_default_prompt_buckets_follow_the_device_rule(tmp_path, checkpoints, capsys):
+    from export.devices import default_buckets, get_profile
+
+    cpu, atlas = get_profile("cpu"), get_profile("atlas_800i_a2")
+    assert default_buckets(cpu, 2048) == (16, 32, 64, 128, 256, 512, 1024)
+    assert default_buckets(cpu, 16) == ()
+    assert default_buckets(atlas, 2048) == (128, 512)
+    assert default_buckets(atlas, 4096) == (128, 512, 2048)
+    assert default_buckets(atlas, 128) == ()
+    base = ["--checkpoint", checkpoints["gqa_tied"], "--device", "cpu", "--seq_length", "40"]
+    for extra, expected in (((), [16, 32, 40]), (("--prefill_buckets", "none"), [40]),
+                            (("--prefill_buckets", "24"), [24, 40])):
+        out = tmp_path / f"m{len(expected)}{expected[0]}"
+        code, _, err = export_cli(capsys, *base, "--output", str(out), *extra)
+        assert code == 0, err
+        with open(out / f"{out.name}.yaml") as fh:
+            infer = yaml.safe_load(fh)["infer"]
+        assert infer["prefill_buckets"] == expected
+        graphs = sorted(f for f in os.listdir(out) if f.endswith(".mindir"))
+        assert len(graphs) == len(expected) + 1  # one per prompt length, plus the incremental graph
+
+
 def test_leftovers_of_killed_exports_are_removed(tmp_path, checkpoints, caplog):
     """An export killed with SIGKILL leaves its partial folder; the next export beside it removes it and says so."""
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
@@ -237,7 +259,7 @@ def test_bad_inputs(tmp_path, ckpt_copy, capsys):
     assert err("--prefill_buckets", "8,16") == ("error: --prefill_buckets: 16 must be between 1 and --seq_length - 1 "
                                                 "(15); the full seq_length graph is always exported")
     assert err("--prefill_buckets", "8;12") == (
-        "error: --prefill_buckets '8;12' must be comma-separated integers, e.g. 128,512")
+        "error: --prefill_buckets '8;12' must be auto, none or comma-separated integers, e.g. 128,512")
     assert err("--dtype", "bfloat16") == (
         "error: --dtype bfloat16 has no kernels on device profile 'cpu'; use one of float32, float16")
     assert err("--cpu_kernels", "on", "--device", "atlas_800") == (
