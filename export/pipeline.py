@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -211,3 +212,9 @@ def _replace(tmp: str, output: str) -> None:
     os.replace(tmp, output)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    # the files were hashed as they were written: the first load need not hash them again (lite_runtime.folder)
+    from lite_runtime.folder import MANIFEST, record_verified
+
+    with open(os.path.join(output, MANIFEST), encoding="utf-8") as fh:
+        files = json.load(fh)["files"]
+    record_verified({os.path.join(output, rel): entry["sha256"] for rel, entry in files.items()})

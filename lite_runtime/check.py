@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_check(model_dir: str, backend: str = "auto", reference: Optional[Reference] = None, progress=None,
               **overrides) -> Report:
-    """Load `model_dir` (checksums verified), replay `reference` (default: the folder's golden.json)."""
+    """Load `model_dir` (every file hashed again), replay `reference` (default: the folder's golden.json)."""
+    overrides.setdefault("verify_checksums", "always")
     return check_config(InferConfig.from_folder(model_dir, backend=backend, **overrides), reference, progress)
 
 

@@ -40,7 +40,9 @@ class InferConfig:
     vocab_size: Optional[int] = None
     dtype: str = "float32"
     device: str = ""  # the export's device profile, when known
-    verify_checksums: bool = True
+    # sha256 of every file against the manifest: True hashes files changed since they last matched on this
+    # machine (lite_runtime.folder.VERIFIED_CACHE), "always" hashes every file, False checks sizes only
+    verify_checksums: Any = True
     cpu_threads: Optional[int] = None  # ms backend: CPU kernel threads (default: the cores this process may use)
     # graphs run once at load so a request does not pay their compilation: "smallest" (the inc graph and
     # the smallest prefill graph; longer buckets compile on the first prompt that needs them), "all", "none";

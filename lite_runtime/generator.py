@@ -8,6 +8,7 @@ request on the same cache.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -22,8 +23,11 @@ from lite_runtime.errors import InferError
 from lite_runtime.folder import graph_key, graph_tokens
 from lite_runtime.inputs import InputOfInfer
 from lite_runtime.sampling import GenerationSettings, choose, process
+from lite_runtime.tokenizer import FolderTokenizer, has_folder_tokenizer
 
 log = logging.getLogger(__name__)
+
+IDLE_SECONDS = 0.2  # how long no request must have run before the idle warm-up compiles a graph
 
 
 @dataclass
@@ -94,61 +98,139 @@ class TextGenerator:
         self.batch_size, self.seq_length = int(config.batch_size), int(config.infer_seq_length)
         # prompt-length buckets: a batch prefills on the smallest full graph its longest prompt fits
         self.prefill_sizes = sorted(graph_tokens(k) for k in config.graph_paths() if k != "inc")
-        self._check_graph_specs()
-        self._warm_up()
         self._tokenizer = tokenizer
         self.defaults = GenerationSettings.from_generation_config(config.model_dir).updated(
             eos_token_id=config.eos_token_id or None, pad_token_id=config.pad_token_id)
         self._cache: Optional[List[List[int]]] = None  # tokens held by each cache row (padding rows too)
         self._cache_rows = 0  # how many of them are real rows
-        self._checked = set()
+        self._checked = set()  # graphs whose engine specs were checked (and compiled, or about to be)
+        self._inputs_checked = set()  # graphs whose first inputs were checked against their specs
         self._lock = threading.RLock()
+        self._count_lock = threading.Lock()
+        self._requests = 0  # infer/generate calls under way or waiting (the idle warm-up gives way to them)
+        self._last_request = time.monotonic()
         self.last_output: Optional[GenerateOutput] = None  # of the last text call, for its timing
+        self._check_graph_specs()
+        self._warm_up()
 
     # --- loading ----------------------------------------------------------------------------------
     def _check_graph_specs(self) -> None:
-        """The engine's view of each graph against the manifest (or the config), before any call."""
-        folder = self.config.folder
+        """Graphs loaded without a folder: their shapes against the config, from the engine, before any call.
+
+        A folder's manifest was checked against its yaml when it was read; what the engine reports is
+        checked against the manifest when each graph is first used (_check_engine_specs), so loading
+        reads no graph that no request needs.
+        """
+        if self.config.folder is not None:
+            return
         for key, path in self.config.graph_paths().items():
             got = tuple(self.backend.input_specs(key))
-            if folder is not None and got != folder.graphs[key].inputs:
-                raise InferError(f"{path}: the graph's inputs {[(s.name, s.dtype, list(s.shape)) for s in got]} "
-                                 f"disagree with manifest.json "
-                                 f"{[(s.name, s.dtype, list(s.shape)) for s in folder.graphs[key].inputs]}; re-export")
             ids = next((s for s in got if s.name == "input_ids"), None)
             want = (self.batch_size, graph_tokens(key))
             if ids is None or tuple(ids.shape) != want:
                 raise InferError(f"{path}: input_ids shape {list(ids.shape) if ids else None} does not match "
                                  f"batch_size {self.batch_size} and seq_length {self.seq_length}")
 
+    def _check_engine_specs(self, key: str) -> None:
+        folder = self.config.folder
+        if folder is None:
+            return
+        got = tuple(self.backend.input_specs(key))
+        if got != folder.graphs[key].inputs:
+            raise InferError(f"{folder.graphs[key].path}: the graph's inputs "
+                             f"{[(s.name, s.dtype, list(s.shape)) for s in got]} disagree with manifest.json "
+                             f"{[(s.name, s.dtype, list(s.shape)) for s in folder.graphs[key].inputs]}; re-export")
+
     def _warm_up(self) -> None:
-        """Run graphs once so their compilation happens at load, not inside a request's timing (warm_up_keys)."""
-        start = time.perf_counter()
+        """Compile graphs so a request does not pay for it (warm_up_keys): at load, or while idle (`auto` on ms)."""
         keys = warm_up_keys(self.config.warm_up, self.backend_name, list(self.config.graph_paths()))
+        if self.config.warm_up == "auto" and hasattr(self.backend, "prepare"):
+            # inc first: every request needs it, and a short prompt's prefill compiles as fast as it would wait
+            order = [k for k in keys if k == "inc"] + [k for k in keys if k != "inc"]
+            threading.Thread(target=self._warm_up_when_idle, args=(order,), name="mslite-llm-warm-up").start()
+            return
+        start = time.perf_counter()
         for key in keys:
-            self.backend.run(key, {s.name: np.ones(s.shape, s.dtype) for s in self.backend.input_specs(key)})
+            self._warm(key)
         log.info("%s backend: %d graph(s) warmed up in %.2f s", self.backend_name, len(keys),
                  time.perf_counter() - start)
 
+    def _warm(self, key: str) -> None:
+        self._check_engine_specs(key)
+        self._checked.add(key)
+        if hasattr(self.backend, "prepare"):  # compiles without running: the KV cache is untouched
+            self.backend.prepare(key)
+        else:  # mslite: GE compiles on the first run, which writes the cache
+            self.backend.run(key, {s.name: np.ones(s.shape, s.dtype) for s in self.backend.input_specs(key)})
+            self._cache = None
+
+    def _warm_up_when_idle(self, keys: List[str]) -> None:
+        """Compile `keys` one at a time, each only once no request has run for IDLE_SECONDS.
+
+        A request that arrives during a compile waits for that one graph (under a second for the 0.5B
+        shape). The thread is not a daemon (a compile must not be cut off at interpreter exit); it
+        stops as soon as the main thread has ended.
+        """
+        main = threading.main_thread()
+        for key in keys:
+            while True:
+                if not main.is_alive():
+                    return
+                idle = self._requests == 0 and time.monotonic() - self._last_request >= IDLE_SECONDS
+                if idle and self._lock.acquire(timeout=0.05):
+                    break
+                time.sleep(0.05)
+            try:
+                if self._requests == 0 and key not in self._checked:
+                    start = time.perf_counter()
+                    self._warm(key)
+                    log.info("%s backend: %s compiled while idle in %.2f s", self.backend_name, key,
+                             time.perf_counter() - start)
+            except Exception as exc:  # noqa: BLE001  (the request that needs the graph reports it properly)
+                log.warning("warming up %s while idle failed: %s", key, exc)
+                return
+            finally:
+                self._lock.release()
+
     @property
     def tokenizer(self):
+        """The tokenizer passed in, else the folder's tokenizer.json (lite_runtime.tokenizer), else AutoTokenizer."""
         if self._tokenizer is None:
             path = self.config.tokenizer_path or self.config.model_dir
             if not path:
                 raise InferError("no tokenizer: pass tokenizer=... or tokenizer_path, or call generate with token ids")
+            if has_folder_tokenizer(path):
+                self._tokenizer = FolderTokenizer(path)
+                return self._tokenizer
             try:
                 from transformers import AutoTokenizer
             except ImportError:
-                raise InferError("loading the folder's tokenizer needs transformers (pip install transformers), "
-                                 "or pass tokenizer=...") from None
+                raise InferError(f"{path} has no tokenizer.json; loading its tokenizer needs transformers "
+                                 "(pip install transformers), or pass tokenizer=...") from None
             self._tokenizer = AutoTokenizer.from_pretrained(path)
         return self._tokenizer
+
+    @contextlib.contextmanager
+    def _request(self):
+        """The lock, for a request: counted, so the idle warm-up does not start a compile while one waits."""
+        with self._count_lock:
+            self._requests += 1
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._count_lock:
+                self._requests -= 1
+                self._last_request = time.monotonic()
 
     # --- graph calls ------------------------------------------------------------------------------
     def _run(self, key: str, arrays: Dict[str, np.ndarray]) -> np.ndarray:
         if key not in self._checked:
+            self._check_engine_specs(key)
+        if key not in self._inputs_checked:
             check_inputs(key, arrays, self.backend.input_specs(key))
-            self._checked.add(key)
+            self._inputs_checked.add(key)
+        self._checked.add(key)
         return self.backend.run(key, arrays)
 
     def prefill_size(self, longest: int) -> int:
@@ -260,7 +342,7 @@ class TextGenerator:
         s = self.defaults.updated(**kwargs)
         rows = self._check_rows(input_ids)
         rng = np.random.default_rng(s.seed)
-        with self._lock:
+        with self._request():
             logits = self._forward(rows)
         picks = [choose(process(logits[i], rows[i], s), s.do_sample, rng) for i in range(len(rows))]
         return InferOutput([t for t, _ in picks], [p for _, p in picks], logits)
@@ -275,7 +357,7 @@ class TextGenerator:
         seqs = [list(r) for r in rows]
         reasons: List[Optional[str]] = [None] * len(rows)
         out = GenerateOutput(seqs, [], [len(r) for r in rows])
-        with self._lock:
+        with self._request():
             if streamer is not None:
                 streamer.put(np.array(rows) if len(rows) == 1 else [np.array(r) for r in rows])
             start = time.perf_counter()

@@ -48,6 +48,29 @@ def test_corrupted_graph(folder):
         f"{graph}: sha256 differs from manifest.json (corrupted copy); re-copy the folder")
 
 
+def test_a_copy_is_hashed_once_and_hashed_again_after_any_write(folder, tmp_path, monkeypatch):
+    """verify_checksums=True trusts a file only while its stat is what it was when its sha256 matched."""
+    from lite_runtime import folder as folder_mod
+
+    monkeypatch.setattr(folder_mod, "VERIFIED_CACHE", str(tmp_path / "verified.json"))
+    InferConfig.from_folder(str(folder))
+    records = json.loads((tmp_path / "verified.json").read_text())
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert {os.path.realpath(folder / rel): entry["sha256"] for rel, entry in manifest["files"].items()} == {
+        path: record[0] for path, record in records.items()}
+    # the same size and modification time, another byte: ctime moves, so the copy is hashed and refused
+    graph = folder / "gqa_tied_prefill_graph.mindir"
+    before = graph.stat()
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    graph.write_bytes(bytes(data))
+    os.utime(graph, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert error_of(InferConfig.from_folder, str(folder)) == (
+        f"{graph}: sha256 differs from manifest.json (corrupted copy); re-copy the folder")
+    assert error_of(InferConfig.from_folder, str(folder), verify_checksums="sometimes") == (
+        "verify_checksums 'sometimes' is not one of True, False, 'always'")
+
+
 def test_missing_graph(folder):
     (folder / "gqa_tied_inc_graph.mindir").unlink()
     assert error_of(InferConfig.from_folder, str(folder)) == (

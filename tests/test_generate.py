@@ -101,3 +101,28 @@ def test_output_indexes_like_hf_generate(pipes, checkpoints, tokenizer):
     # and HF-style input: a tensor of rows
     again = pipes["gqa_tied"].generate(torch.tensor([ROWS[1]]), max_new_tokens=5)
     assert again[0] == hf[1]
+
+
+def test_graphs_load_on_first_use_and_compile_while_idle(exported, checkpoints):
+    """Loading reads no graph; a request loads the prefill bucket it needs and inc; idle time compiles the rest
+    of the warm-up set (inc, then the smallest bucket) without running them, so the next tokens are still HF's."""
+    import threading
+    import time
+
+    from lite_runtime import pipeline
+
+    folder, ckpt = exported["gqa_tied_buckets"], checkpoints["gqa_tied"]
+    lazy = pipeline("text_generation", model=folder, backend="ms", warm_up="none")
+    assert lazy.backend.cells == {}
+    row = list(ROWS[1])  # 13 tokens: the 16-token bucket
+    assert lazy.generate([row], max_new_tokens=5).sequences[0] == hf_generate(ckpt, row, max_new_tokens=5,
+                                                                            do_sample=False)
+    assert sorted(lazy.backend.cells) == ["inc", "prefill_16"]
+
+    idle = pipeline("text_generation", model=folder, backend="ms")  # warm_up "auto": compile while idle
+    deadline = time.monotonic() + 120
+    while any(t.name == "mslite-llm-warm-up" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sorted(idle.backend._compiled) == ["inc", "prefill_8"]
+    assert idle.generate([row[:6]], max_new_tokens=5).sequences[0] == hf_generate(ckpt, row[:6], max_new_tokens=5,
+                                                                                do_sample=False)

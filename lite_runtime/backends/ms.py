@@ -1,12 +1,12 @@
 """The `ms` backend: MindSpore's MindIR executor (mindspore.load + nn.GraphCell). CPU default; tests run it.
 
-Weights and KV cache are held once, and only once:
+Graphs are read, loaded and compiled on first use (MsBackend). Weights and KV cache are held once:
 - every graph is loaded without parameter data (a copy of its proto with the data references
   cleared), so mindspore.load reads no weights;
-- the first graph's Parameters are set from the weights file itself, memory-mapped
+- the first graph loaded has its Parameters set from the weights file itself, memory-mapped
   copy-on-write: the weights are the page cache's pages, never copied, and the KV cache's pages
   become private only as they are written;
-- every other graph's Parameters are pointed at the first graph's with `set_data`, which shares
+- every later graph's Parameters are pointed at the first one's with `set_data`, which shares
   the storage: all graphs read and write the same cache, and nothing is handed over.
 (`mindspore.load` with the data and `GraphCell(params_init=...)` would each hold another copy.)
 
@@ -154,6 +154,14 @@ def _set_cpu_threads(ms, threads) -> int:
 
 
 class MsBackend:
+    """Graphs are read and compiled on first use (`prepare` or `run`), not at construction.
+
+    Loading a graph is cheap (0.1 s for the 0.5B shape: the proto holds no weights); compiling it is
+    not (0.6-0.8 s each on 2 cores). A folder has a prefill graph per prompt bucket, and a request
+    needs one of them and the inc graph, so constructing reads nothing and the first request pays for
+    exactly the graphs it uses; the generator compiles the common ones while it is idle.
+    """
+
     name = "ms"
 
     def __init__(self, config) -> None:
@@ -168,34 +176,71 @@ class MsBackend:
         import cpu_kernels
 
         cpu_kernels.set_threads(threads)
-        paths = config.graph_paths()  # the longest prefill graph first
-        first = next(iter(paths))
+        self._ms, self._nn = ms, nn
+        self._paths = config.graph_paths()
+        self._parsed = {}  # key -> parsed proto, read for its specs and not loaded yet
         self.specs = {}
         self.cells = {}
-        owned = {}
-        for key, path in paths.items():
-            model = _read_mindir(path)  # parsed once: specs and data locations, then loaded without the data
-            self.specs[key] = mindir_specs(model)
-            arrays = _parameter_arrays(model, path) if key == first else None
-            _relocate_kernels(model, path)
-            cell = nn.GraphCell(_load_without_data(ms, model, os.path.basename(path)))
-            for param in cell.get_parameters():
-                if arrays is not None:
-                    owned[param.name] = param
-                    param.set_data(ms.Tensor.from_numpy(arrays[param.name]))
-                elif param.name in owned:
-                    param.set_data(owned[param.name])
-                else:
-                    from lite_runtime.errors import InferError
-
-                    raise InferError(f"{path}: parameter {param.name} is not in {paths[first]}; the graphs "
-                                     "do not belong to one export")
-            self.cells[key] = cell
+        self._compiled = set()
+        self._owned = {}  # parameter name -> the Parameter every graph shares (weights and KV cache)
+        self._owner = ""  # the graph whose parameters the others share
         self._tensor = ms.Tensor
 
+    def _parse(self, key: str):
+        if key not in self.specs:
+            model = _read_mindir(self._paths[key])
+            self.specs[key] = mindir_specs(model)
+            self._parsed[key] = model
+        return self._parsed.get(key)
+
+    def _cell(self, key: str):
+        cell = self.cells.get(key)
+        if cell is not None:
+            return cell
+        path = self._paths[key]
+        model = self._parse(key)
+        del self._parsed[key]
+        arrays = _parameter_arrays(model, path) if not self._owned else None  # read before the data is cleared
+        _relocate_kernels(model, path)
+        cell = self._nn.GraphCell(_load_without_data(self._ms, model, os.path.basename(path)))
+        params = list(cell.get_parameters())
+        if arrays is None:
+            missing = next((p.name for p in params if p.name not in self._owned), None)
+            if missing is not None:
+                from lite_runtime.errors import InferError
+
+                raise InferError(f"{path}: parameter {missing} is not in {self._paths[self._owner]}; the graphs "
+                                 "do not belong to one export")
+        for param in params:
+            if arrays is not None:
+                self._owned[param.name] = param
+                param.set_data(self._ms.Tensor.from_numpy(arrays[param.name]))
+            else:
+                param.set_data(self._owned[param.name])
+        if arrays is not None:
+            self._owner = key
+        self.cells[key] = cell
+        return cell
+
     def input_specs(self, key: str) -> Tuple[TensorSpec, ...]:
+        self._parse(key)
         return self.specs[key][0]
 
+    def prepare(self, key: str) -> None:
+        """Load and compile `key` without running it: no input is read and the KV cache is left as it is."""
+        if key in self._compiled:
+            return
+        cell = self._cell(key)
+        args = [self._tensor(np.ones(s.shape, s.dtype)) for s in self.specs[key][0]]
+        # what GraphCell.__call__ does before compile_and_run, then the compile half of it
+        cell.phase = "graph_load_from_mindir"
+        cell._add_attr("graph_load_from_mindir", cell.graph)
+        cell.compile(*args)
+        self._compiled.add(key)
+
     def run(self, key: str, inputs: Dict[str, np.ndarray]) -> np.ndarray:
+        cell = self._cell(key)
         args = [self._tensor(a) for a in bind_inputs(key, [s.name for s in self.specs[key][0]], inputs)]
-        return self.cells[key](*args).asnumpy()
+        out = cell(*args).asnumpy()
+        self._compiled.add(key)
+        return out

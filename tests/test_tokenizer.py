@@ -1,0 +1,69 @@
+"""The runtime reads a folder's tokenizer without transformers; it must agree with AutoTokenizer on that folder."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+TEXTS = ["Hello world", "  leading spaces and trailing  ", "naïve café, 数字 123 — ok?", "line one\nline two\n\n",
+         "<|im_start|>user\nhi<|im_end|>", "a<|endoftext|>b", ""]
+CHATS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+     {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}],
+]
+
+
+@pytest.fixture(scope="module")
+def both(exported):
+    from transformers import AutoTokenizer
+
+    from lite_runtime.tokenizer import FolderTokenizer
+
+    folder = exported["gqa_tied"]
+    return FolderTokenizer(folder), AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_ids_and_text_match_autotokenizer(both, text):
+    ours, hf = both
+    for special in (False, True):
+        ids = ours(text, add_special_tokens=special)["input_ids"]
+        assert ids == hf(text, add_special_tokens=special)["input_ids"]
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+    assert ours.batch_decode([ids, ids[:2]]) == hf.batch_decode([ids, ids[:2]])
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_chat_template_matches_autotokenizer(both, messages):
+    ours, hf = both
+    for prompt in (False, True):
+        assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt) == \
+            hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+    assert ours.eos_token_id == hf.eos_token_id and ours.pad_token_id == hf.pad_token_id
+
+
+def test_text_generation_loads_neither_transformers_nor_torch(exported):
+    """A text prompt through the folder's tokenizer: the runtime imports only MindSpore, not torch (2-4 s)."""
+    code = f"""
+import sys
+from lite_runtime import pipeline
+pipe = pipeline("text_generation", model={exported['gqa_tied']!r}, backend="ms", warm_up="none")
+print(repr(pipe("Hello world", max_new_tokens=3, do_sample=False)))
+print(sorted({{m.split('.')[0] for m in sys.modules}} & {{'torch', 'transformers'}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text, imported = proc.stdout.strip().splitlines()[-2:]
+    assert imported == "[]"
+
+    from lite_runtime import pipeline
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(exported["gqa_tied"])
+    pipe = pipeline("text_generation", model=exported["gqa_tied"], backend="ms", tokenizer=hf_tok, warm_up="none")
+    assert text == repr(pipe("Hello world", max_new_tokens=3, do_sample=False))
