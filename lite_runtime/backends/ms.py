@@ -68,8 +68,9 @@ def mindir_specs(model) -> Tuple[Tuple[TensorSpec, ...], Tuple[TensorSpec, ...]]
     return inputs, outputs
 
 
+# BFLOAT16: numpy has none; its bits are read as uint16 and viewed as bfloat16 by MindSpore (MsBackend._cell)
 _NUMPY = {"FLOAT": np.float32, "FLOAT16": np.float16, "INT32": np.int32, "INT64": np.int64, "BOOL": np.bool_,
-          "DOUBLE": np.float64, "INT8": np.int8, "UINT8": np.uint8}
+          "DOUBLE": np.float64, "INT8": np.int8, "UINT8": np.uint8, "BFLOAT16": np.uint16}
 
 
 def _parameter_arrays(model, path: str) -> Dict[str, np.ndarray]:
@@ -166,7 +167,7 @@ class MsBackend:
 
     def __init__(self, config) -> None:
         ms, nn = _mindspore()
-        if config.dtype == "bfloat16":
+        if (config.compute_dtype or config.dtype) == "bfloat16":
             from lite_runtime.errors import InferError
 
             raise InferError(f"{config.prefill_model_path}: a bfloat16 graph has no CPU kernels in MindSpore; "
@@ -185,6 +186,8 @@ class MsBackend:
         self._owned = {}  # parameter name -> the Parameter every graph shares (weights and KV cache)
         self._owner = ""  # the graph whose parameters the others share
         self._tensor = ms.Tensor
+        if cpu_kernels.library_path() is None:  # say so at load, not at the first decode step
+            _relocate_kernels(self._parse("inc"), self._paths["inc"])
 
     def _parse(self, key: str):
         if key not in self.specs:
@@ -214,7 +217,8 @@ class MsBackend:
         for param in params:
             if arrays is not None:
                 self._owned[param.name] = param
-                param.set_data(self._ms.Tensor.from_numpy(arrays[param.name]))
+                data = self._ms.Tensor.from_numpy(arrays[param.name])
+                param.set_data(data.view(self._ms.bfloat16) if param.dtype == self._ms.bfloat16 else data)
             else:
                 param.set_data(self._owned[param.name])
         if arrays is not None:
