@@ -1,6 +1,7 @@
 """mslite-llm's own CPU kernels (a C++ library built at `pip install`), used as MindSpore aot Custom ops.
 
-Only `--device cpu` folders use them, in the incremental graph's matmuls (see gemv.cc for why).
+Only `--device cpu` folders use them: matmuls (GEMV for a few rows, a blocked GEMM for more) and the
+embedding lookup, with float32, float16 or bfloat16 weights widened to float32 (see gemv.cc for why).
 A graph stores the library as a bare file name (`LIBRARY_FILE:<function>`); MindSpore needs a
 path that exists, so the `ms` backend rewrites it to this machine's copy when it loads the graph.
 Importable without MindSpore.
@@ -13,9 +14,10 @@ import os
 from typing import Optional
 
 LIBRARY_FILE = "mslite_llm_cpu_kernels.so"  # the name graphs carry
-GEMV = "MsliteLlmGemv"  # x [B, I] . W[O, I]^T -> [B, O], float32
-GEMV_BIAS = "MsliteLlmGemvBias"  # the same plus b [O]
-FUNCTIONS = (GEMV, GEMV_BIAS)
+GEMV = "MsliteLlmGemv"  # x [M, I] float32 . W[O, I]^T -> [M, O] float32; W float32, float16 or bfloat16; any M
+GEMV_BIAS = "MsliteLlmGemvBias"  # the same plus b [O] float32
+EMBED = "MsliteLlmEmbed"  # ids [N] int32/int64, table [V, E] float32/float16/bfloat16 -> [N, E] float32
+FUNCTIONS = (GEMV, GEMV_BIAS, EMBED)
 BUILD_HINT = "reinstall with a C++ compiler present (apt install g++; pip install -e .)"
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,38 +1,68 @@
-// mslite-llm CPU kernels: y = x . W^T (+ b) for a few rows of x, as MindSpore aot Custom ops.
+// mslite-llm CPU kernels: y = x . W^T (+ b) and an embedding lookup, as MindSpore aot Custom ops.
 //
 // Why: MindSpore 2.10's CPU MatMul reads the weights with one core when x has one row
 // (about 7.5 GB/s here), and decoding one token is that GEMV, 1.98 GB of weights for the
 // Qwen2-0.5B shape. This kernel splits the output rows across threads and reads W once
-// (scripts/PERFORMANCE.md). It is used only by the incremental graph of `--device cpu`
-// folders; graphs for Atlas keep MindSpore's MatMul.
+// (scripts/PERFORMANCE.md). MindSpore has no fast CPU kernel for 16-bit weights either, so W
+// may be float16 or bfloat16: each weight is widened to float32 in registers as it is loaded
+// and all arithmetic is float32 (FMA). x, b and y are always float32.
+//
+// Two forms, chosen by the rows of x (M):
+//   M <= GEMV_MAX_ROWS (decode): dot-product register tiles that read each weight once per call
+//     (4 weight rows against 1-2 rows of x, or 3 against 4 from M=4); threads split the output rows.
+//   larger M (prefill): a cache-blocked GEMM. A block of W (KC inputs x NC outputs) is widened and
+//     packed into a per-thread buffer in 16-output panels, then a 6x16 microkernel (6 rows of x
+//     by 16 outputs, 12 ymm accumulators, x broadcast from its rows) runs over it; threads split
+//     the outputs (and the rows of x when there are few outputs), each packing its own blocks.
 //
 // Threads: a small pool of our own rather than OpenMP, because the op runs ~170 times per token
 // between MindSpore's own kernels: workers spin only briefly (SPIN_US) after a call and then
 // sleep, so they do not compete with MindSpore's threads on a small machine, and the process's
 // libgomp (torch loads one) plays no part.
 //
+// ISA: AVX2+FMA+F16C code is compiled per function (target attributes, no global -mavx2) and
+// chosen at load with __builtin_cpu_supports; plain C++ runs everywhere else (also forced with
+// the environment variable MSLITE_LLM_CPU_KERNELS_ISA=generic, read at load; for tests).
+// MsliteLlmIsa() says which.
+//
 // Interface (MindSpore aot CPU): int F(int nparam, void** params, int* ndims, int64_t** shapes,
-// const char** dtypes, void* stream, void* extra); 0 on success.
-//   MsliteLlmGemv:     params = x [B, I] f32, W [O, I] f32, y [B, O] f32
-//   MsliteLlmGemvBias: params = x [B, I] f32, W [O, I] f32, b [O] f32, y [B, O] f32
+// const char** dtypes, void* stream, void* extra); 0 on success, else 1 wrong number of tensors,
+// 2 unsupported dtype, 3 wrong ranks, 4 shapes that do not fit, 5 an id outside the table.
+//   MsliteLlmGemv:     params = x [M, I] f32, W [O, I] f32/f16/bf16, y [M, O] f32
+//   MsliteLlmGemvBias: params = x [M, I] f32, W [O, I] f32/f16/bf16, b [O] f32, y [M, O] f32
+//   MsliteLlmEmbed:    params = ids [N] int32/int64, table [V, E] f32/f16/bf16, y [N, E] f32
+//                      (ids may have any rank; y is ids' shape plus [E])
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define MSLLM_X86 1
+#define MSLLM_AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 
 namespace {
 
-constexpr int64_t ROWS_PER_TASK = 128;  // output rows a thread takes at a time
+constexpr int64_t ROWS_PER_TASK = 128;  // GEMV: output rows a thread takes at a time
 constexpr int64_t MIN_PARALLEL_ROWS = 256;
+constexpr int64_t GEMV_MAX_ROWS = 16;  // rows of x up to which the GEMV form wins (scripts/bench_kernels.py: by
+                                       // 5-30 % at 10-16 rows, weights not in cache; the GEMM from 24)
+constexpr int64_t GEMV_WIDE_ROWS = 4;  // GEMV: from this many rows of x on, 4x3 tiles instead of 2x4
+constexpr int64_t PACK_PREFETCH = 128;  // GEMM: weights the pack prefetches ahead in each row
+constexpr int64_t MR = 6, NR = 16;  // GEMM microkernel: rows of x by outputs
+constexpr int64_t KC = 1024;  // GEMM: at most this many inputs per packed block (blocks of equal size);
+                              // 256..1024 measured within 3 %, 1024 reads W in longer runs
+constexpr int64_t MC = 48;    // GEMM: rows of x per pass over a packed block (MC x KC floats, with it in L2)
+constexpr int64_t NC = 64;    // GEMM: outputs per task (its packed block, KC x NC floats, in L2)
+constexpr int64_t MIN_PARALLEL_WORK = int64_t(1) << 20;  // GEMM (MACs), embed (floats): less runs on the caller
 constexpr int SPIN_US = 100;  // how long an idle worker polls for the next call before sleeping
 
 inline void cpu_relax() {
@@ -43,110 +73,401 @@ inline void cpu_relax() {
 #endif
 }
 
-// ---- the dot products --------------------------------------------------------------------------
+// ---- weight types ------------------------------------------------------------------------------
 
-// y[r * ldy + o] = x_r . W_o (+ b_o) for output rows [o0, o1) and every row r of x.
-typedef void (*RowsFn)(const float* x, int64_t rows, const float* w, const float* b, int64_t in, float* y,
+struct f16 { uint16_t bits; };   // IEEE binary16
+struct bf16 { uint16_t bits; };  // the upper half of a float32
+
+enum WType { W_F32 = 0, W_F16 = 1, W_BF16 = 2, W_NONE = -1 };
+
+WType weight_type(const char* dtype) {
+  if (std::strcmp(dtype, "float32") == 0 || std::strcmp(dtype, "float") == 0) return W_F32;
+  if (std::strcmp(dtype, "float16") == 0 || std::strcmp(dtype, "half") == 0) return W_F16;
+  if (std::strcmp(dtype, "bfloat16") == 0) return W_BF16;
+  return W_NONE;
+}
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(bf16 v) { return bits_to_float(uint32_t(v.bits) << 16); }
+inline float to_f32(f16 v) {
+  const uint32_t sign = uint32_t(v.bits & 0x8000u) << 16, exp = (v.bits >> 10) & 0x1fu, man = v.bits & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24
+    const float f = float(man) * (1.0f / 16777216.0f);
+    return sign ? -f : f;
+  }
+  if (exp == 31) return bits_to_float(sign | 0x7f800000u | (man << 13));  // inf, nan
+  return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+template <class T>
+inline void widen_generic(const T* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_f32(src[i]);
+}
+
+// A per-thread float buffer that only grows: the GEMM's packed blocks, the generic path's widened rows.
+class Scratch {
+ public:
+  ~Scratch() { std::free(ptr_); }
+  float* get(size_t floats) {
+    if (floats > size_) {
+      std::free(ptr_);
+      ptr_ = nullptr;
+      size_ = 0;
+      void* p = nullptr;
+      if (posix_memalign(&p, 64, floats * sizeof(float)) != 0) return nullptr;
+      ptr_ = static_cast<float*>(p);
+      size_ = floats;
+    }
+    return ptr_;
+  }
+
+ private:
+  float* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
+thread_local Scratch t_scratch;
+
+// ---- generic C++ ------------------------------------------------------------------------------
+
+// y[r * ldy + o] = x_r . W_o (+ b_o) for output rows [o0, o1) and every row r of x. Any number of rows.
+typedef void (*RowsFn)(const float* x, int64_t rows, const void* w, const float* b, int64_t in, float* y,
                        int64_t ldy, int64_t o0, int64_t o1);
 
-void rows_generic(const float* x, int64_t rows, const float* w, const float* b, int64_t in, float* y, int64_t ldy,
+inline float dot_generic(const float* a, const float* c, int64_t in) {
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  int64_t i = 0;
+  for (; i + 4 <= in; i += 4) {
+    s0 += a[i] * c[i];
+    s1 += a[i + 1] * c[i + 1];
+    s2 += a[i + 2] * c[i + 2];
+    s3 += a[i + 3] * c[i + 3];
+  }
+  for (; i < in; ++i) s0 += a[i] * c[i];
+  return (s0 + s1) + (s2 + s3);
+}
+
+template <class T>
+void rows_generic(const float* x, int64_t rows, const void* wv, const float* b, int64_t in, float* y, int64_t ldy,
                   int64_t o0, int64_t o1) {
+  const T* w = static_cast<const T*>(wv);
+  const bool f32 = std::is_same<T, float>::value;
+  float* row = f32 ? nullptr : t_scratch.get(size_t(std::max<int64_t>(in, 1)));
   for (int64_t o = o0; o < o1; ++o) {
-    const float* wo = w + o * in;
+    const float* wo = reinterpret_cast<const float*>(w + o * in);
+    if (row != nullptr) {
+      widen_generic(w + o * in, in, row);  // once per weight row, whatever the rows of x
+      wo = row;
+    }
     for (int64_t r = 0; r < rows; ++r) {
-      const float* xr = x + r * in;
-      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-      int64_t i = 0;
-      for (; i + 4 <= in; i += 4) {
-        s0 += wo[i] * xr[i];
-        s1 += wo[i + 1] * xr[i + 1];
-        s2 += wo[i + 2] * xr[i + 2];
-        s3 += wo[i + 3] * xr[i + 3];
+      float s;
+      if (f32 || row != nullptr) {
+        s = dot_generic(wo, x + r * in, in);
+      } else {  // no memory for a widened row
+        s = 0.f;
+        for (int64_t i = 0; i < in; ++i) s += to_f32(w[o * in + i]) * x[r * in + i];
       }
-      for (; i < in; ++i) s0 += wo[i] * xr[i];
-      y[r * ldy + o] = (s0 + s1) + (s2 + s3) + (b ? b[o] : 0.f);
+      y[r * ldy + o] = s + (b ? b[o] : 0.f);
     }
   }
 }
 
+typedef void (*WidenFn)(const void* src, int64_t n, float* dst);
+
+template <class T>
+void widen_rows_generic(const void* src, int64_t n, float* dst) {
+  widen_generic(static_cast<const T*>(src), n, dst);
+}
+
+// ---- AVX2 + FMA + F16C --------------------------------------------------------------------------
+
 #ifdef MSLLM_X86
-__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
+MSLLM_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+MSLLM_AVX2 inline __m256 load8(const f16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+MSLLM_AVX2 inline __m256 load8(const bf16* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+
+MSLLM_AVX2 inline float hsum(__m256 v) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
   return _mm_cvtss_f32(h);
 }
 
-// R rows of x by C rows of W at a time, R*C accumulators in registers: each load feeds several FMAs.
-template <int R, int C>
-__attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const float* w, const float* b, int64_t in,
-                                                            float* y, int64_t ldy, int64_t o) {
+// GEMV: R rows of x by C rows of W at a time, R*C accumulators in registers: each load feeds several FMAs.
+template <class T, int R, int C>
+MSLLM_AVX2 inline void tile_avx2(const float* x, const T* w, const float* b, int64_t in, float* y, int64_t ldy,
+                                 int64_t o) {
   const int64_t in8 = in & ~int64_t(7);
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  const float* wo = w + o * in;
+  const T* wo = w + o * in;
+  // The next C weight rows follow these in memory: prefetch them, an equal share per step. Short rows are
+  // short streams for the hardware prefetcher; measured on the 0.5B shapes (weights not in cache), this
+  // reads 16-bit rows of 896 up to 1.6x faster, float32 ones only with 4 rows of x (at 1-2 rows they
+  // already come at the memory's pace and the extra instructions cost ~5 %), rows of 4864 not at all.
+  const bool prefetch = in * int64_t(sizeof(T)) <= 4096 && (sizeof(T) == 2 || R >= 4);
+  constexpr int64_t PREFETCH_STEP = C * 8 * int64_t(sizeof(T));
+  const char* next = reinterpret_cast<const char*>(wo + C * in);
   for (int64_t i = 0; i < in8; i += 8) {
+    if (prefetch) {
+      for (int64_t off = 0; off < PREFETCH_STEP; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+      next += PREFETCH_STEP;
+    }
     __m256 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(wo + c * in + i);
+    for (int c = 0; c < C; ++c) {
+      wv[c] = load8(wo + c * in + i);
+      __asm__("" : "+x"(wv[c]));  // in a register: else GCC folds float weights into each FMA, loading them R times
+    }
     for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * in + i);
+      __m256 xv = _mm256_loadu_ps(x + r * in + i);
+      __asm__("" : "+x"(xv));
       for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(wv[c], xv, acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) {
       float s = hsum(acc[r][c]);
-      for (int64_t i = in8; i < in; ++i) s += wo[c * in + i] * x[r * in + i];
+      for (int64_t i = in8; i < in; ++i) s += to_f32(wo[c * in + i]) * x[r * in + i];
       y[r * ldy + o + c] = s + (b ? b[o + c] : 0.f);
     }
   }
 }
 
-__attribute__((target("avx2,fma"))) void rows_avx2(const float* x, int64_t rows, const float* w, const float* b,
-                                                     int64_t in, float* y, int64_t ldy, int64_t o0, int64_t o1) {
+// All rows of x against C weight rows: R rows of x at a time, again for the next R while the weight rows are in cache.
+template <class T, int R, int C>
+MSLLM_AVX2 inline void tiles_avx2(const float* x, int64_t rows, const T* w, const float* b, int64_t in, float* y,
+                                  int64_t ldy, int64_t o) {
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) tile_avx2<T, R, C>(x + r * in, w, b, in, y + r * ldy, ldy, o);
+  for (; r + 2 <= rows; r += 2) tile_avx2<T, 2, C>(x + r * in, w, b, in, y + r * ldy, ldy, o);
+  if (r < rows) tile_avx2<T, 1, C>(x + r * in, w, b, in, y + r * ldy, ldy, o);
+}
+
+template <class T>
+MSLLM_AVX2 void rows_avx2(const float* x, int64_t rows, const void* wv, const float* b, int64_t in, float* y,
+                          int64_t ldy, int64_t o0, int64_t o1) {
+  const T* w = static_cast<const T*>(wv);
   int64_t o = o0;
   if (rows == 1) {  // decode at batch 1: four weight streams per x load
-    for (; o + 4 <= o1; o += 4) tile_avx2<1, 4>(x, w, b, in, y, ldy, o);
-  } else {  // four weight rows at a time against two rows of x, again for the next two while they are in cache
-    for (; o + 4 <= o1; o += 4) {
-      int64_t r = 0;
-      for (; r + 2 <= rows; r += 2) tile_avx2<2, 4>(x + r * in, w, b, in, y + r * ldy, ldy, o);
-      if (r < rows) tile_avx2<1, 4>(x + r * in, w, b, in, y + r * ldy, ldy, o);
+    for (; o + 4 <= o1; o += 4) tile_avx2<T, 1, 4>(x, w, b, in, y, ldy, o);
+  } else if (rows < GEMV_WIDE_ROWS) {  // 2x4 tiles: 8 accumulators
+    for (; o + 4 <= o1; o += 4) tiles_avx2<T, 2, 4>(x, rows, w, b, in, y, ldy, o);
+  } else {  // 4x3 tiles: 12 accumulators, each weight widened once per 4 rows of x
+    for (; o + 3 <= o1; o += 3) tiles_avx2<T, 4, 3>(x, rows, w, b, in, y, ldy, o);
+  }
+  for (; o < o1; ++o) tiles_avx2<T, 2, 1>(x, rows, w, b, in, y, ldy, o);
+}
+
+template <class T>
+MSLLM_AVX2 void widen_rows_avx2(const void* src, int64_t n, float* dst) {
+  const T* s = static_cast<const T*>(src);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(s + i));
+  for (; i < n; ++i) dst[i] = to_f32(s[i]);
+}
+
+MSLLM_AVX2 inline void transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+// Packs W[n0 .. n0+ncols) x [k0 .. k0+kc), widened, as panels of NR outputs: bp[p][k][j] = W[n0+NR*p+j][k0+k],
+// zeros past ncols.
+template <class T>
+MSLLM_AVX2 void pack_b(const T* w, int64_t in, int64_t n0, int64_t ncols, int64_t k0, int64_t kc, float* bp) {
+  const int64_t kc8 = kc & ~int64_t(7);
+  for (int64_t p = 0; p * NR < ncols; ++p) {
+    float* panel = bp + p * NR * kc;
+    const int64_t valid = std::min<int64_t>(NR, ncols - p * NR);
+    for (int64_t h = 0; h < NR; h += 8) {  // two halves of 8 outputs
+      const T* src = w + (n0 + p * NR + h) * in + k0;
+      if (valid >= h + 8) {
+        for (int64_t k = 0; k < kc8; k += 8) {
+          for (int j = 0; j < 8; ++j)
+            _mm_prefetch(reinterpret_cast<const char*>(src + j * in + k + PACK_PREFETCH), _MM_HINT_T0);
+          __m256 r[8];
+          for (int j = 0; j < 8; ++j) r[j] = load8(src + j * in + k);
+          transpose8(r);
+          for (int j = 0; j < 8; ++j) _mm256_store_ps(panel + (k + j) * NR + h, r[j]);
+        }
+        for (int64_t k = kc8; k < kc; ++k)
+          for (int j = 0; j < 8; ++j) panel[k * NR + h + j] = to_f32(src[j * in + k]);
+      } else {
+        const int64_t rows = std::max<int64_t>(0, valid - h);
+        for (int64_t k = 0; k < kc; ++k)
+          for (int64_t j = 0; j < 8; ++j) panel[k * NR + h + j] = j < rows ? to_f32(src[j * in + k]) : 0.f;
+      }
     }
   }
-  if (o < o1) rows_generic(x, rows, w, b, in, y, ldy, o, o1);
+}
+
+// C[R x ncols] (+)= A[R x kc] . panel, A rows lda apart, C rows ldc apart. first: C = bias (or 0) + product.
+// The 12 accumulators are named variables, not an array: GCC keeps an array of vectors in memory here.
+template <int R>
+MSLLM_AVX2 void micro(int64_t kc, const float* a, int64_t lda, const float* bp, float* c, int64_t ldc, int64_t ncols,
+                      bool first, const float* bias) {
+  alignas(32) float tmp[R][NR];
+  const bool full = ncols == NR;
+  float* cc = full ? c : tmp[0];  // where the tile is read and written
+  const int64_t ldcc = full ? ldc : NR;
+  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+  if (first) {
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    if (bias != nullptr) {
+      alignas(32) float bb[NR] = {0};
+      for (int64_t j = 0; j < ncols; ++j) bb[j] = bias[j];
+      b0 = _mm256_load_ps(bb);
+      b1 = _mm256_load_ps(bb + 8);
+    }
+    c00 = c10 = c20 = c30 = c40 = c50 = b0;
+    c01 = c11 = c21 = c31 = c41 = c51 = b1;
+  } else {
+    if (!full)
+      for (int r = 0; r < R; ++r)
+        for (int64_t j = 0; j < NR; ++j) tmp[r][j] = j < ncols ? c[r * ldc + j] : 0.f;
+    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
+#define MSLLM_LOAD_ROW(r)                                 \
+    if (R > r) {                                          \
+      c##r##0 = _mm256_loadu_ps(cc + r * ldcc);           \
+      c##r##1 = _mm256_loadu_ps(cc + r * ldcc + 8);       \
+    }
+    MSLLM_LOAD_ROW(0) MSLLM_LOAD_ROW(1) MSLLM_LOAD_ROW(2) MSLLM_LOAD_ROW(3) MSLLM_LOAD_ROW(4) MSLLM_LOAD_ROW(5)
+#undef MSLLM_LOAD_ROW
+  }
+  const float* a0 = a;
+  const float* a1 = a + (R > 1 ? 1 : 0) * lda;
+  const float* a2 = a + (R > 2 ? 2 : 0) * lda;
+  const float* a3 = a + (R > 3 ? 3 : 0) * lda;
+  const float* a4 = a + (R > 4 ? 4 : 0) * lda;
+  const float* a5 = a + (R > 5 ? 5 : 0) * lda;
+#define MSLLM_FMA_ROW(r)                                  \
+    if (R > r) {                                          \
+      const __m256 av = _mm256_broadcast_ss(a##r + k);    \
+      c##r##0 = _mm256_fmadd_ps(av, b0, c##r##0);         \
+      c##r##1 = _mm256_fmadd_ps(av, b1, c##r##1);         \
+    }
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_load_ps(bp + k * NR), b1 = _mm256_load_ps(bp + k * NR + 8);
+    MSLLM_FMA_ROW(0) MSLLM_FMA_ROW(1) MSLLM_FMA_ROW(2) MSLLM_FMA_ROW(3) MSLLM_FMA_ROW(4) MSLLM_FMA_ROW(5)
+  }
+#undef MSLLM_FMA_ROW
+#define MSLLM_STORE_ROW(r)                                \
+  if (R > r) {                                            \
+    _mm256_storeu_ps(cc + r * ldcc, c##r##0);             \
+    _mm256_storeu_ps(cc + r * ldcc + 8, c##r##1);         \
+  }
+  MSLLM_STORE_ROW(0) MSLLM_STORE_ROW(1) MSLLM_STORE_ROW(2) MSLLM_STORE_ROW(3) MSLLM_STORE_ROW(4) MSLLM_STORE_ROW(5)
+#undef MSLLM_STORE_ROW
+  if (!full)
+    for (int r = 0; r < R; ++r)
+      for (int64_t j = 0; j < ncols; ++j) c[r * ldc + j] = tmp[r][j];
+}
+
+typedef void (*MicroFn)(int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t, bool, const float*);
+const MicroFn k_micro[MR + 1] = {nullptr, micro<1>, micro<2>, micro<3>, micro<4>, micro<5>, micro<6>};
+
+// y[m0..m1, n0..n1) = x[m0..m1) . W[n0..n1)^T (+ b): one GEMM task.
+template <class T>
+MSLLM_AVX2 void gemm_block_avx2(const float* x, const void* wv, const float* b, int64_t in, int64_t out, float* y,
+                                int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const T* w = static_cast<const T*>(wv);
+  const int64_t ncols = n1 - n0, panels = (ncols + NR - 1) / NR;
+  // the inputs in blocks of equal size (a multiple of 8), at most KC
+  const int64_t blocks = (in + KC - 1) / KC, block = ((in + blocks - 1) / blocks + 7) / 8 * 8;
+  float* bp = t_scratch.get(size_t(block * NC));
+  if (bp == nullptr) {  // no memory for the packed block: the GEMV form needs none
+    rows_avx2<T>(x + m0 * in, m1 - m0, w, b, in, y + m0 * out, out, n0, n1);
+    return;
+  }
+  for (int64_t pc = 0; pc < in; pc += block) {
+    const int64_t kc = std::min(block, in - pc);
+    pack_b(w, in, n0, ncols, pc, kc, bp);
+    for (int64_t ic = m0; ic < m1; ic += MC) {
+      const int64_t mc = std::min(MC, m1 - ic);
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t nc = std::min<int64_t>(NR, ncols - p * NR);
+        const float* panel = bp + p * NR * kc;
+        const float* bias = (b != nullptr && pc == 0) ? b + n0 + p * NR : nullptr;
+        int64_t ir = ic;
+        for (; ir + MR <= ic + mc; ir += MR)
+          micro<MR>(kc, x + ir * in + pc, in, panel, y + ir * out + n0 + p * NR, out, nc, pc == 0, bias);
+        if (ir < ic + mc)
+          k_micro[ic + mc - ir](kc, x + ir * in + pc, in, panel, y + ir * out + n0 + p * NR, out, nc, pc == 0, bias);
+      }
+    }
+  }
 }
 #endif
 
-RowsFn pick_rows() {
+typedef void (*GemmFn)(const float* x, const void* w, const float* b, int64_t in, int64_t out, float* y, int64_t m0,
+                       int64_t m1, int64_t n0, int64_t n1);
+
+// ---- the kernels this machine runs ---------------------------------------------------------------
+
+struct Kernels {
+  const char* isa;
+  RowsFn rows[3];
+  GemmFn gemm[3];  // null: no GEMM form, the rows form takes every M
+  WidenFn widen[3];
+};
+
+Kernels pick_kernels() {
+  const Kernels generic = {"generic",
+                           {rows_generic<float>, rows_generic<f16>, rows_generic<bf16>},
+                           {nullptr, nullptr, nullptr},
+                           {widen_rows_generic<float>, widen_rows_generic<f16>, widen_rows_generic<bf16>}};
+  const char* isa = std::getenv("MSLITE_LLM_CPU_KERNELS_ISA");
+  if (isa != nullptr && std::strcmp(isa, "generic") == 0) return generic;
 #ifdef MSLLM_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return rows_avx2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return {"avx2",
+            {rows_avx2<float>, rows_avx2<f16>, rows_avx2<bf16>},
+            {gemm_block_avx2<float>, gemm_block_avx2<f16>, gemm_block_avx2<bf16>},
+            {widen_rows_avx2<float>, widen_rows_avx2<f16>, widen_rows_avx2<bf16>}};
 #endif
-  return rows_generic;
+  return generic;
 }
 
-const RowsFn g_rows = pick_rows();
+const Kernels g_kernels = pick_kernels();
 
 // ---- the thread pool ---------------------------------------------------------------------------
 
 struct Job {
-  const float* x;
-  int64_t rows;
-  const float* w;
-  const float* b;
-  int64_t in, out;
-  float* y;
   std::atomic<int64_t> next{0};
-
-  void work() {
-    for (;;) {
-      const int64_t o0 = next.fetch_add(ROWS_PER_TASK, std::memory_order_relaxed);
-      if (o0 >= out) return;
-      g_rows(x, rows, w, b, in, y, out, o0, std::min(out, o0 + ROWS_PER_TASK));
-    }
-  }
+  virtual ~Job() = default;
+  virtual void work() = 0;  // claims tasks through `next` until none is left
 };
 
 class Pool {
@@ -217,39 +538,157 @@ std::mutex g_pool_mutex;  // MindSpore may run two graphs' kernels from differen
 Pool* g_pool = nullptr;
 int g_threads = 0;  // 0: the cores this process may use
 
-int default_threads() {
+int threads_to_use() {
+  if (g_threads > 0) return g_threads;
   const unsigned n = std::thread::hardware_concurrency();
   return n ? int(n) : 1;
 }
 
-bool is_f32(const char* dtype) { return std::strcmp(dtype, "float32") == 0 || std::strcmp(dtype, "float") == 0; }
-
-int gemv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_bias) {
-  const int expected = with_bias ? 4 : 3;
-  if (nparam != expected) return 1;
-  for (int k = 0; k < nparam; ++k)
-    if (!is_f32(dtypes[k])) return 2;
-  if (ndims[0] != 2 || ndims[1] != 2 || ndims[nparam - 1] != 2 || (with_bias && ndims[2] != 1)) return 3;
-  const int64_t rows = shapes[0][0], in = shapes[0][1], out = shapes[1][0];
-  if (shapes[1][1] != in || shapes[nparam - 1][0] != rows || shapes[nparam - 1][1] != out) return 4;
-  if (with_bias && shapes[2][0] != out) return 4;
-  Job job;
-  job.x = static_cast<const float*>(params[0]);
-  job.w = static_cast<const float*>(params[1]);
-  job.b = with_bias ? static_cast<const float*>(params[2]) : nullptr;
-  job.y = static_cast<float*>(params[nparam - 1]);
-  job.rows = rows;
-  job.in = in;
-  job.out = out;
-  const int threads = g_threads > 0 ? g_threads : default_threads();
-  if (threads <= 1 || out < MIN_PARALLEL_ROWS) {
-    job.work();
-    return 0;
+void run(Job* job, bool parallel) {
+  const int threads = threads_to_use();
+  if (!parallel || threads <= 1) {
+    job->work();
+    return;
   }
   std::lock_guard<std::mutex> lock(g_pool_mutex);
   if (g_pool == nullptr) g_pool = new Pool();  // never deleted: no joins at process exit
   if (g_pool->threads() != threads) g_pool->resize(threads);
-  g_pool->run(&job);
+  g_pool->run(job);
+}
+
+// ---- the jobs ------------------------------------------------------------------------------------
+
+struct GemvJob : Job {
+  RowsFn fn;
+  const float* x;
+  int64_t rows;
+  const void* w;
+  const float* b;
+  int64_t in, out;
+  float* y;
+
+  void work() override {
+    for (;;) {
+      const int64_t o0 = next.fetch_add(ROWS_PER_TASK, std::memory_order_relaxed);
+      if (o0 >= out) return;
+      fn(x, rows, w, b, in, y, out, o0, std::min(out, o0 + ROWS_PER_TASK));
+    }
+  }
+};
+
+struct GemmJob : Job {
+  GemmFn fn;
+  const float* x;
+  const void* w;
+  const float* b;
+  int64_t rows, in, out;
+  float* y;
+  int64_t col_tasks, row_step, tasks;
+
+  void work() override {
+    for (;;) {
+      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
+      if (t >= tasks) return;
+      const int64_t n0 = (t % col_tasks) * NC, m0 = (t / col_tasks) * row_step;
+      fn(x, w, b, in, out, y, m0, std::min(rows, m0 + row_step), n0, std::min(out, n0 + NC));
+    }
+  }
+};
+
+struct EmbedJob : Job {
+  WidenFn widen;
+  const void* ids;
+  bool ids64;
+  const char* table;
+  int64_t row_bytes, width, n;
+  float* y;
+
+  void work() override {
+    constexpr int64_t IDS_PER_TASK = 16;
+    for (;;) {
+      const int64_t i0 = next.fetch_add(IDS_PER_TASK, std::memory_order_relaxed);
+      if (i0 >= n) return;
+      for (int64_t i = i0; i < std::min(n, i0 + IDS_PER_TASK); ++i) {
+        const int64_t id = ids64 ? static_cast<const int64_t*>(ids)[i] : static_cast<const int32_t*>(ids)[i];
+        widen(table + id * row_bytes, width, y + i * width);
+      }
+    }
+  }
+};
+
+bool is_f32(const char* dtype) { return weight_type(dtype) == W_F32; }
+
+int gemv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_bias) {
+  const int expected = with_bias ? 4 : 3;
+  if (nparam != expected) return 1;
+  const WType wt = weight_type(dtypes[1]);
+  if (!is_f32(dtypes[0]) || wt == W_NONE || !is_f32(dtypes[nparam - 1]) || (with_bias && !is_f32(dtypes[2])))
+    return 2;
+  if (ndims[0] != 2 || ndims[1] != 2 || ndims[nparam - 1] != 2 || (with_bias && ndims[2] != 1)) return 3;
+  const int64_t rows = shapes[0][0], in = shapes[0][1], out = shapes[1][0];
+  if (shapes[1][1] != in || shapes[nparam - 1][0] != rows || shapes[nparam - 1][1] != out) return 4;
+  if (with_bias && shapes[2][0] != out) return 4;
+  const float* x = static_cast<const float*>(params[0]);
+  const void* w = params[1];
+  const float* b = with_bias ? static_cast<const float*>(params[2]) : nullptr;
+  float* y = static_cast<float*>(params[nparam - 1]);
+  if (rows <= 0 || out <= 0) return 0;
+  if (in <= 0) {  // an empty sum
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t o = 0; o < out; ++o) y[r * out + o] = b ? b[o] : 0.f;
+    return 0;
+  }
+  const GemmFn gemm = g_kernels.gemm[wt];
+  if (rows <= GEMV_MAX_ROWS || gemm == nullptr) {
+    GemvJob job;
+    job.fn = g_kernels.rows[wt];
+    job.x = x, job.rows = rows, job.w = w, job.b = b, job.in = in, job.out = out, job.y = y;
+    run(&job, out >= MIN_PARALLEL_ROWS);
+    return 0;
+  }
+  GemmJob job;
+  job.fn = gemm;
+  job.x = x, job.w = w, job.b = b, job.rows = rows, job.in = in, job.out = out, job.y = y;
+  job.col_tasks = (out + NC - 1) / NC;
+  // few outputs (k/v projections): split the rows of x too, so that every thread has work
+  const int threads = threads_to_use();
+  int64_t row_tasks = 1;
+  if (job.col_tasks < 4 * threads) row_tasks = std::min((4 * threads + job.col_tasks - 1) / job.col_tasks,
+                                                        (rows + 4 * MR - 1) / (4 * MR));
+  row_tasks = std::max<int64_t>(row_tasks, 1);
+  job.row_step = ((rows + row_tasks - 1) / row_tasks + MR - 1) / MR * MR;
+  job.tasks = job.col_tasks * ((rows + job.row_step - 1) / job.row_step);
+  run(&job, rows * out * in >= MIN_PARALLEL_WORK);
+  return 0;
+}
+
+int embed(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 3) return 1;
+  const bool ids64 = std::strcmp(dtypes[0], "int64") == 0;
+  const WType wt = weight_type(dtypes[1]);
+  if ((!ids64 && std::strcmp(dtypes[0], "int32") != 0) || wt == W_NONE || !is_f32(dtypes[2])) return 2;
+  if (ndims[0] < 0 || ndims[1] != 2 || ndims[2] != ndims[0] + 1) return 3;
+  const int64_t vocab = shapes[1][0], width = shapes[1][1];
+  int64_t n = 1;
+  for (int d = 0; d < ndims[0]; ++d) {
+    if (shapes[2][d] != shapes[0][d]) return 4;
+    n *= shapes[0][d];
+  }
+  if (shapes[2][ndims[0]] != width) return 4;
+  for (int64_t i = 0; i < n; ++i) {  // all ids first: nothing is written for a bad call
+    const int64_t id = ids64 ? static_cast<const int64_t*>(params[0])[i] : static_cast<const int32_t*>(params[0])[i];
+    if (id < 0 || id >= vocab) return 5;
+  }
+  EmbedJob job;
+  job.widen = g_kernels.widen[wt];
+  job.ids = params[0];
+  job.ids64 = ids64;
+  job.table = static_cast<const char*>(params[1]);
+  job.row_bytes = width * (wt == W_F32 ? 4 : 2);
+  job.width = width;
+  job.n = n;
+  job.y = static_cast<float*>(params[2]);
+  run(&job, n * width >= MIN_PARALLEL_WORK);
   return 0;
 }
 
@@ -264,6 +703,13 @@ int MsliteLlmGemv(int nparam, void** params, int* ndims, int64_t** shapes, const
 int MsliteLlmGemvBias(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
   return gemv(nparam, params, ndims, shapes, dtypes, true);
 }
+
+int MsliteLlmEmbed(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return embed(nparam, params, ndims, shapes, dtypes);
+}
+
+// The code path this machine runs: "avx2" (AVX2 + FMA + F16C) or "generic".
+const char* MsliteLlmIsa() { return g_kernels.isa; }
 
 // Threads the kernels use; 0 restores the default (the machine's cores). The runtime passes its CPU thread count.
 void MsliteLlmSetThreads(int threads) { g_threads = threads < 0 ? 0 : threads; }

@@ -59,6 +59,192 @@ def test_gemv_refuses_what_it_cannot_compute():
     assert call_kernel(cpu_kernels.GEMV, x, w, np.zeros((2, 4), np.float32)) == 4  # output shape
 
 
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 as uint16 bit patterns: the upper 16 bits, rounded to nearest even."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def stored(w: np.ndarray, dtype: str):
+    """(w as the kernel is given it in `dtype`, float64 of exactly the values it holds)."""
+    if dtype == "float32":
+        return w, w.astype(np.float64)
+    if dtype == "float16":
+        half = w.astype(np.float16)
+        return half, half.astype(np.float64)
+    bits = bf16_bits(w)
+    return bits, (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def check_matmul(dtype: str, bias: bool, rows_list, outs, ins, seed: int = 0) -> None:
+    """Every (M, O, I) against float64 numpy on the stored weights, within 1e-5 of sum |x||w| (+|b|) per output."""
+    rng = np.random.default_rng(seed)
+    for rows in rows_list:
+        for out in outs:
+            for inp in ins:
+                x = rng.standard_normal((rows, inp), dtype=np.float32)
+                w, w64 = stored(rng.standard_normal((out, inp), dtype=np.float32), dtype)
+                b = rng.standard_normal((out,), dtype=np.float32)
+                y = np.full((rows, out), np.nan, np.float32)
+                args = (x, w, b, y) if bias else (x, w, y)
+                names = ["float32", dtype, "float32", "float32"][:len(args) - 1] + ["float32"]
+                assert call_kernel(cpu_kernels.GEMV_BIAS if bias else cpu_kernels.GEMV, *args, dtypes=names) == 0
+                x64 = x.astype(np.float64)
+                ref = x64 @ w64.T + (b if bias else 0)
+                scale = np.abs(x64) @ np.abs(w64).T + (np.abs(b) if bias else 0)
+                bad = ~(np.abs(y - ref) <= 1e-5 * scale)  # NaN (an output never written) counts as bad
+                assert not bad.any(), f"{dtype} M={rows} O={out} I={inp}: {int(bad.sum())} outputs off"
+
+
+ODD_ROWS, ODD_OUTS, ODD_INS = (1, 2, 5, 7, 17, 100), (1, 15, 17, 300), (1, 7, 9, 896)
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_matmul_with_any_weight_dtype_matches_float64_on_odd_shapes(dtype, bias):
+    """Few rows (GEMV tiles) and many (packed GEMM), outputs and inputs off every tile and vector width."""
+    check_matmul(dtype, bias, ODD_ROWS, ODD_OUTS, ODD_INS)
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+def test_matmul_prefill_shapes_span_several_input_blocks_and_tasks(dtype):
+    """The 0.5B down projection's input width (several packed blocks), rows of x split across threads."""
+    check_matmul(dtype, True, (17, 64), (130,), (4864,), seed=1)
+
+
+def test_matmul_result_does_not_depend_on_the_thread_count():
+    lib = ctypes.CDLL(cpu_kernels.library_path())
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((40, 896), dtype=np.float32)
+    w = bf16_bits(rng.standard_normal((1000, 896), dtype=np.float32))
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            lib.MsliteLlmSetThreads(threads)
+            for rows in (1, 40):  # GEMV and GEMM
+                y = np.full((rows, 1000), np.nan, np.float32)
+                assert call_kernel(cpu_kernels.GEMV, x[:rows], w, y, dtypes=["float32", "bfloat16", "float32"]) == 0
+                results.append((threads, rows, y))
+    finally:
+        lib.MsliteLlmSetThreads(0)
+    for threads, rows, y in results:
+        assert np.array_equal(y, next(r for t, m, r in results if m == rows)), (threads, rows)
+
+
+def test_matmul_refuses_weights_of_other_dtypes():
+    x, y = np.zeros((2, 8), np.float32), np.zeros((2, 3), np.float32)
+    for dtype in ("float64", "int8", "int32"):
+        assert call_kernel(cpu_kernels.GEMV, x, np.zeros((3, 8), np.float32), y,
+                           dtypes=["float32", dtype, "float32"]) == 2
+    assert call_kernel(cpu_kernels.GEMV_BIAS, x, np.zeros((3, 8), np.float16), np.zeros(3, np.float16), y,
+                       dtypes=["float32", "float16", "float16", "float32"]) == 2  # the bias stays float32
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("ids_dtype", ["int32", "int64"])
+def test_embed_copies_and_widens_the_rows_of_the_ids(dtype, ids_dtype):
+    rng = np.random.default_rng(3)
+    table, table64 = stored(rng.standard_normal((50, 37), dtype=np.float32), dtype)
+    for n in (1, 7, 3000):  # 3000 x 37 floats: split across threads
+        ids = rng.integers(0, 50, n).astype(ids_dtype)
+        ids[0], ids[-1] = 0, 49
+        y = np.full((n, 37), np.nan, np.float32)
+        assert call_kernel(cpu_kernels.EMBED, ids, table, y, dtypes=[ids_dtype, dtype, "float32"]) == 0
+        assert np.array_equal(y, table64[ids].astype(np.float32))  # widening is exact
+
+
+def test_embed_ids_of_any_shape_give_that_shape_plus_the_row():
+    table = np.arange(12, dtype=np.float32).reshape(4, 3)
+    ids = np.array([[3, 1], [0, 2]], np.int32)
+    y = np.full((2, 2, 3), np.nan, np.float32)
+    assert call_kernel(cpu_kernels.EMBED, ids, table, y, dtypes=["int32", "float32", "float32"]) == 0
+    assert np.array_equal(y, table[ids])
+
+
+def test_embed_refuses_ids_outside_the_table_and_writes_nothing():
+    table = np.ones((10, 4), np.float32)
+    for ids_dtype, bad in (("int32", 10), ("int32", -1), ("int64", 2 ** 40), ("int64", -(2 ** 40))):
+        ids = np.array([1, bad, 2], ids_dtype)
+        y = np.full((3, 4), np.nan, np.float32)
+        assert call_kernel(cpu_kernels.EMBED, ids, table, y, dtypes=[ids_dtype, "float32", "float32"]) == 5
+        assert np.isnan(y).all()
+
+
+def test_embed_refuses_what_it_cannot_compute():
+    ids, table, y = np.zeros(3, np.int32), np.zeros((10, 4), np.float32), np.zeros((3, 4), np.float32)
+    f32 = "float32"
+    assert call_kernel(cpu_kernels.EMBED, ids, table) == 1
+    assert call_kernel(cpu_kernels.EMBED, ids.astype(np.int16), table, y, dtypes=["int16", f32, f32]) == 2
+    assert call_kernel(cpu_kernels.EMBED, ids, table.astype(np.float64), y, dtypes=["int32", "float64", f32]) == 2
+    assert call_kernel(cpu_kernels.EMBED, ids, table, y.astype(np.float16), dtypes=["int32", f32, "float16"]) == 2
+    assert call_kernel(cpu_kernels.EMBED, ids, table[0], y, dtypes=["int32", f32, f32]) == 3
+    assert call_kernel(cpu_kernels.EMBED, ids, table, np.zeros((3, 5), np.float32), dtypes=["int32", f32, f32]) == 4
+    assert call_kernel(cpu_kernels.EMBED, ids, table, np.zeros((2, 4), np.float32), dtypes=["int32", f32, f32]) == 4
+
+
+def test_the_generic_code_path_gives_the_same_answers():
+    """The plain C++ path (machines without AVX2/FMA/F16C), forced at load by the environment, in a new process."""
+    script = textwrap.dedent("""
+        import ctypes, sys
+        import cpu_kernels, test_cpu_kernels as t
+        lib = ctypes.CDLL(cpu_kernels.library_path())
+        lib.MsliteLlmIsa.restype = ctypes.c_char_p
+        assert lib.MsliteLlmIsa() == b"generic", lib.MsliteLlmIsa()
+        for dtype in t.WEIGHT_DTYPES:
+            t.check_matmul(dtype, True, t.ODD_ROWS, t.ODD_OUTS, t.ODD_INS)
+            t.test_embed_copies_and_widens_the_rows_of_the_ids(dtype, "int64")
+        t.test_embed_refuses_ids_outside_the_table_and_writes_nothing()
+    """)
+    env = dict(os.environ, MSLITE_LLM_CPU_KERNELS_ISA="generic",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lib = ctypes.CDLL(cpu_kernels.library_path())
+    lib.MsliteLlmIsa.restype = ctypes.c_char_p
+    assert lib.MsliteLlmIsa() in (b"avx2", b"generic")  # this process: whatever the machine has
+
+
+def test_mindspore_graph_runs_our_kernels_on_bfloat16_parameters():
+    """A real ops.Custom (aot) in a graph-mode Cell: embedding and matmul read bfloat16 Parameters."""
+    import mindspore as ms
+    from mindspore import nn, ops
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    lib = cpu_kernels.library_path()
+
+    class Net(nn.Cell):
+        def __init__(self, table_bits, w_bits, b):
+            super().__init__()
+            self.table = ms.Parameter(ms.Tensor.from_numpy(table_bits).view(ms.bfloat16), name="table",
+                                      requires_grad=False)
+            self.w = ms.Parameter(ms.Tensor.from_numpy(w_bits).view(ms.bfloat16), name="w", requires_grad=False)
+            self.b = ms.Parameter(ms.Tensor(b), name="b", requires_grad=False)
+            self.embed = ops.Custom(f"{lib}:{cpu_kernels.EMBED}", out_shape=lambda ids, t: (ids[0], t[1]),
+                                    out_dtype=lambda ids, t: ms.float32, func_type="aot")
+            self.matmul = ops.Custom(f"{lib}:{cpu_kernels.GEMV_BIAS}", out_shape=lambda x, w, b: (x[0], w[0]),
+                                     out_dtype=lambda x, w, b: x, func_type="aot")
+
+        def construct(self, ids):
+            return self.matmul(self.embed(ids, self.table), self.w, self.b)
+
+    rng = np.random.default_rng(4)
+    table, table64 = stored(rng.standard_normal((64, 40), dtype=np.float32), "bfloat16")
+    w, w64 = stored(rng.standard_normal((300, 40), dtype=np.float32), "bfloat16")
+    b = rng.standard_normal(300, dtype=np.float32)
+    net = Net(table, w, b)
+    assert net.w.dtype == ms.bfloat16 and net.table.dtype == ms.bfloat16
+    for n in (3, 20):  # GEMV and GEMM
+        ids = rng.integers(0, 64, n).astype(np.int32)
+        y = net(ms.Tensor(ids)).asnumpy()
+        ref = table64[ids] @ w64.T + b
+        assert y.dtype == np.float32 and y.shape == (n, 300)
+        assert np.abs(y - ref).max() <= 1e-5 * (np.abs(table64[ids]) @ np.abs(w64).T + np.abs(b)).max()
+
+
 def custom_funcs(graph_path: str):
     """(Counter of Custom func names among primitives, number of graph nodes that call a Custom primitive)."""
     from mindspore.train import mind_ir_pb2
