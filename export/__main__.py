@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per row the graphs hold, prompt plus generated (default: 1024)")
     p.add_argument("--batch_size", type=int, default=1, help="rows per call, fixed in the graphs (default: 1)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
-                   help="weights and compute dtype (default: the device profile's, float16 on Atlas, float32 on cpu)")
+                   help="weights and compute dtype (default: the device profile's, float16 on Atlas, float32 on cpu); "
+                        "on cpu, float16/bfloat16 store the weights in 16 bits and compute in float32")
     p.add_argument("--device", default=DEFAULT_PROFILE,
                    help=f"device profile: {', '.join(PROFILES)} (default: {DEFAULT_PROFILE}); "
                         "picks ge_configs/<device>.ini and the dtypes allowed")

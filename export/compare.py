@@ -29,13 +29,20 @@ log = logging.getLogger(__name__)
 TORCH_HINT = "pip install torch==2.13.0 (a CPU build: pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)"
 
 
-def hf_model(checkpoint: str, dtype: str = "float32"):
+def hf_model(checkpoint: str, dtype: str = "float32", matrices_in: str = "float32"):
+    """HF's model; `matrices_in` rounds its matrices (2-D weights) through that dtype, as a CPU folder with 16-bit
+    weights stores them (the same round-to-nearest-even as export/weights.py), computing in `dtype`."""
     try:
         import torch
         from transformers import AutoModelForCausalLM
     except ImportError:
         raise ExportError(f"export.compare runs HF transformers as the reference and needs PyTorch: {TORCH_HINT}") from None
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype))
+    if matrices_in != dtype:
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.ndim == 2:
+                    param.copy_(param.to(getattr(torch, matrices_in)).to(param.dtype))
     return model.eval()
 
 
@@ -112,11 +119,11 @@ def compare(checkpoint: str, model_dir: str, quiet: bool = True):
     from lite_runtime.golden import load_golden
 
     config = InferConfig.from_folder(model_dir, backend="ms")  # checksums verified once, here
-    if config.dtype == "bfloat16":
+    if config.compute_dtype == "bfloat16":
         raise ExportError(f"{config.folder.yaml_path}: a bfloat16 folder cannot run on this CPU (MindSpore has no "
                           "bfloat16 CPU kernels); run python -m lite_runtime.check on the Atlas A2 server it is for, or "
                           "export a float16 or float32 folder from the same checkpoint and compare that")
-    if config.dtype == "float16" and not quiet:
+    if config.compute_dtype == "float16" and not quiet:
         print("float16 graphs run on MindSpore's CPU float16 kernels, several times slower than float32 "
               "(README, 'Checking a folder')", file=sys.stderr)
     golden = load_golden(config.folder)
@@ -133,7 +140,8 @@ def compare(checkpoint: str, model_dir: str, quiet: bool = True):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    model = hf_model(checkpoint)
+    # a CPU folder with 16-bit weights computes in float32 on rounded matrices: so does its reference
+    model = hf_model(checkpoint, matrices_in=config.dtype if config.compute_dtype != config.dtype else "float32")
     reference = hf_reference(model, prompts, steps, top_k)
     log.info("HF reference: %d prompts in %.1f s", sum(map(len, prompts)), time.perf_counter() - start)
     golden_rows = replay(HFSteps(model), golden, TOLERANCES["float32"]) if golden is not None else None

@@ -148,15 +148,31 @@ class ExportConfig:
     overwrite: bool = False
     # extra, shorter full graphs; the seq_length one is always there. None: the device's rule (devices.default_buckets)
     prefill_buckets: Optional[Tuple[int, ...]] = None
-    cpu_kernels: str = "auto"  # our CPU GEMV in the decode step: auto (cpu + float32 when built), on, off
+    # our CPU kernels (cpu_kernels) in the graphs' matmuls: auto (cpu folders, when the library is built), on, off
+    cpu_kernels: str = "auto"
+
+    @property
+    def compute_dtype(self) -> str:
+        """Activations, KV cache, norms and biases. CPU folders always compute in float32: --dtype float16 or
+        bfloat16 there stores the matrices in 16 bits (half the memory to read per token), which only our
+        kernels read, widening them in registers."""
+        return "float32" if self.device == "cpu" else self.dtype
+
+    @property
+    def half_weights_on_cpu(self) -> bool:
+        return self.device == "cpu" and self.dtype != "float32"
 
     def use_cpu_kernels(self) -> bool:
-        """Whether the decode graph uses cpu_kernels' GEMV. `on` without the built library is an error."""
+        """Whether the graphs use cpu_kernels' matmuls. `on` without the built library is an error, and so is a
+        CPU folder with 16-bit weights (nothing else reads them)."""
         import cpu_kernels
 
-        if self.cpu_kernels == "off" or self.device != "cpu" or self.dtype != "float32":
+        if self.device != "cpu" or (self.cpu_kernels == "off" and not self.half_weights_on_cpu):
             return False
         if cpu_kernels.library_path() is None:
+            if self.half_weights_on_cpu:
+                raise ExportError(f"--device cpu --dtype {self.dtype} needs the CPU kernel library, which is not "
+                                  f"built; {cpu_kernels.BUILD_HINT}, or export --dtype float32")
             if self.cpu_kernels == "on":
                 raise ExportError(f"--cpu_kernels on: the CPU kernel library is not built; {cpu_kernels.BUILD_HINT}")
             log.warning("the CPU kernel library is not built, so the decode graph uses MindSpore's MatMul "
@@ -188,8 +204,11 @@ class ExportConfig:
             )
         if self.cpu_kernels not in ("auto", "on", "off"):
             raise ExportError(f"--cpu_kernels {self.cpu_kernels!r} is not one of auto, on, off")
-        if self.cpu_kernels == "on" and (self.device != "cpu" or self.dtype != "float32"):
-            raise ExportError(f"--cpu_kernels on needs --device cpu and --dtype float32 (got --device {self.device}, "
-                              f"--dtype {self.dtype}); graphs for Atlas use MindSpore's own ops")
+        if self.cpu_kernels == "on" and self.device != "cpu":
+            raise ExportError(f"--cpu_kernels on needs --device cpu (got --device {self.device}); graphs for Atlas "
+                              "use MindSpore's own ops")
+        if self.cpu_kernels == "off" and self.half_weights_on_cpu:
+            raise ExportError(f"--cpu_kernels off: --device cpu --dtype {self.dtype} stores 16-bit weights that only "
+                              "the CPU kernels read; drop --cpu_kernels off or export --dtype float32")
         if not self.name or any(c in self.name for c in "/\\ ") or self.name.startswith("."):
             raise ExportError(f"--name {self.name!r} must be a plain file name (no slashes or spaces)")

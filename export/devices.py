@@ -34,7 +34,8 @@ PROFILES: Dict[str, DeviceProfile] = {
     "atlas_800t_a2": DeviceProfile("atlas_800t_a2", "Atlas 800T A2", "Ascend910B", ("float16", "bfloat16", "float32")),
     "atlas_800": DeviceProfile("atlas_800", "Atlas 800", "Ascend910A", ("float16", "float32")),
     "atlas_300i_duo": DeviceProfile("atlas_300i_duo", "Atlas 300I Duo", "Ascend310P", ("float16",)),
-    "cpu": DeviceProfile("cpu", "CPU", "", ("float32", "float16"), bucket_first=16, bucket_factor=2),
+    # CPU folders compute in float32; float16 and bfloat16 store the matrices in 16 bits (ExportConfig.compute_dtype)
+    "cpu": DeviceProfile("cpu", "CPU", "", ("float32", "bfloat16", "float16"), bucket_first=16, bucket_factor=2),
 }
 DEFAULT_PROFILE = "atlas_800i_a2"
 

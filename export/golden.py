@@ -120,8 +120,13 @@ def new_record(prompt: Sequence[int]) -> Dict[str, Any]:
 
 
 def compute(model_cfg: Qwen2Config, checkpoint: str, prefill_sizes: Sequence[int], seq_length: int,
-            batch_size: int, progress: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
-    """Run the plan through the float32 reference; returns the golden document (see write)."""
+            batch_size: int, progress: Optional[Callable[[int], None]] = None,
+            matrices_in: str = "float32") -> Dict[str, Any]:
+    """Run the plan through the float32 reference; returns the golden document (see write).
+
+    matrices_in: for a CPU folder that stores its matrices in 16 bits and computes in float32, the
+    reference uses the same rounded matrices (NumpyQwen2), and the folder is held to float32's limits.
+    """
     from export.reference import NumpyQwen2
     from export.weights import open_checkpoint, plan_weights
 
@@ -129,7 +134,7 @@ def compute(model_cfg: Qwen2Config, checkpoint: str, prefill_sizes: Sequence[int
     plan = plan_batches(prefill_sizes, seq_length, batch_size)
     batches, source = prompts_for(plan, checkpoint, model_cfg.vocab_size)
     where = open_checkpoint(checkpoint)
-    net = NumpyQwen2(model_cfg, where, seq_length)
+    net = NumpyQwen2(model_cfg, where, seq_length, matrices_in=matrices_in)
     plan_weights(net.weight_shapes(), where, tied=bool(model_cfg.tie_word_embeddings))  # names and shapes, by name
     rows = [(b, r, list(ids)) for b, batch in enumerate(batches) for r, ids in enumerate(batch)]
     steps = [plan[b][2] for b, _, _ in rows]
@@ -152,7 +157,9 @@ def compute(model_cfg: Qwen2Config, checkpoint: str, prefill_sizes: Sequence[int
         out_batches.append({"graph": f"prefill_{tokens}", "steps": n_steps,
                             "rows": [records[i] for i, (rb, _, _) in enumerate(rows) if rb == b]})
     return {"format": FORMAT, "format_version": FORMAT_VERSION,
-            "computed_by": "export/reference.py: float32 numpy on the checkpoint's weights",
+            "computed_by": "export/reference.py: float32 numpy on the checkpoint's weights" + (
+                f", matrices rounded to {matrices_in} as the folder stores them" if matrices_in != "float32" else ""),
+            "matrices_in": matrices_in,
             "prompt_source": source, "top_k": TOP_K, "seq_length": seq_length, "batch_size": batch_size,
             "batches": out_batches, "seconds": round(time.perf_counter() - start, 3)}
 

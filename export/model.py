@@ -18,6 +18,8 @@ H query heads, KH key/value heads, G = H // KH, D head_dim, E hidden_size, V voc
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple, Optional
+
 import numpy as np
 
 import mindspore as ms
@@ -54,34 +56,63 @@ def ew_silu(x):
     return _mul_no_nan(x, ops.sigmoid(x)) if x.dtype == ms.float16 else ops.silu(x)
 
 
+class Kernels(NamedTuple):
+    """Which matmuls use our CPU kernels, and the matrices' storage dtype when it is not the compute dtype."""
+
+    gemv: bool = False  # the decode step's
+    gemm: bool = False  # the full graph's
+    weight_dtype: Any = None  # a MindSpore dtype, or None: the compute dtype
+
+
 def _weight(shape, dtype, name: str) -> Parameter:
     # Lazy zeros: nothing is allocated until the loader sets the checkpoint's data.
     return Parameter(initializer("zeros", shape, dtype), name=name, requires_grad=False)
 
 
-def gemv_op(with_bias: bool):
-    """Our CPU GEMV kernel as an aot Custom op (cpu_kernels/gemv.cc): [B, I] . [O, I]^T (+ [O]) -> [B, O]."""
+def kernel_matmul(with_bias: bool):
+    """Our CPU matmul kernel as an aot Custom op (cpu_kernels/gemv.cc): x [N, I] float32 . W[O, I]^T (+ b [O])
+    -> [N, O] float32, W float32, float16 or bfloat16 (widened in registers); any N, GEMV or blocked GEMM."""
     import cpu_kernels
 
     func = cpu_kernels.local_func(cpu_kernels.GEMV_BIAS if with_bias else cpu_kernels.GEMV)
     return ops.Custom(func, out_shape=lambda x, w, *_: (x[0], w[0]), out_dtype=lambda x, *_: x, func_type="aot")
 
 
+def kernel_embed():
+    """Our CPU embedding kernel as an aot Custom op: ids [N] int32, table [V, E] (float32/16, bfloat16) ->
+    [N, E] float32. MindSpore 2.10's CPU Gather has no bfloat16 kernel."""
+    import cpu_kernels
+
+    return ops.Custom(cpu_kernels.local_func(cpu_kernels.EMBED), out_shape=lambda ids, table: (ids[0], table[1]),
+                      out_dtype=lambda ids, table: ms.float32, func_type="aot")
+
+
 class Linear(nn.Cell):
     """y = x @ W^T (+ b), W stored as HF stores it: [out, in].
 
-    `few_rows` is the decode step's form: with `gemv` (the CPU kernels) it is one Custom op
-    that reads W with every core instead of MindSpore's MatMul, otherwise the same as construct.
+    `few_rows` is the decode step's form. With `gemv` (the CPU kernels) it is one Custom op that reads
+    W with every core instead of MindSpore's MatMul; with `gemm` the full graph's form is that Custom
+    op too. Half-precision weights on the CPU (`weight_dtype` float16/bfloat16, compute float32) need
+    both: only our kernel reads them, widening each weight to float32 as it is loaded.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, gemv: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, gemv: bool = False,
+                 gemm: bool = False, weight_dtype=None) -> None:
         super().__init__()
-        self.weight = _weight((out_features, in_features), dtype, "weight")
+        self.weight = _weight((out_features, in_features), weight_dtype or dtype, "weight")
         self.bias = _weight((out_features,), dtype, "bias") if bias else None
         self.matmul = ops.MatMul(transpose_b=True)
-        self.gemv = gemv_op(bias) if gemv else None
+        self.kernel = kernel_matmul(bias) if gemv or gemm else None
+        self.gemv, self.gemm = gemv, gemm
+
+    def _kernel(self, x):
+        if self.bias is not None:
+            return self.kernel(x, self.weight, self.bias)
+        return self.kernel(x, self.weight)
 
     def construct(self, x):  # [N, in] -> [N, out]
+        if self.gemm:
+            return self._kernel(x)
         y = self.matmul(x, self.weight)
         if self.bias is not None:
             # explicit broadcasts everywhere: see BROADCASTS in the module docstring. The depend keeps
@@ -90,11 +121,7 @@ class Linear(nn.Cell):
         return y
 
     def few_rows(self, x):  # [B, in] -> [B, out], B the batch size
-        if self.gemv is None:
-            return self.construct(x)
-        if self.bias is not None:
-            return self.gemv(x, self.weight, self.bias)
-        return self.gemv(x, self.weight)
+        return self._kernel(x) if self.gemv else self.construct(x)
 
 
 class RMSNorm(nn.Cell):
@@ -112,11 +139,11 @@ class RMSNorm(nn.Cell):
 
 
 class Qwen2MLP(nn.Cell):
-    def __init__(self, cfg: Qwen2Config, dtype, gemv: bool) -> None:
+    def __init__(self, cfg: Qwen2Config, dtype, k: "Kernels") -> None:
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, gemv)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, gemv)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, gemv)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, *k)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, *k)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, *k)
 
     def construct(self, x):  # [N, E]
         return self.down_proj(ew_mul(ew_silu(self.gate_proj(x)), self.up_proj(x)))
@@ -133,15 +160,15 @@ def rotate_half(x):  # [..., D]
 class Qwen2Attention(nn.Cell):
     """Self-attention that owns its layer's KV cache Parameters ([B, KH, S, D] each)."""
 
-    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype, gemv: bool) -> None:
+    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype, k: "Kernels") -> None:
         super().__init__()
         self.h, self.kh, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.g = self.h // self.kh
         self.scale = 1.0 / float(np.sqrt(self.d))
-        self.q_proj = Linear(cfg.hidden_size, self.h * self.d, True, dtype, gemv)
-        self.k_proj = Linear(cfg.hidden_size, self.kh * self.d, True, dtype, gemv)
-        self.v_proj = Linear(cfg.hidden_size, self.kh * self.d, True, dtype, gemv)
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, False, dtype, gemv)
+        self.q_proj = Linear(cfg.hidden_size, self.h * self.d, True, dtype, *k)
+        self.k_proj = Linear(cfg.hidden_size, self.kh * self.d, True, dtype, *k)
+        self.v_proj = Linear(cfg.hidden_size, self.kh * self.d, True, dtype, *k)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, False, dtype, *k)
         cache_shape = (batch_size, self.kh, seq_length, self.d)
         self.key_cache = Parameter(Tensor(np.zeros(cache_shape), dtype), name="key_cache", requires_grad=False)
         self.value_cache = Parameter(Tensor(np.zeros(cache_shape), dtype), name="value_cache", requires_grad=False)
@@ -198,12 +225,12 @@ class Qwen2Attention(nn.Cell):
 
 
 class Qwen2DecoderLayer(nn.Cell):
-    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype, gemv: bool) -> None:
+    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype, k: "Kernels") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Qwen2Attention(cfg, batch_size, seq_length, dtype, gemv)
+        self.self_attn = Qwen2Attention(cfg, batch_size, seq_length, dtype, k)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = Qwen2MLP(cfg, dtype, gemv)
+        self.mlp = Qwen2MLP(cfg, dtype, k)
 
     def prefill(self, x, cos, sin, mask, b, n):  # x [B*n, E]
         h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n))
@@ -215,19 +242,22 @@ class Qwen2DecoderLayer(nn.Cell):
 
 
 class Embedding(nn.Cell):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, dtype, k: "Kernels") -> None:
         super().__init__()
-        self.weight = _weight((vocab_size, hidden_size), dtype, "weight")
+        self.weight = _weight((vocab_size, hidden_size), k.weight_dtype or dtype, "weight")
+        self.kernel = kernel_embed() if k.weight_dtype is not None else None
 
     def construct(self, ids):  # [N] -> [N, E]
+        if self.kernel is not None:
+            return self.kernel(ids, self.weight)
         return ops.gather(self.weight, ids, 0)
 
 
 class Qwen2Model(nn.Cell):
-    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype, gemv: bool) -> None:
+    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype, k: "Kernels") -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.CellList([Qwen2DecoderLayer(cfg, batch_size, seq_length, dtype, gemv)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, k)
+        self.layers = nn.CellList([Qwen2DecoderLayer(cfg, batch_size, seq_length, dtype, k)
                                    for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -240,19 +270,28 @@ class Qwen2ForCausalLM(nn.Cell):
     Both return float32 logits [B, V] of each row's last valid token. Positions come from
     valid_length inside the graph.
 
-    gemv=True (float32 CPU folders only) makes every matmul of the decode step our CPU kernel
-    (cpu_kernels); the prefill keeps MindSpore's MatMul.
+    `dtype` is the compute dtype (activations, KV cache, norms and biases). CPU folders may use our
+    kernels (cpu_kernels): gemv=True for every matmul of the decode step, gemm=True for those of the
+    full graph, and weight_dtype float16/bfloat16 to store the matrices (linear layers, embedding,
+    head) in 16 bits while computing in float32, which needs both (CpuKernels).
     """
 
     def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype: str = "float32",
-                 gemv: bool = False) -> None:
+                 gemv: bool = False, gemm: bool = False, weight_dtype: Optional[str] = None) -> None:
         super().__init__()
         ms_dtype = MS_DTYPES[dtype]
+        if weight_dtype == dtype:
+            weight_dtype = None
+        if weight_dtype is not None and not (gemv and gemm and dtype == "float32"):
+            raise ValueError(f"{weight_dtype} weights with {dtype} compute need the CPU kernels (gemv and gemm)")
+        k = Kernels(gemv, gemm, MS_DTYPES[weight_dtype] if weight_dtype else None)
         self.config, self.batch_size, self.seq_length, self.dtype = cfg, batch_size, seq_length, ms_dtype
-        self.model = Qwen2Model(cfg, batch_size, seq_length, ms_dtype, gemv)
+        self.weight_dtype = k.weight_dtype or ms_dtype
+        self.model = Qwen2Model(cfg, batch_size, seq_length, ms_dtype, k)
         self.tied = bool(cfg.tie_word_embeddings)
-        self.lm_head = None if self.tied else Linear(cfg.hidden_size, cfg.vocab_size, False, ms_dtype)
-        self.head_gemv = gemv_op(False) if gemv else None
+        self.lm_head = None if self.tied else Linear(cfg.hidden_size, cfg.vocab_size, False, ms_dtype, *k)
+        self.head_kernel = kernel_matmul(False) if gemv or gemm else None
+        self.head_gemv, self.head_gemm = gemv, gemm
         cos, sin = rope_tables(cfg, seq_length)
         self.cos, self.sin = Tensor(cos, ms_dtype), Tensor(sin, ms_dtype)  # [S, D] graph constants
         self.head_matmul = ops.MatMul(transpose_b=True)
@@ -265,7 +304,7 @@ class Qwen2ForCausalLM(nn.Cell):
     def _logits(self, hidden, decode: bool = False):  # [B, E] -> [B, V] float32
         hidden = self.model.norm(hidden)
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        matmul = self.head_gemv if decode and self.head_gemv is not None else self.head_matmul
+        matmul = self.head_kernel if self.head_gemm or (decode and self.head_gemv) else self.head_matmul
         return ops.cast(matmul(hidden, weight), ms.float32)
 
     def prefill(self, input_ids, valid_length):

@@ -102,6 +102,10 @@ def run_export(cfg: ExportConfig, show_progress: bool = False) -> ExportSummary:
                          golden_prompts=prompts, golden_seconds=doc["seconds"])
 
 
+# float32 CPU folders: whether the full graph's matmuls use our kernel too (the decode step's always do).
+# Chosen by scripts/bench_kernels.py on the 0.5B shape (scripts/PERFORMANCE.md).
+PREFILL_KERNELS_FLOAT32 = False
+
 _LEFTOVER = re.compile(r"^\..+\.(partial|old)-(\d+)$")
 
 
@@ -142,7 +146,9 @@ def _write_graphs(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_prog
 
     ms.set_context(mode=ms.GRAPH_MODE)
     gemv = cfg.use_cpu_kernels()
-    net = Qwen2ForCausalLM(model_cfg, cfg.batch_size, cfg.seq_length, cfg.dtype, gemv=gemv)
+    gemm = gemv and (cfg.half_weights_on_cpu or PREFILL_KERNELS_FLOAT32)
+    net = Qwen2ForCausalLM(model_cfg, cfg.batch_size, cfg.seq_length, cfg.compute_dtype, gemv=gemv, gemm=gemm,
+                           weight_dtype=cfg.dtype)
     n_weights = len([p for p in net.get_parameters() if not p.name.endswith(("key_cache", "value_cache"))])
     with tqdm(total=n_weights, desc="weights", unit="tensor", disable=not show_progress) as bar:
         weight_bytes = load_into(net, cfg.checkpoint, progress=bar.update)
@@ -171,7 +177,8 @@ def _write_golden(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_prog
     log.info("computing golden references (float32 numpy reference)")
     total = golden.max_steps(sizes, cfg.seq_length, cfg.batch_size)
     with tqdm(total=total, desc="golden", unit="step", disable=not show_progress) as bar:
-        doc = golden.compute(model_cfg, cfg.checkpoint, sizes, cfg.seq_length, cfg.batch_size, progress=bar.update)
+        doc = golden.compute(model_cfg, cfg.checkpoint, sizes, cfg.seq_length, cfg.batch_size, progress=bar.update,
+                             matrices_in=cfg.dtype if cfg.half_weights_on_cpu else "float32")
     golden.write(tmp, doc)
     return doc
 
@@ -192,7 +199,7 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: Qwen2Config, profile, tmp:
                    "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                    "tokenizer_files": tokenizer_files},
         "infer": {"model_name": INPUT_MAPPING, "seq_length": cfg.seq_length, "batch_size": cfg.batch_size,
-                  "dtype": cfg.dtype, "device": profile.name, "soc": profile.soc,
+                  "dtype": cfg.dtype, "compute_dtype": cfg.compute_dtype, "device": profile.name, "soc": profile.soc,
                   "vocab_size": model_cfg.vocab_size, **ids,
                   "prefill_model_path": full["file"], "increment_model_path": inc["file"],
                   "prefill_buckets": sorted(g["tokens"] for g in graphs if g["role"] == "prefill"),

@@ -20,7 +20,7 @@ import numpy as np
 
 from export.config import Qwen2Config
 from export.rope import rope_tables
-from export.weights import SafetensorsFile, widen
+from export.weights import SafetensorsFile, rounded_to, widen
 
 
 class RowCache:
@@ -58,8 +58,11 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 class NumpyQwen2:
     """The network over the checkpoint's tensors (`where`: name -> the file holding it)."""
 
-    def __init__(self, cfg: Qwen2Config, where: Dict[str, SafetensorsFile], max_positions: int) -> None:
-        self.cfg, self.where = cfg, where
+    def __init__(self, cfg: Qwen2Config, where: Dict[str, SafetensorsFile], max_positions: int,
+                 matrices_in: str = "float32") -> None:
+        """matrices_in: the dtype a folder stores its matrices in while computing in float32 (CPU folders with
+        16-bit weights): the reference rounds them the same way, so it computes what that folder means."""
+        self.cfg, self.where, self.matrices_in = cfg, where, matrices_in
         self.cos, self.sin = rope_tables(cfg, max_positions)  # [P, D]
 
     def weight_shapes(self) -> Dict[str, Tuple[int, ...]]:
@@ -87,7 +90,8 @@ class NumpyQwen2:
 
     def _w(self, name: str) -> np.ndarray:
         arr = self.where[name].read(name)
-        return arr if arr.dtype == np.float32 else arr.astype(np.float32)
+        arr = arr if arr.dtype == np.float32 else arr.astype(np.float32)
+        return rounded_to(arr, self.matrices_in) if arr.ndim == 2 else arr
 
     def _linear(self, x: np.ndarray, prefix: str, bias: bool = False) -> np.ndarray:
         y = _matmul_t(x, self._w(prefix + ".weight"))
@@ -101,7 +105,7 @@ class NumpyQwen2:
         ids = np.concatenate([np.asarray(c, np.int64) for c in chunks])
         positions = np.concatenate([np.arange(c.length, c.length + n) for c, n in zip(caches, sizes)])
         embed = self.where["model.embed_tokens.weight"].stored("model.embed_tokens.weight")
-        x = widen(np.asarray(embed[ids])).astype(np.float32)  # [T, E]: only the rows used are read
+        x = rounded_to(widen(np.asarray(embed[ids])).astype(np.float32), self.matrices_in)  # [T, E]: the rows used
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, D]
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}."

@@ -79,6 +79,34 @@ def widen(stored: np.ndarray) -> np.ndarray:
     return stored
 
 
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 values as bfloat16 bits (uint16), rounded to nearest even as torch rounds; NaN stays NaN."""
+    values = np.ascontiguousarray(values, np.float32)
+    bits = values.view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        rounded[nan] = 0x7FC0
+    return rounded
+
+
+def stored_as(stored: np.ndarray, dtype: str) -> np.ndarray:
+    """A checkpoint tensor's bits (SafetensorsFile.stored) as `dtype` stores them: float32, float16, or uint16
+    bfloat16 bits. A tensor already in that dtype is returned as is (a view), never rounded twice."""
+    if dtype == "bfloat16":
+        return stored if stored.dtype == np.uint16 else bf16_bits(widen(stored))
+    return np.ascontiguousarray(widen(stored), dtype={"float32": np.float32, "float16": np.float16}[dtype])
+
+
+def rounded_to(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values after a round trip through `dtype`: what a folder storing them in `dtype` computes with."""
+    if dtype == "bfloat16":
+        return widen(bf16_bits(values))
+    if dtype == "float16":
+        return np.asarray(values, np.float16).astype(np.float32)
+    return values
+
+
 def open_checkpoint(folder: str) -> Dict[str, SafetensorsFile]:
     """Map every tensor name to the file that holds it (one file, or shards with an index)."""
     index_path = os.path.join(folder, INDEX_FILE)
@@ -139,16 +167,9 @@ def plan_weights(expected: Dict[str, Tuple[int, ...]], where: Dict[str, Safetens
     return list(expected)
 
 
-def iter_weights(names: List[str], where: Dict[str, SafetensorsFile],
-                 np_dtype) -> Iterator[Tuple[str, np.ndarray]]:
-    """Yield (name, array cast to np_dtype), one tensor at a time."""
-    for name in names:
-        arr = where[name].read(name)
-        yield name, np.ascontiguousarray(arr, dtype=np_dtype)
-
-
 def load_into(net, checkpoint: str, progress: Optional[Callable[[int], None]] = None) -> int:
-    """Set every weight Parameter of `net` from the checkpoint. Returns the bytes loaded."""
+    """Set every weight Parameter of `net` from the checkpoint, in each Parameter's own dtype (a CPU folder
+    with 16-bit weights keeps its norms and biases in float32). Returns the bytes loaded."""
     import mindspore as ms
     from mindspore import Tensor
 
@@ -156,13 +177,14 @@ def load_into(net, checkpoint: str, progress: Optional[Callable[[int], None]] = 
     expected = {name: tuple(p.shape) for name, p in params.items()}
     where = open_checkpoint(checkpoint)
     names = plan_weights(expected, where, tied=bool(net.config.tie_word_embeddings))
-    bf16 = net.dtype == ms.bfloat16
-    np_dtype = {ms.float32: np.float32, ms.float16: np.float16, ms.bfloat16: np.float32}[net.dtype]
+    dtypes = {ms.float32: "float32", ms.float16: "float16", ms.bfloat16: "bfloat16"}
     total = 0
-    for name, arr in iter_weights(names, where, np_dtype):
-        tensor = Tensor(arr, ms.bfloat16) if bf16 else Tensor.from_numpy(arr)
-        params[name].set_data(tensor)
-        total += int(np.prod(arr.shape, dtype=np.int64)) * (2 if bf16 else arr.dtype.itemsize)
+    for name in names:
+        param = params[name]
+        arr = stored_as(where[name].stored(name), dtypes[param.dtype])
+        tensor = Tensor.from_numpy(np.ascontiguousarray(arr))
+        param.set_data(tensor.view(ms.bfloat16) if param.dtype == ms.bfloat16 else tensor)
+        total += arr.nbytes
         if progress is not None:
             progress(1)
     return total

@@ -64,9 +64,9 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
     if reference is None:
         raise InferError(f"{folder.path}: no golden references (golden.json); the folder was exported before "
                          "mslite-llm wrote them: re-export it with python -m export to check it")
-    tolerance = TOLERANCES.get(config.dtype)
+    tolerance = TOLERANCES.get(config.compute_dtype)  # a CPU folder with 16-bit weights: float32's, on rounded weights
     if tolerance is None:
-        raise InferError(f"{folder.yaml_path}: dtype {config.dtype!r} has no check limits; known: "
+        raise InferError(f"{folder.yaml_path}: dtype {config.compute_dtype!r} has no check limits; known: "
                          f"{', '.join(TOLERANCES)}")
     start = time.perf_counter()
     generator = pipeline("text_generation", model=config, backend=backend)
@@ -81,7 +81,7 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
             info["ge_config"] = fh.read()
     except OSError:
         pass
-    return Report(name=folder.name, backend=generator.backend_name, dtype=config.dtype, tolerance=tolerance,
+    return Report(name=folder.name, backend=generator.backend_name, dtype=config.compute_dtype, tolerance=tolerance,
                   reference=reference.source, rows=rows, info=info)
 
 

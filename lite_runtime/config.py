@@ -38,7 +38,8 @@ class InferConfig:
     eos_token_id: List[int] = field(default_factory=list)
     pad_token_id: int = 0
     vocab_size: Optional[int] = None
-    dtype: str = "float32"
+    dtype: str = "float32"  # the weights' dtype (the matrices' on CPU folders with 16-bit weights)
+    compute_dtype: str = ""  # activations and KV cache; "" means `dtype` (every folder but CPU 16-bit-weight ones)
     device: str = ""  # the export's device profile, when known
     # sha256 of every file against the manifest: True hashes files changed since they last matched on this
     # machine (lite_runtime.folder.VERIFIED_CACHE), "always" hashes every file, False checks sizes only
@@ -71,7 +72,8 @@ class InferConfig:
             ge_config_path=folder.ge_config_path, model_dir=folder.path, tokenizer_path=folder.path,
             eos_token_id=[int(e) for e in (eos if isinstance(eos, list) else [eos])],
             pad_token_id=int(infer.get("pad_token_id", 0)), vocab_size=int(infer["vocab_size"]),
-            dtype=infer.get("dtype", "float32"), device=infer.get("device", ""), folder=folder)
+            dtype=infer.get("dtype", "float32"), compute_dtype=infer.get("compute_dtype", ""),
+            device=infer.get("device", ""), folder=folder)
         for key in ("infer_seq_length", "batch_size"):
             if key in overrides and overrides[key] not in (None, values[key]):
                 raise InferError(f"{key}={overrides[key]} disagrees with {folder.yaml_path} ({values[key]}): "
@@ -92,6 +94,8 @@ class InferConfig:
         return {k: paths[k] for k in prefill + ["inc"]}
 
     def validate(self) -> None:
+        if not self.compute_dtype:
+            self.compute_dtype = self.dtype
         if self.model_type not in MODEL_TYPES:
             raise InferError(f"model_type {self.model_type!r} is not supported; use one of {', '.join(MODEL_TYPES)}")
         if self.target not in TARGETS:

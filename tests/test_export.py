@@ -260,11 +260,13 @@ def test_bad_inputs(tmp_path, ckpt_copy, capsys):
                                                 "(15); the full seq_length graph is always exported")
     assert err("--prefill_buckets", "8;12") == (
         "error: --prefill_buckets '8;12' must be auto, none or comma-separated integers, e.g. 128,512")
-    assert err("--dtype", "bfloat16") == (
-        "error: --dtype bfloat16 has no kernels on device profile 'cpu'; use one of float32, float16")
+    assert err("--dtype", "bfloat16", "--device", "atlas_300i_duo") == (
+        "error: --dtype bfloat16 has no kernels on device profile 'atlas_300i_duo'; use one of float16")
     assert err("--cpu_kernels", "on", "--device", "atlas_800") == (
-        "error: --cpu_kernels on needs --device cpu and --dtype float32 (got --device atlas_800, --dtype float16); "
-        "graphs for Atlas use MindSpore's own ops")
+        "error: --cpu_kernels on needs --device cpu (got --device atlas_800); graphs for Atlas use MindSpore's own ops")
+    assert err("--cpu_kernels", "off", "--dtype", "bfloat16") == (
+        "error: --cpu_kernels off: --device cpu --dtype bfloat16 stores 16-bit weights that only the CPU kernels "
+        "read; drop --cpu_kernels off or export --dtype float32")
     assert err("--device", "atlas_9000") == (
         "error: --device 'atlas_9000' is not a known profile; known: atlas_800i_a2, atlas_800t_a2, atlas_800, "
         "atlas_300i_duo, cpu")

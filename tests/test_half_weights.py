@@ -1,0 +1,128 @@
+"""CPU folders with 16-bit weights (--device cpu --dtype bfloat16|float16): float32 compute on rounded matrices.
+
+The reference is HF's Qwen2ForCausalLM in float32 with the same matrices rounded to the folder's dtype:
+logits within float32's 1e-4 relative and identical greedy tokens, as for a float32 folder.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from reference import prompts, rel_err
+
+TOL = 1e-4
+HALF = ("bfloat16", "float16")
+
+
+def rounded_hf(checkpoint: str, dtype: str):
+    from export.compare import hf_model
+
+    return hf_model(checkpoint, matrices_in=dtype)
+
+
+def hf_logits(model, row):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([row])).logits[0, -1].float().numpy()
+
+
+def hf_greedy(model, row, n):
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([row]), attention_mask=torch.ones(1, len(row), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, eos_token_id=None)
+    return [int(t) for t in out[0]]
+
+
+@pytest.fixture(scope="module")
+def half_folders(tmp_path_factory, checkpoints):
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+
+    root = tmp_path_factory.mktemp("half")
+    folders = {}
+    for dtype in HALF:
+        out = str(root / f"cpu_{dtype}")
+        run_export(ExportConfig(checkpoint=checkpoints["mha_untied"], output=out, name=f"cpu_{dtype}", seq_length=32,
+                                batch_size=2, dtype=dtype, device="cpu", prefill_buckets=(8,)))
+        folders[dtype] = out
+    return folders
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_logits_and_greedy_tokens_equal_hf_on_the_rounded_weights(half_folders, checkpoints, dtype):
+    from lite_runtime import pipeline
+
+    ckpt = checkpoints["mha_untied"]
+    model = rounded_hf(ckpt, dtype)
+    pipe = pipeline("text_generation", model=half_folders[dtype], backend="ms")
+    rows = prompts(2, [5, 13], seed=31)  # the 8-token bucket's graph runs for neither: 13 tokens take 32
+    step = pipe.infer(rows)
+    for got, row in zip(step.logits, rows):
+        assert rel_err(got, hf_logits(model, row)) < TOL
+    short = prompts(1, [6], seed=32)[0]  # the 8-token bucket, then the decode step
+    assert pipe.generate([short], max_new_tokens=10, eos_token_id=None).sequences[0] == hf_greedy(model, short, 10)
+    # the rounding is real: the unrounded float32 model is further away than float32's tolerance
+    assert rel_err(pipe.infer([short]).logits[0], hf_logits(rounded_hf(ckpt, "float32"), short)) > TOL
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_matrices_are_stored_in_16_bits_and_the_rest_in_float32(half_folders, dtype):
+    """The weights file: every 2-D tensor at 2 bytes per value, norms and biases at 4; the yaml says so."""
+    import yaml
+
+    folder = half_folders[dtype]
+    doc = yaml.safe_load(open(os.path.join(folder, f"cpu_{dtype}.yaml"), encoding="utf-8"))
+    assert (doc["infer"]["dtype"], doc["infer"]["compute_dtype"]) == (dtype, "float32")
+    config = doc["model"]["config"]
+    e, i, v, layers = (config[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers"))
+    h, kh = config["num_attention_heads"], config["num_key_value_heads"]
+    d = e // h
+    matrices = [(v, e), (v, e)] + layers * [(h * d, e), (kh * d, e), (kh * d, e), (e, h * d), (i, e), (i, e), (e, i)]
+    vectors = [(e,)] + layers * [(e,), (e,), (h * d,), (kh * d,), (kh * d,)]  # norms, biases
+    caches = layers * 2 * [(2, kh, 32, d)]  # batch 2, seq_length 32, float32 like the rest of the compute
+
+    def stored(shapes, itemsize):  # the weights file: a 64-byte header, each tensor aligned to 64 bytes (shared_weights)
+        return sum(-(-int(np.prod(s)) * itemsize // 64) * 64 for s in shapes)
+
+    data = os.path.getsize(os.path.join(folder, f"cpu_{dtype}_variables", "data_0"))
+    assert data == 64 + stored(matrices, 2) + stored(vectors + caches, 4)
+
+
+def test_check_holds_a_half_weights_folder_to_float32_limits(half_folders, capsys):
+    from lite_runtime.check import main as check_main
+
+    code = check_main([half_folders["bfloat16"], "--backend", "ms", "-q"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0, out
+    assert "float32 limit 1e-04" in out[-1] and out[-1].startswith("PASS")
+
+
+def test_a_bfloat16_checkpoint_is_copied_bit_for_bit(tmp_path, checkpoints):
+    """Weights already in bfloat16 are not rounded again: the folder computes exactly what the checkpoint says."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+    from lite_runtime import pipeline
+
+    src = checkpoints["gqa_tied"]
+    model = Qwen2ForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    ckpt = tmp_path / "bf16"
+    model.save_pretrained(ckpt)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(src, f), ckpt / f)
+    out = str(tmp_path / "folder")
+    run_export(ExportConfig(checkpoint=str(ckpt), output=out, name="bf16", seq_length=16, batch_size=1,
+                            dtype="bfloat16", device="cpu", prefill_buckets=()))
+    pipe = pipeline("text_generation", model=out, backend="ms")
+    row = prompts(1, [6], seed=2)[0]
+    assert rel_err(pipe.infer([row]).logits[0], hf_logits(model.float(), row)) < TOL
+    weights = pipe.backend._owned["model.layers.0.mlp.up_proj.weight"].asnumpy()  # bfloat16 -> float32
+    assert np.array_equal(weights, model.model.layers[0].mlp.up_proj.weight.float().detach().numpy())
