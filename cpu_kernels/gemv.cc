@@ -32,9 +32,12 @@
 //   MsliteLlmGemvBias: params = x [M, I] f32, W [O, I] f32/f16/bf16, b [O] f32, y [M, O] f32
 //   MsliteLlmEmbed:    params = ids [N] int32/int64, table [V, E] f32/f16/bf16, y [N, E] f32
 //                      (ids may have any rank; y is ids' shape plus [E])
+// The decode step's fused ops (see their section): MsliteLlmRmsNorm, MsliteLlmQkvRope, MsliteLlmGemvAdd,
+// MsliteLlmSwiGlu, MsliteLlmDecodeAttention; cpu_kernels/__init__.py lists their tensors.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -618,6 +621,8 @@ struct EmbedJob : Job {
 
 bool is_f32(const char* dtype) { return weight_type(dtype) == W_F32; }
 
+void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* b, int64_t in, int64_t out, float* y);
+
 int gemv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_bias) {
   const int expected = with_bias ? 4 : 3;
   if (nparam != expected) return 1;
@@ -638,13 +643,20 @@ int gemv(int nparam, void** params, int* ndims, int64_t** shapes, const char** d
       for (int64_t o = 0; o < out; ++o) y[r * out + o] = b ? b[o] : 0.f;
     return 0;
   }
+  matmul(x, rows, w, wt, b, in, out, y);
+  return 0;
+}
+
+// y [rows, out] = x [rows, in] . W^T (+ b), shapes already checked, rows, out and in positive.
+void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* b, int64_t in, int64_t out,
+            float* y) {
   const GemmFn gemm = g_kernels.gemm[wt];
   if (rows <= GEMV_MAX_ROWS || gemm == nullptr) {
     GemvJob job;
     job.fn = g_kernels.rows[wt];
     job.x = x, job.rows = rows, job.w = w, job.b = b, job.in = in, job.out = out, job.y = y;
     run(&job, out >= MIN_PARALLEL_ROWS);
-    return 0;
+    return;
   }
   GemmJob job;
   job.fn = gemm;
@@ -659,7 +671,6 @@ int gemv(int nparam, void** params, int* ndims, int64_t** shapes, const char** d
   job.row_step = ((rows + row_tasks - 1) / row_tasks + MR - 1) / MR * MR;
   job.tasks = job.col_tasks * ((rows + job.row_step - 1) / job.row_step);
   run(&job, rows * out * in >= MIN_PARALLEL_WORK);
-  return 0;
 }
 
 int embed(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
@@ -692,6 +703,290 @@ int embed(int nparam, void** params, int* ndims, int64_t** shapes, const char** 
   return 0;
 }
 
+
+// ---- fused decode-step ops -------------------------------------------------------------------------
+// MindSpore runs ~1150 kernels per decoded token of the 0.5B shape and spends ~14 us between two of
+// them (scripts/PERFORMANCE.md section 15): the layer's small ops cost as much as reading its weights.
+// These fold the decode step's chains of small ops into one call each. Float32 activations only.
+
+// Several matrices against the same x in one pool dispatch: the GEMV tasks of all of them.
+struct MultiGemvJob : Job {
+  static constexpr int MAX = 3;
+  RowsFn fn;
+  const float* x;
+  int64_t rows, in, n = 0;
+  const void* w[MAX];
+  const float* b[MAX];
+  int64_t out[MAX];
+  float* y[MAX];
+  int64_t first_task[MAX + 1] = {0};
+
+  void add(const void* wm, const float* bm, int64_t o, float* ym) {
+    w[n] = wm, b[n] = bm, out[n] = o, y[n] = ym;
+    first_task[n + 1] = first_task[n] + (o + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    ++n;
+  }
+
+  void work() override {
+    for (;;) {
+      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
+      if (t >= first_task[n]) return;
+      int m = 0;
+      while (t >= first_task[m + 1]) ++m;
+      const int64_t o0 = (t - first_task[m]) * ROWS_PER_TASK;
+      fn(x, rows, w[m], b[m], in, y[m], out[m], o0, std::min(out[m], o0 + ROWS_PER_TASK));
+    }
+  }
+};
+
+// y = x * rsqrt(mean(x^2) + eps) * w, per row (HF Qwen2RMSNorm in float32; the sum in double).
+int rms_norm(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 4) return 1;
+  for (int k = 0; k < 4; ++k)
+    if (!is_f32(dtypes[k])) return 2;
+  if (ndims[0] != 2 || ndims[1] != 1 || ndims[3] != 2) return 3;
+  const int64_t rows = shapes[0][0], e = shapes[0][1];
+  if (shapes[1][0] != e || shapes[3][0] != rows || shapes[3][1] != e || ndims[2] > 1 ||
+      (ndims[2] == 1 && shapes[2][0] != 1))
+    return 4;
+  const float* x = static_cast<const float*>(params[0]);
+  const float* w = static_cast<const float*>(params[1]);
+  const float eps = *static_cast<const float*>(params[2]);
+  float* y = static_cast<float*>(params[3]);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * e;
+    double ss = 0.0;
+    for (int64_t i = 0; i < e; ++i) ss += double(xr[i]) * xr[i];
+    const float inv = 1.0f / std::sqrt(float(ss / double(e > 0 ? e : 1)) + eps);
+    for (int64_t i = 0; i < e; ++i) y[r * e + i] = w[i] * (xr[i] * inv);
+  }
+  return 0;
+}
+
+// In place on [rows, heads * d]: x * cos + rotate_half(x) * sin, cos/sin [rows, d] (HF apply_rotary_pos_emb).
+void rope(float* x, int64_t rows, int64_t heads, int64_t d, const float* cos, const float* sin) {
+  const int64_t half = d / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos + r * d;
+    const float* s = sin + r * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + (r * heads + h) * d;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}
+
+// x [M, E]; Wq [H*D, E], bq; Wk [KH*D, E], bk; Wv, bv; cos, sin [M, D] -> q [M, H*D], k, v [M, KH*D]:
+// the three projections (one dispatch when M is small) and RoPE on q and k.
+int qkv_rope(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 12) return 1;
+  const WType wt = weight_type(dtypes[1]);
+  if (wt == W_NONE || weight_type(dtypes[3]) != wt || weight_type(dtypes[5]) != wt) return 2;
+  for (int k : {0, 2, 4, 6, 7, 8, 9, 10, 11})
+    if (!is_f32(dtypes[k])) return 2;
+  for (int k : {0, 1, 3, 5, 7, 8, 9, 10, 11})
+    if (ndims[k] != 2) return 3;
+  for (int k : {2, 4, 6})
+    if (ndims[k] != 1) return 3;
+  const int64_t rows = shapes[0][0], in = shapes[0][1], d = shapes[7][1];
+  int64_t outs[3];
+  for (int m = 0; m < 3; ++m) {
+    outs[m] = shapes[1 + 2 * m][0];
+    if (shapes[1 + 2 * m][1] != in || shapes[2 + 2 * m][0] != outs[m] || shapes[9 + m][0] != rows ||
+        shapes[9 + m][1] != outs[m])
+      return 4;
+  }
+  if (d <= 0 || d % 2 || outs[0] % d || outs[1] % d || outs[2] != outs[1] || shapes[7][0] != rows ||
+      shapes[8][0] != rows || shapes[8][1] != d)
+    return 4;
+  const float* x = static_cast<const float*>(params[0]);
+  float* ys[3] = {static_cast<float*>(params[9]), static_cast<float*>(params[10]), static_cast<float*>(params[11])};
+  if (rows <= 0 || in <= 0) return rows <= 0 ? 0 : 4;
+  if (rows <= GEMV_MAX_ROWS || g_kernels.gemm[wt] == nullptr) {
+    MultiGemvJob job;
+    job.fn = g_kernels.rows[wt];
+    job.x = x, job.rows = rows, job.in = in;
+    for (int m = 0; m < 3; ++m) job.add(params[1 + 2 * m], static_cast<const float*>(params[2 + 2 * m]), outs[m], ys[m]);
+    run(&job, outs[0] + outs[1] + outs[2] >= MIN_PARALLEL_ROWS);
+  } else {
+    for (int m = 0; m < 3; ++m)
+      matmul(x, rows, params[1 + 2 * m], wt, static_cast<const float*>(params[2 + 2 * m]), in, outs[m], ys[m]);
+  }
+  const float* cos = static_cast<const float*>(params[7]);
+  const float* sin = static_cast<const float*>(params[8]);
+  rope(ys[0], rows, outs[0] / d, d, cos, sin);
+  rope(ys[1], rows, outs[1] / d, d, cos, sin);
+  return 0;
+}
+
+// x [M, I]; Wg, Wu [O, I] -> y [M, O] = silu(x . Wg^T) * (x . Wu^T) (the MLP before down_proj).
+struct SwiGluJob : Job {
+  RowsFn fn;
+  const float* x;
+  int64_t rows, in, out;
+  const void *wg, *wu;
+  float* y;
+
+  void work() override {
+    float up[GEMV_MAX_ROWS * ROWS_PER_TASK];
+    for (;;) {
+      const int64_t o0 = next.fetch_add(ROWS_PER_TASK, std::memory_order_relaxed);
+      if (o0 >= out) return;
+      const int64_t o1 = std::min(out, o0 + ROWS_PER_TASK), n = o1 - o0;
+      fn(x, rows, wg, nullptr, in, y, out, o0, o1);
+      fn(x, rows, wu, nullptr, in, up - o0, ROWS_PER_TASK, o0, o1);  // up[r * ROWS_PER_TASK + (o - o0)]
+      for (int64_t r = 0; r < rows; ++r) {
+        float* yr = y + r * out + o0;
+        const float* ur = up + r * ROWS_PER_TASK;
+        for (int64_t o = 0; o < n; ++o) yr[o] = yr[o] / (1.0f + std::exp(-yr[o])) * ur[o];
+      }
+    }
+  }
+};
+
+// x [M, I], W [O, I], r [M, O] -> y = x . W^T + r: o_proj and down_proj with the residual add folded in.
+struct GemvAddJob : Job {
+  RowsFn fn;
+  const float *x, *r;
+  int64_t rows, in, out;
+  const void* w;
+  float* y;
+
+  void work() override {
+    for (;;) {
+      const int64_t o0 = next.fetch_add(ROWS_PER_TASK, std::memory_order_relaxed);
+      if (o0 >= out) return;
+      const int64_t o1 = std::min(out, o0 + ROWS_PER_TASK);
+      fn(x, rows, w, nullptr, in, y, out, o0, o1);
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t o = o0; o < o1; ++o) y[m * out + o] += r[m * out + o];
+    }
+  }
+};
+
+int gemv_add(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 4) return 1;
+  const WType wt = weight_type(dtypes[1]);
+  if (wt == W_NONE || !is_f32(dtypes[0]) || !is_f32(dtypes[2]) || !is_f32(dtypes[3])) return 2;
+  for (int k = 0; k < 4; ++k)
+    if (ndims[k] != 2) return 3;
+  const int64_t rows = shapes[0][0], in = shapes[0][1], out = shapes[1][0];
+  if (shapes[1][1] != in || shapes[2][0] != rows || shapes[2][1] != out || shapes[3][0] != rows || shapes[3][1] != out)
+    return 4;
+  const float* x = static_cast<const float*>(params[0]);
+  const float* r = static_cast<const float*>(params[2]);
+  float* y = static_cast<float*>(params[3]);
+  if (rows <= 0 || out <= 0) return 0;
+  if (in <= 0) return 4;
+  if (rows <= GEMV_MAX_ROWS) {
+    GemvAddJob job;
+    job.fn = g_kernels.rows[wt];
+    job.x = x, job.r = r, job.rows = rows, job.in = in, job.out = out, job.w = params[1], job.y = y;
+    run(&job, out >= MIN_PARALLEL_ROWS);
+    return 0;
+  }
+  matmul(x, rows, params[1], wt, nullptr, in, out, y);
+  for (int64_t i = 0; i < rows * out; ++i) y[i] += r[i];
+  return 0;
+}
+
+int swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 4) return 1;
+  const WType wt = weight_type(dtypes[1]);
+  if (wt == W_NONE || weight_type(dtypes[2]) != wt || !is_f32(dtypes[0]) || !is_f32(dtypes[3])) return 2;
+  for (int k = 0; k < 4; ++k)
+    if (ndims[k] != 2) return 3;
+  const int64_t rows = shapes[0][0], in = shapes[0][1], out = shapes[1][0];
+  if (shapes[1][1] != in || shapes[2][0] != out || shapes[2][1] != in || shapes[3][0] != rows || shapes[3][1] != out)
+    return 4;
+  const float* x = static_cast<const float*>(params[0]);
+  float* y = static_cast<float*>(params[3]);
+  if (rows <= 0 || out <= 0) return 0;
+  if (in <= 0) return 4;
+  if (rows <= GEMV_MAX_ROWS) {
+    SwiGluJob job;
+    job.fn = g_kernels.rows[wt];
+    job.x = x, job.rows = rows, job.in = in, job.out = out, job.wg = params[1], job.wu = params[2], job.y = y;
+    run(&job, out >= MIN_PARALLEL_ROWS);
+    return 0;
+  }
+  std::vector<float> up(size_t(rows * out));
+  matmul(x, rows, params[1], wt, nullptr, in, out, y);
+  matmul(x, rows, params[2], wt, nullptr, in, out, up.data());
+  for (int64_t i = 0; i < rows * out; ++i) y[i] = y[i] / (1.0f + std::exp(-y[i])) * up[i];
+  return 0;
+}
+
+// One new token per row against the KV cache: q [B, H*D]; K, V caches [B, KH, S, D]; valid_length [B] int32
+// (positions 0 .. valid_length-1, the new one included, as written by the graph's ScatterNdUpdate) ->
+// out [B, H*D]. Query head h reads key/value head h / (H / KH) (HF repeat_kv). Reads only the valid
+// positions, where the MindSpore form multiplies the whole seq_length and masks.
+struct AttentionJob : Job {
+  const float *q, *k, *v;
+  const int32_t* valid;
+  int64_t batch, heads, kv_heads, seq, d;
+  float* out;
+
+  void work() override {
+    std::vector<float> scores(static_cast<size_t>(seq));
+    const float scale = 1.0f / std::sqrt(float(d));
+    const int64_t group = heads / kv_heads;
+    for (;;) {
+      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
+      if (t >= batch * heads) return;
+      const int64_t b = t / heads, h = t % heads, kvh = h / group;
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(seq, valid[b]));
+      const float* qh = q + (b * heads + h) * d;
+      const float* kh = k + (b * kv_heads + kvh) * seq * d;
+      const float* vh = v + (b * kv_heads + kvh) * seq * d;
+      float* oh = out + (b * heads + h) * d;
+      float best = -INFINITY;
+      for (int64_t p = 0; p < n; ++p) {
+        scores[p] = dot_generic(qh, kh + p * d, d) * scale;
+        best = std::max(best, scores[p]);
+      }
+      double total = 0.0;
+      for (int64_t p = 0; p < n; ++p) total += (scores[p] = std::exp(scores[p] - best));
+      for (int64_t i = 0; i < d; ++i) oh[i] = 0.f;
+      const float norm = total > 0.0 ? float(1.0 / total) : 0.f;
+      for (int64_t p = 0; p < n; ++p) {
+        const float wgt = scores[p] * norm;
+        const float* vp = vh + p * d;
+        for (int64_t i = 0; i < d; ++i) oh[i] += wgt * vp[i];
+      }
+    }
+  }
+};
+
+int decode_attention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 5) return 1;
+  if (!is_f32(dtypes[0]) || !is_f32(dtypes[1]) || !is_f32(dtypes[2]) || std::strcmp(dtypes[3], "int32") != 0 ||
+      !is_f32(dtypes[4]))
+    return 2;
+  if (ndims[0] != 2 || ndims[1] != 4 || ndims[2] != 4 || ndims[3] != 1 || ndims[4] != 2) return 3;
+  const int64_t batch = shapes[1][0], kv_heads = shapes[1][1], seq = shapes[1][2], d = shapes[1][3];
+  for (int k = 0; k < 4; ++k)
+    if (shapes[2][k] != shapes[1][k]) return 4;
+  if (d <= 0 || kv_heads <= 0 || shapes[0][0] != batch || shapes[0][1] % (kv_heads * d) || shapes[3][0] != batch ||
+      shapes[4][0] != batch || shapes[4][1] != shapes[0][1])
+    return 4;
+  AttentionJob job;
+  job.q = static_cast<const float*>(params[0]);
+  job.k = static_cast<const float*>(params[1]);
+  job.v = static_cast<const float*>(params[2]);
+  job.valid = static_cast<const int32_t*>(params[3]);
+  job.batch = batch, job.heads = shapes[0][1] / d, job.kv_heads = kv_heads, job.seq = seq, job.d = d;
+  job.out = static_cast<float*>(params[4]);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, job.valid[b]);
+  run(&job, batch * job.heads * longest * d >= (int64_t(1) << 16));
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -706,6 +1001,27 @@ int MsliteLlmGemvBias(int nparam, void** params, int* ndims, int64_t** shapes, c
 
 int MsliteLlmEmbed(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
   return embed(nparam, params, ndims, shapes, dtypes);
+}
+
+int MsliteLlmRmsNorm(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return rms_norm(nparam, params, ndims, shapes, dtypes);
+}
+
+int MsliteLlmQkvRope(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return qkv_rope(nparam, params, ndims, shapes, dtypes);
+}
+
+int MsliteLlmGemvAdd(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return gemv_add(nparam, params, ndims, shapes, dtypes);
+}
+
+int MsliteLlmSwiGlu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return swiglu(nparam, params, ndims, shapes, dtypes);
+}
+
+int MsliteLlmDecodeAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
+                             void*) {
+  return decode_attention(nparam, params, ndims, shapes, dtypes);
 }
 
 // The code path this machine runs: "avx2" (AVX2 + FMA + F16C) or "generic".

@@ -78,6 +78,13 @@ def kernel_matmul(with_bias: bool):
     return ops.Custom(func, out_shape=lambda x, w, *_: (x[0], w[0]), out_dtype=lambda x, *_: x, func_type="aot")
 
 
+def kernel_op(function: str, out_shape, out_dtype):
+    """One of cpu_kernels' fused decode-step ops as an aot Custom op (float32 activations)."""
+    import cpu_kernels
+
+    return ops.Custom(cpu_kernels.local_func(function), out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
+
+
 def kernel_embed():
     """Our CPU embedding kernel as an aot Custom op: ids [N] int32, table [V, E] (float32/16, bfloat16) ->
     [N, E] float32. MindSpore 2.10's CPU Gather has no bfloat16 kernel."""
@@ -125,10 +132,20 @@ class Linear(nn.Cell):
 
 
 class RMSNorm(nn.Cell):
-    def __init__(self, size: int, eps: float, dtype) -> None:
+    def __init__(self, size: int, eps: float, dtype, fused: bool = False) -> None:
         super().__init__()
         self.weight = _weight((size,), dtype, "weight")
         self.eps = eps
+        if fused:  # the decode step: one kernel instead of eight
+            import cpu_kernels
+
+            self.kernel = kernel_op(cpu_kernels.RMS_NORM, lambda x, *_: x, lambda x, *_: x)
+            self.eps_tensor = Tensor(np.array([eps], np.float32))
+        else:
+            self.kernel = None
+
+    def few_rows(self, x):  # [B, E], the decode step
+        return self.construct(x) if self.kernel is None else self.kernel(x, self.weight, self.eps_tensor)
 
     def construct(self, x):
         dtype = x.dtype
@@ -144,6 +161,12 @@ class Qwen2MLP(nn.Cell):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, *k)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, *k)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, *k)
+        if k.gemv:  # the decode step: gate, up, SiLU and the product in one kernel
+            import cpu_kernels
+
+            self.swiglu = kernel_op(cpu_kernels.SWIGLU, lambda x, wg, wu: (x[0], wg[0]), lambda x, *_: x)
+        else:
+            self.swiglu = None
 
     def construct(self, x):  # [N, E]
         return self.down_proj(ew_mul(ew_silu(self.gate_proj(x)), self.up_proj(x)))
@@ -169,6 +192,15 @@ class Qwen2Attention(nn.Cell):
         self.k_proj = Linear(cfg.hidden_size, self.kh * self.d, True, dtype, *k)
         self.v_proj = Linear(cfg.hidden_size, self.kh * self.d, True, dtype, *k)
         self.o_proj = Linear(self.h * self.d, cfg.hidden_size, False, dtype, *k)
+        if k.gemv:  # the decode step: q/k/v with RoPE in one kernel, attention over the valid positions in another
+            import cpu_kernels
+
+            f32 = ms.float32
+            self.qkv_rope = kernel_op(cpu_kernels.QKV_ROPE, lambda x, wq, bq, wk, bk, wv, bv, c, s: (
+                [x[0], wq[0]], [x[0], wk[0]], [x[0], wv[0]]), lambda *_: (f32, f32, f32))
+            self.attention = kernel_op(cpu_kernels.DECODE_ATTENTION, lambda q, *_: q, lambda q, *_: q)
+        else:
+            self.qkv_rope = self.attention = None
         cache_shape = (batch_size, self.kh, seq_length, self.d)
         self.key_cache = Parameter(Tensor(np.zeros(cache_shape), dtype), name="key_cache", requires_grad=False)
         self.value_cache = Parameter(Tensor(np.zeros(cache_shape), dtype), name="value_cache", requires_grad=False)
@@ -214,7 +246,7 @@ class Qwen2Attention(nn.Cell):
         out = self._attend(q, k, v, mask, b, n)
         return self.o_proj(ops.depend(ops.depend(out, k_done), v_done))
 
-    def decode(self, x, cos, sin, mask, index, b):
+    def decode(self, x, cos, sin, mask, index, b, valid_length):
         """One token per row; index [B, KH, 3] = (row, head, position) to write in the cache."""
         q, k, v = self._project(x, cos, sin, b, 1)
         k_done = ops.scatter_nd_update(self.key_cache, index, k.reshape(b, self.kh, self.d))
@@ -223,22 +255,44 @@ class Qwen2Attention(nn.Cell):
         values = ops.depend(self.value_cache, v_done)
         return self.o_proj.few_rows(self._attend(q, keys, values, mask, b, 1))
 
+    def fused_attend(self, x, cos, sin, index, b, valid_length):
+        """The decode step through cpu_kernels' ops, up to o_proj (which the layer folds into the residual add)."""
+        p = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = self.qkv_rope(x, p[0].weight, p[0].bias, p[1].weight, p[1].bias, p[2].weight, p[2].bias, cos, sin)
+        k_done = ops.scatter_nd_update(self.key_cache, index, k.reshape(b, self.kh, self.d))
+        v_done = ops.scatter_nd_update(self.value_cache, index, v.reshape(b, self.kh, self.d))
+        keys = ops.depend(self.key_cache, k_done)
+        values = ops.depend(self.value_cache, v_done)
+        return self.attention(q, keys, values, valid_length)
+
 
 class Qwen2DecoderLayer(nn.Cell):
     def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype, k: "Kernels") -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
         self.self_attn = Qwen2Attention(cfg, batch_size, seq_length, dtype, k)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
         self.mlp = Qwen2MLP(cfg, dtype, k)
+        if k.gemv:  # the decode step: o_proj and down_proj each with the residual add, one kernel
+            import cpu_kernels
+
+            self.project_add = kernel_op(cpu_kernels.GEMV_ADD, lambda x, w, r: r, lambda x, *_: x)
+        else:
+            self.project_add = None
 
     def prefill(self, x, cos, sin, mask, b, n):  # x [B*n, E]
         h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n))
         return ew_add(h, self.mlp(self.post_attention_layernorm(h)))
 
-    def decode(self, x, cos, sin, mask, index, b):  # x [B, E]
-        h = ew_add(x, self.self_attn.decode(self.input_layernorm(x), cos, sin, mask, index, b))
-        return ew_add(h, self.mlp.few_rows(self.post_attention_layernorm(h)))
+    def decode(self, x, cos, sin, mask, index, b, valid_length):  # x [B, E]
+        if self.project_add is not None:  # cpu_kernels: 7 calls per layer
+            attn = self.self_attn.fused_attend(self.input_layernorm.few_rows(x), cos, sin, index, b, valid_length)
+            h = self.project_add(attn, self.self_attn.o_proj.weight, x)
+            mlp = self.mlp.swiglu(self.post_attention_layernorm.few_rows(h), self.mlp.gate_proj.weight,
+                                  self.mlp.up_proj.weight)
+            return self.project_add(mlp, self.mlp.down_proj.weight, h)
+        h = ew_add(x, self.self_attn.decode(self.input_layernorm.few_rows(x), cos, sin, mask, index, b, valid_length))
+        return ew_add(h, self.mlp.few_rows(self.post_attention_layernorm.few_rows(h)))
 
 
 class Embedding(nn.Cell):
@@ -259,7 +313,7 @@ class Qwen2Model(nn.Cell):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, k)
         self.layers = nn.CellList([Qwen2DecoderLayer(cfg, batch_size, seq_length, dtype, k)
                                    for _ in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
 
 
 class Qwen2ForCausalLM(nn.Cell):
@@ -302,7 +356,7 @@ class Qwen2ForCausalLM(nn.Cell):
         self.positions = Tensor(np.arange(seq_length, dtype=np.int32))
 
     def _logits(self, hidden, decode: bool = False):  # [B, E] -> [B, V] float32
-        hidden = self.model.norm(hidden)
+        hidden = self.model.norm.few_rows(hidden) if decode else self.model.norm(hidden)
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
         matmul = self.head_kernel if self.head_gemm or (decode and self.head_gemv) else self.head_matmul
         return ops.cast(matmul(hidden, weight), ms.float32)
@@ -333,7 +387,7 @@ class Qwen2ForCausalLM(nn.Cell):
         where = ops.tile(pos.reshape(b, 1, 1), (1, kh, 1))
         index = ops.cat((self.index_base, where), axis=-1)  # [B, KH, 3]
         for layer in self.model.layers:
-            x = layer.decode(x, cos, sin, mask, index, b)
+            x = layer.decode(x, cos, sin, mask, index, b, valid_length)
         return self._logits(x, decode=True)
 
 

@@ -263,8 +263,12 @@ def test_decode_graph_calls_our_kernel_and_prefill_does_not(exported):
         graphs = {g["role"]: g["file"] for g in json.load(fh)["graphs"]}
     funcs, calls = custom_funcs(os.path.join(folder, graphs["inc"]))
     # stored by library name only, never by the exporting machine's path
-    assert set(funcs) == {"mslite_llm_cpu_kernels.so:MsliteLlmGemv", "mslite_llm_cpu_kernels.so:MsliteLlmGemvBias"}
-    assert calls == 7 * 2 + 1  # q, k, v, o, gate, up, down in each of 2 layers, and the lm_head
+    assert set(funcs) == {f"mslite_llm_cpu_kernels.so:{f}" for f in (
+        cpu_kernels.GEMV, cpu_kernels.RMS_NORM, cpu_kernels.QKV_ROPE, cpu_kernels.GEMV_ADD, cpu_kernels.SWIGLU,
+        cpu_kernels.DECODE_ATTENTION)}
+    # per layer: 2 norms, q/k/v + RoPE, attention, o_proj + residual, gate/up + SiLU, down + residual; then the
+    # final norm and the lm_head
+    assert calls == 7 * 2 + 2
     assert custom_funcs(os.path.join(folder, graphs["prefill"])) == (collections.Counter(), 0)
     with open(os.path.join(folder, "gqa_tied.yaml")) as fh:
         assert yaml.safe_load(fh)["infer"]["cpu_kernels"] is True

@@ -1,0 +1,91 @@
+"""cpu_kernels' fused decode-step ops against float64 numpy, called as MindSpore's aot CPU kernel calls them.
+
+The decode graphs that use them are checked against HF end to end (test_generate, test_golden,
+test_half_weights); these pin each op's own math, shapes and error codes, including the GEMM form
+(more rows than the decode step has), GQA, and rows of different lengths in the attention.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cpu_kernels
+from test_cpu_kernels import call_kernel
+
+
+def close(got, ref, scale=None):
+    return np.abs(got - ref).max() <= 1e-5 * (np.abs(ref).max() if scale is None else scale)
+
+
+def rope64(x, cos, sin, d):  # x [M, heads*D]
+    m = x.shape[0]
+    h = x.reshape(m, -1, d)
+    rot = np.concatenate([-h[..., d // 2:], h[..., :d // 2]], -1)
+    return (h * cos[:, None, :] + rot * sin[:, None, :]).reshape(m, -1)
+
+
+def test_rms_norm():
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((3, 896), dtype=np.float32), rng.standard_normal(896, dtype=np.float32)
+    y = np.full_like(x, np.nan)
+    assert call_kernel(cpu_kernels.RMS_NORM, x, w, np.array([1e-6], np.float32), y) == 0
+    x64 = x.astype(np.float64)
+    assert close(y, w * x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6))
+    assert call_kernel(cpu_kernels.RMS_NORM, x, w[:5], np.array([1e-6], np.float32), y) == 4
+
+
+@pytest.mark.parametrize("rows", [1, 2, 20])  # 20: past the GEMV form, the GEMM one
+def test_qkv_rope(rows):
+    rng = np.random.default_rng(rows)
+    e, h, kh, d = 96, 6, 2, 16
+    x = rng.standard_normal((rows, e), dtype=np.float32)
+    mats = [(rng.standard_normal((o, e), dtype=np.float32), rng.standard_normal(o, dtype=np.float32))
+            for o in (h * d, kh * d, kh * d)]
+    angle = rng.uniform(0, 6, (rows, d // 2)).astype(np.float32)
+    cos, sin = np.cos(np.tile(angle, 2)).astype(np.float32), np.sin(np.tile(angle, 2)).astype(np.float32)
+    outs = [np.full((rows, w.shape[0]), np.nan, np.float32) for w, _ in mats]
+    assert call_kernel(cpu_kernels.QKV_ROPE, x, *[t for m in mats for t in m], cos, sin, *outs) == 0
+    plain = [x.astype(np.float64) @ w.T.astype(np.float64) + b for w, b in mats]
+    refs = [rope64(plain[0], cos, sin, d), rope64(plain[1], cos, sin, d), plain[2]]
+    scale = max(np.abs(p).max() for p in plain)
+    for got, ref in zip(outs, refs):
+        assert close(got, ref, scale)
+    assert call_kernel(cpu_kernels.QKV_ROPE, x, *[t for m in mats for t in m], cos, sin, *outs[:2]) == 1
+
+
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_swiglu_and_projection_with_residual(rows):
+    rng = np.random.default_rng(10 + rows)
+    x = rng.standard_normal((rows, 64), dtype=np.float32)
+    wg, wu = rng.standard_normal((300, 64), dtype=np.float32), rng.standard_normal((300, 64), dtype=np.float32)
+    y = np.full((rows, 300), np.nan, np.float32)
+    assert call_kernel(cpu_kernels.SWIGLU, x, wg, wu, y) == 0
+    g, u = x.astype(np.float64) @ wg.T, x.astype(np.float64) @ wu.T
+    assert close(y, g / (1 + np.exp(-g)) * u, np.abs(g).max() * np.abs(u).max())
+    r = rng.standard_normal((rows, 300), dtype=np.float32)
+    z = np.full_like(r, np.nan)
+    assert call_kernel(cpu_kernels.GEMV_ADD, x, wg, r, z) == 0
+    assert close(z, g + r, np.abs(g).max() + np.abs(r).max())
+    assert call_kernel(cpu_kernels.GEMV_ADD, x, wg, r[:, :5], z) == 4
+
+
+def test_decode_attention_reads_each_rows_valid_positions_with_gqa():
+    rng = np.random.default_rng(7)
+    b, h, kh, s, d = 2, 6, 2, 40, 16
+    q = rng.standard_normal((b, h * d), dtype=np.float32)
+    k, v = (rng.standard_normal((b, kh, s, d), dtype=np.float32) for _ in range(2))
+    valid = np.array([5, 33], np.int32)
+    k[0, :, 5:] = v[0, :, 5:] = np.nan  # past row 0's length: must not be read
+    out = np.full_like(q, np.nan)
+    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, out,
+                       dtypes=[None, None, None, "int32", None]) == 0
+    for row in range(b):
+        n = valid[row]
+        for head in range(h):
+            kv = head // (h // kh)
+            qh = q[row, head * d:(head + 1) * d].astype(np.float64)
+            scores = k[row, kv, :n].astype(np.float64) @ qh / np.sqrt(d)
+            p = np.exp(scores - scores.max())
+            ref = (p / p.sum()) @ v[row, kv, :n].astype(np.float64)
+            assert close(out[row, head * d:(head + 1) * d], ref, np.nanmax(np.abs(v)))
+    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, out) == 2  # valid_length must be int32
