@@ -1,13 +1,17 @@
-"""Benchmark this project against HF transformers on the same checkpoint, side by side in one run.
+"""Benchmark this project against HF transformers (and llama.cpp) on the same checkpoint, side by side in one run.
 
-    python scripts/benchmark.py --work bench/            # makes a random Qwen2-0.5B-shaped checkpoint
+    python scripts/benchmark.py --work bench/ --llama_cpp   # makes a random Qwen2-0.5B-shaped checkpoint
     python scripts/benchmark.py --checkpoint <hf_dir> --work bench/
 
-Exports the checkpoint (once per batch size), then runs each engine in its own process: load
-time, load-to-first-token, prefill at several prompt lengths, greedy decode tok/s at batch 1 and
-at batch 4, peak RSS, and checks that greedy tokens agree. Prints a table of ratios and writes
-JSON. Needs the test extra (torch) for the HF side. Benchmarks are not tests: nothing here runs
-in the test suite.
+Exports the checkpoint as a new user would (`--device cpu --seq_length 2048`, nothing else: the
+default prompt buckets) in each of --dtypes (float32 at every --batches size, the 16-bit-weight
+folders at batch 1), then runs each engine in its own process: load time, load to first token,
+prefill at several prompt lengths, greedy decode tok/s at batch 1 and 4, peak RSS, and checks that
+greedy tokens agree with HF's (float32 folders; 16-bit ones compute on rounded weights, so HF's
+tokens on the original weights are not theirs). --llama_cpp adds llama.cpp's llama-bench on the same
+weights as f32 and f16 GGUF (scripts/llama_cpp.py builds and converts it once; without a compiler it
+says why and leaves the column out). Prints a table and the goals' ratios, and writes JSON. Needs
+the test extra (torch) for the HF side. Benchmarks are not tests: nothing here runs in the test suite.
 """
 from __future__ import annotations
 
@@ -121,14 +125,15 @@ def ensure_checkpoint(args) -> str:
     return path
 
 
-def export(checkpoint: str, folder: str, args, batch: int) -> Dict[str, Any]:
+def export(checkpoint: str, folder: str, args, batch: int, dtype: str) -> Dict[str, Any]:
     if os.path.isfile(os.path.join(folder, "manifest.json")) and not args.reexport:
         return {"reused": True}
     cmd = [sys.executable, "-m", "export", "-q", "--checkpoint", checkpoint, "--output", folder, "--device", "cpu",
-           "--dtype", "float32", "--seq_length", str(args.seq_length), "--batch_size", str(batch), "--overwrite"]
-    if args.buckets:
-        cmd += ["--prefill_buckets", ",".join(map(str, args.buckets))]
-    cmd += ["--cpu_kernels", args.cpu_kernels]
+           "--dtype", dtype, "--seq_length", str(args.seq_length), "--batch_size", str(batch), "--overwrite"]
+    if args.buckets != "auto":
+        cmd += ["--prefill_buckets", args.buckets]
+    if args.cpu_kernels != "auto":
+        cmd += ["--cpu_kernels", args.cpu_kernels]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
@@ -142,20 +147,25 @@ def folder_bytes(folder: str) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", help="HF Qwen2 checkpoint (default: make a random 0.5B-shaped one in --work)")
     p.add_argument("--work", default="bench", help="folder for the checkpoint, the exports and the JSON")
-    p.add_argument("--seq_length", type=int, default=1024)
-    p.add_argument("--buckets", type=lambda s: [int(x) for x in s.split(",") if x], default=[128, 512])
-    p.add_argument("--prompt_lengths", type=lambda s: [int(x) for x in s.split(",") if x], default=[16, 128, 512])
-    p.add_argument("--first_prompt", type=int, default=128)
+    p.add_argument("--seq_length", type=int, default=2048)
+    p.add_argument("--buckets", default="auto", help="python -m export --prefill_buckets (default: auto, as a new "
+                                                      "user gets)")
+    p.add_argument("--dtypes", default="float32,bfloat16,float16",
+                   help="folders to measure: float32 at every --batches size, 16-bit weights at batch 1")
+    p.add_argument("--prompt_lengths", type=ints, default=[16, 100, 512])
+    p.add_argument("--first_prompt", type=int, default=100)
     p.add_argument("--decode_prompt", type=int, default=128)
     p.add_argument("--new_tokens", type=int, default=32)
-    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 4])
+    p.add_argument("--batches", type=ints, default=[1, 4])
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--cpu_kernels", choices=("auto", "on", "off"), default="auto",
                    help="python -m export --cpu_kernels: off measures MindSpore's own MatMul in the decode step")
+    p.add_argument("--llama_cpp", action="store_true", help="add llama.cpp (f32 and f16 GGUF) as columns")
     p.add_argument("--reexport", action="store_true", help="export again even if the folders exist")
     p.add_argument("--json", default=None, help="where to write the results (default: <work>/benchmark.json)")
     p.add_argument("--worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
@@ -169,17 +179,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     checkpoint = ensure_checkpoint(args)
     common = dict(prompt_lengths=args.prompt_lengths, first_prompt=args.first_prompt,
                   decode_prompt=args.decode_prompt, new_tokens=args.new_tokens, repeat=args.repeat)
-    report: Dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, "
-                              f"{os.cpu_count()} cores", "checkpoint": checkpoint, "settings": vars(args),
-                              "exports": {}, "ours": {}, "hf": None}
-    for batch in args.batches:
-        folder = os.path.join(args.work, f"model_b{batch}" + ("_matmul" if args.cpu_kernels == "off" else ""))
-        print(f"exporting batch {batch} to {folder}", flush=True)
-        report["exports"][str(batch)] = {**export(checkpoint, folder, args, batch), "folder_bytes": folder_bytes(folder)}
-        print(f"measuring this project, batch {batch}", flush=True)
-        report["ours"][str(batch)] = run_worker("ours", folder=folder, **common)
+    report: Dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "checkpoint": checkpoint,
+                              "settings": vars(args), "exports": {}, "ours": {}, "hf": None}
+    runs = [(d, b) for d in args.dtypes.split(",") for b in (args.batches if d == "float32" else args.batches[:1])]
+    for dtype, batch in runs:
+        key = f"{dtype}_b{batch}"
+        folder = os.path.join(args.work, f"model_{key}" + ("_matmul" if args.cpu_kernels == "off" else ""))
+        print(f"exporting {dtype} batch {batch} to {folder}", flush=True)
+        report["exports"][key] = {**export(checkpoint, folder, args, batch, dtype), "folder_bytes": folder_bytes(folder)}
+        print(f"measuring this project, {dtype} batch {batch}", flush=True)
+        report["ours"][key] = run_worker("ours", folder=folder, **common)
     print("measuring HF transformers", flush=True)
     report["hf"] = run_worker("hf", checkpoint=checkpoint, batches=args.batches, threads=args.threads, **common)
+    if args.llama_cpp:
+        import llama_cpp
+
+        print("measuring llama.cpp (the first run builds it and converts the checkpoint: minutes)", flush=True)
+        report["llama_cpp"] = llama_cpp.measure(checkpoint, os.path.join(args.work, "llama_cpp"), args.threads,
+                                                prompt_tokens=args.prompt_lengths, dtypes=("f32", "f16"))
     report["weight_bytes"] = sum(os.path.getsize(os.path.join(checkpoint, f)) for f in os.listdir(checkpoint)
                                  if f.endswith(".safetensors"))
     print_table(report)
@@ -190,31 +207,77 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu}, {len(os.sched_getaffinity(0))} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB"
+
+
 def print_table(r: Dict[str, Any]) -> None:
-    hf, ours1 = r["hf"], r["ours"][str(r["settings"]["batches"][0])]
-    rows = [("load (s)", ours1["load_s"], hf["load_s"], False),
-            ("load to first token (s)", ours1["load_to_first_token_s"], hf["load_to_first_token_s"], False)]
-    for n, t in ours1["prefill_s"].items():
-        rows.append((f"prefill {n} tokens (ms)", t * 1000, hf["prefill_s"][n] * 1000, False))
-    for batch, ours in r["ours"].items():
-        rows.append((f"decode batch {batch} (tok/s)", ours["decode_tok_s"], hf["decode"][batch]["tok_s"], True))
-        same = ours["tokens"] == hf["decode"][batch]["tokens"]
-        rows.append((f"  greedy tokens identical, batch {batch}", same, True, None))
-    rows.append(("peak RSS to first token (GiB)", ours1["peak_rss_first_token_gib"], hf["peak_rss_first_token_gib"],
-                 False))
-    rows.append(("peak RSS, whole run (GiB)", ours1["peak_rss_gib"], hf["peak_rss_gib"], False))
-    print(f"\n{'':34}{'mslite-llm (ms)':>16}{'HF transformers':>17}{'ratio':>9}")
-    for name, ours_v, hf_v, higher_better in rows:
-        if higher_better is None:
-            print(f"{name:34}{str(ours_v):>16}{'':>17}")
-            continue
-        ratio = (ours_v / hf_v) if higher_better else (hf_v / ours_v if ours_v else float("inf"))
-        print(f"{name:34}{ours_v:16.2f}{hf_v:17.2f}{ratio:8.2f}x")
-    w = r["weight_bytes"]
-    for batch, e in r["exports"].items():
-        print(f"folder batch {batch}: {e['folder_bytes'] / 2**30:.2f} GiB = {e['folder_bytes'] / w:.2f} x weights; "
-              f"{e.get('summary', 'reused')}")
-    print("ratio > 1 means this project is better (faster, or less memory)")
+    """One column per engine and dtype; rows are the measures; then the issue's goals as ratios."""
+    hf, b0 = r["hf"], r["settings"]["batches"][0]
+    cols: Dict[str, Dict[str, Any]] = {}
+    for key, ours in r["ours"].items():
+        dtype, batch = key.rsplit("_b", 1)
+        col = cols.setdefault(f"ours {dtype}", {"size_gib": r["exports"][f"{dtype}_b{b0}"]["folder_bytes"] / 2**30})
+        col[f"decode b{batch}"] = ours["decode_tok_s"]
+        if int(batch) == b0:
+            col.update(load=ours["load_s"], first=ours["load_to_first_token_s"], rss_first=ours["peak_rss_first_token_gib"],
+                       rss=ours["peak_rss_gib"], **{f"prefill {n}": t for n, t in ours["prefill_s"].items()})
+            if dtype == "float32":
+                col["same tokens"] = ours["tokens"] == hf["decode"][str(batch)]["tokens"]
+    llama = r.get("llama_cpp") or {}
+    for dtype in ("f32", "f16"):
+        if dtype in llama:
+            fig = llama[dtype]
+            cols[f"llama.cpp {dtype}"] = {"decode b1": fig["decode_tok_s"], "size_gib": fig.get("gguf_bytes", 0) / 2**30,
+                                          **({"rss": fig["peak_rss_gib"]} if "peak_rss_gib" in fig else {}),
+                                          **{f"prefill {n}": t for n, t in fig["prefill_s"].items()}}
+    cols["HF fp32"] = {"load": hf["load_s"], "first": hf["load_to_first_token_s"], "rss_first": hf["peak_rss_first_token_gib"],
+                       "rss": hf["peak_rss_gib"], "size_gib": r["weight_bytes"] / 2**30,
+                       **{f"prefill {n}": t for n, t in hf["prefill_s"].items()},
+                       **{f"decode b{b}": d["tok_s"] for b, d in hf["decode"].items()}}
+    rows = [("load (s)", "load"), ("load to first token (s)", "first")]
+    rows += [(f"prefill {n} tokens (s)", f"prefill {n}") for n in r["settings"]["prompt_lengths"]]
+    rows += [(f"decode batch {b} (tok/s)", f"decode b{b}") for b in r["settings"]["batches"]]
+    rows += [("greedy tokens = HF's", "same tokens"), ("peak RSS to first token (GiB)", "rss_first"),
+             ("peak RSS, whole run (GiB)", "rss"), ("folder / GGUF / checkpoint (GiB)", "size_gib")]
+    print(f"\n{r['date']}, {r['machine']}, {r['settings']['threads']} threads")
+    print("| | " + " | ".join(cols) + " |\n|" + " --- |" * (len(cols) + 1))
+    for label, key in rows:
+        cells = [c.get(key) for c in cols.values()]
+        text = ["" if v is None else str(v) if isinstance(v, bool) else f"{v:.3g}" if v < 10 else f"{v:.1f}" for v in cells]
+        print(f"| {label} | " + " | ".join(text) + " |")
+    if "skipped" in llama:
+        print(f"llama.cpp: skipped: {llama['skipped']}")
+    print_goals(cols, r["settings"]["prompt_lengths"])
+
+
+def print_goals(cols: Dict[str, Dict[str, Any]], prompt_lengths: List[int]) -> None:
+    """The issue's goals as ratios (> 1: this project is better), for the columns that were measured."""
+    def ratio(label, num_col, num_key, den_col, den_key, goal):
+        a, b = cols.get(num_col, {}).get(num_key), cols.get(den_col, {}).get(den_key)
+        if a and b:
+            print(f"  {label}: {a / b:.2f}x (goal {goal})")
+
+    print("goals (ratios > 1 favour this project unless the goal says otherwise):")
+    for n in prompt_lengths:
+        ratio(f"prefill {n} tokens, HF / ours fp32", "HF fp32", f"prefill {n}", "ours float32", f"prefill {n}", ">= 1")
+    ratio("load to first token, ours fp32 / HF", "ours float32", "first", "HF fp32", "first", "<= 0.5")
+    ratio("decode b1, ours fp32 / llama.cpp f32", "ours float32", "decode b1", "llama.cpp f32", "decode b1", ">= 1")
+    for dtype in ("bfloat16", "float16"):
+        col = f"ours {dtype}"
+        ratio(f"decode b1, ours {dtype} / llama.cpp f16", col, "decode b1", "llama.cpp f16", "decode b1", ">= 1")
+        ratio(f"decode b1, ours {dtype} / ours fp32", col, "decode b1", "ours float32", "decode b1", ">= 1.8")
+        ratio(f"prefill 100, llama.cpp f16 / ours {dtype}", "llama.cpp f16", "prefill 100", col, "prefill 100", ">= 1")
+        ratio(f"folder, ours {dtype} / ours fp32", col, "size_gib", "ours float32", "size_gib", "about 0.5")
+        ratio(f"folder, llama.cpp f16 GGUF / ours {dtype}", "llama.cpp f16", "size_gib", col, "size_gib", ">= 1")
+        ratio(f"peak RSS, ours {dtype} / ours fp32", col, "rss", "ours float32", "rss", "about 0.5")
+        ratio(f"peak RSS, llama.cpp f16 / ours {dtype}", "llama.cpp f16", "rss", col, "rss", ">= 1")
 
 
 if __name__ == "__main__":
