@@ -50,6 +50,7 @@
 #include <immintrin.h>
 #define MSLLM_X86 1
 #define MSLLM_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define MSLLM_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 #endif
 
 namespace {
@@ -66,7 +67,7 @@ constexpr int64_t KC = 1024;  // GEMM: at most this many inputs per packed block
 constexpr int64_t MC = 48;    // GEMM: rows of x per pass over a packed block (MC x KC floats, with it in L2)
 constexpr int64_t NC = 64;    // GEMM: outputs per task (its packed block, KC x NC floats, in L2)
 constexpr int64_t MIN_PARALLEL_WORK = int64_t(1) << 20;  // GEMM (MACs), embed (floats): less runs on the caller
-constexpr int SPIN_US = 100;  // how long an idle worker polls for the next call before sleeping
+const int SPIN_US = std::getenv("MSLLM_SPIN_US") ? std::atoi(std::getenv("MSLLM_SPIN_US")) : 100;  // how long an idle worker polls for the next call before sleeping
 
 inline void cpu_relax() {
 #ifdef MSLLM_X86
@@ -397,11 +398,55 @@ MSLLM_AVX2 void micro(int64_t kc, const float* a, int64_t lda, const float* bp, 
       for (int64_t j = 0; j < ncols; ++j) c[r * ldc + j] = tmp[r][j];
 }
 
+// The same tile with AVX-512 (one zmm per row of 16 outputs): on CPUs with full-width AVX-512 units (AMD Zen 5,
+// Intel server cores) twice the FLOPs of the AVX2 form. Two accumulators per row (even and odd k) keep 12
+// independent FMA chains in flight; partial tiles use masked loads and stores.
+template <int R>
+MSLLM_AVX512 void micro512(int64_t kc, const float* a, int64_t lda, const float* bp, float* c, int64_t ldc,
+                           int64_t ncols, bool first, const float* bias) {
+  const __mmask16 mask = ncols >= NR ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
+  __m512 e0, e1, e2, e3, e4, e5, o0, o1, o2, o3, o4, o5;
+  e0 = e1 = e2 = e3 = e4 = e5 = o0 = o1 = o2 = o3 = o4 = o5 = _mm512_setzero_ps();
+  const __m512 start = (first && bias != nullptr) ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+#define MSLLM_INIT_ROW(r) \
+  if (R > r) e##r = first ? start : _mm512_maskz_loadu_ps(mask, c + r * ldc);
+  MSLLM_INIT_ROW(0) MSLLM_INIT_ROW(1) MSLLM_INIT_ROW(2) MSLLM_INIT_ROW(3) MSLLM_INIT_ROW(4) MSLLM_INIT_ROW(5)
+#undef MSLLM_INIT_ROW
+  const float* a0 = a;
+  const float* a1 = a + (R > 1 ? 1 : 0) * lda;
+  const float* a2 = a + (R > 2 ? 2 : 0) * lda;
+  const float* a3 = a + (R > 3 ? 3 : 0) * lda;
+  const float* a4 = a + (R > 4 ? 4 : 0) * lda;
+  const float* a5 = a + (R > 5 ? 5 : 0) * lda;
+#define MSLLM_FMA2_ROW(r)                                            \
+  if (R > r) {                                                       \
+    e##r = _mm512_fmadd_ps(_mm512_set1_ps(a##r[k]), b0, e##r);       \
+    o##r = _mm512_fmadd_ps(_mm512_set1_ps(a##r[k + 1]), b1, o##r);   \
+  }
+  int64_t k = 0;
+#pragma GCC unroll 2
+  for (; k + 2 <= kc; k += 2) {
+    const __m512 b0 = _mm512_load_ps(bp + k * NR), b1 = _mm512_load_ps(bp + (k + 1) * NR);
+    MSLLM_FMA2_ROW(0) MSLLM_FMA2_ROW(1) MSLLM_FMA2_ROW(2) MSLLM_FMA2_ROW(3) MSLLM_FMA2_ROW(4) MSLLM_FMA2_ROW(5)
+  }
+#undef MSLLM_FMA2_ROW
+#define MSLLM_TAIL_STORE_ROW(r)                                                              \
+  if (R > r) {                                                                               \
+    if (k < kc) e##r = _mm512_fmadd_ps(_mm512_set1_ps(a##r[k]), _mm512_load_ps(bp + k * NR), e##r); \
+    _mm512_mask_storeu_ps(c + r * ldc, mask, _mm512_add_ps(e##r, o##r));                   \
+  }
+  MSLLM_TAIL_STORE_ROW(0) MSLLM_TAIL_STORE_ROW(1) MSLLM_TAIL_STORE_ROW(2) MSLLM_TAIL_STORE_ROW(3)
+  MSLLM_TAIL_STORE_ROW(4) MSLLM_TAIL_STORE_ROW(5)
+#undef MSLLM_TAIL_STORE_ROW
+}
+
 typedef void (*MicroFn)(int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t, bool, const float*);
 const MicroFn k_micro[MR + 1] = {nullptr, micro<1>, micro<2>, micro<3>, micro<4>, micro<5>, micro<6>};
+const MicroFn k_micro512[MR + 1] = {nullptr, micro512<1>, micro512<2>, micro512<3>, micro512<4>, micro512<5>,
+                                    micro512<6>};
 
-// y[m0..m1, n0..n1) = x[m0..m1) . W[n0..n1)^T (+ b): one GEMM task.
-template <class T>
+// y[m0..m1, n0..n1) = x[m0..m1) . W[n0..n1)^T (+ b): one GEMM task, with the tiles of MICRO.
+template <class T, const MicroFn* MICRO>
 MSLLM_AVX2 void gemm_block_avx2(const float* x, const void* wv, const float* b, int64_t in, int64_t out, float* y,
                                 int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const T* w = static_cast<const T*>(wv);
@@ -424,9 +469,9 @@ MSLLM_AVX2 void gemm_block_avx2(const float* x, const void* wv, const float* b, 
         const float* bias = (b != nullptr && pc == 0) ? b + n0 + p * NR : nullptr;
         int64_t ir = ic;
         for (; ir + MR <= ic + mc; ir += MR)
-          micro<MR>(kc, x + ir * in + pc, in, panel, y + ir * out + n0 + p * NR, out, nc, pc == 0, bias);
+          MICRO[MR](kc, x + ir * in + pc, in, panel, y + ir * out + n0 + p * NR, out, nc, pc == 0, bias);
         if (ir < ic + mc)
-          k_micro[ic + mc - ir](kc, x + ir * in + pc, in, panel, y + ir * out + n0 + p * NR, out, nc, pc == 0, bias);
+          MICRO[ic + mc - ir](kc, x + ir * in + pc, in, panel, y + ir * out + n0 + p * NR, out, nc, pc == 0, bias);
       }
     }
   }
@@ -454,11 +499,20 @@ Kernels pick_kernels() {
   if (isa != nullptr && std::strcmp(isa, "generic") == 0) return generic;
 #ifdef MSLLM_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    // the GEMM's tiles in AVX-512 where the CPU has it (not with MSLITE_LLM_CPU_KERNELS_ISA=avx2); the GEMV
+    // and the packing stay AVX2: they wait on memory, not on arithmetic
+    if (__builtin_cpu_supports("avx512f") && !(isa != nullptr && std::strcmp(isa, "avx2") == 0))
+      return {"avx512",
+              {rows_avx2<float>, rows_avx2<f16>, rows_avx2<bf16>},
+              {gemm_block_avx2<float, k_micro512>, gemm_block_avx2<f16, k_micro512>,
+               gemm_block_avx2<bf16, k_micro512>},
+              {widen_rows_avx2<float>, widen_rows_avx2<f16>, widen_rows_avx2<bf16>}};
     return {"avx2",
             {rows_avx2<float>, rows_avx2<f16>, rows_avx2<bf16>},
-            {gemm_block_avx2<float>, gemm_block_avx2<f16>, gemm_block_avx2<bf16>},
+            {gemm_block_avx2<float, k_micro>, gemm_block_avx2<f16, k_micro>, gemm_block_avx2<bf16, k_micro>},
             {widen_rows_avx2<float>, widen_rows_avx2<f16>, widen_rows_avx2<bf16>}};
+  }
 #endif
   return generic;
 }
