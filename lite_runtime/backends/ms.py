@@ -68,7 +68,7 @@ def mindir_specs(model) -> Tuple[Tuple[TensorSpec, ...], Tuple[TensorSpec, ...]]
     return inputs, outputs
 
 
-# BFLOAT16: numpy has none; its bits are read as uint16 and viewed as bfloat16 by MindSpore (MsBackend._cell)
+# BFLOAT16: numpy has none; its bits are read as uint16 and viewed as mindspore.common.np_dtype.bfloat16 (MsBackend._cell)
 _NUMPY = {"FLOAT": np.float32, "FLOAT16": np.float16, "INT32": np.int32, "INT64": np.int64, "BOOL": np.bool_,
           "DOUBLE": np.float64, "INT8": np.int8, "UINT8": np.uint8, "BFLOAT16": np.uint16}
 
@@ -217,8 +217,14 @@ class MsBackend:
         for param in params:
             if arrays is not None:
                 self._owned[param.name] = param
-                data = self._ms.Tensor.from_numpy(arrays[param.name])
-                param.set_data(data.view(self._ms.bfloat16) if param.dtype == self._ms.bfloat16 else data)
+                array = arrays[param.name]
+                if param.dtype == self._ms.bfloat16:
+                    # numpy has no bfloat16: the bits are read as uint16 and viewed as MindSpore's numpy bfloat16.
+                    # A MindSpore-side view (Tensor.view) would be copied at the first run (1 GB for the 0.5B shape)
+                    from mindspore.common import np_dtype
+
+                    array = array.view(np_dtype.bfloat16)
+                param.set_data(self._ms.Tensor.from_numpy(array))
             else:
                 param.set_data(self._owned[param.name])
         if arrays is not None:
