@@ -262,7 +262,7 @@ def custom_funcs(graph_path: str):
     return funcs, calls
 
 
-def test_decode_graph_calls_our_kernel_and_prefill_does_not(exported):
+def test_decode_graph_calls_our_kernels_and_prefill_only_for_few_rows(exported):
     folder = exported["gqa_tied"]
     with open(os.path.join(folder, "manifest.json")) as fh:
         graphs = {g["role"]: g["file"] for g in json.load(fh)["graphs"]}
@@ -274,7 +274,18 @@ def test_decode_graph_calls_our_kernel_and_prefill_does_not(exported):
     # per layer: 2 norms, q/k/v + RoPE, attention, o_proj + residual, gate/up + SiLU, down + residual; then the
     # final norm and the lm_head
     assert calls == 7 * 2 + 2
-    assert custom_funcs(os.path.join(folder, graphs["prefill"])) == (collections.Counter(), 0)
+    # the full graph (2 rows x 32 tokens): MindSpore's MatMul, but for the lm_head on each row's last token
+    assert custom_funcs(os.path.join(folder, graphs["prefill"])) == (
+        collections.Counter({"mslite_llm_cpu_kernels.so:MsliteLlmGemv": 1}), 1)
+    # a bucket of at most KERNEL_PREFILL_MAX_ROWS rows (2 x 8) runs every matmul through the kernel
+    from export.model import KERNEL_PREFILL_MAX_ROWS
+
+    bucketed = exported["gqa_tied_buckets"]
+    with open(os.path.join(bucketed, "manifest.json")) as fh:
+        by_tokens = {g["tokens"]: g["file"] for g in json.load(fh)["graphs"] if g["role"] == "prefill"}
+    assert 2 * 8 <= KERNEL_PREFILL_MAX_ROWS < 2 * 16
+    assert custom_funcs(os.path.join(bucketed, by_tokens[8]))[1] == 7 * 2 + 1
+    assert custom_funcs(os.path.join(bucketed, by_tokens[16]))[1] == 1
     with open(os.path.join(folder, "gqa_tied.yaml")) as fh:
         assert yaml.safe_load(fh)["infer"]["cpu_kernels"] is True
 
