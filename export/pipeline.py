@@ -136,7 +136,16 @@ def _sweep_leftovers(parent: str) -> None:
                     match.group(2))
 
 
-def _write_graphs(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_progress: bool):
+def _write_graphs(*args, **kwargs):
+    """Build and export the graphs, holding the ms backend's MindSpore lock (a pipeline in this process may be
+    compiling a graph in its idle warm-up thread; MindSpore's compiler is not thread-safe)."""
+    from lite_runtime.backends.ms import MINDSPORE_LOCK
+
+    with MINDSPORE_LOCK:
+        return _build_and_export_graphs(*args, **kwargs)
+
+
+def _build_and_export_graphs(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_progress: bool):
     import mindspore as ms
     import numpy as np
 

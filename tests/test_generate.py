@@ -126,3 +126,25 @@ def test_graphs_load_on_first_use_and_compile_while_idle(exported, checkpoints):
     assert sorted(idle.backend._compiled) == ["inc", "prefill_8"]
     assert idle.generate([row[:6]], max_new_tokens=5).sequences[0] == hf_generate(ckpt, row[:6], max_new_tokens=5,
                                                                                 do_sample=False)
+
+
+def test_an_export_beside_the_idle_warm_up_in_one_process(exported, checkpoints, tmp_path):
+    """The idle warm-up compiles in a thread; an export (or another pipeline) in the same process compiles too.
+    MindSpore's compiler is not thread-safe: both hold the ms backend's lock, so neither crashes."""
+
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+    from lite_runtime import pipeline
+
+    ckpt = checkpoints["gqa_tied"]
+    pipe = pipeline("text_generation", model=exported["gqa_tied_buckets"], backend="ms")  # warm_up "auto"
+    row = list(ROWS[1])[:6]
+    first = pipe.infer([row]).logits[0]  # the 8-token bucket only: inc is left to the warm-up thread
+    # the warm-up thread starts compiling inc 0.2 s after the request, while the export below builds its graphs
+    run_export(ExportConfig(checkpoint=ckpt, output=str(tmp_path / "again"), name="again", seq_length=16,
+                            batch_size=1, dtype="float32", device="cpu", prefill_buckets=(8,)))
+    again = pipeline("text_generation", model=str(tmp_path / "again"), backend="ms")
+    expected = hf_generate(ckpt, row, max_new_tokens=3, do_sample=False)
+    assert pipe.generate([row], max_new_tokens=3).sequences[0] == expected
+    assert again.generate([row], max_new_tokens=3).sequences[0] == expected
+    assert int(first.argmax()) == expected[len(row)]

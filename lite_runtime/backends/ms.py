@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from typing import Dict, Tuple
 
 import numpy as np
@@ -69,6 +70,11 @@ def mindir_specs(model) -> Tuple[Tuple[TensorSpec, ...], Tuple[TensorSpec, ...]]
 
 
 # BFLOAT16: numpy has none; its bits are read as uint16 and viewed as mindspore.common.np_dtype.bfloat16 (MsBackend._cell)
+# MindSpore's graph compiler is not thread-safe: a compile in the generator's idle warm-up thread running
+# beside another compile or export in the process crashed it ("Illegal AnfNode for evaluating"). Every compile
+# and run of this backend, and export/pipeline.py's graph building, holds this lock.
+MINDSPORE_LOCK = threading.RLock()
+
 _NUMPY = {"FLOAT": np.float32, "FLOAT16": np.float16, "INT32": np.int32, "INT64": np.int64, "BOOL": np.bool_,
           "DOUBLE": np.float64, "INT8": np.int8, "UINT8": np.uint8, "BFLOAT16": np.uint16}
 
@@ -240,6 +246,10 @@ class MsBackend:
         """Load and compile `key` without running it: no input is read and the KV cache is left as it is."""
         if key in self._compiled:
             return
+        with MINDSPORE_LOCK:
+            self._prepare(key)
+
+    def _prepare(self, key: str) -> None:
         cell = self._cell(key)
         args = [self._tensor(np.ones(s.shape, s.dtype)) for s in self.specs[key][0]]
         # what GraphCell.__call__ does before compile_and_run, then the compile half of it
@@ -249,8 +259,9 @@ class MsBackend:
         self._compiled.add(key)
 
     def run(self, key: str, inputs: Dict[str, np.ndarray]) -> np.ndarray:
-        cell = self._cell(key)
-        args = [self._tensor(a) for a in bind_inputs(key, [s.name for s in self.specs[key][0]], inputs)]
-        out = cell(*args).asnumpy()
+        with MINDSPORE_LOCK:
+            cell = self._cell(key)
+            args = [self._tensor(a) for a in bind_inputs(key, [s.name for s in self.specs[key][0]], inputs)]
+            out = cell(*args).asnumpy()
         self._compiled.add(key)
         return out
