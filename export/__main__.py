@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -24,8 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per row the graphs hold, prompt plus generated (default: 1024)")
     p.add_argument("--batch_size", type=int, default=1, help="rows per call, fixed in the graphs (default: 1)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
-                   help="weights and compute dtype (default: the device profile's, float16 on Atlas, float32 on cpu); "
-                        "on cpu, float16/bfloat16 store the weights in 16 bits and compute in float32")
+                   help="weights and compute dtype (default: float16 on Atlas; on cpu the checkpoint's own when it is "
+                        "bfloat16 or float16, else float32); on cpu, float16/bfloat16 store the weights in 16 bits and "
+                        "compute in float32")
     p.add_argument("--device", default=DEFAULT_PROFILE,
                    help=f"device profile: {', '.join(PROFILES)} (default: {DEFAULT_PROFILE}); "
                         "picks ge_configs/<device>.ini and the dtypes allowed")
@@ -56,6 +58,27 @@ def parse_buckets(text: str) -> Optional[Tuple[int, ...]]:
         raise ExportError(f"--prefill_buckets {text!r} must be auto, none or comma-separated integers, e.g. 128,512") from None
 
 
+def default_dtype(profile, checkpoint: str) -> str:
+    """--dtype when not given: the profile's (float16 on Atlas), but on `cpu` the checkpoint's own dtype when it is
+    bfloat16 or float16 (as Qwen releases are): its weights kept bit for bit in 16 bits, decoded ~2x faster than
+    float32 (scripts/PERFORMANCE.md section 18), computing in float32. Needs the CPU kernel library."""
+    if profile is None:
+        return "float32"
+    if profile.name != "cpu":
+        return profile.default_dtype
+    try:
+        with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError):
+        return profile.default_dtype  # run_export reports the checkpoint's problem
+    stored = doc.get("torch_dtype") or doc.get("dtype")
+    import cpu_kernels
+
+    if stored in ("bfloat16", "float16") and cpu_kernels.library_path() is not None:
+        return stored
+    return profile.default_dtype
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -64,7 +87,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         profile = PROFILES.get(args.device)  # an unknown name is reported by run_export
-        dtype = args.dtype or (profile.default_dtype if profile else "float32")
+        dtype = args.dtype or default_dtype(profile, args.checkpoint)
         name = args.name or os.path.basename(os.path.normpath(args.output))
         cfg = ExportConfig(checkpoint=args.checkpoint, output=args.output, name=name, seq_length=args.seq_length,
                            batch_size=args.batch_size, dtype=dtype, device=args.device, overwrite=args.overwrite,

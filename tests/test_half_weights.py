@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from reference import prompts, rel_err
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-4
 HALF = ("bfloat16", "float16")
 
@@ -126,3 +129,25 @@ def test_a_bfloat16_checkpoint_is_copied_bit_for_bit(tmp_path, checkpoints):
     assert rel_err(pipe.infer([row]).logits[0], hf_logits(model.float(), row)) < TOL
     weights = pipe.backend._owned["model.layers.0.mlp.up_proj.weight"].asnumpy()  # bfloat16 -> float32
     assert np.array_equal(weights, model.model.layers[0].mlp.up_proj.weight.float().detach().numpy())
+
+
+def test_a_cpu_export_keeps_a_16_bit_checkpoints_dtype_by_default(tmp_path, checkpoints):
+    """`--device cpu` without --dtype: a bf16 checkpoint gives a bf16-weights folder, a float32 one a float32 folder."""
+    import torch
+    import yaml
+    from transformers import Qwen2ForCausalLM
+
+    src = checkpoints["gqa_tied"]
+    ckpt = tmp_path / "bf16"
+    Qwen2ForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(ckpt)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(src, f), ckpt / f)
+    for name, checkpoint, expected in (("a", str(ckpt), "bfloat16"), ("b", src, "float32")):
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "export", "-q", "--checkpoint", checkpoint, "--output", str(out),
+                               "--device", "cpu", "--seq_length", "16", "--prefill_buckets", "none"],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        with open(out / f"{name}.yaml", encoding="utf-8") as fh:
+            infer = yaml.safe_load(fh)["infer"]
+        assert (infer["dtype"], infer["compute_dtype"]) == (expected, "float32")
