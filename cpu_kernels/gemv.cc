@@ -674,6 +674,22 @@ void run(Job* job, bool parallel) {
 
 // ---- the jobs ------------------------------------------------------------------------------------
 
+inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+// What follows a matmul in the fused ops, on y's columns [o0, o1) of `rows` rows (y and r have `out` columns,
+// u `ldu`): with `up`, y = silu(y) * u (u = x . Wup^T); with a residual r, y += r.
+void epilogue(float* y, int64_t rows, int64_t out, int64_t o0, int64_t o1, const float* u, int64_t ldu,
+              const float* r) {
+  for (int64_t m = 0; m < rows; ++m) {
+    float* ym = y + m * out;
+    if (u != nullptr)
+      for (int64_t o = o0; o < o1; ++o) ym[o] = silu(ym[o]) * u[m * ldu + o];
+    if (r != nullptr)
+      for (int64_t o = o0; o < o1; ++o) ym[o] += r[m * out + o];
+  }
+}
+
+// The GEMV form, threads splitting the output rows; optionally the fused ops' epilogue on each task's rows.
 struct GemvJob : Job {
   RowsFn fn;
   const float* x;
@@ -682,12 +698,19 @@ struct GemvJob : Job {
   const float* b;
   int64_t in, out, step;
   float* y;
+  const void* up = nullptr;  // SwiGLU: y = silu(x . W^T) * (x . up^T)
+  const float* residual = nullptr;  // y += residual
 
   void work() override {
+    float u[GEMV_MAX_ROWS * ROWS_PER_TASK];  // x . up^T for this task's rows (rows <= GEMV_MAX_ROWS with `up`)
     for (;;) {
       const int64_t o0 = next.fetch_add(step, std::memory_order_relaxed);
       if (o0 >= out) return;
-      fn(x, rows, w, b, in, y, out, o0, std::min(out, o0 + step));
+      const int64_t o1 = std::min(out, o0 + step);
+      fn(x, rows, w, b, in, y, out, o0, o1);
+      if (up != nullptr) fn(x, rows, up, nullptr, in, u - o0, ROWS_PER_TASK, o0, o1);  // u[m * ROWS_PER_TASK + o - o0]
+      if (up != nullptr || residual != nullptr)
+        epilogue(y, rows, out, o0, o1, up != nullptr ? u - o0 : nullptr, ROWS_PER_TASK, residual);
     }
   }
 };
@@ -734,7 +757,8 @@ struct EmbedJob : Job {
 
 bool is_f32(const char* dtype) { return weight_type(dtype) == W_F32; }
 
-void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* b, int64_t in, int64_t out, float* y);
+void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* b, int64_t in, int64_t out, float* y,
+            const void* up = nullptr, const float* residual = nullptr);
 
 int gemv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_bias) {
   const int expected = with_bias ? 4 : 3;
@@ -760,14 +784,23 @@ int gemv(int nparam, void** params, int* ndims, int64_t** shapes, const char** d
   return 0;
 }
 
-// y [rows, out] = x [rows, in] . W^T (+ b), shapes already checked, rows, out and in positive.
+// y [rows, out] = x [rows, in] . W^T (+ b), shapes already checked, rows, out and in positive. The fused ops'
+// epilogue (see `epilogue`): `up` [out, in] of W's dtype for SwiGLU, `residual` [rows, out] to add.
 void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* b, int64_t in, int64_t out,
-            float* y) {
+            float* y, const void* up, const float* residual) {
+  if ((up != nullptr || residual != nullptr) && rows > GEMV_MAX_ROWS) {  // the product(s), then the epilogue
+    std::vector<float> u(up != nullptr ? size_t(rows * out) : 0);
+    matmul(x, rows, w, wt, b, in, out, y);
+    if (up != nullptr) matmul(x, rows, up, wt, nullptr, in, out, u.data());
+    epilogue(y, rows, out, 0, out, up != nullptr ? u.data() : nullptr, out, residual);
+    return;
+  }
   const GemmFn gemm = g_kernels.gemm[wt];
-  if (rows <= GEMV_MAX_ROWS || gemm == nullptr) {
+  if (rows <= GEMV_MAX_ROWS || gemm == nullptr) {  // with the epilogue in each task (its buffer holds 16 rows)
     GemvJob job;
     job.fn = g_kernels.rows[wt];
     job.x = x, job.rows = rows, job.w = w, job.b = b, job.in = in, job.out = out, job.y = y;
+    job.up = up, job.residual = residual;
     job.step = task_rows(out);
     run(&job, out >= MIN_PARALLEL_ROWS);
     return;
@@ -937,53 +970,7 @@ int qkv_rope(int nparam, void** params, int* ndims, int64_t** shapes, const char
   return 0;
 }
 
-// x [M, I]; Wg, Wu [O, I] -> y [M, O] = silu(x . Wg^T) * (x . Wu^T) (the MLP before down_proj).
-struct SwiGluJob : Job {
-  RowsFn fn;
-  const float* x;
-  int64_t rows, in, out;
-  const void *wg, *wu;
-  float* y;
-  int64_t step;
-
-  void work() override {
-    float up[GEMV_MAX_ROWS * ROWS_PER_TASK];
-    for (;;) {
-      const int64_t o0 = next.fetch_add(step, std::memory_order_relaxed);
-      if (o0 >= out) return;
-      const int64_t o1 = std::min(out, o0 + step), n = o1 - o0;
-      fn(x, rows, wg, nullptr, in, y, out, o0, o1);
-      fn(x, rows, wu, nullptr, in, up - o0, ROWS_PER_TASK, o0, o1);  // up[r * ROWS_PER_TASK + (o - o0)]
-      for (int64_t r = 0; r < rows; ++r) {
-        float* yr = y + r * out + o0;
-        const float* ur = up + r * ROWS_PER_TASK;
-        for (int64_t o = 0; o < n; ++o) yr[o] = yr[o] / (1.0f + std::exp(-yr[o])) * ur[o];
-      }
-    }
-  }
-};
-
 // x [M, I], W [O, I], r [M, O] -> y = x . W^T + r: o_proj and down_proj with the residual add folded in.
-struct GemvAddJob : Job {
-  RowsFn fn;
-  const float *x, *r;
-  int64_t rows, in, out;
-  const void* w;
-  float* y;
-  int64_t step;
-
-  void work() override {
-    for (;;) {
-      const int64_t o0 = next.fetch_add(step, std::memory_order_relaxed);
-      if (o0 >= out) return;
-      const int64_t o1 = std::min(out, o0 + step);
-      fn(x, rows, w, nullptr, in, y, out, o0, o1);
-      for (int64_t m = 0; m < rows; ++m)
-        for (int64_t o = o0; o < o1; ++o) y[m * out + o] += r[m * out + o];
-    }
-  }
-};
-
 int gemv_add(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam != 4) return 1;
   const WType wt = weight_type(dtypes[1]);
@@ -993,24 +980,14 @@ int gemv_add(int nparam, void** params, int* ndims, int64_t** shapes, const char
   const int64_t rows = shapes[0][0], in = shapes[0][1], out = shapes[1][0];
   if (shapes[1][1] != in || shapes[2][0] != rows || shapes[2][1] != out || shapes[3][0] != rows || shapes[3][1] != out)
     return 4;
-  const float* x = static_cast<const float*>(params[0]);
-  const float* r = static_cast<const float*>(params[2]);
-  float* y = static_cast<float*>(params[3]);
   if (rows <= 0 || out <= 0) return 0;
   if (in <= 0) return 4;
-  if (rows <= GEMV_MAX_ROWS) {
-    GemvAddJob job;
-    job.fn = g_kernels.rows[wt];
-    job.x = x, job.r = r, job.rows = rows, job.in = in, job.out = out, job.w = params[1], job.y = y;
-    job.step = task_rows(out);
-    run(&job, out >= MIN_PARALLEL_ROWS);
-    return 0;
-  }
-  matmul(x, rows, params[1], wt, nullptr, in, out, y);
-  for (int64_t i = 0; i < rows * out; ++i) y[i] += r[i];
+  matmul(static_cast<const float*>(params[0]), rows, params[1], wt, nullptr, in, out, static_cast<float*>(params[3]),
+         nullptr, static_cast<const float*>(params[2]));
   return 0;
 }
 
+// x [M, I]; Wg, Wu [O, I] -> y [M, O] = silu(x . Wg^T) * (x . Wu^T) (the MLP before down_proj).
 int swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam != 4) return 1;
   const WType wt = weight_type(dtypes[1]);
@@ -1020,22 +997,10 @@ int swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char**
   const int64_t rows = shapes[0][0], in = shapes[0][1], out = shapes[1][0];
   if (shapes[1][1] != in || shapes[2][0] != out || shapes[2][1] != in || shapes[3][0] != rows || shapes[3][1] != out)
     return 4;
-  const float* x = static_cast<const float*>(params[0]);
-  float* y = static_cast<float*>(params[3]);
   if (rows <= 0 || out <= 0) return 0;
   if (in <= 0) return 4;
-  if (rows <= GEMV_MAX_ROWS) {
-    SwiGluJob job;
-    job.fn = g_kernels.rows[wt];
-    job.x = x, job.rows = rows, job.in = in, job.out = out, job.wg = params[1], job.wu = params[2], job.y = y;
-    job.step = task_rows(out);
-    run(&job, out >= MIN_PARALLEL_ROWS);
-    return 0;
-  }
-  std::vector<float> up(size_t(rows * out));
-  matmul(x, rows, params[1], wt, nullptr, in, out, y);
-  matmul(x, rows, params[2], wt, nullptr, in, out, up.data());
-  for (int64_t i = 0; i < rows * out; ++i) y[i] = y[i] / (1.0f + std::exp(-y[i])) * up[i];
+  matmul(static_cast<const float*>(params[0]), rows, params[1], wt, nullptr, in, out, static_cast<float*>(params[3]),
+         params[2]);
   return 0;
 }
 
