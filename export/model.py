@@ -333,7 +333,7 @@ class Qwen2ForCausalLM(nn.Cell):
     `dtype` is the compute dtype (activations, KV cache, norms and biases). CPU folders may use our
     kernels (cpu_kernels): gemv=True for every matmul of the decode step, gemm=True for those of the
     full graph, and weight_dtype float16/bfloat16 to store the matrices (linear layers, embedding,
-    head) in 16 bits while computing in float32, which needs both (CpuKernels).
+    head) in 16 bits while computing in float32, which needs both (Kernels).
     """
 
     def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype: str = "float32",
@@ -346,7 +346,6 @@ class Qwen2ForCausalLM(nn.Cell):
             raise ValueError(f"{weight_dtype} weights with {dtype} compute need the CPU kernels (gemv and gemm)")
         k = Kernels(gemv, gemm, MS_DTYPES[weight_dtype] if weight_dtype else None)
         self.config, self.batch_size, self.seq_length, self.dtype = cfg, batch_size, seq_length, ms_dtype
-        self.weight_dtype = k.weight_dtype or ms_dtype
         self.model = Qwen2Model(cfg, batch_size, seq_length, ms_dtype, k)
         self.tied = bool(cfg.tie_word_embeddings)
         self.lm_head = None if self.tied else Linear(cfg.hidden_size, cfg.vocab_size, False, ms_dtype, *k)

@@ -102,10 +102,6 @@ def run_export(cfg: ExportConfig, show_progress: bool = False) -> ExportSummary:
                          golden_prompts=prompts, golden_seconds=doc["seconds"])
 
 
-# float32 CPU folders: whether the full graph's matmuls use our kernel too (the decode step's always do).
-# Chosen by scripts/bench_kernels.py on the 0.5B shape (scripts/PERFORMANCE.md).
-PREFILL_KERNELS_FLOAT32 = False
-
 _LEFTOVER = re.compile(r"^\..+\.(partial|old)-(\d+)$")
 
 
@@ -155,7 +151,9 @@ def _build_and_export_graphs(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str
 
     ms.set_context(mode=ms.GRAPH_MODE)
     gemv = cfg.use_cpu_kernels()
-    gemm = gemv and (cfg.half_weights_on_cpu or PREFILL_KERNELS_FLOAT32)
+    # every full-graph matmul through our kernel: 16-bit matrices need it; float32 ones only for few rows
+    # (export/model.py KERNEL_PREFILL_MAX_ROWS)
+    gemm = gemv and cfg.half_weights_on_cpu
     net = Qwen2ForCausalLM(model_cfg, cfg.batch_size, cfg.seq_length, cfg.compute_dtype, gemv=gemv, gemm=gemm,
                            weight_dtype=cfg.dtype)
     n_weights = len([p for p in net.get_parameters() if not p.name.endswith(("key_cache", "value_cache"))])

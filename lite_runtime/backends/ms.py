@@ -69,12 +69,12 @@ def mindir_specs(model) -> Tuple[Tuple[TensorSpec, ...], Tuple[TensorSpec, ...]]
     return inputs, outputs
 
 
-# BFLOAT16: numpy has none; its bits are read as uint16 and viewed as mindspore.common.np_dtype.bfloat16 (MsBackend._cell)
 # MindSpore's graph compiler is not thread-safe: a compile in the generator's idle warm-up thread running
 # beside another compile or export in the process crashed it ("Illegal AnfNode for evaluating"). Every compile
 # and run of this backend, and export/pipeline.py's graph building, holds this lock.
 MINDSPORE_LOCK = threading.RLock()
 
+# BFLOAT16: numpy has none; its bits are read as uint16 and viewed as mindspore.common.np_dtype.bfloat16 (MsBackend._cell)
 _NUMPY = {"FLOAT": np.float32, "FLOAT16": np.float16, "INT32": np.int32, "INT64": np.int64, "BOOL": np.bool_,
           "DOUBLE": np.float64, "INT8": np.int8, "UINT8": np.uint8, "BFLOAT16": np.uint16}
 
