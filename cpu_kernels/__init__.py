@@ -19,7 +19,8 @@ GEMV_BIAS = "MsliteLlmGemvBias"  # the same plus b [O] float32
 EMBED = "MsliteLlmEmbed"  # ids [N] int32/int64, table [V, E] float32/float16/bfloat16 -> [N, E] float32
 # the decode step's fused ops (float32 activations): one call for what MindSpore runs as a chain of small kernels
 RMS_NORM = "MsliteLlmRmsNorm"  # x [N, E], w [E], eps [1] -> [N, E]
-QKV_ROPE = "MsliteLlmQkvRope"  # x, Wq, bq, Wk, bk, Wv, bv, cos [N, D], sin [N, D] -> q, k, v (RoPE on q and k)
+QKV_ROPE = "MsliteLlmQkvRope"  # x, Wq, bq, Wk, bk, Wv, bv, cos [N, D], sin [N, D] [, q_norm, k_norm [D], eps [1]]
+#   -> q, k, v (RoPE on q and k, after the per-head RMSNorm when the norms are given: Qwen3)
 GEMV_ADD = "MsliteLlmGemvAdd"  # x [N, I], W [O, I], r [N, O] -> x.W^T + r (a projection and the residual add)
 SWIGLU = "MsliteLlmSwiGlu"  # x [N, I], Wg, Wu [O, I] -> silu(x.Wg^T) * (x.Wu^T) [N, O]
 DECODE_ATTENTION = "MsliteLlmDecodeAttention"  # q [B, H*D], K, V caches [B, KH, S, D], valid_length [B] -> [B, H*D]

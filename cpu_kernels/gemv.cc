@@ -927,31 +927,51 @@ void rope(float* x, int64_t rows, int64_t heads, int64_t d, const float* cos, co
   }
 }
 
-// x [M, E]; Wq [H*D, E], bq; Wk [KH*D, E], bk; Wv, bv; cos, sin [M, D] -> q [M, H*D], k, v [M, KH*D]:
-// the three projections (one dispatch when M is small) and RoPE on q and k.
+// In place on [rows, heads * d]: each head's d values RMS-normalised and scaled by w [d] (Qwen3's q_norm/k_norm).
+void head_rms_norm(float* x, int64_t rows, int64_t heads, int64_t d, const float* w, float eps) {
+  for (int64_t r = 0; r < rows * heads; ++r) {
+    float* v = x + r * d;
+    double ss = 0.0;
+    for (int64_t i = 0; i < d; ++i) ss += double(v[i]) * v[i];
+    const float inv = 1.0f / std::sqrt(float(ss / double(d)) + eps);
+    for (int64_t i = 0; i < d; ++i) v[i] = w[i] * (v[i] * inv);
+  }
+}
+
+// x [M, E]; Wq [H*D, E], bq; Wk [KH*D, E], bk; Wv, bv; cos, sin [M, D] [; q_norm, k_norm [D], eps [1]]
+// -> q [M, H*D], k, v [M, KH*D]: the three projections (one dispatch when M is small), the optional per-head
+// RMSNorm of q and k (Qwen3), and RoPE on q and k. 12 params without the norms, 15 with them.
 int qkv_rope(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
-  if (nparam != 12) return 1;
+  if (nparam != 12 && nparam != 15) return 1;
+  const int inputs = nparam - 3;  // the outputs are the last three params
+  const bool norms = nparam == 15;
   const WType wt = weight_type(dtypes[1]);
   if (wt == W_NONE || weight_type(dtypes[3]) != wt || weight_type(dtypes[5]) != wt) return 2;
-  for (int k : {0, 2, 4, 6, 7, 8, 9, 10, 11})
-    if (!is_f32(dtypes[k])) return 2;
-  for (int k : {0, 1, 3, 5, 7, 8, 9, 10, 11})
+  for (int k = 0; k < nparam; ++k)
+    if (k != 1 && k != 3 && k != 5 && !is_f32(dtypes[k])) return 2;
+  for (int k : {0, 1, 3, 5, 7, 8})
     if (ndims[k] != 2) return 3;
   for (int k : {2, 4, 6})
     if (ndims[k] != 1) return 3;
+  for (int k = inputs; k < nparam; ++k)
+    if (ndims[k] != 2) return 3;
+  if (norms && (ndims[9] != 1 || ndims[10] != 1 || ndims[11] > 1 || shapes[9][0] != shapes[7][1] ||
+                shapes[10][0] != shapes[7][1] || (ndims[11] == 1 && shapes[11][0] != 1)))
+    return 4;
   const int64_t rows = shapes[0][0], in = shapes[0][1], d = shapes[7][1];
   int64_t outs[3];
   for (int m = 0; m < 3; ++m) {
     outs[m] = shapes[1 + 2 * m][0];
-    if (shapes[1 + 2 * m][1] != in || shapes[2 + 2 * m][0] != outs[m] || shapes[9 + m][0] != rows ||
-        shapes[9 + m][1] != outs[m])
+    if (shapes[1 + 2 * m][1] != in || shapes[2 + 2 * m][0] != outs[m] || shapes[inputs + m][0] != rows ||
+        shapes[inputs + m][1] != outs[m])
       return 4;
   }
   if (d <= 0 || d % 2 || outs[0] % d || outs[1] % d || outs[2] != outs[1] || shapes[7][0] != rows ||
       shapes[8][0] != rows || shapes[8][1] != d)
     return 4;
   const float* x = static_cast<const float*>(params[0]);
-  float* ys[3] = {static_cast<float*>(params[9]), static_cast<float*>(params[10]), static_cast<float*>(params[11])};
+  float* ys[3] = {static_cast<float*>(params[inputs]), static_cast<float*>(params[inputs + 1]),
+                  static_cast<float*>(params[inputs + 2])};
   if (rows <= 0 || in <= 0) return rows <= 0 ? 0 : 4;
   if (rows <= GEMV_MAX_ROWS || g_kernels.gemm[wt] == nullptr) {
     MultiGemvJob job;
@@ -965,6 +985,11 @@ int qkv_rope(int nparam, void** params, int* ndims, int64_t** shapes, const char
   }
   const float* cos = static_cast<const float*>(params[7]);
   const float* sin = static_cast<const float*>(params[8]);
+  if (norms) {
+    const float eps = *static_cast<const float*>(params[11]);
+    head_rms_norm(ys[0], rows, outs[0] / d, d, static_cast<const float*>(params[9]), eps);
+    head_rms_norm(ys[1], rows, outs[1] / d, d, static_cast<const float*>(params[10]), eps);
+  }
   rope(ys[0], rows, outs[0] / d, d, cos, sin);
   rope(ys[1], rows, outs[1] / d, d, cos, sin);
   return 0;

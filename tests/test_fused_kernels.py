@@ -53,6 +53,32 @@ def test_qkv_rope(rows):
     assert call_kernel(cpu_kernels.QKV_ROPE, x, *[t for m in mats for t in m], cos, sin, *outs[:2]) == 1
 
 
+@pytest.mark.parametrize("rows", [1, 20])
+def test_qkv_rope_with_per_head_norms(rows):
+    """Qwen3's form: q_norm / k_norm (RMSNorm over each head's D) between the projections and RoPE."""
+    rng = np.random.default_rng(100 + rows)
+    e, h, kh, d, eps = 96, 4, 2, 32, 1e-6
+    x = rng.standard_normal((rows, e), dtype=np.float32)
+    mats = [(rng.standard_normal((o, e), dtype=np.float32), np.zeros(o, np.float32)) for o in (h * d, kh * d, kh * d)]
+    qn, kn = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32), (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    angle = rng.uniform(0, 6, (rows, d // 2)).astype(np.float32)
+    cos, sin = np.cos(np.tile(angle, 2)).astype(np.float32), np.sin(np.tile(angle, 2)).astype(np.float32)
+    outs = [np.full((rows, w.shape[0]), np.nan, np.float32) for w, _ in mats]
+    eps_t = np.array([eps], np.float32)
+    assert call_kernel(cpu_kernels.QKV_ROPE, x, *[t for m in mats for t in m], cos, sin, qn, kn, eps_t, *outs) == 0
+
+    def head_norm(y, w):
+        heads = y.reshape(rows, -1, d)
+        return (w * heads / np.sqrt((heads ** 2).mean(-1, keepdims=True) + eps)).reshape(rows, -1)
+
+    plain = [x.astype(np.float64) @ w.T.astype(np.float64) for w, _ in mats]
+    refs = [rope64(head_norm(plain[0], qn), cos, sin, d), rope64(head_norm(plain[1], kn), cos, sin, d), plain[2]]
+    for got, ref in zip(outs, refs):
+        assert close(got, ref)
+    assert call_kernel(cpu_kernels.QKV_ROPE, x, *[t for m in mats for t in m], cos, sin, qn[:8], kn, eps_t,
+                       *outs) == 4
+
+
 @pytest.mark.parametrize("rows", [1, 3, 20])
 def test_swiglu_and_projection_with_residual(rows):
     rng = np.random.default_rng(10 + rows)
