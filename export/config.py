@@ -1,4 +1,4 @@
-"""Configuration read once at the edge: Qwen2Config from a HF config.json, ExportConfig from the CLI."""
+"""Configuration read once at the edge: ModelConfig from a HF config.json (any family), ExportConfig from the CLI."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,14 +12,40 @@ from export.errors import ExportError
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("qwen2",)
 # dtype of the exported graph -> devices that have kernels for it (see DESIGN.md)
 DTYPES = ("float32", "float16", "bfloat16")
 
+# rope_scaling types computed as transformers computes them (export/rope.py): all static, one table per export
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+# what each scaling type needs besides its rope_type, and what it may carry
+_ROPE_KEYS = {
+    "linear": (("factor",), ()),
+    "yarn": (("factor",), ("original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                          "mscale", "mscale_all_dim", "truncate")),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+}
+_ROPE_REFUSED = {
+    "dynamic": "dynamic NTK scaling changes the rotary frequencies with each sequence's length at run time, which "
+               "graphs of static shapes cannot; drop rope_scaling or use 'yarn'",
+    "longrope": "LongRoPE switches between two frequency tables by sequence length at run time, which graphs of "
+                "static shapes cannot; drop rope_scaling",
+}
+
+
+def flag(raw: Dict[str, Any], name: str, default: bool, source: str) -> bool:
+    """A boolean config.json key (HF writes true/false; absent means the family's default)."""
+    value = raw.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ExportError(f"{source}: {name} must be true or false, got {value!r}")
+    return value
+
 
 @dataclass(frozen=True)
-class Qwen2Config:
-    """The fields of a HF Qwen2 `config.json` that change the math, under their HF names."""
+class ModelConfig:
+    """The fields of a HF `config.json` that change the math, under their HF names, for every family
+    (export/families): the shared decoder reads the structural flags, never the model_type."""
 
     vocab_size: int
     hidden_size: int
@@ -36,6 +62,15 @@ class Qwen2Config:
     model_type: str = "qwen2"
     bos_token_id: Optional[int] = None
     eos_token_id: Any = None  # int or list of ints, as HF writes it
+    # the family's structure (export/families/<model_type>.py)
+    qkv_bias: bool = True
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # rotary scaling as transformers 5 writes `rope_parameters` (rope_type plus its keys), None for plain RoPE
+    rope_scaling: Optional[Dict[str, Any]] = None
+    # the window of the layers that slide (use_sliding_window), None when none does; export needs seq_length <= it
+    sliding_window: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -45,29 +80,24 @@ class Qwen2Config:
     def kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def rope_type(self) -> str:
+        return (self.rope_scaling or {}).get("rope_type", "default")
+
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, raw: Dict[str, Any], source: str = "config.json") -> "Qwen2Config":
+    def from_dict(cls, raw: Dict[str, Any], source: str = "config.json") -> "ModelConfig":
         """Build from HF keys; unknown keys are ignored, features we cannot honour are refused."""
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ExportError(
-                f"{source}: model_type {model_type!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        layer_types = raw.get("layer_types") or []
-        if raw.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
-            raise ExportError(
-                f"{source}: use_sliding_window=true is not supported; export a checkpoint "
-                "with use_sliding_window=false"
-            )
-        rope = _rope_settings(raw, source)
+        from export import families
+
+        family = families.get(raw.get("model_type"), source)
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ExportError(f"{source}: hidden_act {act!r} is not supported; only 'silu'")
-        fields = {f.name for f in dataclasses.fields(cls)}
+        own = {"rope_theta", "rope_scaling", "sliding_window", "qkv_bias", "o_proj_bias", "mlp_bias", "qk_norm"}
+        fields = {f.name for f in dataclasses.fields(cls)} - own
         required = [f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.name != "num_key_value_heads"]
         missing = [name for name in required if name not in raw]
@@ -75,7 +105,9 @@ class Qwen2Config:
             raise ExportError(f"{source}: missing field(s) {', '.join(missing)}")
         kwargs = {k: v for k, v in raw.items() if k in fields}
         kwargs.setdefault("num_key_value_heads", raw["num_attention_heads"])
-        kwargs["rope_theta"] = rope
+        kwargs["rope_theta"], kwargs["rope_scaling"] = _rope_settings(raw, source)
+        kwargs["sliding_window"] = _sliding_window(raw, family, source)
+        kwargs.update(family.structure(raw, source))
         if kwargs.get("head_dim") is None:
             kwargs.pop("head_dim", None)
         config = cls(**kwargs)
@@ -83,7 +115,7 @@ class Qwen2Config:
         return config
 
     @classmethod
-    def from_file(cls, path: str) -> "Qwen2Config":
+    def from_file(cls, path: str) -> "ModelConfig":
         if not os.path.isfile(path):
             raise ExportError(f"{path}: not found; pass --checkpoint a Hugging Face model folder with config.json")
         try:
@@ -115,23 +147,82 @@ class Qwen2Config:
                 raise ExportError(f"{source}: {name} must be a positive number, got {value!r}")
 
 
-def _rope_settings(raw: Dict[str, Any], source: str) -> float:
-    """rope_theta from either layout HF has used: top-level keys, or `rope_parameters`."""
-    scaling = raw.get("rope_scaling")
-    if scaling:
-        raise ExportError(
-            f"{source}: rope_scaling {scaling!r} is not supported; only default rotary embeddings"
-        )
+def _rope_settings(raw: Dict[str, Any], source: str) -> Tuple[float, Optional[Dict[str, Any]]]:
+    """(rope_theta, scaling) from either layout found in the wild: `rope_theta` + `rope_scaling` (hub checkpoints
+    written by transformers 4) or `rope_parameters` (transformers 5). Scaling comes back in the second form."""
     params = raw.get("rope_parameters")
-    theta = raw.get("rope_theta")
-    if isinstance(params, dict):
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise ExportError(
-                f"{source}: rope_parameters.rope_type {rope_type!r} is not supported; only 'default'"
-            )
-        theta = params.get("rope_theta", theta)
-    return 10000.0 if theta is None else theta
+    scaling = raw.get("rope_scaling")
+    key = "rope_parameters" if isinstance(params, dict) else "rope_scaling"
+    merged: Dict[str, Any] = {}
+    for name, value in (("rope_scaling", scaling), ("rope_parameters", params)):
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ExportError(f"{source}: {name} must be an object, got {value!r}")
+        if any(isinstance(v, dict) for v in value.values()):
+            raise ExportError(f"{source}: {name} per layer type is not supported; one rotary setting for all layers")
+        merged.update(value)
+    theta = merged.pop("rope_theta", None)
+    theta = raw.get("rope_theta", 10000.0) if theta is None else theta
+    rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
+    merged.pop("type", None)
+    partial = merged.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ExportError(f"{source}: partial_rotary_factor {partial!r} is not supported; only rotary embeddings "
+                          "over the whole head_dim")
+    if rope_type in _ROPE_REFUSED:
+        raise ExportError(f"{source}: {key} type {rope_type!r} is not supported: {_ROPE_REFUSED[rope_type]}")
+    if rope_type not in ROPE_TYPES:
+        raise ExportError(f"{source}: {key} type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, None
+    needed, optional = _ROPE_KEYS[rope_type]
+    scaling_out: Dict[str, Any] = {"rope_type": rope_type}
+    if rope_type == "yarn":
+        merged.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings")
+                          or raw.get("max_position_embeddings"))
+    for name in needed + optional:
+        value = merged.get(name)
+        if value is None:
+            if name in needed:
+                raise ExportError(f"{source}: {key} type {rope_type!r} needs {name}")
+            continue
+        if name == "truncate":
+            if not isinstance(value, bool):
+                raise ExportError(f"{source}: {key}.truncate must be true or false, got {value!r}")
+        elif not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ExportError(f"{source}: {key}.{name} must be a positive number, got {value!r}")
+        scaling_out[name] = value
+    return theta, scaling_out
+
+
+def _sliding_window(raw: Dict[str, Any], family, source: str) -> Optional[int]:
+    """The window of the layers HF runs with sliding-window attention, or None when no layer does.
+
+    Sliding changes nothing while every position is inside the window (seq_length <= window), so such
+    checkpoints export with --seq_length up to the window (ExportConfig.validate says so); beyond it
+    they are refused.
+    """
+    layer_types = raw.get("layer_types")
+    layers = raw.get("num_hidden_layers")
+    if isinstance(layer_types, list):
+        sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
+        unknown = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+        if unknown:
+            raise ExportError(f"{source}: layer_types {', '.join(map(repr, unknown))} are not supported; only "
+                              "full_attention and sliding_attention")
+    elif family.SLIDING_WINDOW_KEYS and raw.get("use_sliding_window"):
+        first = raw.get("max_window_layers", 0)
+        sliding = [i for i in range(layers or 0) if i >= first]
+    else:
+        sliding = []
+    if not sliding:
+        return None
+    window = raw.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ExportError(f"{source}: sliding-window attention on {len(sliding)} layer(s) with sliding_window "
+                          f"{window!r} is not supported; export a checkpoint without use_sliding_window")
+    return window
 
 
 @dataclass(frozen=True)
@@ -180,7 +271,7 @@ class ExportConfig:
             return False
         return True
 
-    def validate(self, model: Qwen2Config, allowed: Tuple[str, ...]) -> None:
+    def validate(self, model: ModelConfig, allowed: Tuple[str, ...]) -> None:
         """`allowed`: the dtypes the device profile has kernels for."""
         if self.batch_size < 1:
             raise ExportError(f"--batch_size must be at least 1, got {self.batch_size}")
@@ -190,6 +281,12 @@ class ExportConfig:
             raise ExportError(
                 f"--seq_length {self.seq_length} exceeds max_position_embeddings "
                 f"{model.max_position_embeddings} in config.json; pass a smaller --seq_length"
+            )
+        if model.sliding_window is not None and self.seq_length > model.sliding_window:
+            raise ExportError(
+                f"--seq_length {self.seq_length}: config.json has sliding-window attention (use_sliding_window, "
+                f"sliding_window {model.sliding_window}), which is not supported beyond the window; pass "
+                f"--seq_length {model.sliding_window} or less, where sliding changes nothing"
             )
         for bucket in self.prefill_buckets or ():
             if not 1 <= bucket < self.seq_length:

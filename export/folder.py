@@ -151,9 +151,11 @@ def exporter_versions(mindspore_version: str) -> Dict[str, str]:
 
 def write_manifest(folder: str, name: str, graphs: List[Dict[str, Any]],
                    known: Optional[Dict[str, str]] = None,
-                   exported_with: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
-    """`golden` names the golden references (export/golden.py) when the folder has them."""
+                   exported_with: Optional[Dict[str, str]] = None, family: Optional[str] = None) -> Dict[str, Any]:
+    """`golden` names the golden references (export/golden.py) when the folder has them; `family` is the model
+    family (export/families), the runtime's InputOfInfer key."""
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "name": name, "yaml": f"{name}.yaml",
+                **({"family": family} if family else {}),
                 "ge_config": GE_CONFIG, "exported_with": exported_with or {}, "graphs": graphs,
                 "files": file_table(folder, known)}
     if GOLDEN in manifest["files"]:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from export.config import Qwen2Config
+from export.config import ModelConfig
 from export.errors import ExportError
 from export.folder import GOLDEN as GOLDEN_FILE
 
@@ -119,22 +119,22 @@ def new_record(prompt: Sequence[int]) -> Dict[str, Any]:
     return {"prompt": list(prompt), "tokens": [], "top_ids": [], "top_logits": [], "scale": []}
 
 
-def compute(model_cfg: Qwen2Config, checkpoint: str, prefill_sizes: Sequence[int], seq_length: int,
+def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int], seq_length: int,
             batch_size: int, progress: Optional[Callable[[int], None]] = None,
             matrices_in: str = "float32") -> Dict[str, Any]:
     """Run the plan through the float32 reference; returns the golden document (see write).
 
     matrices_in: for a CPU folder that stores its matrices in 16 bits and computes in float32, the
-    reference uses the same rounded matrices (NumpyQwen2), and the folder is held to float32's limits.
+    reference uses the same rounded matrices (NumpyDecoder), and the folder is held to float32's limits.
     """
-    from export.reference import NumpyQwen2
+    from export.reference import NumpyDecoder
     from export.weights import open_checkpoint, plan_weights
 
     start = time.perf_counter()
     plan = plan_batches(prefill_sizes, seq_length, batch_size)
     batches, source = prompts_for(plan, checkpoint, model_cfg.vocab_size)
     where = open_checkpoint(checkpoint)
-    net = NumpyQwen2(model_cfg, where, seq_length, matrices_in=matrices_in)
+    net = NumpyDecoder(model_cfg, where, seq_length, matrices_in=matrices_in)
     plan_weights(net.weight_shapes(), where, tied=bool(model_cfg.tie_word_embeddings))  # names and shapes, by name
     rows = [(b, r, list(ids)) for b, batch in enumerate(batches) for r, ids in enumerate(batch)]
     steps = [plan[b][2] for b, _, _ in rows]

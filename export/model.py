@@ -1,4 +1,6 @@
-"""The Qwen2 decoder in MindSpore with a KV cache (use_past): a full (prefill) and an incremental step.
+"""The decoder of every family (export/families) in MindSpore with a KV cache (use_past): a full (prefill) and an
+incremental step. The families differ only in the structural flags of ModelConfig: biases on q/k/v, o_proj and the
+MLP, and Qwen3's per-head RMSNorm of q and k before RoPE; rope scaling only changes the tables (export/rope.py).
 
 Only plain ops with CPU kernels in MindSpore 2.10 (fp32/fp16) are used, so the same graph
 runs on the CPU and under GE on Ascend: mean/rsqrt RMSNorm, rotate-half RoPE, BatchMatMul
@@ -26,7 +28,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
-from export.config import Qwen2Config
+from export.config import ModelConfig
 from export.rope import rope_tables
 
 MS_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
@@ -161,13 +163,14 @@ class RMSNorm(nn.Cell):
         return ew_mul(ops.cast(x32, dtype), ops.broadcast_to(ops.depend(self.weight, x32), x32.shape))
 
 
-class Qwen2MLP(nn.Cell):
-    def __init__(self, cfg: Qwen2Config, dtype, k: "Kernels") -> None:
+class MLP(nn.Cell):
+    def __init__(self, cfg: ModelConfig, dtype, k: "Kernels") -> None:
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, *k)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, *k)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, *k)
-        if k.gemv:  # the decode step: gate, up, SiLU and the product in one kernel
+        bias = cfg.mlp_bias
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias, dtype, *k)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias, dtype, *k)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias, dtype, *k)
+        if k.gemv and not bias:  # the decode step: gate, up, SiLU and the product in one kernel
             import cpu_kernels
 
             self.swiglu = kernel_op(cpu_kernels.SWIGLU, lambda x, wg, wu: (x[0], wg[0]), lambda x, *_: x)
@@ -186,24 +189,35 @@ def rotate_half(x):  # [..., D]
     return ops.cat((-x2, x1), axis=-1)
 
 
-class Qwen2Attention(nn.Cell):
-    """Self-attention that owns its layer's KV cache Parameters ([B, KH, S, D] each)."""
+class Attention(nn.Cell):
+    """Self-attention that owns its layer's KV cache Parameters ([B, KH, S, D] each); with cfg.qk_norm, q_norm and
+    k_norm (RMSNorm over each head's D, as Qwen3) before RoPE."""
 
-    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype, k: "Kernels") -> None:
+    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels") -> None:
         super().__init__()
         self.h, self.kh, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.g = self.h // self.kh
         self.scale = 1.0 / float(np.sqrt(self.d))
-        self.q_proj = Linear(cfg.hidden_size, self.h * self.d, True, dtype, *k)
-        self.k_proj = Linear(cfg.hidden_size, self.kh * self.d, True, dtype, *k)
-        self.v_proj = Linear(cfg.hidden_size, self.kh * self.d, True, dtype, *k)
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, False, dtype, *k)
+        bias = cfg.qkv_bias
+        self.q_proj = Linear(cfg.hidden_size, self.h * self.d, bias, dtype, *k)
+        self.k_proj = Linear(cfg.hidden_size, self.kh * self.d, bias, dtype, *k)
+        self.v_proj = Linear(cfg.hidden_size, self.kh * self.d, bias, dtype, *k)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, cfg.o_proj_bias, dtype, *k)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
         if k.gemv:  # the decode step: q/k/v with RoPE in one kernel, attention over the valid positions in another
             import cpu_kernels
 
             f32 = ms.float32
-            self.qkv_rope = kernel_op(cpu_kernels.QKV_ROPE, lambda x, wq, bq, wk, bk, wv, bv, c, s: (
+            self.qkv_rope = kernel_op(cpu_kernels.QKV_ROPE, lambda x, wq, bq, wk, bk, wv, bv, *_: (
                 [x[0], wq[0]], [x[0], wk[0]], [x[0], wv[0]]), lambda *_: (f32, f32, f32))
+            # without a qkv bias the kernel adds zeros (graph constants, not parameters: the names stay HF's)
+            self.zero_bias = None if bias else (Tensor(np.zeros(self.h * self.d, np.float32)),
+                                                Tensor(np.zeros(self.kh * self.d, np.float32)))
+            self.norm_eps = Tensor(np.array([cfg.rms_norm_eps], np.float32))
             self.attention = kernel_op(cpu_kernels.DECODE_ATTENTION, lambda q, *_: q, lambda q, *_: q)
         else:
             self.qkv_rope = self.attention = None
@@ -222,6 +236,8 @@ class Qwen2Attention(nn.Cell):
         q = q.reshape(b, n, self.h, self.d)
         k = k.reshape(b, n, self.kh, self.d)
         v = v.reshape(b, n, self.kh, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.reshape(b, n, 1, self.d), sin.reshape(b, n, 1, self.d)
         q = ew_add(ew_mul(q, ops.broadcast_to(cos, q.shape)), ew_mul(rotate_half(q), ops.broadcast_to(sin, q.shape)))
         k = ew_add(ew_mul(k, ops.broadcast_to(cos, k.shape)), ew_mul(rotate_half(k), ops.broadcast_to(sin, k.shape)))
@@ -264,7 +280,13 @@ class Qwen2Attention(nn.Cell):
     def fused_attend(self, x, cos, sin, index, b, valid_length):
         """The decode step through cpu_kernels' ops, up to o_proj (which the layer folds into the residual add)."""
         p = (self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = self.qkv_rope(x, p[0].weight, p[0].bias, p[1].weight, p[1].bias, p[2].weight, p[2].bias, cos, sin)
+        bq, bk, bv = (p[0].bias, p[1].bias, p[2].bias) if self.zero_bias is None else (
+            self.zero_bias[0], self.zero_bias[1], self.zero_bias[1])
+        if self.q_norm is None:
+            q, k, v = self.qkv_rope(x, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv, cos, sin)
+        else:
+            q, k, v = self.qkv_rope(x, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv, cos, sin, self.q_norm.weight,
+                                    self.k_norm.weight, self.norm_eps)
         k_done = ops.scatter_nd_update(self.key_cache, index, k.reshape(b, self.kh, self.d))
         v_done = ops.scatter_nd_update(self.value_cache, index, v.reshape(b, self.kh, self.d))
         keys = ops.depend(self.key_cache, k_done)
@@ -272,13 +294,13 @@ class Qwen2Attention(nn.Cell):
         return self.attention(q, keys, values, valid_length)
 
 
-class Qwen2DecoderLayer(nn.Cell):
-    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype, k: "Kernels") -> None:
+class DecoderLayer(nn.Cell):
+    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
-        self.self_attn = Qwen2Attention(cfg, batch_size, seq_length, dtype, k)
+        self.self_attn = Attention(cfg, batch_size, seq_length, dtype, k)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
-        self.mlp = Qwen2MLP(cfg, dtype, k)
+        self.mlp = MLP(cfg, dtype, k)
         if k.gemv:  # the decode step: o_proj and down_proj each with the residual add, one kernel
             import cpu_kernels
 
@@ -290,13 +312,23 @@ class Qwen2DecoderLayer(nn.Cell):
         h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n))
         return ew_add(h, self.mlp(self.post_attention_layernorm(h)))
 
+    def _project_add(self, linear, x, residual):
+        """residual + linear(x) in the decode step: one kernel, unless the projection has a bias (Llama's
+        attention_bias / mlp_bias), which that kernel does not add."""
+        if linear.bias is None:
+            return self.project_add(x, linear.weight, residual)
+        return ew_add(residual, linear.few_rows(x))
+
     def decode(self, x, cos, sin, mask, index, b, valid_length):  # x [B, E]
-        if self.project_add is not None:  # cpu_kernels: 7 calls per layer
+        if self.project_add is not None:  # cpu_kernels: 7 calls per layer (more where a family has o/MLP biases)
             attn = self.self_attn.fused_attend(self.input_layernorm.few_rows(x), cos, sin, index, b, valid_length)
-            h = self.project_add(attn, self.self_attn.o_proj.weight, x)
-            mlp = self.mlp.swiglu(self.post_attention_layernorm.few_rows(h), self.mlp.gate_proj.weight,
-                                  self.mlp.up_proj.weight)
-            return self.project_add(mlp, self.mlp.down_proj.weight, h)
+            h = self._project_add(self.self_attn.o_proj, attn, x)
+            normed = self.post_attention_layernorm.few_rows(h)
+            if self.mlp.swiglu is not None:
+                mlp = self.mlp.swiglu(normed, self.mlp.gate_proj.weight, self.mlp.up_proj.weight)
+            else:
+                mlp = ew_mul(ew_silu(self.mlp.gate_proj.few_rows(normed)), self.mlp.up_proj.few_rows(normed))
+            return self._project_add(self.mlp.down_proj, mlp, h)
         h = ew_add(x, self.self_attn.decode(self.input_layernorm.few_rows(x), cos, sin, mask, index, b, valid_length))
         return ew_add(h, self.mlp.few_rows(self.post_attention_layernorm.few_rows(h)))
 
@@ -313,16 +345,16 @@ class Embedding(nn.Cell):
         return ops.gather(self.weight, ids, 0)
 
 
-class Qwen2Model(nn.Cell):
-    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype, k: "Kernels") -> None:
+class DecoderModel(nn.Cell):
+    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels") -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, k)
-        self.layers = nn.CellList([Qwen2DecoderLayer(cfg, batch_size, seq_length, dtype, k)
+        self.layers = nn.CellList([DecoderLayer(cfg, batch_size, seq_length, dtype, k)
                                    for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
 
 
-class Qwen2ForCausalLM(nn.Cell):
+class CausalLM(nn.Cell):
     """The network with both steps. Inputs are the graph inputs the manifest records:
 
     prefill(input_ids [B, L] int32 right-padded, valid_length [B] int32 = prompt lengths)
@@ -336,7 +368,7 @@ class Qwen2ForCausalLM(nn.Cell):
     head) in 16 bits while computing in float32, which needs both (Kernels).
     """
 
-    def __init__(self, cfg: Qwen2Config, batch_size: int, seq_length: int, dtype: str = "float32",
+    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype: str = "float32",
                  gemv: bool = False, gemm: bool = False, weight_dtype: Optional[str] = None) -> None:
         super().__init__()
         ms_dtype = MS_DTYPES[dtype]
@@ -346,7 +378,7 @@ class Qwen2ForCausalLM(nn.Cell):
             raise ValueError(f"{weight_dtype} weights with {dtype} compute need the CPU kernels (gemv and gemm)")
         k = Kernels(gemv, gemm, MS_DTYPES[weight_dtype] if weight_dtype else None)
         self.config, self.batch_size, self.seq_length, self.dtype = cfg, batch_size, seq_length, ms_dtype
-        self.model = Qwen2Model(cfg, batch_size, seq_length, ms_dtype, k)
+        self.model = DecoderModel(cfg, batch_size, seq_length, ms_dtype, k)
         self.tied = bool(cfg.tie_word_embeddings)
         self.lm_head = None if self.tied else Linear(cfg.hidden_size, cfg.vocab_size, False, ms_dtype, *k)
         self.head_kernel = kernel_matmul(False) if gemv or gemm else None
@@ -400,7 +432,7 @@ class Qwen2ForCausalLM(nn.Cell):
 class PrefillGraph(nn.Cell):
     """The full graph. auto_prefix=False keeps the parameter names of the network."""
 
-    def __init__(self, net: Qwen2ForCausalLM) -> None:
+    def __init__(self, net: CausalLM) -> None:
         super().__init__(auto_prefix=False)
         self.net = net
 
@@ -411,7 +443,7 @@ class PrefillGraph(nn.Cell):
 class DecodeGraph(nn.Cell):
     """The incremental graph: one token per row, same parameters (weights and KV cache)."""
 
-    def __init__(self, net: Qwen2ForCausalLM) -> None:
+    def __init__(self, net: CausalLM) -> None:
         super().__init__(auto_prefix=False)
         self.net = net
 

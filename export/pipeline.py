@@ -14,13 +14,12 @@ from typing import Any, Dict
 
 from tqdm import tqdm
 
-from export.config import ExportConfig, Qwen2Config
+from export.config import ExportConfig, ModelConfig
 from export.devices import default_buckets, get_profile
 from export.errors import ExportError
 from export import folder as fmt
 
 log = logging.getLogger(__name__)
-INPUT_MAPPING = "qwen2"  # the lite_runtime InputOfInfer.MAPPING key for this network
 
 
 @dataclass
@@ -57,7 +56,7 @@ def _peak_rss() -> int:
 
 def prepare(cfg: ExportConfig) -> tuple:
     """Every check that needs no weights: config.json, settings, device, the target folder."""
-    model_cfg = Qwen2Config.from_file(os.path.join(cfg.checkpoint, "config.json"))
+    model_cfg = ModelConfig.from_file(os.path.join(cfg.checkpoint, "config.json"))
     profile = get_profile(cfg.device)
     cfg.validate(model_cfg, profile.dtypes)
     if os.path.exists(cfg.output) and not cfg.overwrite:
@@ -141,11 +140,11 @@ def _write_graphs(*args, **kwargs):
         return _build_and_export_graphs(*args, **kwargs)
 
 
-def _build_and_export_graphs(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_progress: bool):
+def _build_and_export_graphs(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_progress: bool):
     import mindspore as ms
     import numpy as np
 
-    from export.model import DecodeGraph, PrefillGraph, Qwen2ForCausalLM
+    from export.model import CausalLM, DecodeGraph, PrefillGraph
     from export.shared_weights import data_location, share_weights
     from export.weights import load_into
 
@@ -154,7 +153,7 @@ def _build_and_export_graphs(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str
     # every full-graph matmul through our kernel: 16-bit matrices need it; float32 ones only for few rows
     # (export/model.py KERNEL_PREFILL_MAX_ROWS)
     gemm = gemv and cfg.half_weights_on_cpu
-    net = Qwen2ForCausalLM(model_cfg, cfg.batch_size, cfg.seq_length, cfg.compute_dtype, gemv=gemv, gemm=gemm,
+    net = CausalLM(model_cfg, cfg.batch_size, cfg.seq_length, cfg.compute_dtype, gemv=gemv, gemm=gemm,
                            weight_dtype=cfg.dtype)
     n_weights = len([p for p in net.get_parameters() if not p.name.endswith(("key_cache", "value_cache"))])
     with tqdm(total=n_weights, desc="weights", unit="tensor", disable=not show_progress) as bar:
@@ -176,7 +175,7 @@ def _build_and_export_graphs(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str
     return weight_bytes, gemv, graphs, {data_location(cfg.name): data_sha256}
 
 
-def _write_golden(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_progress: bool) -> Dict[str, Any]:
+def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_progress: bool) -> Dict[str, Any]:
     """Fixed prompts through the float32 reference (export/golden.py), written to golden.json."""
     from export import golden
 
@@ -190,7 +189,7 @@ def _write_golden(cfg: ExportConfig, model_cfg: Qwen2Config, tmp: str, show_prog
     return doc
 
 
-def _write_folder_files(cfg: ExportConfig, model_cfg: Qwen2Config, profile, tmp: str, graphs,
+def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp: str, graphs,
                         hashed: Dict[str, str], gemv: bool) -> None:
     import mindspore as ms
 
@@ -200,12 +199,12 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: Qwen2Config, profile, tmp:
     full = next(g for g in graphs if g["role"] == "prefill" and g["tokens"] == cfg.seq_length)
     inc = next(g for g in graphs if g["role"] == "inc")
     content: Dict[str, Any] = {
-        "model": {"model_type": model_cfg.model_type, "config": model_cfg.to_dict()},
+        "model": {"model_type": model_cfg.model_type, "family": model_cfg.model_type, "config": model_cfg.to_dict()},
         "export": {**dataclasses.asdict(cfg), "checkpoint": os.path.abspath(cfg.checkpoint),
                    "output": os.path.abspath(cfg.output), "mindspore_version": ms.__version__,
                    "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                    "tokenizer_files": tokenizer_files},
-        "infer": {"model_name": INPUT_MAPPING, "seq_length": cfg.seq_length, "batch_size": cfg.batch_size,
+        "infer": {"model_name": model_cfg.model_type, "seq_length": cfg.seq_length, "batch_size": cfg.batch_size,
                   "dtype": cfg.dtype, "compute_dtype": cfg.compute_dtype, "device": profile.name, "soc": profile.soc,
                   "vocab_size": model_cfg.vocab_size, **ids,
                   "prefill_model_path": full["file"], "increment_model_path": inc["file"],
@@ -214,7 +213,8 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: Qwen2Config, profile, tmp:
                   "ge_config_path": fmt.GE_CONFIG},
     }
     fmt.write_yaml(tmp, cfg.name, content)
-    fmt.write_manifest(tmp, cfg.name, graphs, hashed, exported_with=fmt.exporter_versions(ms.__version__))
+    fmt.write_manifest(tmp, cfg.name, graphs, hashed, exported_with=fmt.exporter_versions(ms.__version__),
+                       family=model_cfg.model_type)
 
 
 def _replace(tmp: str, output: str) -> None:

@@ -1,4 +1,5 @@
-"""Qwen2ForCausalLM's forward in float32 numpy, for the golden references: no MindSpore, no torch.
+"""The decoder's forward in float32 numpy (every family: export/families), for the golden references: no MindSpore,
+no torch.
 
 Why a second implementation: the golden references must say what the *checkpoint* computes, so
 they cannot come from the exported graphs (a bug there would be copied into its own proof), and
@@ -18,7 +19,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from export.config import Qwen2Config
+from export.config import ModelConfig
 from export.rope import rope_tables
 from export.weights import SafetensorsFile, rounded_to, widen
 
@@ -55,10 +56,10 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / np.sum(e, axis=-1, keepdims=True)
 
 
-class NumpyQwen2:
+class NumpyDecoder:
     """The network over the checkpoint's tensors (`where`: name -> the file holding it)."""
 
-    def __init__(self, cfg: Qwen2Config, where: Dict[str, SafetensorsFile], max_positions: int,
+    def __init__(self, cfg: ModelConfig, where: Dict[str, SafetensorsFile], max_positions: int,
                  matrices_in: str = "float32") -> None:
         """matrices_in: the dtype a folder stores its matrices in while computing in float32 (CPU folders with
         16-bit weights): the reference rounds them the same way, so it computes what that folder means."""
@@ -72,15 +73,19 @@ class NumpyQwen2:
         e, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         shapes: Dict[str, Tuple[int, ...]] = {"model.embed_tokens.weight": (v, e), "model.norm.weight": (e,)}
+        linear = {"self_attn.q_proj": ((q, e), cfg.qkv_bias), "self_attn.k_proj": ((kv, e), cfg.qkv_bias),
+                  "self_attn.v_proj": ((kv, e), cfg.qkv_bias), "self_attn.o_proj": ((e, q), cfg.o_proj_bias),
+                  "mlp.gate_proj": ((i, e), cfg.mlp_bias), "mlp.up_proj": ((i, e), cfg.mlp_bias),
+                  "mlp.down_proj": ((e, i), cfg.mlp_bias)}
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}."
-            shapes.update({
-                p + "input_layernorm.weight": (e,), p + "post_attention_layernorm.weight": (e,),
-                p + "self_attn.q_proj.weight": (q, e), p + "self_attn.q_proj.bias": (q,),
-                p + "self_attn.k_proj.weight": (kv, e), p + "self_attn.k_proj.bias": (kv,),
-                p + "self_attn.v_proj.weight": (kv, e), p + "self_attn.v_proj.bias": (kv,),
-                p + "self_attn.o_proj.weight": (e, q), p + "mlp.gate_proj.weight": (i, e),
-                p + "mlp.up_proj.weight": (i, e), p + "mlp.down_proj.weight": (e, i)})
+            shapes.update({p + "input_layernorm.weight": (e,), p + "post_attention_layernorm.weight": (e,)})
+            for name, (shape, bias) in linear.items():
+                shapes[p + name + ".weight"] = shape
+                if bias:
+                    shapes[p + name + ".bias"] = shape[:1]
+            if cfg.qk_norm:
+                shapes.update({p + f"self_attn.{n}_norm.weight": (cfg.head_dim,) for n in "qk"})
         if not cfg.tie_word_embeddings:
             shapes["lm_head.weight"] = (v, e)
         return shapes
@@ -110,10 +115,11 @@ class NumpyQwen2:
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}."
             h = _rms_norm(x, self._w(p + "input_layernorm.weight"), cfg.rms_norm_eps)
-            x = x + self._linear(self._attention(h, cos, sin, layer, sizes, caches), p + "self_attn.o_proj")
+            x = x + self._linear(self._attention(h, cos, sin, layer, sizes, caches), p + "self_attn.o_proj",
+                                 cfg.o_proj_bias)
             h = _rms_norm(x, self._w(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
-            gate, up = self._linear(h, p + "mlp.gate_proj"), self._linear(h, p + "mlp.up_proj")
-            x = x + self._linear(gate / (1 + np.exp(-gate)) * up, p + "mlp.down_proj")
+            gate, up = self._linear(h, p + "mlp.gate_proj", cfg.mlp_bias), self._linear(h, p + "mlp.up_proj", cfg.mlp_bias)
+            x = x + self._linear(gate / (1 + np.exp(-gate)) * up, p + "mlp.down_proj", cfg.mlp_bias)
         for cache, n in zip(caches, sizes):
             cache.length += n
         last = np.cumsum(sizes) - 1
@@ -127,9 +133,12 @@ class NumpyQwen2:
         cfg, p = self.cfg, f"model.layers.{layer}.self_attn."
         hq, kh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         g = hq // kh
-        q = self._linear(h, p + "q_proj", bias=True).reshape(-1, hq, d)
-        k = self._linear(h, p + "k_proj", bias=True).reshape(-1, kh, d)
-        v = self._linear(h, p + "v_proj", bias=True).reshape(-1, kh, d)
+        q = self._linear(h, p + "q_proj", cfg.qkv_bias).reshape(-1, hq, d)
+        k = self._linear(h, p + "k_proj", cfg.qkv_bias).reshape(-1, kh, d)
+        v = self._linear(h, p + "v_proj", cfg.qkv_bias).reshape(-1, kh, d)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head before RoPE
+            q = _rms_norm(q, self._w(p + "q_norm.weight"), cfg.rms_norm_eps)
+            k = _rms_norm(k, self._w(p + "k_norm.weight"), cfg.rms_norm_eps)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         out = np.empty((h.shape[0], hq * d), np.float32)
         start = 0

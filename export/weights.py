@@ -141,7 +141,8 @@ def plan_weights(expected: Dict[str, Tuple[int, ...]], where: Dict[str, Safetens
                  tied: bool) -> List[str]:
     """Check names and shapes before reading anything. Returns the names to load.
 
-    Missing and unexpected tensors are reported together, by name; any missing refuses the export.
+    Missing and unexpected tensors are reported together, by name; either refuses the export (a tied head saved
+    anyway and derived buffers such as rotary inv_freq are not unexpected).
     """
     available: Set[str] = set(where)
     ignorable = {n for n in available if n.endswith(_DERIVED_SUFFIXES)}
@@ -155,10 +156,10 @@ def plan_weights(expected: Dict[str, Tuple[int, ...]], where: Dict[str, Safetens
             parts.append(f"missing {len(missing)}: {', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}")
         if unexpected:
             parts.append(f"unexpected {len(unexpected)}: {', '.join(unexpected[:8])}{' …' if len(unexpected) > 8 else ''}")
-        if missing:
-            raise ExportError(f"checkpoint tensors do not match config.json ({'; '.join(parts)}); "
-                              "check that the weights belong to this config")
-        log.warning("ignoring checkpoint tensors the network does not use (%s)", "; ".join(parts))
+        # unexpected ones too: a tensor the network would not read (a bias of another family, say) means the export
+        # would compute something other than the checkpoint
+        raise ExportError(f"checkpoint tensors do not match config.json ({'; '.join(parts)}); "
+                          "check that the weights belong to this config")
     for name, shape in expected.items():
         got = where[name].shape(name)
         if tuple(got) != tuple(shape):

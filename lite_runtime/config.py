@@ -67,7 +67,7 @@ class InferConfig:
         eos = infer.get("eos_token_id") or []
         values: Dict[str, Any] = dict(
             prefill_model_path=full.path, increment_model_path=folder.graphs["inc"].path,
-            model_name=infer.get("model_name", "qwen2"), infer_seq_length=folder.seq_length,
+            model_name=infer["model_name"], infer_seq_length=folder.seq_length,
             batch_size=folder.batch_size, target="CPU" if infer.get("device") == "cpu" else "Ascend",
             ge_config_path=folder.ge_config_path, model_dir=folder.path, tokenizer_path=folder.path,
             eos_token_id=[int(e) for e in (eos if isinstance(eos, list) else [eos])],

@@ -233,6 +233,13 @@ def _graphs(path: str, manifest: Dict[str, Any]) -> Dict[str, GraphSpec]:
 
 def _check_specs_against_yaml(folder: ModelFolder) -> None:
     infer = folder.infer
+    family = folder.manifest.get("family")  # written since the model families (folders before them: qwen2 only)
+    if not infer.get("model_name"):
+        raise ModelFolderError(f"{folder.yaml_path}: infer.model_name is missing, so the model family (the input "
+                               "mapping) is unknown; re-export the folder")
+    if family is not None and infer["model_name"] != family:
+        raise ModelFolderError(f"{folder.yaml_path}: infer.model_name {infer['model_name']!r} disagrees with "
+                               f"{MANIFEST} family {family!r}; re-export the folder")
     b, s, vocab = folder.batch_size, folder.seq_length, int(infer["vocab_size"])
     for key, spec in folder.graphs.items():
         for t in spec.inputs:

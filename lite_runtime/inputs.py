@@ -8,8 +8,9 @@ import numpy as np
 from lite_runtime.errors import InferError
 
 
-class Qwen2Inputs:
-    """The graphs of `python -m export`: `input_ids` and `valid_length` (positions are derived in-graph).
+class DecoderInputs:
+    """The graphs of `python -m export` for every family it exports (qwen2, qwen3, llama): `input_ids` and
+    `valid_length` (positions are derived in-graph; rope scaling is baked into the graphs' tables).
 
     prefill: input_ids [B, S] right-padded with pad_token_id, valid_length [B] = prompt lengths.
     inc:     input_ids [B, 1] = each row's newest token, valid_length [B] = tokens in the cache after it.
@@ -27,9 +28,10 @@ class Qwen2Inputs:
 
 
 class InputOfInfer:
-    """The registry: model name -> input builder. A new family is one class and one entry."""
+    """The registry: model family (the folder's `infer.model_name`, export/families) -> input builder. A family whose
+    graphs need another input gets its own class here; one with the shared graph contract reuses DecoderInputs."""
 
-    MAPPING: Dict[str, Type] = {"qwen2": Qwen2Inputs}
+    MAPPING: Dict[str, Type] = {"qwen2": DecoderInputs, "qwen3": DecoderInputs, "llama": DecoderInputs}
 
     @classmethod
     def get(cls, model_name: str):

@@ -5,7 +5,8 @@ Why not transformers' AutoTokenizer: importing transformers imports torch when i
 a deployment box should not need torch). Qwen2's tokenizer in transformers is a thin layer over
 the same `tokenizer.json`, so this class gives the same ids and text for what the runtime uses:
 `tok(text)["input_ids"]`, `encode`, `decode`/`batch_decode` (with `skip_special_tokens`), and
-`apply_chat_template`, rendered with jinja2 the way transformers renders it. tests/test_tokenizer.py
+`apply_chat_template`, rendered with jinja2 the way transformers renders it; a BOS/EOS token as
+tokenizer_config.json's add_bos_token / add_eos_token ask (Llama). tests/test_tokenizer.py
 holds it to AutoTokenizer on the same folder. Anything else: pass `tokenizer=` to pipeline.
 """
 from __future__ import annotations
@@ -60,6 +61,14 @@ class FolderTokenizer:
             setattr(self, key, text)
             setattr(self, f"{key}_id", self._tok.token_to_id(text) if text else None)
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        # Llama-style tokenizers: tokenizer_config.json's add_bos_token / add_eos_token, when present, decide (as
+        # transformers' update_post_processor rebuilds the template from them); absent, tokenizer.json's own
+        # post-processor does (Llama 3 and Qwen ship it in tokenizer.json)
+        self._add = {}
+        for key, token_id in (("add_bos_token", self.bos_token_id), ("add_eos_token", self.eos_token_id)):
+            value = config.get(key)
+            if isinstance(value, bool) and (token_id is not None or not value):
+                self._add[key] = value
         template_path = os.path.join(path, "chat_template.jinja")
         if os.path.isfile(template_path):
             with open(template_path, encoding="utf-8") as fh:
@@ -76,7 +85,13 @@ class FolderTokenizer:
         return {"input_ids": self.encode(text, add_special_tokens=add_special_tokens)}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        if not add_special_tokens or not self._add:
+            return ids
+        plain = list(self._tok.encode(text, add_special_tokens=False).ids)
+        add_bos = self._add.get("add_bos_token", bool(ids[:1]) and ids[:1] == [self.bos_token_id] != plain[:1])
+        add_eos = self._add.get("add_eos_token", bool(ids[-1:]) and ids[-1:] == [self.eos_token_id] != plain[-1:])
+        return [self.bos_token_id] * add_bos + plain + [self.eos_token_id] * add_eos
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False, **_: Any) -> str:
         if hasattr(ids, "tolist"):

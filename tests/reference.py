@@ -1,4 +1,4 @@
-"""The Hugging Face reference (transformers Qwen2ForCausalLM, fp32, CPU) and comparison helpers."""
+"""The Hugging Face reference (transformers' *ForCausalLM of the checkpoint's family, fp32, CPU) and comparison helpers."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -10,10 +10,10 @@ import numpy as np
 @lru_cache(maxsize=8)
 def hf_model(checkpoint: str):
     import torch
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return Qwen2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
 def hf_last_logits(checkpoint: str, tokens: List[int]) -> np.ndarray:

@@ -102,7 +102,7 @@ def test_altered_weights_fail_and_name_the_divergence(exported, capsys, tmp_path
     with open(os.path.join(folder, "golden.json")) as fh:
         first = json.load(fh)["batches"][0]["rows"][0]["tokens"][0]
     assert code == 1
-    assert all(line.split()[4] == "0" and line.endswith("FAIL") for line in out[2:4])
+    assert all(line.split()[4] == "0" and line.endswith("FAIL") for line in out[2:4]), out
     assert re.match(rf"^FAIL gqa_tied on backend ms: 2 of 2 prompts fail; greedy tokens diverge in prompt 0 "
                     rf"\(prefill_32\) at step 0: device token \d+, reference {first}; worst logit error \S+ relative "
                     rf"\(float32 limit 1e-04\)$", out[-1]), out[-1]

@@ -271,12 +271,18 @@ def test_bad_inputs(tmp_path, ckpt_copy, capsys):
         "error: --device 'atlas_9000' is not a known profile; known: atlas_800i_a2, atlas_800t_a2, atlas_800, "
         "atlas_300i_duo, cpu")
 
-    _edit_config(ckpt_copy, model_type="llama")
-    assert err() == f"error: {cfg_path}: model_type 'llama' is not supported; supported: qwen2"
-    _edit_config(ckpt_copy, model_type="qwen2", use_sliding_window=True)
-    assert err() == (f"error: {cfg_path}: use_sliding_window=true is not supported; "
-                     "export a checkpoint with use_sliding_window=false")
-    _edit_config(ckpt_copy, use_sliding_window=False)
+    _edit_config(ckpt_copy, model_type="glm")
+    assert err() == f"error: {cfg_path}: model_type 'glm' is not supported; supported: qwen2, qwen3, llama"
+    _edit_config(ckpt_copy, model_type="llama")  # Qwen2's q/k/v biases are not a Llama's: nothing is dropped quietly
+    assert err() == ("error: checkpoint tensors do not match config.json (unexpected 6: model.layers.0.self_attn.k_proj"
+                     ".bias, model.layers.0.self_attn.q_proj.bias, model.layers.0.self_attn.v_proj.bias, model.layers.1."
+                     "self_attn.k_proj.bias, model.layers.1.self_attn.q_proj.bias, model.layers.1.self_attn.v_proj.bias)"
+                     "; check that the weights belong to this config")
+    _edit_config(ckpt_copy, model_type="qwen2", layer_types=["full_attention", "sliding_attention"], sliding_window=8)
+    assert err() == ("error: --seq_length 16: config.json has sliding-window attention (use_sliding_window, "
+                     "sliding_window 8), which is not supported beyond the window; pass --seq_length 8 or less, "
+                     "where sliding changes nothing")
+    _edit_config(ckpt_copy, layer_types=["full_attention", "full_attention"], sliding_window=None)
 
     text = cfg_path.read_text()
     cfg_path.write_text(text[:40])

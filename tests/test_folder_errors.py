@@ -100,6 +100,30 @@ def test_yaml_that_disagrees_with_the_graphs(folder):
         f"{yaml_path}: no prefill graph of seq_length 64 tokens in manifest.json; re-export the folder")
 
 
+def test_family_is_read_from_the_folder_never_guessed(folder):
+    """yaml infer.model_name picks the input mapping; the manifest's family must agree, and neither may be missing."""
+    import hashlib
+
+    yaml_path = folder / "gqa_tied.yaml"
+    original = yaml_path.read_text()
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["family"] == "qwen2" and "  model_name: qwen2\n" in original
+
+    def write_yaml(text):
+        yaml_path.write_text(text)
+        data = yaml_path.read_bytes()
+        manifest["files"]["gqa_tied.yaml"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+
+    write_yaml(original.replace("  model_name: qwen2\n", "  model_name: llama\n"))
+    assert error_of(InferConfig.from_folder, str(folder)) == (
+        f"{yaml_path}: infer.model_name 'llama' disagrees with manifest.json family 'qwen2'; re-export the folder")
+    write_yaml(original.replace("  model_name: qwen2\n", ""))
+    assert error_of(InferConfig.from_folder, str(folder)) == (
+        f"{yaml_path}: infer.model_name is missing, so the model family (the input mapping) is unknown; "
+        "re-export the folder")
+
+
 def test_not_a_folder(tmp_path):
     assert error_of(pipeline, "text_generation", model=str(tmp_path), backend="ms") == (
         f"{tmp_path / 'manifest.json'}: missing; this is not a model folder written by python -m export")
@@ -114,9 +138,9 @@ def test_unknown_task_backend_and_model_name(exported):
         "task 'summarization' is not supported; supported: text_generation")
     assert error_of(pipeline, "text_generation", model=folder, backend="onnx") == (
         "backend 'onnx' is not one of mslite, ms, auto")
-    assert error_of(InputOfInfer.get, "llama") == "model_name 'llama' has no input mapping; known: qwen2"
+    assert error_of(InputOfInfer.get, "gemma") == "model_name 'gemma' has no input mapping; known: llama, qwen2, qwen3"
     assert error_of(pipeline, "text_generation", model=folder, backend="ms", model_name="glm") == (
-        "model_name 'glm' has no input mapping; known: qwen2")
+        "model_name 'glm' has no input mapping; known: llama, qwen2, qwen3")
     assert error_of(InferTask.get_infer_task, "chat", None) == "task 'chat' is not supported; supported: text_generation"
     assert error_of(InferConfig.from_folder, folder, warm_up="some") == (
         "warm_up 'some' is not one of auto, smallest, all, none")

@@ -87,12 +87,12 @@ def test_bf16_checkpoint_golden_uses_its_exact_weights(tmp_path, checkpoints):
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from export.config import Qwen2Config
+    from export.config import ModelConfig
     from export.golden import compute
 
     model = Qwen2ForCausalLM.from_pretrained(checkpoints["gqa_tied"], dtype=torch.bfloat16)
     model.save_pretrained(tmp_path / "bf16")
-    cfg = Qwen2Config.from_file(str(tmp_path / "bf16" / "config.json"))
+    cfg = ModelConfig.from_file(str(tmp_path / "bf16" / "config.json"))
     doc = compute(cfg, str(tmp_path / "bf16"), [16], 16, 1)
     row = doc["batches"][0]["rows"][0]
     assert doc["prompt_source"] == "random"  # no tokenizer.json in this copy: seeded random ids
@@ -130,11 +130,11 @@ def test_export_with_golden_needs_no_torch(tmp_path, checkpoints):
 @pytest.mark.parametrize("name", ["gqa_tied", "mha_untied"])
 def test_reference_reads_exactly_the_networks_weights(checkpoints, name):
     """The numpy reference and the MindSpore network expect the same checkpoint tensors, names and shapes."""
-    from export.config import Qwen2Config
-    from export.model import Qwen2ForCausalLM
-    from export.reference import NumpyQwen2
+    from export.config import ModelConfig
+    from export.model import CausalLM
+    from export.reference import NumpyDecoder
 
-    cfg = Qwen2Config.from_file(os.path.join(checkpoints[name], "config.json"))
-    net = Qwen2ForCausalLM(cfg, 1, 8)
+    cfg = ModelConfig.from_file(os.path.join(checkpoints[name], "config.json"))
+    net = CausalLM(cfg, 1, 8)
     params = {p.name: tuple(p.shape) for p in net.get_parameters() if not p.name.endswith(("key_cache", "value_cache"))}
-    assert NumpyQwen2(cfg, {}, 8).weight_shapes() == params
+    assert NumpyDecoder(cfg, {}, 8).weight_shapes() == params

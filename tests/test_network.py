@@ -1,4 +1,4 @@
-"""The MindSpore network against HF Qwen2ForCausalLM on the same random weights (fp32)."""
+"""The MindSpore network against HF Qwen2ForCausalLM on the same random weights (fp32); the other families: test_families.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,11 +10,11 @@ TOL = 1e-4
 
 
 def build(checkpoint: str, batch: int, seq: int, dtype: str = "float32"):
-    from export.config import Qwen2Config
-    from export.model import DecodeGraph, PrefillGraph, Qwen2ForCausalLM
+    from export.config import ModelConfig
+    from export.model import CausalLM, DecodeGraph, PrefillGraph
     from export.weights import load_into
 
-    net = Qwen2ForCausalLM(Qwen2Config.from_file(f"{checkpoint}/config.json"), batch, seq, dtype)
+    net = CausalLM(ModelConfig.from_file(f"{checkpoint}/config.json"), batch, seq, dtype)
     load_into(net, checkpoint)
     return PrefillGraph(net), DecodeGraph(net)
 

@@ -67,3 +67,44 @@ print(sorted({{m.split('.')[0] for m in sys.modules}} & {{'torch', 'transformers
     hf_tok = AutoTokenizer.from_pretrained(exported["gqa_tied"])
     pipe = pipeline("text_generation", model=exported["gqa_tied"], backend="ms", tokenizer=hf_tok, warm_up="none")
     assert text == repr(pipe("Hello world", max_new_tokens=3, do_sample=False))
+
+
+def test_bos_token_follows_add_bos_token_like_transformers_llama_tokenizer(tmp_path):
+    """A Llama tokenizer folder: tokenizer.json's template adds <|begin_of_text|> (Llama 3), and the folder agrees
+    with AutoTokenizer. tokenizer_config.json's add_bos_token / add_eos_token, when present, rebuild the template
+    as transformers' LlamaTokenizer does (update_post_processor): BOS in front, EOS at the end, or neither."""
+    import json
+    import os
+
+    import make_demo_checkpoint
+    from transformers import AutoTokenizer
+
+    from lite_runtime.tokenizer import FolderTokenizer
+
+    folder = str(tmp_path / "llama")
+    make_demo_checkpoint.build_tokenizer(bos=True).save_pretrained(folder)
+    hf, ours = AutoTokenizer.from_pretrained(folder), FolderTokenizer(folder)
+    text = "Hello world"
+    plain = hf(text, add_special_tokens=False)["input_ids"]
+    bos, eos = hf.bos_token_id, hf.eos_token_id
+    assert ours(text)["input_ids"] == hf(text)["input_ids"] == [bos] + plain
+    assert ours(text, add_special_tokens=False)["input_ids"] == plain
+
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    with open(config_path) as fh:
+        config = json.load(fh)
+    for flags, want in (({"add_bos_token": False}, plain), ({"add_bos_token": True, "add_eos_token": True},
+                                                            [bos] + plain + [eos]),
+                        ({"add_eos_token": True}, [bos] + plain + [eos])):
+        with open(config_path, "w") as fh:
+            json.dump({**config, **flags}, fh)
+        assert FolderTokenizer(folder)(text)["input_ids"] == want, flags
+    # a template without BOS (Llama 2's tokenizer.json before LlamaTokenizer rebuilds it) and add_bos_token true
+    with open(os.path.join(folder, "tokenizer.json")) as fh:
+        tok = json.load(fh)
+    tok["post_processor"] = None
+    with open(os.path.join(folder, "tokenizer.json"), "w") as fh:
+        json.dump(tok, fh)
+    with open(config_path, "w") as fh:
+        json.dump({**config, "add_bos_token": True}, fh)
+    assert FolderTokenizer(folder)(text)["input_ids"] == [bos] + plain

@@ -1,0 +1,36 @@
+"""Model families: one module per Hugging Face `model_type`, and the registry that picks it.
+
+A family module says how its checkpoints differ from the shared decoder (export/model.py for the
+MindSpore graphs, export/reference.py for the float32 reference): which projections carry a bias,
+whether q and k are normalised per head, which HF config keys it reads for that. Everything the
+families share (RMSNorm, RoPE tables and their scaling types, the KV-cache attention, the graph
+wrappers, the CPU kernels) lives once, in those shared modules; parameter names are always the
+checkpoint's own. A new family is one module here and one entry in FAMILIES (plus its entry in
+lite_runtime's InputOfInfer.MAPPING when it needs other graph inputs).
+
+Module contract: MODEL_TYPE (the config.json value), SLIDING_WINDOW_KEYS (whether the family has
+Qwen's use_sliding_window / max_window_layers keys), structure(raw, source) -> the structural flags
+of ModelConfig (qkv_bias, o_proj_bias, mlp_bias, qk_norm).
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Dict
+
+from export.errors import ExportError
+from export.families import llama, qwen2, qwen3
+
+FAMILIES: Dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (qwen2, qwen3, llama)}
+
+# model_types people try that are not dense decoders of these families: refused by name, with what to do
+MIXTURE_OF_EXPERTS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "llama4", "qwen3_next")
+
+
+def get(model_type, source: str = "config.json") -> ModuleType:
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    known = ", ".join(FAMILIES)
+    if model_type in MIXTURE_OF_EXPERTS:
+        raise ExportError(f"{source}: model_type {model_type!r} is a mixture-of-experts model, which is not "
+                          f"supported; export a dense checkpoint ({known})")
+    raise ExportError(f"{source}: model_type {model_type!r} is not supported; supported: {known}")
