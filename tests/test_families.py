@@ -113,7 +113,7 @@ def test_folder_records_the_family_and_the_runtime_reads_it(family_pipes):
         assert doc["infer"]["model_name"] == doc["model"]["family"] == family
 
 
-def test_llama_text_gets_the_bos_token_and_stops_at_either_eos(family_pipes, family_checkpoints):
+def test_llama_text_gets_the_bos_token_and_the_folder_both_eos_ids(family_pipes, family_checkpoints):
     from transformers import AutoTokenizer
 
     name = "llama_gqa_tied_llama3"
@@ -149,3 +149,24 @@ def test_bfloat16_cpu_folder_equals_hf_on_the_rounded_weights(tmp_path, family_c
         want = [[int(t) for t in model.generate(torch.tensor([row]), attention_mask=torch.ones(1, len(row),
                 dtype=torch.long), max_new_tokens=8, do_sample=False)[0]] for row in rows]
     assert pipe.generate(rows, max_new_tokens=8).sequences == want
+
+
+@pytest.mark.parametrize("name", ["qwen3_mha_tied_yarn", "llama_mha_untied_linear_bias"])
+def test_float16_atlas_folder_passes_check_within_its_limits(tmp_path, family_checkpoints, capsys, name):
+    """The artifact that ships (Atlas 800I A2, float16, MindSpore's own ops: q/k norms, biases, scaled tables), run
+    here on MindSpore's CPU float16 kernels against its golden references."""
+    from test_check import PASS, run_cli
+
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+    from lite_runtime.check import main as check_main
+    from lite_runtime.golden import TOLERANCES
+
+    out = str(tmp_path / name)
+    run_export(ExportConfig(checkpoint=family_checkpoints[name], output=out, name=name, seq_length=32, batch_size=2,
+                            dtype="float16", device="atlas_800i_a2", prefill_buckets=(16,)))
+    code, lines, err = run_cli(check_main, capsys, out, "--backend", "ms", "-q")
+    assert code == 0, lines + [err]
+    verdict = PASS.match(lines[-1])
+    assert verdict and verdict.group(1) == name and verdict.group(5) == "float16"
+    assert 1e-6 < float(verdict.group(4)) < TOLERANCES["float16"].rel
