@@ -16,6 +16,8 @@ from typing import Optional
 LIBRARY_FILE = "mslite_llm_cpu_kernels.so"  # the name graphs carry
 GEMV = "MsliteLlmGemv"  # x [M, I] float32 . W[O, I]^T -> [M, O] float32; W float32, float16 or bfloat16; any M
 GEMV_BIAS = "MsliteLlmGemvBias"  # the same plus b [O] float32
+GEMM_VALID = "MsliteLlmGemmValid"  # x [B*n, I], W [O, I], (b [O],) valid_length [B] int32 -> [B*n, O]: each row's
+#   first valid_length tokens computed, the padding rows zero (the full graph: cost follows the prompt, not the graph)
 EMBED = "MsliteLlmEmbed"  # ids [N] int32/int64, table [V, E] float32/float16/bfloat16 -> [N, E] float32
 # the decode step's fused ops (float32 activations): one call for what MindSpore runs as a chain of small kernels
 RMS_NORM = "MsliteLlmRmsNorm"  # x [N, E], w [E], eps [1] -> [N, E]
@@ -24,7 +26,7 @@ QKV_ROPE = "MsliteLlmQkvRope"  # x, Wq, bq, Wk, bk, Wv, bv, cos [N, D], sin [N, 
 GEMV_ADD = "MsliteLlmGemvAdd"  # x [N, I], W [O, I], r [N, O] -> x.W^T + r (a projection and the residual add)
 SWIGLU = "MsliteLlmSwiGlu"  # x [N, I], Wg, Wu [O, I] -> silu(x.Wg^T) * (x.Wu^T) [N, O]
 DECODE_ATTENTION = "MsliteLlmDecodeAttention"  # q [B, H*D], K, V caches [B, KH, S, D], valid_length [B] -> [B, H*D]
-FUNCTIONS = (GEMV, GEMV_BIAS, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION)
+FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION)
 BUILD_HINT = "reinstall with a C++ compiler present (apt install g++; pip install -e .)"
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

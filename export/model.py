@@ -86,6 +86,15 @@ def kernel_matmul(with_bias: bool):
     return ops.Custom(func, out_shape=lambda x, w, *_: (x[0], w[0]), out_dtype=lambda x, *_: x, func_type="aot")
 
 
+def kernel_matmul_valid(with_bias: bool):
+    """The full graph's form of kernel_matmul: (x [B*n, I], W, (b,) valid_length [B]) -> [B*n, O], only each row's
+    prompt tokens computed (cpu_kernels.GEMM_VALID), so a prompt costs its length, not its bucket's."""
+    import cpu_kernels
+
+    return ops.Custom(cpu_kernels.local_func(cpu_kernels.GEMM_VALID), out_shape=lambda x, w, *_: (x[0], w[0]),
+                      out_dtype=lambda x, *_: x, func_type="aot")
+
+
 def kernel_op(function: str, out_shape, out_dtype):
     """One of cpu_kernels' fused decode-step ops as an aot Custom op (float32 activations)."""
     import cpu_kernels
@@ -118,16 +127,21 @@ class Linear(nn.Cell):
         self.bias = _weight((out_features,), dtype, "bias") if bias else None
         self.matmul = ops.MatMul(transpose_b=True)
         self.kernel = kernel_matmul(bias) if gemv or gemm else None
+        self.kernel_valid = kernel_matmul_valid(bias) if gemv or gemm else None
         self.gemv, self.gemm = gemv, gemm
 
-    def _kernel(self, x):
+    def _kernel(self, x, valid_length=None):
+        if valid_length is not None:  # the full graph: the padding rows are skipped
+            if self.bias is not None:
+                return self.kernel_valid(x, self.weight, self.bias, valid_length)
+            return self.kernel_valid(x, self.weight, valid_length)
         if self.bias is not None:
             return self.kernel(x, self.weight, self.bias)
         return self.kernel(x, self.weight)
 
-    def construct(self, x):  # [N, in] -> [N, out]
+    def construct(self, x, valid_length=None):  # [N, in] -> [N, out]; valid_length [B]: the full graph's prompts
         if self.gemm or (self.gemv and x.shape[0] <= KERNEL_PREFILL_MAX_ROWS):  # static shapes: decided at export
-            return self._kernel(x)
+            return self._kernel(x, valid_length)
         y = self.matmul(x, self.weight)
         if self.bias is not None:
             # explicit broadcasts everywhere: see BROADCASTS in the module docstring. The depend keeps
@@ -177,8 +191,9 @@ class MLP(nn.Cell):
         else:
             self.swiglu = None
 
-    def construct(self, x):  # [N, E]
-        return self.down_proj(ew_mul(ew_silu(self.gate_proj(x)), self.up_proj(x)))
+    def construct(self, x, valid_length=None):  # [N, E]
+        v = valid_length
+        return self.down_proj(ew_mul(ew_silu(self.gate_proj(x, v)), self.up_proj(x, v)), v)
 
     def few_rows(self, x):  # [B, E], the decode step
         return self.down_proj.few_rows(ew_mul(ew_silu(self.gate_proj.few_rows(x)), self.up_proj.few_rows(x)))
@@ -227,12 +242,12 @@ class Attention(nn.Cell):
         self.bmm_qk = ops.BatchMatMul(transpose_b=True)
         self.bmm_pv = ops.BatchMatMul()
 
-    def _project(self, x, cos, sin, b, n):
+    def _project(self, x, cos, sin, b, n, valid_length=None):
         """x [B*n, E] -> q [B, KH, G*n, D], k, v [B, KH, n, D] with RoPE applied."""
         if n == 1:  # the decode step
             q, k, v = self.q_proj.few_rows(x), self.k_proj.few_rows(x), self.v_proj.few_rows(x)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = self.q_proj(x, valid_length), self.k_proj(x, valid_length), self.v_proj(x, valid_length)
         q = q.reshape(b, n, self.h, self.d)
         k = k.reshape(b, n, self.kh, self.d)
         v = v.reshape(b, n, self.kh, self.d)
@@ -255,8 +270,8 @@ class Attention(nn.Cell):
         out = self.bmm_pv(probs, v).reshape(b, self.kh, self.g, n, self.d)
         return out.transpose(0, 3, 1, 2, 4).reshape(b * n, self.h * self.d)
 
-    def prefill(self, x, cos, sin, mask, b, n):
-        q, k, v = self._project(x, cos, sin, b, n)
+    def prefill(self, x, cos, sin, mask, b, n, valid_length):
+        q, k, v = self._project(x, cos, sin, b, n, valid_length)
         seq = self.key_cache.shape[2]
         if n < seq:  # a shorter bucket: the tail of the cache is masked until decode writes it
             pad = ops.zeros((b, self.kh, seq - n, self.d), k.dtype)
@@ -266,7 +281,7 @@ class Attention(nn.Cell):
         k_done = ops.assign(self.key_cache, k_all)
         v_done = ops.assign(self.value_cache, v_all)
         out = self._attend(q, k, v, mask, b, n)
-        return self.o_proj(ops.depend(ops.depend(out, k_done), v_done))
+        return self.o_proj(ops.depend(ops.depend(out, k_done), v_done), valid_length)
 
     def decode(self, x, cos, sin, mask, index, b, valid_length):
         """One token per row; index [B, KH, 3] = (row, head, position) to write in the cache."""
@@ -308,9 +323,9 @@ class DecoderLayer(nn.Cell):
         else:
             self.project_add = None
 
-    def prefill(self, x, cos, sin, mask, b, n):  # x [B*n, E]
-        h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n))
-        return ew_add(h, self.mlp(self.post_attention_layernorm(h)))
+    def prefill(self, x, cos, sin, mask, b, n, valid_length):  # x [B*n, E]
+        h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n, valid_length))
+        return ew_add(h, self.mlp(self.post_attention_layernorm(h), valid_length))
 
     def _project_add(self, linear, x, residual):
         """residual + linear(x) in the decode step: one kernel, unless the projection has a bias (Llama's
@@ -410,7 +425,7 @@ class CausalLM(nn.Cell):
         mask = ops.select(ops.logical_and(causal, valid), ops.zeros((b, n, n), ms.float32),
                           ops.full((b, n, n), -1e9, dtype=ms.float32))
         for layer in self.model.layers:
-            x = layer.prefill(x, cos, sin, mask, b, n)
+            x = layer.prefill(x, cos, sin, mask, b, n, valid_length)
         last = ops.gather(x, self.rows * n + valid_length - 1, 0)  # [B, E]
         return self._logits(last)
 

@@ -115,3 +115,27 @@ def test_decode_attention_reads_each_rows_valid_positions_with_gqa():
             ref = (p / p.sum()) @ v[row, kv, :n].astype(np.float64)
             assert close(out[row, head * d:(head + 1) * d], ref, np.nanmax(np.abs(v)))
     assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, out) == 2  # valid_length must be int32
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_over_the_prompt_rows_only(bias):
+    """The full graph's matmul: rows of n tokens, right-padded; each row's first valid_length tokens are computed
+    (the GEMM form for 20, the GEMV one for 3), the padding rows are zero, even where x holds garbage."""
+    rng = np.random.default_rng(7)
+    batch, n, e, o = 2, 24, 64, 40
+    x = rng.standard_normal((batch * n, e), dtype=np.float32)
+    w, b = rng.standard_normal((o, e), dtype=np.float32), rng.standard_normal(o, dtype=np.float32)
+    valid = np.array([20, 3], np.int32)
+    y = np.full((batch * n, o), np.nan, np.float32)
+    args = (x, w, b, valid, y) if bias else (x, w, valid, y)
+    names = ["int32" if a is valid else "float32" for a in args]
+    assert call_kernel(cpu_kernels.GEMM_VALID, *args, dtypes=names) == 0
+    ref = x.astype(np.float64) @ w.T.astype(np.float64) + (b if bias else 0)
+    for r, used in enumerate(valid):
+        rows = slice(r * n, r * n + used)
+        assert close(y[rows], ref[rows])
+        assert not y[r * n + used:(r + 1) * n].any()
+    three = ["float32", "float32", "int32", "float32"]
+    assert call_kernel(cpu_kernels.GEMM_VALID, x, w, np.arange(5, dtype=np.int32), y, dtypes=three) == 4  # 48 rows
+    assert call_kernel(cpu_kernels.GEMM_VALID, x, w, valid.astype(np.int64), y,
+                       dtypes=["float32", "float32", "int64", "float32"]) == 2
