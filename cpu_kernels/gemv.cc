@@ -760,57 +760,46 @@ bool is_f32(const char* dtype) { return weight_type(dtype) == W_F32; }
 void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* b, int64_t in, int64_t out, float* y,
             const void* up = nullptr, const float* residual = nullptr);
 
-int gemv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_bias) {
-  const int expected = with_bias ? 4 : 3;
+// x [M, I] . W[O, I]^T (+ b [O]) -> y [M, O]. With `prompt_rows` (the full graph's form, MsliteLlmGemmValid) a
+// valid_length [B] int32 input comes before y: x holds B rows of n = M / B tokens, right-padded, and only each
+// row's first valid_length tokens are computed, the padding rows zeroed: a prompt of 100 tokens in the
+// 128-token graph costs 100 rows, not 128.
+int gemv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_bias,
+         bool prompt_rows = false) {
+  const int expected = 3 + (with_bias ? 1 : 0) + (prompt_rows ? 1 : 0);
   if (nparam != expected) return 1;
+  const int vi = nparam - 2;  // valid_length, with prompt_rows
   const WType wt = weight_type(dtypes[1]);
-  if (!is_f32(dtypes[0]) || wt == W_NONE || !is_f32(dtypes[nparam - 1]) || (with_bias && !is_f32(dtypes[2])))
+  if (!is_f32(dtypes[0]) || wt == W_NONE || !is_f32(dtypes[nparam - 1]) || (with_bias && !is_f32(dtypes[2])) ||
+      (prompt_rows && std::strcmp(dtypes[vi], "int32") != 0))
     return 2;
-  if (ndims[0] != 2 || ndims[1] != 2 || ndims[nparam - 1] != 2 || (with_bias && ndims[2] != 1)) return 3;
+  if (ndims[0] != 2 || ndims[1] != 2 || ndims[nparam - 1] != 2 || (with_bias && ndims[2] != 1) ||
+      (prompt_rows && ndims[vi] != 1))
+    return 3;
   const int64_t rows = shapes[0][0], in = shapes[0][1], out = shapes[1][0];
+  const int64_t batch = prompt_rows ? shapes[vi][0] : 1;
   if (shapes[1][1] != in || shapes[nparam - 1][0] != rows || shapes[nparam - 1][1] != out) return 4;
-  if (with_bias && shapes[2][0] != out) return 4;
+  if ((with_bias && shapes[2][0] != out) || batch <= 0 || rows % batch) return 4;
   const float* x = static_cast<const float*>(params[0]);
   const void* w = params[1];
   const float* b = with_bias ? static_cast<const float*>(params[2]) : nullptr;
   float* y = static_cast<float*>(params[nparam - 1]);
   if (rows <= 0 || out <= 0) return 0;
   if (in <= 0) {  // an empty sum
+    if (prompt_rows) return 4;
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t o = 0; o < out; ++o) y[r * out + o] = b ? b[o] : 0.f;
     return 0;
   }
-  matmul(x, rows, w, wt, b, in, out, y);
-  return 0;
-}
-
-// The full graph's matmul over the prompt rows only: x [B*n, I] (B rows of n tokens, right-padded), W, (b),
-// valid_length [B] int32 -> y [B*n, O], the first valid_length[b] tokens of each row computed, the padding rows
-// zero. A prompt of 100 tokens in the 128-token graph costs 100 rows, not 128. 4 params, or 5 with the bias.
-int gemm_valid(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
-  if (nparam != 4 && nparam != 5) return 1;
-  const bool with_bias = nparam == 5;
-  const int vi = nparam - 2;
-  const WType wt = weight_type(dtypes[1]);
-  if (!is_f32(dtypes[0]) || wt == W_NONE || !is_f32(dtypes[nparam - 1]) || (with_bias && !is_f32(dtypes[2])) ||
-      std::strcmp(dtypes[vi], "int32") != 0)
-    return 2;
-  if (ndims[0] != 2 || ndims[1] != 2 || ndims[nparam - 1] != 2 || (with_bias && ndims[2] != 1) || ndims[vi] != 1)
-    return 3;
-  const int64_t rows = shapes[0][0], in = shapes[0][1], out = shapes[1][0], batch = shapes[vi][0];
-  if (shapes[1][1] != in || shapes[nparam - 1][0] != rows || shapes[nparam - 1][1] != out || batch <= 0 ||
-      rows % batch || (with_bias && shapes[2][0] != out))
-    return 4;
-  if (rows <= 0 || out <= 0) return 0;
-  if (in <= 0) return 4;
-  const float* x = static_cast<const float*>(params[0]);
-  const float* b = with_bias ? static_cast<const float*>(params[2]) : nullptr;
+  if (!prompt_rows) {
+    matmul(x, rows, w, wt, b, in, out, y);
+    return 0;
+  }
   const int32_t* valid = static_cast<const int32_t*>(params[vi]);
-  float* y = static_cast<float*>(params[nparam - 1]);
   const int64_t n = rows / batch;
   for (int64_t r = 0; r < batch; ++r) {
     const int64_t used = std::max<int64_t>(0, std::min<int64_t>(n, valid[r]));
-    if (used > 0) matmul(x + r * n * in, used, params[1], wt, b, in, out, y + r * n * out);
+    if (used > 0) matmul(x + r * n * in, used, w, wt, b, in, out, y + r * n * out);
     std::fill(y + (r * n + used) * out, y + (r + 1) * n * out, 0.f);
   }
   return 0;
@@ -1140,7 +1129,7 @@ int MsliteLlmGemvBias(int nparam, void** params, int* ndims, int64_t** shapes, c
 }
 
 int MsliteLlmGemmValid(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
-  return gemm_valid(nparam, params, ndims, shapes, dtypes);
+  return gemv(nparam, params, ndims, shapes, dtypes, nparam == 5, true);  // with the bias: 5 params
 }
 
 int MsliteLlmEmbed(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {

@@ -77,21 +77,15 @@ def _weight(shape, dtype, name: str) -> Parameter:
     return Parameter(initializer("zeros", shape, dtype), name=name, requires_grad=False)
 
 
-def kernel_matmul(with_bias: bool):
+def kernel_matmul(with_bias: bool, prompt_rows: bool = False):
     """Our CPU matmul kernel as an aot Custom op (cpu_kernels/gemv.cc): x [N, I] float32 . W[O, I]^T (+ b [O])
-    -> [N, O] float32, W float32, float16 or bfloat16 (widened in registers); any N, GEMV or blocked GEMM."""
+    -> [N, O] float32, W float32, float16 or bfloat16 (widened in registers); any N, GEMV or blocked GEMM.
+    `prompt_rows`: the full graph's form, with valid_length [B] as the last input, computing only each row's
+    prompt tokens (cpu_kernels.GEMM_VALID), so a prompt costs its length, not its bucket's."""
     import cpu_kernels
 
-    func = cpu_kernels.local_func(cpu_kernels.GEMV_BIAS if with_bias else cpu_kernels.GEMV)
-    return ops.Custom(func, out_shape=lambda x, w, *_: (x[0], w[0]), out_dtype=lambda x, *_: x, func_type="aot")
-
-
-def kernel_matmul_valid(with_bias: bool):
-    """The full graph's form of kernel_matmul: (x [B*n, I], W, (b,) valid_length [B]) -> [B*n, O], only each row's
-    prompt tokens computed (cpu_kernels.GEMM_VALID), so a prompt costs its length, not its bucket's."""
-    import cpu_kernels
-
-    return ops.Custom(cpu_kernels.local_func(cpu_kernels.GEMM_VALID), out_shape=lambda x, w, *_: (x[0], w[0]),
+    name = cpu_kernels.GEMM_VALID if prompt_rows else cpu_kernels.GEMV_BIAS if with_bias else cpu_kernels.GEMV
+    return ops.Custom(cpu_kernels.local_func(name), out_shape=lambda x, w, *_: (x[0], w[0]),
                       out_dtype=lambda x, *_: x, func_type="aot")
 
 
@@ -127,7 +121,7 @@ class Linear(nn.Cell):
         self.bias = _weight((out_features,), dtype, "bias") if bias else None
         self.matmul = ops.MatMul(transpose_b=True)
         self.kernel = kernel_matmul(bias) if gemv or gemm else None
-        self.kernel_valid = kernel_matmul_valid(bias) if gemv or gemm else None
+        self.kernel_valid = kernel_matmul(bias, prompt_rows=True) if gemv or gemm else None
         self.gemv, self.gemm = gemv, gemm
 
     def _kernel(self, x, valid_length=None):
@@ -232,7 +226,7 @@ class Attention(nn.Cell):
             # without a qkv bias the kernel adds zeros (graph constants, not parameters: the names stay HF's)
             self.zero_bias = None if bias else (Tensor(np.zeros(self.h * self.d, np.float32)),
                                                 Tensor(np.zeros(self.kh * self.d, np.float32)))
-            self.norm_eps = Tensor(np.array([cfg.rms_norm_eps], np.float32))
+            self.norm_eps = Tensor(np.array([cfg.rms_norm_eps], np.float32)) if cfg.qk_norm else None
             self.attention = kernel_op(cpu_kernels.DECODE_ATTENTION, lambda q, *_: q, lambda q, *_: q)
         else:
             self.qkv_rope = self.attention = None
