@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import struct
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
@@ -10,8 +9,6 @@ from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 import numpy as np
 
 from export.errors import ExportError
-
-log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype -> (numpy dtype of the stored bits, how to widen them to a numpy float)
