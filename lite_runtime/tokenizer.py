@@ -61,14 +61,7 @@ class FolderTokenizer:
             setattr(self, key, text)
             setattr(self, f"{key}_id", self._tok.token_to_id(text) if text else None)
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
-        # Llama-style tokenizers: tokenizer_config.json's add_bos_token / add_eos_token, when present, decide (as
-        # transformers' update_post_processor rebuilds the template from them); absent, tokenizer.json's own
-        # post-processor does (Llama 3 and Qwen ship it in tokenizer.json)
-        self._add = {}
-        for key, token_id in (("add_bos_token", self.bos_token_id), ("add_eos_token", self.eos_token_id)):
-            value = config.get(key)
-            if isinstance(value, bool) and (token_id is not None or not value):
-                self._add[key] = value
+        self._set_special_token_template(config)
         template_path = os.path.join(path, "chat_template.jinja")
         if os.path.isfile(template_path):
             with open(template_path, encoding="utf-8") as fh:
@@ -84,14 +77,30 @@ class FolderTokenizer:
     def __call__(self, text: str, add_special_tokens: bool = True) -> Dict[str, List[int]]:
         return {"input_ids": self.encode(text, add_special_tokens=add_special_tokens)}
 
+    def _set_special_token_template(self, config: Dict[str, Any]) -> None:
+        """Llama-style tokenizers: tokenizer_config.json's add_bos_token / add_eos_token, when present, decide whether
+        encode adds BOS / EOS, and the template is rebuilt once here from them (as transformers'
+        update_post_processor does); a flag that is absent keeps what tokenizer.json's own template does. Without
+        either flag tokenizer.json's post-processor is left alone (Llama 3 and Qwen ship theirs there)."""
+        wanted = {}
+        for key, token_id in (("add_bos_token", self.bos_token_id), ("add_eos_token", self.eos_token_id)):
+            value = config.get(key)
+            if isinstance(value, bool) and (token_id is not None or not value):
+                wanted[key] = value
+        if not wanted:
+            return
+        from tokenizers.processors import TemplateProcessing
+
+        probe = "a"
+        ids, plain = self._tok.encode(probe).ids, self._tok.encode(probe, add_special_tokens=False).ids
+        add_bos = wanted.get("add_bos_token", ids[:1] == [self.bos_token_id] != plain[:1])
+        add_eos = wanted.get("add_eos_token", ids[-1:] == [self.eos_token_id] != plain[-1:])
+        specials = [(self.bos_token, self.bos_token_id)] * add_bos + [(self.eos_token, self.eos_token_id)] * add_eos
+        single = " ".join([f"{self.bos_token}:0"] * add_bos + ["$A:0"] + [f"{self.eos_token}:0"] * add_eos)
+        self._tok.post_processor = TemplateProcessing(single=single, special_tokens=specials)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
-        ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
-        if not add_special_tokens or not self._add:
-            return ids
-        plain = list(self._tok.encode(text, add_special_tokens=False).ids)
-        add_bos = self._add.get("add_bos_token", bool(ids[:1]) and ids[:1] == [self.bos_token_id] != plain[:1])
-        add_eos = self._add.get("add_eos_token", bool(ids[-1:]) and ids[-1:] == [self.eos_token_id] != plain[-1:])
-        return [self.bos_token_id] * add_bos + plain + [self.eos_token_id] * add_eos
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False, **_: Any) -> str:
         if hasattr(ids, "tolist"):
