@@ -84,22 +84,23 @@ def random_weights(cfg, seed: int, dtype) -> Dict[str, np.ndarray]:
     # A small embedding keeps it from dominating the residual stream: with a tied head a large one
     # makes the model predict its own last token forever, which makes for weak greedy tests.
     w = {"model.embed_tokens.weight": (0.1 * rng.standard_normal((cfg.vocab_size, e))).astype(dtype)}
+    def linear(name: str, out_f: int, in_f: int, bias: bool) -> None:
+        w[name + ".weight"] = dense(out_f, in_f)
+        if bias:
+            w[name + ".bias"] = vec(out_f)
+
     for n in range(cfg.num_hidden_layers):
         p = f"model.layers.{n}."
-        w[p + "input_layernorm.weight"] = vec(e, 1.0)
         # drawn in this order so that a qwen2 checkpoint of a seed is the same as before the families
-        for name, (out_f, in_f), bias in (("self_attn.q_proj", (h * d, e), qkv_bias),
-                                           ("self_attn.k_proj", (kh * d, e), qkv_bias),
-                                           ("self_attn.v_proj", (kh * d, e), qkv_bias),
-                                           ("self_attn.o_proj", (e, h * d), o_bias), (None, (0, 0), False),
-                                           ("mlp.gate_proj", (i, e), mlp_bias), ("mlp.up_proj", (i, e), mlp_bias),
-                                           ("mlp.down_proj", (e, i), mlp_bias)):
-            if name is None:
-                w[p + "post_attention_layernorm.weight"] = vec(e, 1.0)
-                continue
-            w[p + name + ".weight"] = dense(out_f, in_f)
-            if bias:
-                w[p + name + ".bias"] = vec(out_f)
+        w[p + "input_layernorm.weight"] = vec(e, 1.0)
+        linear(p + "self_attn.q_proj", h * d, e, qkv_bias)
+        linear(p + "self_attn.k_proj", kh * d, e, qkv_bias)
+        linear(p + "self_attn.v_proj", kh * d, e, qkv_bias)
+        linear(p + "self_attn.o_proj", e, h * d, o_bias)
+        w[p + "post_attention_layernorm.weight"] = vec(e, 1.0)
+        linear(p + "mlp.gate_proj", i, e, mlp_bias)
+        linear(p + "mlp.up_proj", i, e, mlp_bias)
+        linear(p + "mlp.down_proj", e, i, mlp_bias)
         if family == "qwen3":
             w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = vec(d, 1.0), vec(d, 1.0)
     w["model.norm.weight"] = vec(e, 1.0)
