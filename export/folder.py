@@ -28,7 +28,8 @@ _MINDIR_DTYPES = {"INT32": "int32", "INT64": "int64", "FLOAT": "float32", "FLOAT
 
 
 def graph_prefix(name: str, role: str, tokens: int, seq_length: int) -> str:
-    """`<name>_prefill` (the seq_length graph), `<name>_prefill_<tokens>` (a bucket), `<name>_inc`."""
+    """`<name>_prefill` (the seq_length graph), `<name>_prefill_<tokens>` (a bucket), `<name>_inc`; the slot graphs
+    of batch_size > 1 folders likewise `<name>_slot` and `<name>_slot_<tokens>`."""
     return f"{name}_{role}" if role == "inc" or tokens == seq_length else f"{name}_{role}_{tokens}"
 
 

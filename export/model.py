@@ -264,7 +264,8 @@ class Attention(nn.Cell):
         out = self.bmm_pv(probs, v).reshape(b, self.kh, self.g, n, self.d)
         return out.transpose(0, 3, 1, 2, 4).reshape(b * n, self.h * self.d)
 
-    def prefill(self, x, cos, sin, mask, b, n, valid_length):
+    def prefill(self, x, cos, sin, mask, b, n, valid_length, slot=None):
+        """slot [1] int32: the slot graph (b == 1), which writes that row of the cache and leaves the others."""
         q, k, v = self._project(x, cos, sin, b, n, valid_length)
         seq = self.key_cache.shape[2]
         if n < seq:  # a shorter bucket: the tail of the cache is masked until decode writes it
@@ -272,8 +273,13 @@ class Attention(nn.Cell):
             k_all, v_all = ops.cat((k, pad), axis=2), ops.cat((v, pad), axis=2)
         else:
             k_all, v_all = k, v
-        k_done = ops.assign(self.key_cache, k_all)
-        v_done = ops.assign(self.value_cache, v_all)
+        if slot is None:
+            k_done = ops.assign(self.key_cache, k_all)
+            v_done = ops.assign(self.value_cache, v_all)
+        else:
+            row = slot.reshape(1, 1)
+            k_done = ops.scatter_nd_update(self.key_cache, row, k_all)
+            v_done = ops.scatter_nd_update(self.value_cache, row, v_all)
         out = self._attend(q, k, v, mask, b, n)
         return self.o_proj(ops.depend(ops.depend(out, k_done), v_done), valid_length)
 
@@ -317,8 +323,8 @@ class DecoderLayer(nn.Cell):
         else:
             self.project_add = None
 
-    def prefill(self, x, cos, sin, mask, b, n, valid_length):  # x [B*n, E]
-        h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n, valid_length))
+    def prefill(self, x, cos, sin, mask, b, n, valid_length, slot=None):  # x [B*n, E]
+        h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n, valid_length, slot))
         return ew_add(h, self.mlp(self.post_attention_layernorm(h), valid_length))
 
     def _project_add(self, linear, x, residual):
@@ -367,6 +373,7 @@ class CausalLM(nn.Cell):
     """The network with both steps. Inputs are the graph inputs the manifest records:
 
     prefill(input_ids [B, L] int32 right-padded, valid_length [B] int32 = prompt lengths)
+    prefill(input_ids [1, L], valid_length [1], slot [1] int32): the slot graph, one row of the cache
     decode(input_ids [B, 1] int32, valid_length [B] int32 = tokens in the cache after this step)
     Both return float32 logits [B, V] of each row's last valid token. Positions come from
     valid_length inside the graph.
@@ -408,7 +415,7 @@ class CausalLM(nn.Cell):
         matmul = self.head_kernel if self.head_gemm or (self.head_gemv and (decode or few)) else self.head_matmul
         return ops.cast(matmul(hidden, weight), ms.float32)
 
-    def prefill(self, input_ids, valid_length):
+    def prefill(self, input_ids, valid_length, slot=None):
         b, n = input_ids.shape
         x = self.model.embed_tokens(input_ids.reshape(-1))  # [B*n, E]
         pos = self.positions[:n]
@@ -419,8 +426,8 @@ class CausalLM(nn.Cell):
         mask = ops.select(ops.logical_and(causal, valid), ops.zeros((b, n, n), ms.float32),
                           ops.full((b, n, n), -1e9, dtype=ms.float32))
         for layer in self.model.layers:
-            x = layer.prefill(x, cos, sin, mask, b, n, valid_length)
-        last = ops.gather(x, self.rows * n + valid_length - 1, 0)  # [B, E]
+            x = layer.prefill(x, cos, sin, mask, b, n, valid_length, slot)
+        last = ops.gather(x, self.rows[:b] * n + valid_length - 1, 0)  # [B, E]
         return self._logits(last)
 
     def decode(self, input_ids, valid_length):
@@ -447,6 +454,19 @@ class PrefillGraph(nn.Cell):
 
     def construct(self, input_ids, valid_length):
         return self.net.prefill(input_ids, valid_length)
+
+
+class SlotPrefillGraph(nn.Cell):
+    """The slot graph of a folder with batch_size > 1: one prompt (input_ids [1, L], valid_length [1]) prefilled
+    into one row of the cache (slot [1] int32), the other rows untouched, so a server can start a request while
+    the others keep decoding (continuous batching). Same parameters; logits [1, V]."""
+
+    def __init__(self, net: CausalLM) -> None:
+        super().__init__(auto_prefix=False)
+        self.net = net
+
+    def construct(self, input_ids, valid_length, slot):
+        return self.net.prefill(input_ids, valid_length, slot)
 
 
 class DecodeGraph(nn.Cell):

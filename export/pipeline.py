@@ -144,7 +144,7 @@ def _build_and_export_graphs(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str
     import mindspore as ms
     import numpy as np
 
-    from export.model import CausalLM, DecodeGraph, PrefillGraph
+    from export.model import CausalLM, DecodeGraph, PrefillGraph, SlotPrefillGraph
     from export.shared_weights import data_location, share_weights
     from export.weights import load_into
 
@@ -159,15 +159,21 @@ def _build_and_export_graphs(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str
     with tqdm(total=n_weights, desc="weights", unit="tensor", disable=not show_progress) as bar:
         weight_bytes = load_into(net, cfg.checkpoint, progress=bar.update)
     b, s = cfg.batch_size, cfg.seq_length
-    plan = [("prefill", n) for n in sorted(set(cfg.prefill_buckets) | {s})] + [("inc", 1)]
-    cells = {"prefill": PrefillGraph(net), "inc": DecodeGraph(net)}
+    buckets = sorted(set(cfg.prefill_buckets) | {s})
+    plan = [("prefill", n) for n in buckets] + [("inc", 1)]
+    if b > 1:  # a slot graph per bucket: one prompt into one cache row, for continuous batching (lite_runtime.serve)
+        plan += [("slot", n) for n in buckets]
+    cells = {"prefill": PrefillGraph(net), "inc": DecodeGraph(net), "slot": SlotPrefillGraph(net)}
     files = []
     for role, tokens in tqdm(plan, desc="graphs", unit="graph", disable=not show_progress):
         prefix = fmt.graph_prefix(cfg.name, role, tokens, s)
         log.info("exporting the %s graph (%d tokens)", role, tokens)
-        valid = np.full((b,), 1 if role == "prefill" else 2, np.int32)
-        ms.export(cells[role], ms.Tensor(np.zeros((b, tokens), np.int32)), ms.Tensor(valid),
-                  file_name=os.path.join(tmp, prefix), file_format="MINDIR")
+        rows = 1 if role == "slot" else b
+        args = [ms.Tensor(np.zeros((rows, tokens), np.int32)),
+                ms.Tensor(np.full((rows,), 2 if role == "inc" else 1, np.int32))]
+        if role == "slot":
+            args.append(ms.Tensor(np.zeros((1,), np.int32)))
+        ms.export(cells[role], *args, file_name=os.path.join(tmp, prefix), file_format="MINDIR")
         files.append(fmt.place_graph(tmp, prefix))
     _, data_sha256 = share_weights(tmp, cfg.name, files, edit=fmt.portable_kernel_paths if gemv else None)
     graphs = [{"role": role, "file": f, "variables": data_location(cfg.name), "tokens": tokens,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from lite_runtime.errors import InferError
-from lite_runtime.folder import ModelFolder, graph_key, graph_tokens, load_folder
+from lite_runtime.folder import ModelFolder, graph_key, graph_role, graph_tokens, load_folder
 
 MODEL_TYPES = ("mindir",)
 TARGETS = ("Ascend", "CPU")
@@ -49,6 +49,9 @@ class InferConfig:
     # the smallest prefill graph; longer buckets compile on the first prompt that needs them), "all", "none";
     # "auto": "all" on mslite (GE compiles for minutes per graph: never inside a request), "smallest" on ms
     warm_up: str = "auto"
+    # load the slot graphs of a batch_size > 1 folder (one prompt into one cache row: continuous batching, as
+    # lite_runtime.serve does). Off for pipeline(): on Atlas every loaded graph is compiled by GE for minutes
+    slot_graphs: bool = False
     # mslite backend: root of GE's compile cache, one folder per folder content, Lite and CANN version
     # (lite_runtime/backends/ge_options.py); None: ~/.cache/mslite-llm/ge, "none": no cache
     ge_cache_dir: Optional[str] = None
@@ -84,14 +87,19 @@ class InferConfig:
         return config
 
     def graph_paths(self) -> Dict[str, str]:
-        """Every graph to load, by key (`prefill_<tokens>`, `inc`); the longest prefill graph first."""
+        """Every graph to load, by key (`prefill_<tokens>`, `inc`, `slot_<tokens>`): the prefill graphs longest first,
+        inc, then (with slot_graphs) the slot graphs of a batch_size > 1 folder, longest first."""
         if self.folder is not None:
             paths = self.folder.graph_paths()
         else:
             paths = {graph_key("prefill", int(self.infer_seq_length)): self.prefill_model_path,
                      "inc": self.increment_model_path}
-        prefill = sorted((k for k in paths if k != "inc"), key=lambda k: -graph_tokens(k))
-        return {k: paths[k] for k in prefill + ["inc"]}
+
+        def longest_first(role):
+            return sorted((k for k in paths if graph_role(k) == role), key=lambda k: -graph_tokens(k))
+
+        slots = longest_first("slot") if self.slot_graphs else []
+        return {k: paths[k] for k in longest_first("prefill") + ["inc"] + slots}
 
     def validate(self) -> None:
         if not self.compute_dtype:

@@ -12,7 +12,8 @@ from lite_runtime.errors import ModelFolderError
 FORMAT = "mslite-llm-model-folder"
 SUPPORTED_VERSIONS = (1,)
 MANIFEST = "manifest.json"
-ROLES = ("prefill", "inc")
+ROLES = ("prefill", "inc", "slot")  # every folder has prefill and inc graphs; batch_size > 1 folders slot graphs too
+REQUIRED_ROLES = ("prefill", "inc")
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,14 @@ class ModelFolder:
 
 
 def graph_key(role: str, tokens: int) -> str:
-    """`prefill_<tokens>` for each full graph (one per prompt-length bucket), `inc` for the incremental one."""
-    return "inc" if role == "inc" else f"prefill_{tokens}"
+    """`prefill_<tokens>` for each full graph (one per prompt-length bucket), `inc` for the incremental one,
+    `slot_<tokens>` for the slot graphs (one prompt into one cache row: continuous batching)."""
+    return "inc" if role == "inc" else f"{role}_{tokens}"
+
+
+def graph_role(key: str) -> str:
+    """`prefill`, `inc` or `slot` (the inverse of graph_key's role)."""
+    return key.split("_", 1)[0]
 
 
 def graph_tokens(key: str) -> int:
@@ -222,7 +229,7 @@ def _graphs(path: str, manifest: Dict[str, Any]) -> Dict[str, GraphSpec]:
         graphs[key] = GraphSpec(role=role, path=os.path.join(os.path.abspath(path), raw["file"]), tokens=tokens,
                                 inputs=tuple(TensorSpec.from_dict(t) for t in raw["inputs"]),
                                 outputs=tuple(TensorSpec.from_dict(t) for t in raw["outputs"]))
-    missing = [r for r in ROLES if not any(g.role == r for g in graphs.values())]
+    missing = [r for r in REQUIRED_ROLES if not any(g.role == r for g in graphs.values())]
     if missing:
         raise ModelFolderError(f"{where}: no {' and no '.join(missing)} graph; re-export the folder")
     for spec in graphs.values():
@@ -242,13 +249,14 @@ def _check_specs_against_yaml(folder: ModelFolder) -> None:
                                f"{MANIFEST} family {family!r}; re-export the folder")
     b, s, vocab = folder.batch_size, folder.seq_length, int(infer["vocab_size"])
     for key, spec in folder.graphs.items():
+        rows = 1 if spec.role == "slot" else b  # a slot graph prefills one prompt into one row of the cache
         for t in spec.inputs:
-            want = {"input_ids": (b, spec.tokens), "valid_length": (b,)}.get(t.name)
+            want = {"input_ids": (rows, spec.tokens), "valid_length": (rows,), "slot": (1,)}.get(t.name)
             if want is not None and t.shape != want:
                 raise ModelFolderError(f"{folder.yaml_path}: batch_size {b} / seq_length {s} disagree with the "
                                        f"{spec.role} graph's {t.name} shape {list(t.shape)} "
                                        f"({os.path.basename(spec.path)}); re-export the folder")
-        if spec.outputs[0].shape != (b, vocab):
+        if spec.outputs[0].shape != (rows, vocab):
             raise ModelFolderError(f"{folder.yaml_path}: batch_size {b} / vocab_size {vocab} disagree with the "
                                    f"{spec.role} graph's logits shape {list(spec.outputs[0].shape)}; re-export")
     if graph_key("prefill", s) not in folder.graphs:

@@ -20,7 +20,7 @@ import numpy as np
 from lite_runtime.backends import check_inputs, load_backend, resolve_backend
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError
-from lite_runtime.folder import graph_key, graph_tokens
+from lite_runtime.folder import graph_key, graph_role, graph_tokens
 from lite_runtime.inputs import InputOfInfer
 from lite_runtime.sampling import GenerationSettings, choose, process
 from lite_runtime.tokenizer import FolderTokenizer, has_folder_tokenizer
@@ -84,7 +84,7 @@ def warm_up_keys(setting: str, backend: str, keys: List[str]) -> List[str]:
     if setting == "all":
         return list(keys)
     if setting == "smallest":
-        smallest = min((k for k in keys if k != "inc"), key=graph_tokens)
+        smallest = min((k for k in keys if graph_role(k) == "prefill"), key=graph_tokens)
         return [smallest, "inc"]
     return []
 
@@ -97,7 +97,11 @@ class TextGenerator:
         self.backend = load_backend(self.backend_name, config)
         self.batch_size, self.seq_length = int(config.batch_size), int(config.infer_seq_length)
         # prompt-length buckets: a batch prefills on the smallest full graph its longest prompt fits
-        self.prefill_sizes = sorted(graph_tokens(k) for k in config.graph_paths() if k != "inc")
+        paths = config.graph_paths()
+        self.prefill_sizes = sorted(graph_tokens(k) for k in paths if graph_role(k) == "prefill")
+        # one prompt into one cache row (prefill_slot): the slot graphs, or at batch 1 the prefill graphs themselves
+        self.slot_sizes = sorted(graph_tokens(k) for k in paths if graph_role(k) == "slot") or (
+            self.prefill_sizes if self.batch_size == 1 else [])
         self._tokenizer = tokenizer
         self.defaults = GenerationSettings.from_generation_config(config.model_dir).updated(
             eos_token_id=config.eos_token_id or None, pad_token_id=config.pad_token_id)
@@ -261,6 +265,37 @@ class TextGenerator:
                 and all(len(r) == len(c) + 1 and r[:-1] == c for r, c in zip(rows, cache))):
             return self._step({i: r[-1] for i, r in enumerate(rows)})
         return self._prefill(rows)
+
+    # --- slots: each cache row its own request (continuous batching, lite_runtime.batching) -----------------
+    def slot_key(self, tokens: int) -> str:
+        """The graph that prefills a prompt of `tokens` tokens into one cache row."""
+        if not self.slot_sizes:
+            if not self.config.slot_graphs:
+                raise InferError("the slot graphs were not loaded: pass slot_graphs=True to pipeline()")
+            raise InferError(f"{self.config.prefill_model_path}: this batch_size {self.batch_size} folder has no slot "
+                             "graphs (exported before them); re-export it to serve requests one row at a time")
+        if tokens > self.slot_sizes[-1]:
+            raise InferError(f"a prompt of {tokens} tokens is longer than the graphs ({self.slot_sizes[-1]})")
+        n = next(n for n in self.slot_sizes if n >= tokens)
+        return graph_key("prefill" if self.batch_size == 1 else "slot", n)
+
+    def prefill_slot(self, slot: int, row: Sequence[int]) -> np.ndarray:
+        """Prefill one prompt into cache row `slot`, leaving the other rows as they are: float32 logits [V]."""
+        pad = int(self.defaults.pad_token_id or 0)
+        key = self.slot_key(len(row))
+        arrays = self.inputs.prefill([list(row)], graph_tokens(key), pad)
+        if self.batch_size > 1:
+            arrays = self.inputs.slot(arrays, slot)
+        with self._request():
+            self._cache = None  # the rows no longer hold what generate/infer recorded
+            return self._run(key, arrays)[0]
+
+    def step_slots(self, tokens: Sequence[int], lengths: Sequence[int]) -> np.ndarray:
+        """One decode step of every row: tokens[i] at position lengths[i] - 1 of row i. float32 logits [B, V].
+        A free row is given any token at length 1: it writes only position 0 of its own row."""
+        with self._request():
+            self._cache = None
+            return self._run("inc", self.inputs.increment(tokens, lengths))
 
     # --- checks -----------------------------------------------------------------------------------
     def _check_rows(self, rows: Sequence[Sequence[int]]) -> List[List[int]]:

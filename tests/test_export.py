@@ -76,7 +76,8 @@ def test_folder_contents_and_manifest(exported):
     folder = exported["gqa_tied"]
     files = sorted(os.path.relpath(os.path.join(r, f), folder) for r, _, fs in os.walk(folder) for f in fs)
     assert files == sorted([
-        "gqa_tied.yaml", "gqa_tied_prefill_graph.mindir", "gqa_tied_inc_graph.mindir", "gqa_tied_variables/data_0",
+        "gqa_tied.yaml", "gqa_tied_prefill_graph.mindir", "gqa_tied_inc_graph.mindir", "gqa_tied_slot_graph.mindir",
+        "gqa_tied_variables/data_0",
         "config.ini", "manifest.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
         "generation_config.json", "golden.json"])
     with open(os.path.join(folder, "manifest.json")) as fh:
@@ -92,6 +93,11 @@ def test_folder_contents_and_manifest(exported):
     assert specs["prefill"] == ([{"name": "input_ids", "dtype": "int32", "shape": [2, 32]},
                                  {"name": "valid_length", "dtype": "int32", "shape": [2]}],
                                 [{"name": "logits", "dtype": "float32", "shape": [2, 512]}])
+    # batch 2: a slot graph (one prompt into one cache row, for lite_runtime.serve)
+    assert specs["slot"] == ([{"name": "input_ids", "dtype": "int32", "shape": [1, 32]},
+                              {"name": "valid_length", "dtype": "int32", "shape": [1]},
+                              {"name": "slot", "dtype": "int32", "shape": [1]}],
+                             [{"name": "logits", "dtype": "float32", "shape": [1, 512]}])
     assert specs["inc"] == ([{"name": "input_ids", "dtype": "int32", "shape": [2, 1]},
                              {"name": "valid_length", "dtype": "int32", "shape": [2]}],
                             [{"name": "logits", "dtype": "float32", "shape": [2, 512]}])

@@ -207,11 +207,14 @@ def test_graph_boundary_is_int32_in_float32_out_in_every_dtype(atlas_exported, d
     folder = atlas_exported[dtype]
     with open(os.path.join(folder, "manifest.json")) as fh:
         graphs = json.load(fh)["graphs"]
-    assert sorted((g["role"], g["tokens"]) for g in graphs) == [("inc", 1), ("prefill", 8), ("prefill", 32)]
+    assert sorted((g["role"], g["tokens"]) for g in graphs) == [("inc", 1), ("prefill", 8), ("prefill", 32),
+                                                                 ("slot", 8), ("slot", 32)]
     for g in graphs:
         spec = read_graph_spec(os.path.join(folder, g["file"]))
         assert spec == {"inputs": g["inputs"], "outputs": g["outputs"]}
-        assert [(t["name"], t["dtype"]) for t in spec["inputs"]] == [("input_ids", "int32"), ("valid_length", "int32")]
+        slot = [("slot", "int32")] if g["role"] == "slot" else []
+        assert [(t["name"], t["dtype"]) for t in spec["inputs"]] == [("input_ids", "int32"), ("valid_length", "int32"),
+                                                                   *slot]
         assert [(t["name"], t["dtype"]) for t in spec["outputs"]] == [("logits", "float32")]
         model = mind_ir_pb2.ModelProto()
         with open(os.path.join(folder, g["file"]), "rb") as fh:
