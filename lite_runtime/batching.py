@@ -1,0 +1,207 @@
+"""Continuous batching over a folder's static graphs: each request holds one row ("slot") of the KV cache.
+
+A request waits in a bounded queue until a row is free; then the slot graph prefills its prompt into
+that row alone (TextGenerator.prefill_slot) and it joins the decode batch at the next step. Every step
+runs the incremental graph once for all rows (step_slots); a request leaves as soon as it ends (eos,
+a stop string, max_tokens) or its client has gone, and its row is free for the next one. The other rows
+are never written by another request's calls, so a request cannot see another's tokens, and a row's
+numbers do not depend on what the other rows hold.
+
+One thread (the engine) makes every graph call; callers submit a `SlotRequest` and receive its events
+through the request's `emit` callback, called from the engine thread: ("text", str), then one
+("end", finish_reason) or ("error", message). Text is decoded from the generated ids as a whole each
+step, so multi-byte characters and stop strings split across tokens come out right: text that could
+still be the start of a stop string is held back until it cannot.
+
+No HTTP here (lite_runtime.serve) and no MindSpore or torch: the generator's backend does the work.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Deque, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from lite_runtime.sampling import GenerationSettings, choose, process
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """Every row is busy and the queue is at its bound."""
+
+
+@dataclass
+class SlotRequest:
+    prompt: List[int]
+    max_tokens: int
+    settings: GenerationSettings  # sampling (do_sample, temperature, top_k, top_p, repetition_penalty, seed)
+    emit: Callable[[Tuple[str, object]], None]
+    stop: Sequence[str] = ()
+    eos: Sequence[int] = ()
+    cancelled: bool = False  # set by the caller (client gone); the engine frees the row at its next step
+    # filled in by the engine
+    generated: List[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    text: str = ""  # sent so far
+    submitted: float = field(default_factory=time.monotonic)
+    slot: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.settings.seed)
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """How many characters at the end of `text` must wait: an incomplete character (U+FFFD from a split UTF-8
+    sequence) or the longest tail that is the start of a stop string."""
+    keep = 0
+    while keep < len(text) and text[len(text) - 1 - keep] == "\ufffd":
+        keep += 1
+    body = text[:len(text) - keep]
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(body)), 0, -1):
+            if body.endswith(stop[:n]):
+                keep = max(keep, len(text) - len(body) + n)
+                break
+    return keep
+
+
+class BatchEngine:
+    """The engine thread over a TextGenerator: `submit` requests; `stop()` ends the thread."""
+
+    def __init__(self, generator, max_queue: int = 64) -> None:
+        self.generator = generator
+        self.rows = int(generator.batch_size)
+        self.seq_length = int(generator.seq_length)
+        self.max_queue = int(max_queue)
+        self.slots: List[Optional[SlotRequest]] = [None] * self.rows
+        self.waiting: Deque[SlotRequest] = collections.deque()
+        self.pad = int(generator.defaults.pad_token_id or 0)
+        self._cond = threading.Condition()
+        self._stopped = False
+        self.steps = 0  # decode steps run
+        self.inflight = 0  # requests submitted and not ended: at most rows + max_queue
+        self.peak_busy = 0  # most rows busy at once
+        self.completed = 0  # requests ended, by any reason
+        self._thread = threading.Thread(target=self._loop, name="mslite-llm-engine", daemon=True)
+        self._thread.start()
+
+    # --- callers ------------------------------------------------------------------------------------
+    def submit(self, request: SlotRequest) -> None:
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("the engine has stopped")
+            if self.inflight >= self.rows + self.max_queue:
+                raise QueueFull()
+            self.inflight += 1
+            self.waiting.append(request)
+            self._cond.notify()
+
+    def load(self) -> Tuple[int, int]:
+        """(rows busy, requests waiting for one)."""
+        with self._cond:
+            return sum(s is not None for s in self.slots), self.inflight - sum(s is not None for s in self.slots)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    # --- the engine thread --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and not self.waiting and all(s is None for s in self.slots):
+                    self._cond.wait()
+                if self._stopped:
+                    break
+                admit = []
+                for row in range(self.rows):
+                    if self.slots[row] is None and self.waiting:
+                        admit.append((row, self.waiting.popleft()))
+            try:
+                for row, request in admit:
+                    self._start(row, request)
+                self._step()
+            except Exception as exc:  # noqa: BLE001  (a failed graph call ends the requests it served, not the server)
+                log.exception("the engine's graph call failed")
+                for row, request in enumerate(self.slots):
+                    if request is not None:
+                        self._end(row, request, error=f"inference failed: {exc}")
+        for row, request in enumerate(self.slots):
+            if request is not None:
+                self._end(row, request, error="the server is shutting down")
+        for request in self.waiting:
+            request.emit(("error", "the server is shutting down"))
+
+    def _start(self, row: int, request: SlotRequest) -> None:
+        if request.cancelled:
+            self._done()
+            return
+        request.slot = row
+        self.slots[row] = request
+        self.peak_busy = max(self.peak_busy, sum(s is not None for s in self.slots))
+        self._advance(row, request, self.generator.prefill_slot(row, request.prompt))
+
+    def _step(self) -> None:
+        for row, request in enumerate(self.slots):
+            if request is not None and request.cancelled:
+                self._end(row, request, reason="cancelled")
+        busy = [row for row, r in enumerate(self.slots) if r is not None]
+        if not busy:
+            return
+        tokens, lengths = [self.pad] * self.rows, [1] * self.rows  # a free row writes position 0 of its own row
+        for row in busy:
+            request = self.slots[row]
+            tokens[row] = request.generated[-1]
+            lengths[row] = len(request.prompt) + len(request.generated)
+        logits = self.generator.step_slots(tokens, lengths)
+        self.steps += 1
+        for row in busy:
+            self._advance(row, self.slots[row], logits[row])
+
+    def _advance(self, row: int, request: SlotRequest, logits: np.ndarray) -> None:
+        """Choose the request's next token from its logits, send the text it completes, end it if it is done."""
+        seen = request.prompt + request.generated
+        token, _ = choose(process(logits, seen, request.settings), request.settings.do_sample, request.rng)
+        request.generated.append(token)
+        if token in request.eos:
+            self._send_text(request, final=True)
+            self._end(row, request, reason="stop")
+            return
+        if self._send_text(request, final=False):
+            self._end(row, request, reason="stop")
+        elif len(request.generated) >= request.max_tokens:
+            self._send_text(request, final=True)
+            self._end(row, request, reason="length")
+
+    def _send_text(self, request: SlotRequest, final: bool) -> bool:
+        """Send the text the new token completed; True when a stop string was reached (the text ends before it)."""
+        ids = request.generated[:-1] if request.generated and request.generated[-1] in request.eos else request.generated
+        text = self.generator.tokenizer.decode(ids, skip_special_tokens=True)
+        hit = None
+        if request.stop:
+            since = max(0, len(request.text) - max(len(s) for s in request.stop))
+            found = [i for i in (text.find(s, since) for s in request.stop) if i >= 0]
+            hit = min(found) if found else None
+        end = hit if hit is not None else len(text) if final else len(text) - held_back(text, request.stop)
+        if end > len(request.text):
+            request.emit(("text", text[len(request.text):end]))
+            request.text = text[:end]
+        return hit is not None
+
+    def _end(self, row: int, request: SlotRequest, reason: str = "", error: str = "") -> None:
+        self.slots[row] = None
+        self._done()
+        request.finish_reason = reason or "error"
+        request.emit(("error", error) if error else ("end", reason))
+
+    def _done(self) -> None:
+        with self._cond:
+            self.inflight -= 1
+            self.completed += 1

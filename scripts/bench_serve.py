@@ -1,0 +1,256 @@
+"""Load on the OpenAI-compatible server: a batch-4 folder against a batch-1 folder of the same checkpoint, served
+the same way (`python -m lite_runtime.serve`, loopback only), in one run.
+
+    python scripts/bench_serve.py --checkpoint <hf_dir> --work bench_serve/ [--output scripts/bench-serve.json]
+
+Without --checkpoint a random Qwen2-0.5B-shaped one is made (scripts/benchmark.py). Each folder is exported as
+`python -m export --device cpu --seq_length 512 --batch_size B` (nothing else). For each folder, against its own
+server process:
+- 1, 4 and 16 concurrent clients, each sending its share of the same set of greedy streaming requests
+  (random-token prompts of 16-96 tokens, max_tokens 48): aggregate completion tok/s, time to first token and
+  latency at p50 and p99;
+- every request's text is compared with the text the 1-client load got for the same prompt (no request lost,
+  no cross-talk between rows);
+- 500 sequential short requests: the server's RSS after the first 20 and after all 500 (growth), and its peak.
+Prints a table and the goals' ratios; writes JSON. Benchmarks are not tests: nothing here runs in the test suite.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(field + ":"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(values: List[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+class Server:
+    def __init__(self, folder: str, log_path: str) -> None:
+        import httpx
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")
+        start = time.perf_counter()
+        self.proc = subprocess.Popen([sys.executable, "-m", "lite_runtime.serve", "--model_dir", folder, "--port",
+                                      str(self.port), "--backend", "ms", "--log_level", "warning"], cwd=ROOT,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server for {folder} exited; see {log_path}")
+            time.sleep(0.2)
+        self.ready_s = time.perf_counter() - start
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+
+def one_request(url: str, prompt: List[int], max_tokens: int) -> Dict[str, Any]:
+    """A streaming greedy completion: text, tokens, time to first text and latency (seconds)."""
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first, parts, usage, finish = None, [], None, None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            return {"error": f"{r.status_code} {r.read().decode()[:200]}"}
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                if first is None:
+                    first = time.perf_counter() - start
+                parts.append(choice.get("text") or "")
+                finish = choice.get("finish_reason") or finish
+    return {"text": "".join(parts), "tokens": usage["completion_tokens"] if usage else 0, "ttft": first,
+            "latency": time.perf_counter() - start, "finish": finish}
+
+
+def run_load(url: str, prompts: List[List[int]], clients: int, max_tokens: int) -> Dict[str, Any]:
+    results: List[Optional[Dict[str, Any]]] = [None] * len(prompts)
+    next_index = iter(range(len(prompts)))
+    lock = threading.Lock()
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(next_index, None)
+            if i is None:
+                return
+            results[i] = one_request(url, prompts[i], max_tokens)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    ok = [r for r in results if r and "error" not in r and r.get("finish")]
+    tokens = sum(r["tokens"] for r in ok)
+    return {"clients": clients, "requests": len(prompts), "completed": len(ok), "wall_s": wall,
+            "tok_s": tokens / wall, "tokens": tokens,
+            "ttft_p50": percentile([r["ttft"] for r in ok], 50), "ttft_p99": percentile([r["ttft"] for r in ok], 99),
+            "latency_p50": percentile([r["latency"] for r in ok], 50),
+            "latency_p99": percentile([r["latency"] for r in ok], 99),
+            "texts": [r.get("text") if r else None for r in results],
+            "errors": [r["error"] for r in results if r and "error" in r]}
+
+
+def export(checkpoint: str, folder: str, batch: int, seq_length: int) -> None:
+    if os.path.isfile(os.path.join(folder, "manifest.json")):
+        print(f"using {folder}", flush=True)
+        return
+    cmd = [sys.executable, "-m", "export", "--checkpoint", checkpoint, "--output", folder, "--device", "cpu",
+           "--seq_length", str(seq_length), "--batch_size", str(batch)]
+    print(" ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+def bench_folder(folder: str, args, prompts: List[List[int]], short: List[List[int]]) -> Dict[str, Any]:
+    server = Server(folder, os.path.join(args.work, os.path.basename(folder) + ".server.log"))
+    try:
+        out: Dict[str, Any] = {"ready_s": server.ready_s, "loads": []}
+        one_request(server.url, prompts[0], 4)  # compiles what the first request needs beyond the warm-up
+        for clients in args.clients:
+            load = run_load(server.url, prompts, clients, args.max_tokens)
+            print(f"  {os.path.basename(folder)}: {clients:>2} clients  {load['tok_s']:6.1f} tok/s  ttft p50 "
+                  f"{load['ttft_p50']:.2f} s p99 {load['ttft_p99']:.2f} s  latency p50 {load['latency_p50']:.2f} s "
+                  f"p99 {load['latency_p99']:.2f} s  {load['completed']}/{load['requests']} completed", flush=True)
+            out["loads"].append(load)
+        # sequential: RSS growth after the first 20 requests
+        rss = []
+        seq_start = time.perf_counter()
+        lost = 0
+        for i, prompt in enumerate(short):
+            r = one_request(server.url, prompt, args.short_max_tokens)
+            lost += int("error" in r or not r.get("finish"))
+            if i == 19:
+                rss.append(rss_kib(server.proc.pid))
+        rss.append(rss_kib(server.proc.pid))
+        out["sequential"] = {"requests": len(short), "lost": lost, "wall_s": time.perf_counter() - seq_start,
+                             "rss_after_20_mib": rss[0] / 1024, "rss_after_all_mib": rss[1] / 1024,
+                             "rss_growth_pct": 100.0 * (rss[1] - rss[0]) / rss[0]}
+        out["peak_rss_gib"] = rss_kib(server.proc.pid, "VmHWM") / 2 ** 20
+        print(f"  {os.path.basename(folder)}: {len(short)} sequential, lost {lost}, RSS "
+              f"{rss[0] / 1024:.0f} -> {rss[1] / 1024:.0f} MiB ({out['sequential']['rss_growth_pct']:+.2f} %), "
+              f"peak {out['peak_rss_gib']:.2f} GiB", flush=True)
+        return out
+    finally:
+        server.stop()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import numpy as np
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", help="HF checkpoint (default: a random Qwen2-0.5B-shaped one in --work)")
+    p.add_argument("--work", required=True, help="folder for the checkpoint, the model folders and server logs")
+    p.add_argument("--batch_sizes", default="4,1")
+    p.add_argument("--seq_length", type=int, default=512)
+    p.add_argument("--clients", default="1,4,16")
+    p.add_argument("--requests", type=int, default=32, help="requests per load (default 32)")
+    p.add_argument("--max_tokens", type=int, default=48)
+    p.add_argument("--sequential", type=int, default=500)
+    p.add_argument("--short_max_tokens", type=int, default=4)
+    p.add_argument("--output", help="write the figures as JSON here")
+    args = p.parse_args(argv)
+    args.clients = [int(c) for c in args.clients.split(",")]
+    os.makedirs(args.work, exist_ok=True)
+    checkpoint = args.checkpoint
+    if not checkpoint:
+        import benchmark
+
+        checkpoint = benchmark.ensure_checkpoint(argparse.Namespace(checkpoint=None, work=args.work))
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(100, 20000, int(n))] for n in rng.integers(16, 97, args.requests)]
+    short = [[int(t) for t in rng.integers(100, 20000, 16)] for _ in range(args.sequential)]
+    report: Dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, "
+                              f"{os.cpu_count()} cores", "checkpoint": checkpoint, "seq_length": args.seq_length,
+                              "max_tokens": args.max_tokens, "folders": {}}
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        folder = os.path.join(args.work, f"serve_b{batch}_s{args.seq_length}")
+        export(checkpoint, folder, batch, args.seq_length)
+        report["folders"][batch] = bench_folder(folder, args, prompts, short)
+    # cross-talk: every load's texts equal the batch-1 folder's 1-client texts (the solo reference)
+    base = min(report["folders"])
+    reference = report["folders"][base]["loads"][0]["texts"]
+    for batch, result in report["folders"].items():
+        for load in result["loads"]:
+            load["same_texts_as_solo"] = sum(t == r for t, r in zip(load["texts"], reference))
+    print_table(report, args)
+    if args.output:
+        for result in report["folders"].values():
+            for load in result["loads"]:
+                load.pop("texts")
+        with open(args.output, "w") as fh:
+            json.dump(report, fh, indent=1)
+    return 0
+
+
+def print_table(report: Dict[str, Any], args) -> None:
+    print(f"\n{report['date']}, {report['machine']}; seq_length {report['seq_length']}, greedy, max_tokens "
+          f"{report['max_tokens']}, {args.requests} requests per load\n")
+    print("| folder | clients | tok/s | TTFT p50 / p99 (s) | latency p50 / p99 (s) | completed | same text as solo |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for batch, result in report["folders"].items():
+        for load in result["loads"]:
+            print(f"| batch {batch} | {load['clients']} | {load['tok_s']:.1f} | {load['ttft_p50']:.2f} / "
+                  f"{load['ttft_p99']:.2f} | {load['latency_p50']:.2f} / {load['latency_p99']:.2f} | "
+                  f"{load['completed']}/{load['requests']} | {load['same_texts_as_solo']}/{load['requests']} |")
+    print("\n| folder | sequential requests | lost | RSS after 20 -> after all (MiB) | growth | peak RSS (GiB) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for batch, result in report["folders"].items():
+        s = result["sequential"]
+        print(f"| batch {batch} | {s['requests']} | {s['lost']} | {s['rss_after_20_mib']:.0f} -> "
+              f"{s['rss_after_all_mib']:.0f} | {s['rss_growth_pct']:+.2f} % | {result['peak_rss_gib']:.2f} |")
+    if 4 in report["folders"]:
+        loads = {load["clients"]: load for load in report["folders"][4]["loads"]}
+        if 1 in loads and 4 in loads:
+            print(f"\nbatch-4 folder, 4 clients / 1 client aggregate tok/s: {loads[4]['tok_s'] / loads[1]['tok_s']:.2f}x "
+                  "(goal >= 3x)")
+        if 1 in report["folders"]:
+            one = {load["clients"]: load for load in report["folders"][1]["loads"]}
+            if 4 in one and 4 in loads:
+                print(f"4 clients: batch-4 folder / batch-1 folder tok/s: {loads[4]['tok_s'] / one[4]['tok_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
