@@ -10,6 +10,7 @@ Exit code 0 when every prompt passes, 1 when one fails, 2 when the folder cannot
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -19,7 +20,7 @@ from typing import List, Optional
 from lite_runtime.backends import CHOICES
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError
-from lite_runtime.golden import TOLERANCES, Reference, Report, load_golden, replay
+from lite_runtime.golden import TOLERANCES, Reference, Report, load_golden, replay, replay_slots
 from lite_runtime.versions import environment
 
 SEND_BACK = ("rerun with --json report.json and send that file, with the folder's manifest.json and yaml, "
@@ -69,9 +70,14 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
         raise InferError(f"{folder.yaml_path}: dtype {config.compute_dtype!r} has no check limits; known: "
                          f"{', '.join(TOLERANCES)}")
     start = time.perf_counter()
+    slots = config.folder.batch_size > 1 and any(g.role == "slot" for g in config.folder.graphs.values())
+    if slots:  # the server's path too: its slot graphs, one prompt per cache row, joining a running batch
+        config = dataclasses.replace(config, slot_graphs=True)
     generator = pipeline("text_generation", model=config, backend=backend)
     loaded = time.perf_counter() - start
     rows = replay(generator, reference, tolerance, progress=progress)
+    if slots:
+        rows += replay_slots(generator, reference, tolerance, progress=progress)
     info = {"environment": environment(generator.backend_name), "exported_with": folder.exported_with,
             "folder": {k: folder.infer.get(k) for k in ("device", "soc", "dtype", "seq_length", "batch_size",
                                                         "prefill_buckets", "cpu_kernels")},

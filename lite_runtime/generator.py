@@ -292,7 +292,9 @@ class TextGenerator:
 
     def step_slots(self, tokens: Sequence[int], lengths: Sequence[int]) -> np.ndarray:
         """One decode step of every row: tokens[i] at position lengths[i] - 1 of row i. float32 logits [B, V].
-        A free row is given any token at length 1: it writes only position 0 of its own row."""
+        A free row is given any token at length 1: it writes only position 0 of its own row. So a row that holds
+        a request takes part in every step from its prefill on (as lite_runtime.batching does), or its position 0
+        is overwritten."""
         with self._request():
             self._cache = None
             return self._run("inc", self.inputs.increment(tokens, lengths))

@@ -192,6 +192,46 @@ def replay(generator, reference: Reference, tol: Tolerance, progress=None) -> Li
     return results
 
 
+def replay_slots(generator, reference: Reference, tol: Tolerance, progress=None) -> List[RowResult]:
+    """The reference rows again, the way the server runs them (lite_runtime.batching): each row prefilled alone into
+    its own cache row by the slot graph (row i into slot B-1-i), joining at step i while the rows before it decode,
+    then all stepped together by the inc graph, teacher-forced. One RowResult per row; graph `slot_<N>`."""
+    results: List[RowResult] = []
+    b = generator.batch_size
+    for batch in reference.batches:
+        refs = batch.rows
+        slots = [b - 1 - i for i in range(len(refs))]
+        rows = [list(r.prompt) for r in refs]
+        done = [0] * len(refs)  # steps judged per row
+        mine = [RowResult(len(results) + i, generator.slot_key(len(r.prompt)), len(r.prompt))
+                for i, r in enumerate(refs)]
+
+        def judge(i: int, logits) -> None:
+            mine[i].judge(done[i], logits, refs[i], tol)
+            rows[i].append(refs[i].tokens[done[i]])
+            done[i] += 1
+            if progress is not None:
+                progress(1)
+
+        for t in range(len(refs) + max(len(r.tokens) for r in refs)):
+            if t < len(refs):
+                judge(t, generator.prefill_slot(slots[t], rows[t]))
+            # the rows prefilled so far, this step's joiner too, as the engine steps them (step_slots)
+            live = [i for i in range(min(t + 1, len(refs))) if 0 < done[i] < len(refs[i].tokens)]
+            if not live:
+                continue
+            tokens, lengths = [0] * b, [1] * b
+            for i in live:
+                tokens[slots[i]], lengths[slots[i]] = rows[i][-1], len(rows[i])
+            logits = generator.step_slots(tokens, lengths)
+            for i in live:
+                judge(i, logits[slots[i]])
+        for r in mine:
+            r.close(tol)
+        results.extend(mine)
+    return results
+
+
 @dataclass
 class Report:
     name: str
@@ -212,10 +252,15 @@ class Report:
         limit = f"({self.dtype} limit {self.tolerance.rel:.0e})"
         ties = sum(len(r.near_ties) for r in self.rows)
         tie_note = f"; {ties} near-tie step(s) reported, not failed" if ties else ""
+        prompts = _count(len({r.prompt for r in self.rows}), "prompt")
+        slots = any(r.graph.startswith("slot_") for r in self.rows)  # replay_slots ran the prompts a second way
+        paths = " (each through the prefill graphs and through the slot graphs)" if slots else ""
         if self.passed:
-            return (f"PASS {self.name} on backend {self.backend}: {_count(len(self.rows), 'prompt')}, {steps} steps, greedy "
+            return (f"PASS {self.name} on backend {self.backend}: {prompts}{paths}, {steps} steps, greedy "
                     f"tokens identical, top-k logits within {worst:.1e} relative {limit}{tie_note}")
         bad = [r for r in self.rows if not r.passed]
+        runs = f"{len(bad)} of {len(self.rows)} runs of {prompts}{paths}" if slots else \
+            f"{len(bad)} of {len(self.rows)} prompts"
         diverged = [r for r in bad if any("greedy token" in f for f in r.failures)]
         if diverged:
             r, d = diverged[0], diverged[0].divergence or {}
@@ -223,7 +268,7 @@ class Report:
                     f"token {d.get('device_token')}, reference {d.get('reference_token')}")
         else:
             what = f"prompt {bad[0].prompt} ({bad[0].graph}): {bad[0].failures[0]}"
-        return (f"FAIL {self.name} on backend {self.backend}: {len(bad)} of {len(self.rows)} prompts fail; {what}; "
+        return (f"FAIL {self.name} on backend {self.backend}: {runs} fail; {what}; "
                 f"worst logit error {worst:.1e} relative {limit}")
 
     def table(self) -> str:
