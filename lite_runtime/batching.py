@@ -168,7 +168,11 @@ class BatchEngine:
     def _advance(self, row: int, request: SlotRequest, logits: np.ndarray) -> None:
         """Choose the request's next token from its logits, send the text it completes, end it if it is done."""
         seen = request.prompt + request.generated
-        token, _ = choose(process(logits, seen, request.settings), request.settings.do_sample, request.rng)
+        scores = process(logits, seen, request.settings)
+        if request.settings.do_sample:
+            token, _ = choose(scores, True, request.rng)
+        else:  # what choose() picks, without the softmax over the vocabulary it does for the probability
+            token = int(np.argmax(scores))
         request.generated.append(token)
         if token in request.eos:
             self._send_text(request, final=True)

@@ -3,7 +3,8 @@ the same way (`python -m lite_runtime.serve`, loopback only), in one run.
 
     python scripts/bench_serve.py --checkpoint <hf_dir> --work bench_serve/ [--output scripts/bench-serve.json]
 
-Without --checkpoint a random Qwen2-0.5B-shaped one is made (scripts/benchmark.py). Each folder is exported as
+Without --checkpoint a random Qwen2-0.5B-shaped one is made (scripts/benchmark.py); its files are linked beside a
+word-level tokenizer of the whole vocabulary (full_vocab_checkpoint), so every token is text. Each folder is exported as
 `python -m export --device cpu --seq_length 512 --batch_size B` (nothing else). For each folder, against its own
 server process:
 - 1, 4 and 16 concurrent clients, each sending its share of the same set of greedy streaming requests
@@ -134,6 +135,35 @@ def run_load(url: str, prompts: List[List[int]], clients: int, max_tokens: int) 
             "errors": [r["error"] for r in results if r and "error" in r]}
 
 
+def full_vocab_checkpoint(checkpoint: str, work: str) -> str:
+    """The checkpoint (its files linked) with a word-level tokenizer of its whole vocabulary: id i is the text
+    `t<i>` (0 is <|endoftext|>, the eos). A random 0.5B-shaped checkpoint's demo tokenizer covers a few hundred
+    ids, and the rest decode to nothing: no text to time the first token by, none to compare between loads."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    out = os.path.join(work, "checkpoint-word-level")
+    if os.path.isfile(os.path.join(out, "tokenizer.json")):
+        return out
+    os.makedirs(out, exist_ok=True)
+    skip = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "vocab.json", "merges.txt",
+            "special_tokens_map.json", "tokenizer.model", "generation_config.json"}
+    for name in os.listdir(checkpoint):
+        if name not in skip:
+            os.symlink(os.path.abspath(os.path.join(checkpoint, name)), os.path.join(out, name))
+    with open(os.path.join(checkpoint, "config.json")) as fh:
+        vocab_size = json.load(fh)["vocab_size"]
+    eos = "<|endoftext|>"
+    tokenizer = Tokenizer(models.WordLevel({eos: 0, **{f"t{i}": i for i in range(1, vocab_size)}}, unk_token=eos))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens([AddedToken(eos, special=True)])
+    tokenizer.save(os.path.join(out, "tokenizer.json"))
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as fh:
+        json.dump({"eos_token": eos, "pad_token": eos, "tokenizer_class": "PreTrainedTokenizerFast"}, fh)
+    with open(os.path.join(out, "generation_config.json"), "w") as fh:
+        json.dump({"eos_token_id": 0, "pad_token_id": 0, "do_sample": False}, fh)
+    return out
+
+
 def export(checkpoint: str, folder: str, batch: int, seq_length: int) -> None:
     if os.path.isfile(os.path.join(folder, "manifest.json")):
         print(f"using {folder}", flush=True)
@@ -199,6 +229,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         import benchmark
 
         checkpoint = benchmark.ensure_checkpoint(argparse.Namespace(checkpoint=None, work=args.work))
+    checkpoint = full_vocab_checkpoint(checkpoint, args.work)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(100, 20000, int(n))] for n in rng.integers(16, 97, args.requests)]
     short = [[int(t) for t in rng.integers(100, 20000, 16)] for _ in range(args.sequential)]
