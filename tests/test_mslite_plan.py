@@ -43,6 +43,12 @@ def test_build_plan_groups_before_building(tmp_path, exported):
         [("Model", k) for k in keys] + [("ModelGroup", "SHARE_WEIGHT"), ("add_model", keys)]
         + [("build_from_file", k, paths[k], "MINDIR", ini, {}) for k in keys])
     assert paths["prefill_32"] == config.prefill_model_path and paths["inc"] == config.increment_model_path
+    # the server (slot_graphs=True): the slot graphs join the same group, after inc, so they share weights and cache
+    served = InferConfig.from_folder(str(folder), target="Ascend", ge_config_path=ini, slot_graphs=True)
+    keys = keys + ("slot_32", "slot_16", "slot_8")
+    assert tuple(served.graph_paths()) == keys
+    assert build_plan(served)[:len(keys) + 2] == [("Model", k) for k in keys] + [("ModelGroup", "SHARE_WEIGHT"),
+                                                                               ("add_model", keys)]
     with pytest.raises(InferError) as err:  # the cpu profile's ini has no GE options at all
         build_plan(InferConfig.from_folder(str(folder), target="Ascend"))
     assert str(err.value) == (f"{folder / 'config.ini'}: [ascend_context] provider=ge is required (found None); "
