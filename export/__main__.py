@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "GEMV kernel (built at pip install) instead of MindSpore's MatMul: about 1.2x the decode "
                         "speed of MatMul on a 2-core machine. auto: when the kernel library is built (default); "
                         "off: plain MindSpore graphs")
+    p.add_argument("--tp_size", type=int, default=1,
+                   help="tensor parallel ranks: the folder holds each rank's graphs and weights (heads and MLP columns "
+                        "split Megatron style, AllReduce after o_proj and down_proj); run it under msrun (CPU) or one "
+                        "Lite process per card (Atlas). Must divide the heads, kv heads and intermediate size "
+                        "(default: 1)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return p
@@ -91,7 +96,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         name = args.name or os.path.basename(os.path.normpath(args.output))
         cfg = ExportConfig(checkpoint=args.checkpoint, output=args.output, name=name, seq_length=args.seq_length,
                            batch_size=args.batch_size, dtype=dtype, device=args.device, overwrite=args.overwrite,
-                           prefill_buckets=parse_buckets(args.prefill_buckets), cpu_kernels=args.cpu_kernels)
+                           prefill_buckets=parse_buckets(args.prefill_buckets), cpu_kernels=args.cpu_kernels,
+                           tp_size=args.tp_size)
         summary = run_export(cfg, show_progress=not args.quiet)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)

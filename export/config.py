@@ -147,6 +147,14 @@ class ModelConfig:
                 raise ExportError(f"{source}: {name} must be a positive number, got {value!r}")
 
 
+def tensor_parallel_config(model: ModelConfig, tp_size: int) -> ModelConfig:
+    """One rank's share of the model: its query heads, kv heads and MLP columns (ExportConfig.validate checked that
+    tp_size divides them); head_dim stays the model's."""
+    return dataclasses.replace(model, num_attention_heads=model.num_attention_heads // tp_size,
+                               num_key_value_heads=model.num_key_value_heads // tp_size,
+                               intermediate_size=model.intermediate_size // tp_size, head_dim=model.head_dim)
+
+
 def _rope_settings(raw: Dict[str, Any], source: str) -> Tuple[float, Optional[Dict[str, Any]]]:
     """(rope_theta, scaling) from either layout found in the wild: `rope_theta` + `rope_scaling` (hub checkpoints
     written by transformers 4) or `rope_parameters` (transformers 5). Scaling comes back in the second form."""
@@ -241,6 +249,8 @@ class ExportConfig:
     prefill_buckets: Optional[Tuple[int, ...]] = None
     # our CPU kernels (cpu_kernels) in the graphs' matmuls: auto (cpu folders, when the library is built), on, off
     cpu_kernels: str = "auto"
+    # tensor parallel ranks (Megatron split, export/model.py CausalLM tensor_parallel); 1: one device's folder
+    tp_size: int = 1
 
     @property
     def compute_dtype(self) -> str:
@@ -307,5 +317,14 @@ class ExportConfig:
         if self.cpu_kernels == "off" and self.half_weights_on_cpu:
             raise ExportError(f"--cpu_kernels off: --device cpu --dtype {self.dtype} stores 16-bit weights that only "
                               "the CPU kernels read; drop --cpu_kernels off or export --dtype float32")
+        if self.tp_size < 1:
+            raise ExportError(f"--tp_size must be at least 1, got {self.tp_size}")
+        if self.tp_size > 1:
+            split = {"num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.num_key_value_heads,
+                     "intermediate_size": model.intermediate_size}
+            bad = [f"{k} {v}" for k, v in split.items() if v % self.tp_size]
+            if bad:
+                raise ExportError(f"--tp_size {self.tp_size} does not divide config.json's {', '.join(bad)}; each "
+                                  "rank takes an equal share of the heads, kv heads and MLP columns: pick a divisor")
         if not self.name or any(c in self.name for c in "/\\ ") or self.name.startswith("."):
             raise ExportError(f"--name {self.name!r} must be a plain file name (no slashes or spaces)")

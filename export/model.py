@@ -115,36 +115,50 @@ class Linear(nn.Cell):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, gemv: bool = False,
-                 gemm: bool = False, weight_dtype=None) -> None:
+                 gemm: bool = False, weight_dtype=None, row_parallel: bool = False) -> None:
         super().__init__()
         self.weight = _weight((out_features, in_features), weight_dtype or dtype, "weight")
         self.bias = _weight((out_features,), dtype, "bias") if bias else None
+        # tensor parallel, row-parallel (o_proj, down_proj): this rank's columns of W give a partial product; the
+        # ranks' partial products are summed by AllReduce and the (replicated) bias is added once, after it
+        self.reduce = ops.AllReduce() if row_parallel else None
+        kernel_bias = bias and not row_parallel
         self.matmul = ops.MatMul(transpose_b=True)
-        self.kernel = kernel_matmul(bias) if gemv or gemm else None
-        self.kernel_valid = kernel_matmul(bias, prompt_rows=True) if gemv or gemm else None
+        self.kernel = kernel_matmul(kernel_bias) if gemv or gemm else None
+        self.kernel_valid = kernel_matmul(kernel_bias, prompt_rows=True) if gemv or gemm else None
+        self.kernel_bias = kernel_bias
         self.gemv, self.gemm = gemv, gemm
+
+    def _add_bias(self, y):
+        # explicit broadcasts everywhere: see BROADCASTS in the module docstring. The depend keeps
+        # MindSpore from running every layer's broadcast at graph start.
+        return ew_add(y, ops.broadcast_to(ops.depend(self.bias, y), y.shape))
+
+    def _reduced(self, y):
+        if self.reduce is None:
+            return y
+        y = self.reduce(y)
+        return y if self.bias is None else self._add_bias(y)
 
     def _kernel(self, x, valid_length=None):
         if valid_length is not None:  # the full graph: the padding rows are skipped
-            if self.bias is not None:
+            if self.kernel_bias:
                 return self.kernel_valid(x, self.weight, self.bias, valid_length)
             return self.kernel_valid(x, self.weight, valid_length)
-        if self.bias is not None:
+        if self.kernel_bias:
             return self.kernel(x, self.weight, self.bias)
         return self.kernel(x, self.weight)
 
     def construct(self, x, valid_length=None):  # [N, in] -> [N, out]; valid_length [B]: the full graph's prompts
         if self.gemm or (self.gemv and x.shape[0] <= KERNEL_PREFILL_MAX_ROWS):  # static shapes: decided at export
-            return self._kernel(x, valid_length)
+            return self._reduced(self._kernel(x, valid_length))
         y = self.matmul(x, self.weight)
-        if self.bias is not None:
-            # explicit broadcasts everywhere: see BROADCASTS in the module docstring. The depend keeps
-            # MindSpore from running every layer's broadcast at graph start.
-            y = ew_add(y, ops.broadcast_to(ops.depend(self.bias, y), y.shape))
-        return y
+        if self.kernel_bias:
+            y = self._add_bias(y)
+        return self._reduced(y)
 
     def few_rows(self, x):  # [B, in] -> [B, out], B the batch size
-        return self._kernel(x) if self.gemv else self.construct(x)
+        return self._reduced(self._kernel(x)) if self.gemv else self.construct(x)
 
 
 class RMSNorm(nn.Cell):
@@ -172,12 +186,12 @@ class RMSNorm(nn.Cell):
 
 
 class MLP(nn.Cell):
-    def __init__(self, cfg: ModelConfig, dtype, k: "Kernels") -> None:
+    def __init__(self, cfg: ModelConfig, dtype, k: "Kernels", tp: bool = False) -> None:
         super().__init__()
         bias = cfg.mlp_bias
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias, dtype, *k)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias, dtype, *k)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias, dtype, *k)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias, dtype, *k, row_parallel=tp)
         if k.gemv and not bias:  # the decode step: gate, up, SiLU and the product in one kernel
             import cpu_kernels
 
@@ -202,7 +216,8 @@ class Attention(nn.Cell):
     """Self-attention that owns its layer's KV cache Parameters ([B, KH, S, D] each); with cfg.qk_norm, q_norm and
     k_norm (RMSNorm over each head's D, as Qwen3) before RoPE."""
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels") -> None:
+    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels",
+                 tp: bool = False) -> None:
         super().__init__()
         self.h, self.kh, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.g = self.h // self.kh
@@ -211,7 +226,7 @@ class Attention(nn.Cell):
         self.q_proj = Linear(cfg.hidden_size, self.h * self.d, bias, dtype, *k)
         self.k_proj = Linear(cfg.hidden_size, self.kh * self.d, bias, dtype, *k)
         self.v_proj = Linear(cfg.hidden_size, self.kh * self.d, bias, dtype, *k)
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, cfg.o_proj_bias, dtype, *k)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, cfg.o_proj_bias, dtype, *k, row_parallel=tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
@@ -310,12 +325,13 @@ class Attention(nn.Cell):
 
 
 class DecoderLayer(nn.Cell):
-    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels") -> None:
+    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels",
+                 tp: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
-        self.self_attn = Attention(cfg, batch_size, seq_length, dtype, k)
+        self.self_attn = Attention(cfg, batch_size, seq_length, dtype, k, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
-        self.mlp = MLP(cfg, dtype, k)
+        self.mlp = MLP(cfg, dtype, k, tp)
         if k.gemv:  # the decode step: o_proj and down_proj each with the residual add, one kernel
             import cpu_kernels
 
@@ -329,8 +345,8 @@ class DecoderLayer(nn.Cell):
 
     def _project_add(self, linear, x, residual):
         """residual + linear(x) in the decode step: one kernel, unless the projection has a bias (Llama's
-        attention_bias / mlp_bias), which that kernel does not add."""
-        if linear.bias is None:
+        attention_bias / mlp_bias), which that kernel does not add, or is row-parallel (its AllReduce comes first)."""
+        if linear.bias is None and linear.reduce is None:
             return self.project_add(x, linear.weight, residual)
         return ew_add(residual, linear.few_rows(x))
 
@@ -361,10 +377,11 @@ class Embedding(nn.Cell):
 
 
 class DecoderModel(nn.Cell):
-    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels") -> None:
+    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels",
+                 tp: bool = False) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, k)
-        self.layers = nn.CellList([DecoderLayer(cfg, batch_size, seq_length, dtype, k)
+        self.layers = nn.CellList([DecoderLayer(cfg, batch_size, seq_length, dtype, k, tp)
                                    for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
 
@@ -382,10 +399,16 @@ class CausalLM(nn.Cell):
     kernels (cpu_kernels): gemv=True for every matmul of the decode step, gemm=True for those of the
     full graph, and weight_dtype float16/bfloat16 to store the matrices (linear layers, embedding,
     head) in 16 bits while computing in float32, which needs both (Kernels).
+
+    `tensor_parallel`: one rank of a Megatron split. `cfg` is then the rank's share (tensor_parallel_config: its
+    heads, kv heads and intermediate columns); o_proj and down_proj are row-parallel, each followed by AllReduce
+    (group hccl_world_group, as Lite's HCCL expects; the ms backend renames it at load). The embedding, norms and
+    lm_head are replicated, so every rank computes the same logits.
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype: str = "float32",
-                 gemv: bool = False, gemm: bool = False, weight_dtype: Optional[str] = None) -> None:
+                 gemv: bool = False, gemm: bool = False, weight_dtype: Optional[str] = None,
+                 tensor_parallel: bool = False) -> None:
         super().__init__()
         ms_dtype = MS_DTYPES[dtype]
         if weight_dtype == dtype:
@@ -394,7 +417,7 @@ class CausalLM(nn.Cell):
             raise ValueError(f"{weight_dtype} weights with {dtype} compute need the CPU kernels (gemv and gemm)")
         k = Kernels(gemv, gemm, MS_DTYPES[weight_dtype] if weight_dtype else None)
         self.config, self.batch_size, self.seq_length, self.dtype = cfg, batch_size, seq_length, ms_dtype
-        self.model = DecoderModel(cfg, batch_size, seq_length, ms_dtype, k)
+        self.model = DecoderModel(cfg, batch_size, seq_length, ms_dtype, k, tensor_parallel)
         self.tied = bool(cfg.tie_word_embeddings)
         self.lm_head = None if self.tied else Linear(cfg.hidden_size, cfg.vocab_size, False, ms_dtype, *k)
         self.head_kernel = kernel_matmul(False) if gemv or gemm else None

@@ -141,9 +141,21 @@ def _write_graphs(*args, **kwargs):
 
 
 def _build_and_export_graphs(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_progress: bool):
+    """Every graph, with its weights file: one set, or one per rank with --tp_size (each rank its own weights)."""
+    weight_bytes, graphs, hashed, gemv = 0, [], {}, False
+    for rank in range(cfg.tp_size):
+        got, gemv, rank_graphs, rank_hashed = _export_rank_graphs(cfg, model_cfg, tmp, show_progress, rank)
+        weight_bytes += got
+        graphs += rank_graphs
+        hashed.update(rank_hashed)
+    return weight_bytes, gemv, graphs, hashed
+
+
+def _export_rank_graphs(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_progress: bool, rank: int):
     import mindspore as ms
     import numpy as np
 
+    from export.config import tensor_parallel_config
     from export.model import CausalLM, DecodeGraph, PrefillGraph, SlotPrefillGraph
     from export.shared_weights import data_location, share_weights
     from export.weights import load_into
@@ -153,11 +165,15 @@ def _build_and_export_graphs(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str
     # every full-graph matmul through our kernel: 16-bit matrices need it; float32 ones only for few rows
     # (export/model.py KERNEL_PREFILL_MAX_ROWS)
     gemm = gemv and cfg.half_weights_on_cpu
-    net = CausalLM(model_cfg, cfg.batch_size, cfg.seq_length, cfg.compute_dtype, gemv=gemv, gemm=gemm,
-                           weight_dtype=cfg.dtype)
+    tp = cfg.tp_size
+    net = CausalLM(tensor_parallel_config(model_cfg, tp) if tp > 1 else model_cfg, cfg.batch_size, cfg.seq_length,
+                   cfg.compute_dtype, gemv=gemv, gemm=gemm, weight_dtype=cfg.dtype, tensor_parallel=tp > 1)
+    # a tensor-parallel folder names each rank's files <name>_rank<r>_...
+    name = f"{cfg.name}_rank{rank}" if tp > 1 else cfg.name
     n_weights = len([p for p in net.get_parameters() if not p.name.endswith(("key_cache", "value_cache"))])
-    with tqdm(total=n_weights, desc="weights", unit="tensor", disable=not show_progress) as bar:
-        weight_bytes = load_into(net, cfg.checkpoint, progress=bar.update)
+    desc = f"weights (rank {rank})" if tp > 1 else "weights"
+    with tqdm(total=n_weights, desc=desc, unit="tensor", disable=not show_progress) as bar:
+        weight_bytes = load_into(net, cfg.checkpoint, progress=bar.update, shard=(rank, tp))
     b, s = cfg.batch_size, cfg.seq_length
     buckets = sorted(set(cfg.prefill_buckets) | {s})
     plan = [("prefill", n) for n in buckets] + [("inc", 1)]
@@ -166,7 +182,7 @@ def _build_and_export_graphs(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str
     cells = {"prefill": PrefillGraph(net), "inc": DecodeGraph(net), "slot": SlotPrefillGraph(net)}
     files = []
     for role, tokens in tqdm(plan, desc="graphs", unit="graph", disable=not show_progress):
-        prefix = fmt.graph_prefix(cfg.name, role, tokens, s)
+        prefix = fmt.graph_prefix(name, role, tokens, s)
         log.info("exporting the %s graph (%d tokens)", role, tokens)
         rows = 1 if role == "slot" else b
         args = [ms.Tensor(np.zeros((rows, tokens), np.int32)),
@@ -175,10 +191,11 @@ def _build_and_export_graphs(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str
             args.append(ms.Tensor(np.zeros((1,), np.int32)))
         ms.export(cells[role], *args, file_name=os.path.join(tmp, prefix), file_format="MINDIR")
         files.append(fmt.place_graph(tmp, prefix))
-    _, data_sha256 = share_weights(tmp, cfg.name, files, edit=fmt.portable_kernel_paths if gemv else None)
-    graphs = [{"role": role, "file": f, "variables": data_location(cfg.name), "tokens": tokens,
+    _, data_sha256 = share_weights(tmp, name, files, edit=fmt.portable_kernel_paths if gemv else None)
+    rank_field = {"rank": rank} if tp > 1 else {}
+    graphs = [{"role": role, "file": f, "variables": data_location(name), "tokens": tokens, **rank_field,
                **fmt.read_graph_spec(os.path.join(tmp, f))} for (role, tokens), f in zip(plan, files)]
-    return weight_bytes, gemv, graphs, {data_location(cfg.name): data_sha256}
+    return weight_bytes, gemv, graphs, {data_location(name): data_sha256}
 
 
 def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_progress: bool) -> Dict[str, Any]:
@@ -202,8 +219,9 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
     shutil.copyfile(profile.ini_path, os.path.join(tmp, fmt.GE_CONFIG))
     tokenizer_files = fmt.copy_tokenizer(cfg.checkpoint, tmp)
     ids = fmt.special_token_ids(cfg.checkpoint, model_cfg.eos_token_id)
-    full = next(g for g in graphs if g["role"] == "prefill" and g["tokens"] == cfg.seq_length)
-    inc = next(g for g in graphs if g["role"] == "inc")
+    # rank 0's graphs in a tensor-parallel folder (each rank loads its own: lite_runtime.folder)
+    full = next(g for g in graphs if g["role"] == "prefill" and g["tokens"] == cfg.seq_length and not g.get("rank"))
+    inc = next(g for g in graphs if g["role"] == "inc" and not g.get("rank"))
     content: Dict[str, Any] = {
         "model": {"model_type": model_cfg.model_type, "family": model_cfg.model_type, "config": model_cfg.to_dict()},
         "export": {**dataclasses.asdict(cfg), "checkpoint": os.path.abspath(cfg.checkpoint),
@@ -214,7 +232,8 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
                   "dtype": cfg.dtype, "compute_dtype": cfg.compute_dtype, "device": profile.name, "soc": profile.soc,
                   "vocab_size": model_cfg.vocab_size, **ids,
                   "prefill_model_path": full["file"], "increment_model_path": inc["file"],
-                  "prefill_buckets": sorted(g["tokens"] for g in graphs if g["role"] == "prefill"),
+                  "prefill_buckets": sorted(g["tokens"] for g in graphs if g["role"] == "prefill" and not g.get("rank")),
+                  "tp_size": cfg.tp_size,
                   "cpu_kernels": gemv,
                   "ge_config_path": fmt.GE_CONFIG},
     }

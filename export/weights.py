@@ -165,21 +165,48 @@ def plan_weights(expected: Dict[str, Tuple[int, ...]], where: Dict[str, Safetens
     return list(expected)
 
 
-def load_into(net, checkpoint: str, progress: Optional[Callable[[int], None]] = None) -> int:
+# Tensor parallel (Megatron): the axis each rank takes a slice of, by the end of the HF name; other tensors are
+# replicated (embedding, norms, lm_head, and the row-parallel projections' biases, added once after AllReduce)
+_SPLIT_AXIS = {"self_attn.q_proj.weight": 0, "self_attn.q_proj.bias": 0, "self_attn.k_proj.weight": 0,
+               "self_attn.k_proj.bias": 0, "self_attn.v_proj.weight": 0, "self_attn.v_proj.bias": 0,
+               "mlp.gate_proj.weight": 0, "mlp.gate_proj.bias": 0, "mlp.up_proj.weight": 0, "mlp.up_proj.bias": 0,
+               "self_attn.o_proj.weight": 1, "mlp.down_proj.weight": 1}
+
+
+def split_axis(name: str) -> Optional[int]:
+    return next((axis for end, axis in _SPLIT_AXIS.items() if name.endswith(end)), None)
+
+
+def load_into(net, checkpoint: str, progress: Optional[Callable[[int], None]] = None,
+              shard: Tuple[int, int] = (0, 1)) -> int:
     """Set every weight Parameter of `net` from the checkpoint, in each Parameter's own dtype (a CPU folder
-    with 16-bit weights keeps its norms and biases in float32). Returns the bytes loaded."""
+    with 16-bit weights keeps its norms and biases in float32). Returns the bytes loaded.
+
+    `shard` (rank, tp_size): `net` is one rank of a tensor-parallel split; split tensors get the rank's slice."""
     import mindspore as ms
     from mindspore import Tensor
 
+    rank, tp = shard
     params = {p.name: p for p in net.get_parameters() if not p.name.endswith(("key_cache", "value_cache"))}
-    expected = {name: tuple(p.shape) for name, p in params.items()}
+    expected = {}
+    for name, p in params.items():  # the checkpoint's (whole) shapes
+        shape = list(p.shape)
+        axis = split_axis(name) if tp > 1 else None
+        if axis is not None:
+            shape[axis] *= tp
+        expected[name] = tuple(shape)
     where = open_checkpoint(checkpoint)
     names = plan_weights(expected, where, tied=bool(net.config.tie_word_embeddings))
     dtypes = {ms.float32: "float32", ms.float16: "float16", ms.bfloat16: "bfloat16"}
     total = 0
     for name in names:
         param = params[name]
-        arr = stored_as(where[name].stored(name), dtypes[param.dtype])
+        arr = where[name].stored(name)
+        axis = split_axis(name) if tp > 1 else None
+        if axis is not None:
+            n = param.shape[axis]
+            arr = arr[rank * n:(rank + 1) * n] if axis == 0 else arr[:, rank * n:(rank + 1) * n]
+        arr = stored_as(arr, dtypes[param.dtype])
         tensor = Tensor.from_numpy(np.ascontiguousarray(arr))
         param.set_data(tensor.view(ms.bfloat16) if param.dtype == ms.bfloat16 else tensor)
         total += arr.nbytes
