@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "targets Ascend (default)")
     p.add_argument("--json", dest="json_path", metavar="FILE", help="also write the full report as JSON to FILE")
     p.add_argument("--device_id", type=int, default=None, help="Ascend device to run on (default 0)")
+    p.add_argument("--rank_id", type=int, default=None,
+                   help="mslite, tensor-parallel folders: this process's rank (default: $RANK_ID, else 0)")
+    p.add_argument("--rank_table_file", default=None,
+                   help="mslite, tensor-parallel folders: the HCCL rank table (default: $RANK_TABLE_FILE)")
     p.add_argument("--ge_cache_dir", default=None,
                    help="mslite: root of GE's compile cache (default ~/.cache/mslite-llm/ge; 'none' turns it off)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
@@ -80,7 +84,7 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
         rows += replay_slots(generator, reference, tolerance, progress=progress)
     info = {"environment": environment(generator.backend_name), "exported_with": folder.exported_with,
             "folder": {k: folder.infer.get(k) for k in ("device", "soc", "dtype", "seq_length", "batch_size",
-                                                        "prefill_buckets", "cpu_kernels")},
+                                                        "prefill_buckets", "cpu_kernels", "tp_size")},
             "load_seconds": round(loaded, 2), "replay_seconds": round(time.perf_counter() - start - loaded, 2)}
     try:
         with open(folder.ge_config_path, encoding="utf-8", errors="replace") as fh:
@@ -102,7 +106,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    overrides = {k: v for k, v in (("device_id", args.device_id), ("ge_cache_dir", args.ge_cache_dir)) if v is not None}
+    overrides = {k: v for k, v in (("device_id", args.device_id), ("ge_cache_dir", args.ge_cache_dir),
+                                   ("rank_id", args.rank_id), ("rank_table_file", args.rank_table_file)) if v is not None}
     done = [0]
 
     def progress(_: int) -> None:

@@ -52,6 +52,9 @@ class InferConfig:
     # load the slot graphs of a batch_size > 1 folder (one prompt into one cache row: continuous batching, as
     # lite_runtime.serve does). Off for pipeline(): on Atlas every loaded graph is compiled by GE for minutes
     slot_graphs: bool = False
+    # mslite backend, tensor-parallel folders (python -m export --tp_size): the HCCL rank table GE reads; None: the
+    # RANK_TABLE_FILE environment variable, else [ascend_context] rank_table_file of the ini
+    rank_table_file: Optional[str] = None
     # mslite backend: root of GE's compile cache, one folder per folder content, Lite and CANN version
     # (lite_runtime/backends/ge_options.py); None: ~/.cache/mslite-llm/ge, "none": no cache
     ge_cache_dir: Optional[str] = None
@@ -90,7 +93,7 @@ class InferConfig:
         """Every graph to load, by key (`prefill_<tokens>`, `inc`, `slot_<tokens>`): the prefill graphs longest first,
         inc, then (with slot_graphs) the slot graphs of a batch_size > 1 folder, longest first."""
         if self.folder is not None:
-            paths = self.folder.graph_paths()
+            paths = self.folder.graph_paths(int(self.rank_id) if self.folder.tp_size > 1 else 0)
         else:
             paths = {graph_key("prefill", int(self.infer_seq_length)): self.prefill_model_path,
                      "inc": self.increment_model_path}

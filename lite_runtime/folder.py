@@ -43,9 +43,10 @@ class ModelFolder:
     yaml_path: str
     infer: Dict[str, Any]  # the yaml's `infer` section
     model: Dict[str, Any]  # the yaml's `model` section
-    graphs: Dict[str, GraphSpec]
+    graphs: Dict[str, GraphSpec]  # rank 0's (the only rank of a folder without tensor parallelism)
     ge_config_path: str
     manifest: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    ranks: Dict[int, Dict[str, GraphSpec]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def exported_with(self) -> Dict[str, str]:
@@ -60,8 +61,16 @@ class ModelFolder:
     def batch_size(self) -> int:
         return int(self.infer["batch_size"])
 
-    def graph_paths(self) -> Dict[str, str]:
-        return {key: spec.path for key, spec in self.graphs.items()}
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks: each has its own graphs and weights file (python -m export --tp_size)."""
+        return max(len(self.ranks), 1)
+
+    def graph_paths(self, rank: int = 0) -> Dict[str, str]:
+        if rank and not 0 <= rank < self.tp_size:
+            raise ModelFolderError(f"{self.path}: rank {rank}, but the folder has {self.tp_size} rank(s)' graphs")
+        graphs = self.ranks.get(rank, self.graphs) if self.ranks else self.graphs
+        return {key: spec.path for key, spec in graphs.items()}
 
 
 def graph_key(role: str, tokens: int) -> str:
@@ -177,12 +186,16 @@ def load_folder(path: str, verify: Any = True) -> ModelFolder:
     if yamls != [manifest["yaml"]]:
         raise ModelFolderError(f"{path}: expected exactly one yaml, {manifest['yaml']}, found "
                                f"{', '.join(yamls) or 'none'}; remove the others")
-    graphs = _graphs(path, manifest)
+    ranks = _ranks(path, manifest)
     yaml_path = os.path.join(path, manifest["yaml"])
     doc = _read_yaml(yaml_path)
     folder = ModelFolder(path=os.path.abspath(path), name=manifest["name"], yaml_path=yaml_path,
-                         infer=doc["infer"], model=doc.get("model", {}), graphs=graphs,
-                         ge_config_path=os.path.join(os.path.abspath(path), manifest["ge_config"]), manifest=manifest)
+                         infer=doc["infer"], model=doc.get("model", {}), graphs=ranks[0],
+                         ge_config_path=os.path.join(os.path.abspath(path), manifest["ge_config"]), manifest=manifest,
+                         ranks=ranks if len(ranks) > 1 else {})
+    if int(doc["infer"].get("tp_size", 1)) != folder.tp_size:
+        raise ModelFolderError(f"{yaml_path}: infer.tp_size {doc['infer'].get('tp_size', 1)} disagrees with the "
+                               f"{folder.tp_size} rank(s) of {MANIFEST}; re-export the folder")
     _check_specs_against_yaml(folder)
     return folder
 
@@ -215,6 +228,18 @@ def _check_files(path: str, files: Dict[str, Dict[str, Any]], verify: Any) -> No
     if extra:
         raise ModelFolderError(f"{os.path.join(path, extra[0])}: graph not listed in {MANIFEST}; remove it or "
                                "re-export the folder")
+
+
+def _ranks(path: str, manifest: Dict[str, Any]) -> Dict[int, Dict[str, GraphSpec]]:
+    """Each rank's graphs (one rank, 0, unless the folder is tensor parallel), all with the same keys."""
+    where = os.path.join(path, MANIFEST)
+    ranks = sorted({int(raw.get("rank", 0)) for raw in manifest["graphs"]})
+    if ranks != list(range(len(ranks))):
+        raise ModelFolderError(f"{where}: graphs of ranks {ranks}, expected 0..{len(ranks) - 1}; re-export the folder")
+    out = {r: _graphs(path, {"graphs": [g for g in manifest["graphs"] if int(g.get("rank", 0)) == r]}) for r in ranks}
+    if any(set(g) != set(out[0]) for g in out.values()):
+        raise ModelFolderError(f"{where}: the ranks do not have the same graphs; re-export the folder")
+    return out
 
 
 def _graphs(path: str, manifest: Dict[str, Any]) -> Dict[str, GraphSpec]:

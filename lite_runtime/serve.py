@@ -376,7 +376,13 @@ def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] =
                  model_name: Optional[str] = None, **config: Any) -> Service:
     """Load the folder, compile what the first request needs, start the engine."""
     from lite_runtime import pipeline
+    from lite_runtime.folder import load_folder
 
+    tp = load_folder(model_dir, verify=False).tp_size
+    if tp > 1:
+        raise InferError(f"{model_dir}: a tensor-parallel folder ({tp} ranks) cannot be served yet: every rank has to "
+                         "take every step, and the server drives one process; run it with pipeline() or "
+                         "scripts/run_infer_main.py under msrun (README, \"Two cards\")")
     generator = pipeline("text_generation", model=model_dir, backend=backend, warm_up="none", slot_graphs=True,
                          **config)
     if not generator.slot_sizes:

@@ -46,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=CHOICES, default="auto",
                    help="mslite (Atlas, GE), ms (MindSpore, CPU) or auto: mslite when importable (default)")
     p.add_argument("--device_id", type=int, default=0)
-    p.add_argument("--rank_id", type=int, default=0)
+    p.add_argument("--rank_id", type=int, default=0,
+                   help="mslite, tensor-parallel folders: this process's rank (0: $RANK_ID when set)")
+    p.add_argument("--rank_table_file", default=None,
+                   help="mslite, tensor-parallel folders: the HCCL rank table (default: $RANK_TABLE_FILE)")
     p.add_argument("--seq_length", type=int, default=None,
                    help="the graphs' sequence length; read from the folder, needed with graph paths")
     p.add_argument("--batch_size", type=int, default=None,
@@ -85,7 +88,8 @@ def load(args: argparse.Namespace):
     extra = {k: v for k, v in (("device_id", args.device_id), ("rank_id", args.rank_id),
                                ("tokenizer_path", args.tokenizer_path), ("ge_config_path", args.config_path),
                                ("infer_seq_length", args.seq_length), ("batch_size", args.batch_size),
-                               ("warm_up", args.warm_up), ("ge_cache_dir", args.ge_cache_dir)) if v is not None}
+                               ("warm_up", args.warm_up), ("ge_cache_dir", args.ge_cache_dir),
+                               ("rank_table_file", args.rank_table_file)) if v is not None}
     if args.model_dir:
         return pipeline("text_generation", model=args.model_dir, backend=args.backend, **extra)
     if args.prefill_model_path and args.increment_model_path:
@@ -145,7 +149,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         from lite_runtime.check import main as check_main
 
         extra = (["--json", args.check_json] if args.check_json else []) + (
-            ["--ge_cache_dir", args.ge_cache_dir] if args.ge_cache_dir is not None else [])
+            ["--ge_cache_dir", args.ge_cache_dir] if args.ge_cache_dir is not None else []) + (
+            ["--rank_table_file", args.rank_table_file] if args.rank_table_file else []) + (
+            ["--rank_id", str(args.rank_id)] if args.rank_id else [])
         return check_main([args.model_dir, "--backend", args.backend, "--device_id", str(args.device_id), *extra]
                           + (["-v"] if args.verbose else []))
     try:

@@ -131,6 +131,37 @@ def _relocate_kernels(model, path: str) -> None:
         raise InferError(f"{path}: the graph calls mslite-llm's CPU kernels, but {exc}") from None
 
 
+def _join_ranks(folder) -> int:
+    """This process's rank in a tensor-parallel folder's group (MindSpore's collectives, set up by msrun)."""
+    from mindspore.communication import get_group_size, get_rank, init
+    from mindspore.communication.management import GlobalComm
+
+    from lite_runtime.errors import InferError
+
+    tp = folder.tp_size
+    if not GlobalComm.INITED:
+        if "MS_WORKER_NUM" not in os.environ:
+            raise InferError(f"{folder.path}: the folder is split over {tp} ranks (--tp_size {tp}); run one process "
+                             f"per rank under MindSpore's launcher: msrun --worker_num {tp} --local_worker_num {tp} "
+                             "<your script>")
+        init()
+    if get_group_size() != tp:
+        raise InferError(f"{folder.path}: the folder is split over {tp} ranks, but this job has {get_group_size()} "
+                         f"processes; launch it with msrun --worker_num {tp}")
+    return get_rank()
+
+
+def _retarget_collectives(model) -> None:
+    """The graphs' AllReduce names HCCL's world group (what Lite on Atlas runs); here it is MindSpore's own."""
+    from mindspore.communication.management import GlobalComm
+
+    for prim in model.primitives:
+        if prim.op_type == "AllReduce":
+            for attr in prim.attribute:
+                if attr.name == "group":
+                    attr.s = GlobalComm.WORLD_COMM_GROUP.encode()
+
+
 def _load_without_data(ms, model, name: str):
     """mindspore.load of a parsed MindIR with its parameters' data (embedded or external) cleared.
 
@@ -184,6 +215,9 @@ class MsBackend:
 
         cpu_kernels.set_threads(threads)
         self._ms, self._nn = ms, nn
+        self._tp = config.folder is not None and config.folder.tp_size > 1
+        if self._tp:  # a tensor-parallel folder: this process runs its rank's graphs (every rank steps together)
+            config.rank_id = _join_ranks(config.folder)
         self._paths = config.graph_paths()
         self._parsed = {}  # key -> parsed proto, read for its specs and not loaded yet
         self.specs = {}
@@ -211,6 +245,8 @@ class MsBackend:
         del self._parsed[key]
         arrays = _parameter_arrays(model, path) if not self._owned else None  # read before the data is cleared
         _relocate_kernels(model, path)
+        if self._tp:
+            _retarget_collectives(model)
         cell = self._nn.GraphCell(_load_without_data(self._ms, model, os.path.basename(path)))
         params = list(cell.get_parameters())
         if arrays is None:
