@@ -1,0 +1,172 @@
+"""Tensor parallelism (python -m export --tp_size 2): per-rank graphs with AllReduce, run by two real processes under
+MindSpore's launcher (msrun) on the CPU, against HF transformers on the whole model."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from reference import hf_last_logits, hf_model, rel_err
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROWS = [[5, 17, 33, 2, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59]]
+
+WORKER = """
+import json, sys
+sys.path.insert(0, {root!r})
+from lite_runtime import pipeline
+folder, out = sys.argv[1], sys.argv[2]
+pipe = pipeline("text_generation", model=folder, backend="ms")
+rows = {rows!r}
+step = pipe.infer(rows)
+gen = pipe.generate(rows, max_new_tokens=8)
+json.dump({{"rank": pipe.config.rank_id, "logits": step.logits.tolist(), "tokens": [list(map(int, r)) for r in gen]}},
+          open(f"{{out}}/rank{{pipe.config.rank_id}}.json", "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def tp_folder(tmp_path_factory, checkpoints):
+    """gqa_tied (4 heads, 2 kv heads) split over 2 ranks: 2 heads, 1 kv head and half the MLP columns each."""
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+
+    out = str(tmp_path_factory.mktemp("tp") / "tp2")
+    run_export(ExportConfig(checkpoint=checkpoints["gqa_tied"], output=out, name="tp2", seq_length=32, batch_size=2,
+                            dtype="float32", device="cpu", prefill_buckets=(16,), tp_size=2))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def msrun(tmp_path, *args, workers: int = 2):
+    """`msrun --worker_num N ... args` with this Python first on PATH; (exit code, the workers' logs)."""
+    log_dir = tmp_path / f"msrun-{_free_port()}"
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "msrun"), "--worker_num", str(workers),
+                           "--local_worker_num", str(workers), "--master_port", str(_free_port()), "--log_dir",
+                           str(log_dir), "--join", "True", *map(str, args)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    logs = {p.name: p.read_text(errors="replace") for p in sorted(log_dir.glob("worker_*.log"))}
+    return proc.returncode, logs
+
+
+def test_the_folder_holds_each_ranks_graphs_and_weights(tp_folder):
+    from lite_runtime.folder import load_folder
+
+    folder = load_folder(tp_folder)
+    assert folder.tp_size == 2 and folder.infer["tp_size"] == 2
+    for rank in (0, 1):
+        paths = folder.graph_paths(rank)
+        assert sorted(paths) == ["inc", "prefill_16", "prefill_32", "slot_16", "slot_32"]
+        assert all(os.path.basename(p).startswith(f"tp2_rank{rank}_") for p in paths.values())
+    with open(os.path.join(tp_folder, "manifest.json")) as fh:
+        manifest = json.load(fh)
+    assert {g["variables"] for g in manifest["graphs"]} == {"tp2_rank0_variables/data_0", "tp2_rank1_variables/data_0"}
+    # each rank's q_proj holds its 2 heads of 4 (head_dim 16 for the tiny model's hidden 64)
+    inc = next(g for g in manifest["graphs"] if g["role"] == "inc" and g["rank"] == 1)
+    assert inc["inputs"] == [{"name": "input_ids", "dtype": "int32", "shape": [2, 1]},
+                             {"name": "valid_length", "dtype": "int32", "shape": [2]}]
+
+
+def test_two_ranks_under_msrun_equal_hf(tp_folder, checkpoints, tmp_path):
+    """Both ranks return the same logits and tokens, and those are HF's on the whole model."""
+    import torch
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(root=ROOT, rows=ROWS))
+    code, logs = msrun(tmp_path, script, tp_folder, tmp_path)
+    assert code == 0, "\n".join(logs.values())[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert (r0["rank"], r1["rank"]) == (0, 1)
+    assert r0["tokens"] == r1["tokens"] and r0["logits"] == r1["logits"]
+    ckpt = checkpoints["gqa_tied"]
+    for i, row in enumerate(ROWS):
+        assert rel_err(np.array(r0["logits"][i]), hf_last_logits(ckpt, row)) < 1e-4
+        with torch.no_grad():
+            ref = hf_model(ckpt).generate(torch.tensor([row]), max_new_tokens=8, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0)[0].tolist()
+        assert r0["tokens"][i][:len(ref)] == ref[:len(r0["tokens"][i])]
+
+
+def test_check_under_msrun_passes_on_every_rank(tp_folder, tmp_path):
+    """The launcher, unchanged, under msrun: each rank replays the golden references (prefill and slot graphs)."""
+    code, logs = msrun(tmp_path, os.path.join(ROOT, "scripts", "run_infer_main.py"), "--model_dir", tp_folder,
+                       "--backend", "ms", "--check")
+    assert code == 0, "\n".join(logs.values())[-3000:]
+    assert len(logs) == 2
+    for log in logs.values():
+        assert "PASS tp2 on backend ms: 4 prompts (each through the prefill graphs and through the slot graphs)" in log
+
+
+def test_without_msrun_the_error_says_how_to_launch(tp_folder):
+    from lite_runtime import InferError, pipeline
+
+    env_worker = os.environ.pop("MS_WORKER_NUM", None)
+    try:
+        with pytest.raises(InferError) as err:
+            pipeline("text_generation", model=tp_folder, backend="ms")
+    finally:
+        if env_worker is not None:
+            os.environ["MS_WORKER_NUM"] = env_worker
+    assert str(err.value) == (f"{os.path.abspath(tp_folder)}: the folder is split over 2 ranks (--tp_size 2); run one "
+                              "process per rank under MindSpore's launcher: msrun --worker_num 2 --local_worker_num 2 "
+                              "<your script>")
+
+
+@pytest.mark.parametrize("tp,numbers", [(3, "num_attention_heads 4, num_key_value_heads 2, intermediate_size 128"),
+                                        (4, "num_key_value_heads 2")])
+def test_a_tp_size_that_does_not_divide_is_refused_with_the_numbers(checkpoints, tmp_path, capsys, tp, numbers):
+    from export.__main__ import main
+
+    code = main(["-q", "--checkpoint", checkpoints["gqa_tied"], "--output", str(tmp_path / "x"), "--device", "cpu",
+                 "--seq_length", "32", "--tp_size", str(tp)])
+    assert code == 2 and not os.path.exists(tmp_path / "x")
+    assert capsys.readouterr().err.strip() == (
+        f"error: --tp_size {tp} does not divide config.json's {numbers}; each rank takes an equal share of the heads, "
+        "kv heads and MLP columns: pick a divisor")
+
+
+def test_mslite_plan_loads_the_ranks_graphs_with_the_rank_table(tp_folder, tmp_path, monkeypatch):
+    """On Atlas (not run here) each rank is a process: its graphs, its card, and the rank table GE gives HCCL."""
+    from lite_runtime import InferConfig, InferError
+    from lite_runtime.backends.mslite import build_plan, context_plan
+    from export.devices import GE_CONFIG_DIR
+
+    ini = os.path.join(GE_CONFIG_DIR, "atlas_800i_a2.ini")
+    table = tmp_path / "rank_table.json"
+    table.write_text(json.dumps({"version": "1.0", "server_count": "1", "status": "completed", "server_list": [
+        {"server_id": "127.0.0.1", "host_nic_ip": "reserve",
+         "device": [{"device_id": "0", "rank_id": "0"}, {"device_id": "1", "rank_id": "1"}]}]}))
+    for var in ("RANK_ID", "DEVICE_ID", "RANK_TABLE_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    config = InferConfig.from_folder(tp_folder, target="Ascend", ge_config_path=ini)
+    with pytest.raises(InferError) as err:
+        build_plan(config)
+    assert str(err.value) == (f"{os.path.abspath(tp_folder)}: the folder is split over 2 ranks, which HCCL connects "
+                              "through a rank table: pass rank_table_file=... (run_infer_main.py --rank_table_file) "
+                              "or set RANK_TABLE_FILE (README, \"Two cards\")")
+    monkeypatch.setenv("RANK_ID", "1")
+    monkeypatch.setenv("RANK_TABLE_FILE", str(table))
+    config = InferConfig.from_folder(tp_folder, target="Ascend", ge_config_path=ini)
+    assert context_plan(config) == {"ascend.device_id": 1, "ascend.rank_id": 1, "ascend.provider": "ge",
+                                    "target": ["ascend"]}
+    plan = build_plan(config)
+    builds = [step for step in plan if step[0] == "build_from_file"]
+    assert [os.path.basename(step[2]) for step in builds] == [
+        "tp2_rank1_prefill_graph.mindir", "tp2_rank1_prefill_16_graph.mindir", "tp2_rank1_inc_graph.mindir"]
+    assert all(step[5] == {"ascend_context": {"rank_table_file": str(table)}} for step in builds)
+    monkeypatch.setenv("RANK_ID", "2")
+    with pytest.raises(InferError) as err:
+        context_plan(InferConfig.from_folder(tp_folder, target="Ascend", ge_config_path=ini))
+    assert str(err.value) == (f"{os.path.abspath(tp_folder)}: rank 2, but the folder is split over 2 ranks (0..1); "
+                              "pass rank_id or set RANK_ID per process")
