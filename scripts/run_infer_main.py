@@ -109,6 +109,11 @@ def answer(pipe, args: argparse.Namespace, text: str) -> None:
     rows = [text] * pipe.batch_size if args.batch_size else [text]
     kwargs = dict(apply_chat_template=args.chat, add_special_tokens=args.add_special_tokens,
                   **generation_kwargs(args))
+    # a tensor-parallel folder under msrun or one Lite process per rank: every rank makes the same tokens, rank 0
+    # prints them (the others only their timing line)
+    folder = pipe.config.folder
+    tp_rank = int(pipe.config.rank_id) if folder is not None and folder.tp_size > 1 else None
+    show = not tp_rank
     if args.stream:
         streamer = TextIteratorStreamer(pipe.tokenizer, skip_prompt=True, skip_special_tokens=True)
         errors: List[BaseException] = []
@@ -123,19 +128,22 @@ def answer(pipe, args: argparse.Namespace, text: str) -> None:
         thread = threading.Thread(target=work)
         thread.start()
         for piece in streamer:
-            print(piece, end="", flush=True)
+            if show:
+                print(piece, end="", flush=True)
         thread.join()
-        print()
+        if show:
+            print()
         if errors:
             raise errors[0]
     else:
         outputs = pipe(rows, **kwargs)
-        for i, out in enumerate(outputs):
+        for i, out in enumerate(outputs if show else []):
             print(out if len(outputs) == 1 else f"[{i}] {out}")
     result = pipe.last_output
+    rank = "" if tp_rank is None else f", rank {tp_rank} of {folder.tp_size}"
     print(f"[timing] prefill {result.prefill_seconds * 1000:.1f} ms, decode "
           f"{result.decode_tokens_per_second:.1f} tok/s ({result.new_tokens} new tokens, "
-          f"finish: {', '.join(result.finish_reasons)}, backend {pipe.backend_name})", file=sys.stderr)
+          f"finish: {', '.join(result.finish_reasons)}, backend {pipe.backend_name}{rank})", file=sys.stderr)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

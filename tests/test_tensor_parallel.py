@@ -24,10 +24,12 @@ folder, out = sys.argv[1], sys.argv[2]
 pipe = pipeline("text_generation", model=folder, backend="ms")
 rows = {rows!r}
 step = pipe.infer(rows)
+short = pipe.infer({short!r})  # the 16-token prefill graph (the rows above take the 32 one)
 gen = pipe.generate(rows, max_new_tokens=8)
-json.dump({{"rank": pipe.config.rank_id, "logits": step.logits.tolist(), "tokens": [list(map(int, r)) for r in gen]}},
-          open(f"{{out}}/rank{{pipe.config.rank_id}}.json", "w"))
+json.dump({{"rank": pipe.config.rank_id, "logits": step.logits.tolist(), "short_logits": short.logits.tolist(),
+           "tokens": [list(map(int, r)) for r in gen]}}, open(f"{{out}}/rank{{pipe.config.rank_id}}.json", "w"))
 """
+SHORT = [[3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]]
 
 
 @pytest.fixture(scope="module")
@@ -78,18 +80,24 @@ def test_the_folder_holds_each_ranks_graphs_and_weights(tp_folder):
                              {"name": "valid_length", "dtype": "int32", "shape": [2]}]
 
 
-def test_two_ranks_under_msrun_equal_hf(tp_folder, checkpoints, tmp_path):
-    """Both ranks return the same logits and tokens, and those are HF's on the whole model."""
+def test_two_ranks_under_msrun_equal_hf_and_the_single_card_folder(tp_folder, checkpoints, pipes, tmp_path):
+    """Both ranks return the same logits and tokens: HF's greedy tokens on the whole model, and logits within 1e-4
+    of HF's and of the single-card folder's (gqa_tied, the same checkpoint), on both prefill graphs."""
     import torch
 
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(root=ROOT, rows=ROWS))
+    script.write_text(WORKER.format(root=ROOT, rows=ROWS, short=SHORT))
     code, logs = msrun(tmp_path, script, tp_folder, tmp_path)
     assert code == 0, "\n".join(logs.values())[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert (r0["rank"], r1["rank"]) == (0, 1)
     assert r0["tokens"] == r1["tokens"] and r0["logits"] == r1["logits"]
     ckpt = checkpoints["gqa_tied"]
+    single = pipes["gqa_tied"]
+    assert rel_err(np.array(r0["logits"]), single.infer(ROWS).logits) < 1e-4
+    assert rel_err(np.array(r0["short_logits"]), single.infer(SHORT).logits) < 1e-4
+    for i, row in enumerate(SHORT):
+        assert rel_err(np.array(r0["short_logits"][i]), hf_last_logits(ckpt, row)) < 1e-4
     for i, row in enumerate(ROWS):
         assert rel_err(np.array(r0["logits"][i]), hf_last_logits(ckpt, row)) < 1e-4
         with torch.no_grad():
@@ -106,6 +114,28 @@ def test_check_under_msrun_passes_on_every_rank(tp_folder, tmp_path):
     assert len(logs) == 2
     for log in logs.values():
         assert "PASS tp2 on backend ms: 4 prompts (each through the prefill graphs and through the slot graphs)" in log
+
+
+def test_a_rank_count_other_than_the_folders_and_a_missing_rank_file(tp_folder, tmp_path):
+    """One-line errors that say what to do: msrun with 1 process for a 2-rank folder; a copy without rank 1's weights."""
+    script = tmp_path / "load.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {ROOT!r})\nfrom lite_runtime import InferError, pipeline\n"
+                      f"try:\n    pipeline('text_generation', model={tp_folder!r}, backend='ms')\n"
+                      "except InferError as exc:\n    print('ERROR', exc)\n")
+    code, logs = msrun(tmp_path, script, workers=1)
+    assert (f"ERROR {os.path.abspath(tp_folder)}: the folder is split over 2 ranks, but this job has 1 processes; "
+            "launch it with msrun --worker_num 2") in "\n".join(logs.values())
+    import shutil
+
+    from lite_runtime import InferError
+    from lite_runtime.folder import load_folder
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tp_folder, copy)
+    os.remove(copy / "tp2_rank1_variables" / "data_0")
+    with pytest.raises(InferError) as err:
+        load_folder(str(copy))
+    assert str(err.value).startswith(f"{copy / 'tp2_rank1_variables' / 'data_0'}: ")
 
 
 def test_without_msrun_the_error_says_how_to_launch(tp_folder):
@@ -170,3 +200,17 @@ def test_mslite_plan_loads_the_ranks_graphs_with_the_rank_table(tp_folder, tmp_p
         context_plan(InferConfig.from_folder(tp_folder, target="Ascend", ge_config_path=ini))
     assert str(err.value) == (f"{os.path.abspath(tp_folder)}: rank 2, but the folder is split over 2 ranks (0..1); "
                               "pass rank_id or set RANK_ID per process")
+
+
+def test_the_launcher_under_msrun_prints_the_answer_on_rank_0(tp_folder, pipes, tmp_path):
+    """Rank 0 prints the single-card folder's answer; rank 1 only its timing line."""
+    code, logs = msrun(tmp_path, os.path.join(ROOT, "scripts", "run_infer_main.py"), "--model_dir", tp_folder,
+                       "--backend", "ms", "--prompt", "hello", "--max_output_length", "6")
+    assert code == 0, "\n".join(logs.values())[-3000:]
+    timing = {name: [line for line in log.splitlines() if line.startswith("[timing]")] for name, log in logs.items()}
+    assert [len(t) for t in timing.values()] == [1, 1]
+    assert timing["worker_0.log"][0].endswith("backend ms, rank 0 of 2)")
+    assert timing["worker_1.log"][0].endswith("backend ms, rank 1 of 2)")
+    want = pipes["gqa_tied"]("hello", max_new_tokens=6)
+    assert want.strip() and want in logs["worker_0.log"].splitlines()
+    assert want not in logs["worker_1.log"].splitlines()
