@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import socket
-import statistics
 import subprocess
 import sys
 import threading
