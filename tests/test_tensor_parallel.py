@@ -214,3 +214,51 @@ def test_the_launcher_under_msrun_prints_the_answer_on_rank_0(tp_folder, pipes, 
     want = pipes["gqa_tied"]("hello", max_new_tokens=6)
     assert want.strip() and want in logs["worker_0.log"].splitlines()
     assert want not in logs["worker_1.log"].splitlines()
+
+
+FAMILY_WORKER = """
+import json, sys
+sys.path.insert(0, {root!r})
+from lite_runtime import pipeline
+out = {{}}
+for name, folder in {folders!r}.items():
+    pipe = pipeline("text_generation", model=folder, backend="ms")
+    out[name] = {{"logits": pipe.infer({rows!r}).logits.tolist(),
+                 "tokens": [list(map(int, r)) for r in pipe.generate({rows!r}, max_new_tokens=6)]}}
+    rank = pipe.config.rank_id
+json.dump(out, open({out!r} + f"/families_rank{{rank}}.json", "w"))
+"""
+
+
+def test_qwen3_and_llama_with_biases_split_over_two_ranks_equal_hf(tokenizer, tmp_path):
+    """The parts only some families have, under TP: Qwen3's per-head q/k norms (head_dim 32 != hidden / heads) and
+    Llama's o_proj and MLP biases (added once, after the AllReduce), with untied heads."""
+    import torch
+
+    import make_demo_checkpoint
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+    from test_families import FAMILY_CHECKPOINTS
+
+    folders, checkpoints = {}, {}
+    for name in ("qwen3_gqa_untied", "llama_mha_untied_linear_bias"):
+        kw = FAMILY_CHECKPOINTS[name]
+        tok = make_demo_checkpoint.build_tokenizer(bos=True) if kw["family"] == "llama" else tokenizer
+        checkpoints[name] = make_demo_checkpoint.make_checkpoint(str(tmp_path / f"ckpt_{name}"), tokenizer=tok, **kw)
+        folders[name] = str(tmp_path / name)
+        run_export(ExportConfig(checkpoint=checkpoints[name], output=folders[name], name=name, seq_length=32,
+                                batch_size=1, dtype="float32", device="cpu", prefill_buckets=(), tp_size=2))
+    row = [7, 3, 99, 140, 2, 11, 5, 61, 8]
+    script = tmp_path / "families.py"
+    script.write_text(FAMILY_WORKER.format(root=ROOT, folders=folders, rows=[row], out=str(tmp_path)))
+    code, logs = msrun(tmp_path, script)
+    assert code == 0, "\n".join(logs.values())[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"families_rank{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1
+    for name, ckpt in checkpoints.items():
+        assert rel_err(np.array(r0[name]["logits"][0]), hf_last_logits(ckpt, row)) < 1e-4, name
+        with torch.no_grad():
+            ref = hf_model(ckpt).generate(torch.tensor([row]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                          pad_token_id=0)[0].tolist()
+        got = r0[name]["tokens"][0]
+        assert got == ref[:len(got)], name
