@@ -188,12 +188,12 @@ def load_into(net, checkpoint: str, progress: Optional[Callable[[int], None]] = 
 
     rank, tp = shard
     params = {p.name: p for p in net.get_parameters() if not p.name.endswith(("key_cache", "value_cache"))}
+    axes = {name: split_axis(name) if tp > 1 else None for name in params}
     expected = {}
     for name, p in params.items():  # the checkpoint's (whole) shapes
         shape = list(p.shape)
-        axis = split_axis(name) if tp > 1 else None
-        if axis is not None:
-            shape[axis] *= tp
+        if axes[name] is not None:
+            shape[axes[name]] *= tp
         expected[name] = tuple(shape)
     where = open_checkpoint(checkpoint)
     names = plan_weights(expected, where, tied=bool(net.config.tie_word_embeddings))
@@ -202,7 +202,7 @@ def load_into(net, checkpoint: str, progress: Optional[Callable[[int], None]] = 
     for name in names:
         param = params[name]
         arr = where[name].stored(name)
-        axis = split_axis(name) if tp > 1 else None
+        axis = axes[name]
         if axis is not None:
             n = param.shape[axis]
             arr = arr[rank * n:(rank + 1) * n] if axis == 0 else arr[:, rank * n:(rank + 1) * n]

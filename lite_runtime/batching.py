@@ -80,7 +80,6 @@ class BatchEngine:
         self.max_queue = int(max_queue)
         self.slots: List[Optional[SlotRequest]] = [None] * self.rows
         self.waiting: Deque[SlotRequest] = collections.deque()
-        self.pad = int(generator.defaults.pad_token_id or 0)
         self._cond = threading.Condition()
         self._stopped = False
         self.steps = 0  # decode steps run
@@ -155,7 +154,7 @@ class BatchEngine:
         busy = [row for row, r in enumerate(self.slots) if r is not None]
         if not busy:
             return
-        tokens, lengths = [self.pad] * self.rows, [1] * self.rows  # a free row writes position 0 of its own row
+        tokens, lengths = [self.generator.pad] * self.rows, [1] * self.rows  # a free row writes position 0 of its own row
         for row in busy:
             request = self.slots[row]
             tokens[row] = request.generated[-1]

@@ -74,7 +74,7 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
         raise InferError(f"{folder.yaml_path}: dtype {config.compute_dtype!r} has no check limits; known: "
                          f"{', '.join(TOLERANCES)}")
     start = time.perf_counter()
-    slots = config.folder.batch_size > 1 and any(g.role == "slot" for g in config.folder.graphs.values())
+    slots = any(g.role == "slot" for g in config.folder.graphs.values())  # batch_size > 1 folders
     if slots:  # the server's path too: its slot graphs, one prompt per cache row, joining a running batch
         config = dataclasses.replace(config, slot_graphs=True)
     generator = pipeline("text_generation", model=config, backend=backend)

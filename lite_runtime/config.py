@@ -89,11 +89,16 @@ class InferConfig:
         config.validate()
         return config
 
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks of the folder (python -m export --tp_size); 1 without a folder."""
+        return self.folder.tp_size if self.folder is not None else 1
+
     def graph_paths(self) -> Dict[str, str]:
         """Every graph to load, by key (`prefill_<tokens>`, `inc`, `slot_<tokens>`): the prefill graphs longest first,
         inc, then (with slot_graphs) the slot graphs of a batch_size > 1 folder, longest first."""
         if self.folder is not None:
-            paths = self.folder.graph_paths(int(self.rank_id) if self.folder.tp_size > 1 else 0)
+            paths = self.folder.graph_paths(int(self.rank_id) if self.tp_size > 1 else 0)
         else:
             paths = {graph_key("prefill", int(self.infer_seq_length)): self.prefill_model_path,
                      "inc": self.increment_model_path}

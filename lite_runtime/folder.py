@@ -46,7 +46,7 @@ class ModelFolder:
     graphs: Dict[str, GraphSpec]  # rank 0's (the only rank of a folder without tensor parallelism)
     ge_config_path: str
     manifest: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-    ranks: Dict[int, Dict[str, GraphSpec]] = field(default_factory=dict, repr=False, compare=False)
+    ranks: Dict[int, Dict[str, GraphSpec]] = field(default_factory=dict, repr=False, compare=False)  # every rank's
 
     @property
     def exported_with(self) -> Dict[str, str]:
@@ -64,12 +64,12 @@ class ModelFolder:
     @property
     def tp_size(self) -> int:
         """Tensor-parallel ranks: each has its own graphs and weights file (python -m export --tp_size)."""
-        return max(len(self.ranks), 1)
+        return len(self.ranks) or 1
 
     def graph_paths(self, rank: int = 0) -> Dict[str, str]:
-        if rank and not 0 <= rank < self.tp_size:
+        if not 0 <= rank < self.tp_size:
             raise ModelFolderError(f"{self.path}: rank {rank}, but the folder has {self.tp_size} rank(s)' graphs")
-        graphs = self.ranks.get(rank, self.graphs) if self.ranks else self.graphs
+        graphs = self.ranks[rank] if self.ranks else self.graphs
         return {key: spec.path for key, spec in graphs.items()}
 
 
@@ -192,7 +192,7 @@ def load_folder(path: str, verify: Any = True) -> ModelFolder:
     folder = ModelFolder(path=os.path.abspath(path), name=manifest["name"], yaml_path=yaml_path,
                          infer=doc["infer"], model=doc.get("model", {}), graphs=ranks[0],
                          ge_config_path=os.path.join(os.path.abspath(path), manifest["ge_config"]), manifest=manifest,
-                         ranks=ranks if len(ranks) > 1 else {})
+                         ranks=ranks)
     if int(doc["infer"].get("tp_size", 1)) != folder.tp_size:
         raise ModelFolderError(f"{yaml_path}: infer.tp_size {doc['infer'].get('tp_size', 1)} disagrees with the "
                                f"{folder.tp_size} rank(s) of {MANIFEST}; re-export the folder")

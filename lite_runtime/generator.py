@@ -105,6 +105,7 @@ class TextGenerator:
         self._tokenizer = tokenizer
         self.defaults = GenerationSettings.from_generation_config(config.model_dir).updated(
             eos_token_id=config.eos_token_id or None, pad_token_id=config.pad_token_id)
+        self.pad = int(self.defaults.pad_token_id or 0)  # what padding positions and free rows are given
         self._cache: Optional[List[List[int]]] = None  # tokens held by each cache row (padding rows too)
         self._cache_rows = 0  # how many of them are real rows
         self._checked = set()  # graphs whose engine specs were checked (and compiled, or about to be)
@@ -242,11 +243,10 @@ class TextGenerator:
         return next(n for n in self.prefill_sizes if n >= longest)
 
     def _prefill(self, rows: List[List[int]]) -> np.ndarray:
-        pad = int(self.defaults.pad_token_id or 0)
-        full = [list(r) for r in rows] + [[pad]] * (self.batch_size - len(rows))
+        full = [list(r) for r in rows] + [[self.pad]] * (self.batch_size - len(rows))
         tokens = self.prefill_size(max(len(r) for r in rows))
         self._cache = None  # unknown until the graph call succeeds: a failed call leaves a prefill to do
-        logits = self._run(graph_key("prefill", tokens), self.inputs.prefill(full, tokens, pad))
+        logits = self._run(graph_key("prefill", tokens), self.inputs.prefill(full, tokens, self.pad))
         self._cache, self._cache_rows = full, len(rows)
         return logits[:len(rows)]
 
@@ -281,9 +281,8 @@ class TextGenerator:
 
     def prefill_slot(self, slot: int, row: Sequence[int]) -> np.ndarray:
         """Prefill one prompt into cache row `slot`, leaving the other rows as they are: float32 logits [V]."""
-        pad = int(self.defaults.pad_token_id or 0)
         key = self.slot_key(len(row))
-        arrays = self.inputs.prefill([list(row)], graph_tokens(key), pad)
+        arrays = self.inputs.prefill([list(row)], graph_tokens(key), self.pad)
         if self.batch_size > 1:
             arrays = self.inputs.slot(arrays, slot)
         with self._request():

@@ -111,8 +111,8 @@ def answer(pipe, args: argparse.Namespace, text: str) -> None:
                   **generation_kwargs(args))
     # a tensor-parallel folder under msrun or one Lite process per rank: every rank makes the same tokens, rank 0
     # prints them (the others only their timing line)
-    folder = pipe.config.folder
-    tp_rank = int(pipe.config.rank_id) if folder is not None and folder.tp_size > 1 else None
+    tp = pipe.config.tp_size
+    tp_rank = int(pipe.config.rank_id) if tp > 1 else None
     show = not tp_rank
     if args.stream:
         streamer = TextIteratorStreamer(pipe.tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -140,7 +140,7 @@ def answer(pipe, args: argparse.Namespace, text: str) -> None:
         for i, out in enumerate(outputs if show else []):
             print(out if len(outputs) == 1 else f"[{i}] {out}")
     result = pipe.last_output
-    rank = "" if tp_rank is None else f", rank {tp_rank} of {folder.tp_size}"
+    rank = "" if tp_rank is None else f", rank {tp_rank} of {tp}"
     print(f"[timing] prefill {result.prefill_seconds * 1000:.1f} ms, decode "
           f"{result.decode_tokens_per_second:.1f} tok/s ({result.new_tokens} new tokens, "
           f"finish: {', '.join(result.finish_reasons)}, backend {pipe.backend_name}{rank})", file=sys.stderr)

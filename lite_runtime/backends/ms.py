@@ -215,7 +215,7 @@ class MsBackend:
 
         cpu_kernels.set_threads(threads)
         self._ms, self._nn = ms, nn
-        self._tp = config.folder is not None and config.folder.tp_size > 1
+        self._tp = config.tp_size > 1
         if self._tp:  # a tensor-parallel folder: this process runs its rank's graphs (every rank steps together)
             config.rank_id = _join_ranks(config.folder)
         self._paths = config.graph_paths()

@@ -42,38 +42,32 @@ INSTALL_HINT = ("install the mindspore_lite wheel that matches your CANN from "
 _DTYPES = {"INT32": "int32", "INT64": "int64", "FLOAT32": "float32", "FLOAT16": "float16", "BOOL": "bool"}
 
 
-def tensor_parallel(config) -> bool:
-    return config.folder is not None and config.folder.tp_size > 1
-
-
-def rank_and_device(config, environ=None) -> Tuple[int, int]:
+def rank_and_device(config) -> Tuple[int, int]:
     """(rank_id, device_id). A tensor-parallel folder runs one process per rank, as Lite's distributed examples do:
     the rank is InferConfig.rank_id, or $RANK_ID when that is 0; the card is InferConfig.device_id, or $DEVICE_ID
     when that is 0, else the rank's number (one card per rank)."""
-    environ = os.environ if environ is None else environ
     rank, device = int(config.rank_id), int(config.device_id)
-    if not tensor_parallel(config):
+    if config.tp_size == 1:
         return rank, device
-    if rank == 0 and environ.get("RANK_ID"):
-        rank = int(environ["RANK_ID"])
+    if rank == 0 and os.environ.get("RANK_ID"):
+        rank = int(os.environ["RANK_ID"])
     if device == 0:
-        device = int(environ["DEVICE_ID"]) if environ.get("DEVICE_ID") else rank
-    tp = config.folder.tp_size
+        device = int(os.environ["DEVICE_ID"]) if os.environ.get("DEVICE_ID") else rank
+    tp = config.tp_size
     if not 0 <= rank < tp:
         raise InferError(f"{config.folder.path}: rank {rank}, but the folder is split over {tp} ranks (0..{tp - 1}); "
                          "pass rank_id or set RANK_ID per process")
     return rank, device
 
 
-def rank_table(config, environ=None) -> Optional[str]:
+def rank_table(config) -> Optional[str]:
     """The HCCL rank table of a tensor-parallel folder's job (GE reads it: [ascend_context] rank_table_file)."""
-    if not tensor_parallel(config):
+    if config.tp_size == 1:
         return None
-    environ = os.environ if environ is None else environ
-    path = config.rank_table_file or environ.get("RANK_TABLE_FILE") or \
+    path = config.rank_table_file or os.environ.get("RANK_TABLE_FILE") or \
         read_ge_config(config.ge_config_path).get("ascend_context", {}).get("rank_table_file")
     if not path:
-        raise InferError(f"{config.folder.path}: the folder is split over {config.folder.tp_size} ranks, which HCCL "
+        raise InferError(f"{config.folder.path}: the folder is split over {config.tp_size} ranks, which HCCL "
                          "connects through a rank table: pass rank_table_file=... (run_infer_main.py "
                          "--rank_table_file) or set RANK_TABLE_FILE (README, \"Two cards\")")
     if not os.path.isfile(path):
@@ -100,7 +94,7 @@ def build_plan(config, cache: Optional[Dict[str, Any]] = None) -> List[Tuple]:
         raise InferError("backend 'mslite' needs ge_config_path (the folder's config.ini); pass a model folder "
                          "or ge_config_path")
     read_ge_config(config.ge_config_path)
-    if tensor_parallel(config):  # this process's rank's graphs
+    if config.tp_size > 1:  # this process's rank's graphs
         config.rank_id = rank_and_device(config)[0]
     paths = config.graph_paths()
     table = rank_table(config)
