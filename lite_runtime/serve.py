@@ -108,7 +108,6 @@ class Service:
     def __init__(self, generator, engine: BatchEngine, model_name: str, api_key: Optional[str] = None) -> None:
         self.generator, self.engine, self.model_name, self.api_key = generator, engine, model_name, api_key
         self.created = int(time.time())
-        self.max_prompt = generator.slot_sizes[-1]
 
     # --- validation ---------------------------------------------------------------------------------
     def check_key(self, authorization: Optional[str]) -> None:
@@ -135,7 +134,7 @@ class Service:
         if not prompt:
             raise APIError(400, "the prompt is empty; send at least one token", param="messages" if chat else "prompt")
         seq, room = self.generator.seq_length, self.generator.seq_length - len(prompt)
-        if len(prompt) > self.max_prompt or room < 1:
+        if room < 1:  # the largest graph holds seq_length tokens: the prompt leaves no room, or does not fit
             raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's graphs hold {seq} tokens per "
                                 "request, prompt and completion together: shorten it", param="messages" if chat else "prompt",
                            code="context_length_exceeded")
