@@ -15,12 +15,13 @@ import json
 import logging
 import sys
 import time
-from typing import List, Optional
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
 
 from lite_runtime.backends import CHOICES
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError
-from lite_runtime.golden import TOLERANCES, Reference, Report, load_golden, replay, replay_slots
+from lite_runtime.golden import TOLERANCES, Reference, RowResult, Tolerance, load_golden, replay, replay_slots
 from lite_runtime.versions import environment
 
 SEND_BACK = ("rerun with --json report.json and send that file, with the folder's manifest.json and yaml, "
@@ -49,6 +50,68 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.add_argument("-v", "--verbose", action="store_true", help="log which backend was chosen and why")
     return p
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+@dataclass
+class Report:
+    name: str
+    backend: str
+    dtype: str
+    tolerance: Tolerance
+    reference: str
+    rows: List[RowResult]
+    info: Dict[str, Any] = field(default_factory=dict)  # environment, versions, the folder's settings
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.rows)
+
+    def verdict(self) -> str:
+        steps = sum(r.steps for r in self.rows)
+        worst = max((r.max_rel for r in self.rows), default=0.0)
+        limit = f"({self.dtype} limit {self.tolerance.rel:.0e})"
+        ties = sum(len(r.near_ties) for r in self.rows)
+        tie_note = f"; {ties} near-tie step(s) reported, not failed" if ties else ""
+        prompts = _count(len({r.prompt for r in self.rows}), "prompt")
+        slots = any(r.graph.startswith("slot_") for r in self.rows)  # replay_slots ran the prompts a second way
+        paths = " (each through the prefill graphs and through the slot graphs)" if slots else ""
+        if self.passed:
+            return (f"PASS {self.name} on backend {self.backend}: {prompts}{paths}, {steps} steps, greedy "
+                    f"tokens identical, top-k logits within {worst:.1e} relative {limit}{tie_note}")
+        bad = [r for r in self.rows if not r.passed]
+        runs = f"{len(bad)} of {len(self.rows)} runs of {prompts}{paths}" if slots else \
+            f"{len(bad)} of {len(self.rows)} prompts"
+        diverged = [r for r in bad if any("greedy token" in f for f in r.failures)]
+        if diverged:
+            r, d = diverged[0], diverged[0].divergence or {}
+            what = (f"greedy tokens diverge in prompt {r.prompt} ({r.graph}) at step {r.first_divergence}: device "
+                    f"token {d.get('device_token')}, reference {d.get('reference_token')}")
+        else:
+            what = f"prompt {bad[0].prompt} ({bad[0].graph}): {bad[0].failures[0]}"
+        return (f"FAIL {self.name} on backend {self.backend}: {runs} fail; {what}; "
+                f"worst logit error {worst:.1e} relative {limit}")
+
+    def table(self) -> str:
+        head = ("prompt", "graph", "tokens", "steps", "diverges at", "top-1", "max abs err", "max rel err", "result")
+        lines = [head]
+        for r in self.rows:
+            where = "-" if r.first_divergence is None else str(r.first_divergence)
+            result = "ok" if r.passed else "FAIL"
+            if r.near_ties:
+                result += f" (near tie at {', '.join(map(str, r.near_ties))})"
+            lines.append((str(r.prompt), r.graph, str(r.prompt_tokens), str(r.steps), where,
+                          f"{r.top1_agree}/{r.steps}", f"{r.max_abs:.2e}", f"{r.max_rel:.2e}", result))
+        widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"verdict": self.verdict(), "passed": self.passed, "name": self.name, "backend": self.backend,
+                "dtype": self.dtype, "tolerance": asdict(self.tolerance), "reference": self.reference,
+                "rows": [{**asdict(r), "passed": r.passed} for r in self.rows], "info": self.info}
 
 
 def run_check(model_dir: str, backend: str = "auto", reference: Optional[Reference] = None, progress=None,

@@ -1,17 +1,26 @@
-"""Reading a model folder written by `python -m export`, with every check done before anything runs."""
+"""The model folder contract (model_dirs/README.md): its names and layout, and reading a folder with every check done
+before anything runs. `python -m export` writes through this module and lite_runtime/manifest.py; nothing else
+defines a folder's names."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from lite_runtime.errors import ModelFolderError
 
 FORMAT = "mslite-llm-model-folder"
+FORMAT_VERSION = 1  # what export writes
 SUPPORTED_VERSIONS = (1,)
 MANIFEST = "manifest.json"
+GE_CONFIG = "config.ini"
+GOLDEN = "golden.json"
+# The weights file keeps MindSpore's external-data layout, which mindspore.load and MindSpore Lite read: a header
+# (byte 0 is 1 on little-endian machines), then each tensor at an offset that is a multiple of DATA_ALIGN.
+DATA_HEADER = 64
+DATA_ALIGN = 64
 ROLES = ("prefill", "inc", "slot")  # every folder has prefill and inc graphs; batch_size > 1 folders slot graphs too
 REQUIRED_ROLES = ("prefill", "inc")
 
@@ -25,6 +34,9 @@ class TensorSpec:
     @classmethod
     def from_dict(cls, raw: Dict[str, Any]) -> "TensorSpec":
         return cls(raw["name"], raw["dtype"], tuple(int(d) for d in raw["shape"]))
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,24 @@ class ModelFolder:
         return {key: spec.path for key, spec in graphs.items()}
 
 
+def rank_name(name: str, rank: int, tp_size: int) -> str:
+    """The file stem of one rank's graphs and weights: `<name>` for a single-card folder, `<name>_rank<r>` under
+    tensor parallelism (python -m export --tp_size)."""
+    return f"{name}_rank{rank}" if tp_size > 1 else name
+
+
+def graph_file(name: str, role: str, tokens: int, seq_length: int) -> str:
+    """`<name>_prefill_graph.mindir` (the seq_length graph), `<name>_prefill_<tokens>_graph.mindir` (a bucket),
+    `<name>_inc_graph.mindir`; the slot graphs of batch_size > 1 folders likewise `<name>_slot[_<tokens>]...`."""
+    prefix = f"{name}_{role}" if role == "inc" or tokens == seq_length else f"{name}_{role}_{tokens}"
+    return prefix + "_graph.mindir"
+
+
+def data_location(name: str) -> str:
+    """The weights file every graph of `name` (a rank_name) refers to, relative to the folder."""
+    return f"{name}_variables/data_0"
+
+
 def graph_key(role: str, tokens: int) -> str:
     """`prefill_<tokens>` for each full graph (one per prompt-length bucket), `inc` for the incremental one,
     `slot_<tokens>` for the slot graphs (one prompt into one cache row: continuous batching)."""
@@ -89,7 +119,28 @@ def graph_tokens(key: str) -> int:
     return 1 if key == "inc" else int(key.split("_", 1)[1])
 
 
-def _sha256(path: str) -> str:
+# MindIR TensorProto data types -> the dtype names of TensorSpec (and of the manifest)
+MINDIR_DTYPES = {"INT32": "int32", "INT64": "int64", "FLOAT": "float32", "FLOAT16": "float16",
+                 "BFLOAT16": "bfloat16", "BOOL": "bool"}
+
+
+def mindir_specs(model) -> Tuple[Tuple[TensorSpec, ...], Tuple[TensorSpec, ...]]:
+    """Input and output specs as a parsed MindIR ModelProto declares them (names without the graph prefix)."""
+    from mindspore.train import mind_ir_pb2
+
+    name_of = mind_ir_pb2.TensorProto.DataType.Name
+
+    def spec(value, name: str) -> TensorSpec:
+        t = value.tensor[0]
+        return TensorSpec(name, MINDIR_DTYPES.get(name_of(t.data_type), name_of(t.data_type).lower()),
+                          tuple(int(d) for d in t.dims))
+
+    inputs = tuple(spec(v, v.name.rsplit(":", 1)[-1]) for v in model.graph.input)
+    outputs = tuple(spec(v, "logits" if i == 0 else f"output_{i}") for i, v in enumerate(model.graph.output))
+    return inputs, outputs
+
+
+def sha256_file(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -216,7 +267,7 @@ def _check_files(path: str, files: Dict[str, Dict[str, Any]], verify: Any) -> No
         real, stat = os.path.realpath(full), _stat_key(full)
         if verify is True and records.get(real) == [entry["sha256"]] + stat:
             continue
-        if _sha256(full) != entry["sha256"]:
+        if sha256_file(full) != entry["sha256"]:
             raise ModelFolderError(f"{full}: sha256 differs from {MANIFEST} (corrupted copy); re-copy the folder")
         records[real] = [entry["sha256"]] + stat
         hashed = True

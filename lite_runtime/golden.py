@@ -13,14 +13,15 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from lite_runtime.errors import ModelFolderError
-from lite_runtime.folder import ModelFolder, graph_key
+from lite_runtime.folder import GOLDEN, ModelFolder, graph_key
 
 GOLDEN_FORMAT = "mslite-llm-golden"
+GOLDEN_VERSION = 1  # what export writes
 GOLDEN_VERSIONS = (1,)
 
 
@@ -47,13 +48,29 @@ TOLERANCES: Dict[str, Tolerance] = {
 }
 
 
+def largest_logits(logits: np.ndarray, k: int) -> Tuple[List[int], List[float]]:
+    """The k largest logits, largest first, ties by smaller id (np.argmax's choice)."""
+    idx = np.argpartition(-logits, k - 1)[:k]
+    idx = idx[np.lexsort((idx, -logits[idx]))]
+    return [int(i) for i in idx], [float(f"{logits[i]:.9g}") for i in idx]  # 9 digits round-trip float32
+
+
 @dataclass
 class ReferenceRow:
     prompt: List[int]
-    tokens: List[int]  # the reference's greedy token at each step
-    top_ids: List[List[int]]  # per step, the top-k token ids, largest logit first
-    top_logits: List[List[float]]
-    scale: List[float]  # per step, the largest |logit| over the whole vocabulary
+    tokens: List[int] = field(default_factory=list)  # the reference's greedy token at each step
+    top_ids: List[List[int]] = field(default_factory=list)  # per step, the top-k token ids, largest logit first
+    top_logits: List[List[float]] = field(default_factory=list)
+    scale: List[float] = field(default_factory=list)  # per step, the largest |logit| over the whole vocabulary
+
+    def record(self, logits: np.ndarray, k: int) -> int:
+        """Append one step computed by a reference (its logits [V]); returns the greedy token."""
+        ids, values = largest_logits(logits, k)
+        self.tokens.append(ids[0])
+        self.top_ids.append(ids)
+        self.top_logits.append(values)
+        self.scale.append(float(f"{np.abs(logits).max():.9g}"))
+        return ids[0]
 
 
 @dataclass
@@ -102,6 +119,21 @@ class Reference:
         if not batches:
             raise bad("no batches")
         return cls(source=source, batches=batches)
+
+
+def golden_document(batches: List[ReferenceBatch], **fields: Any) -> Dict[str, Any]:
+    """golden.json's content: the batches (each with its prefill graph's key and its rows) and the fields that say
+    how they were made (computed_by, prompt_source, top_k, seq_length, batch_size, ...; model_dirs/README.md)."""
+    out = [{"graph": b.graph, "steps": len(b.rows[0].tokens), "rows": [asdict(r) for r in b.rows]} for b in batches]
+    return {"format": GOLDEN_FORMAT, "format_version": GOLDEN_VERSION, **fields, "batches": out}
+
+
+def write_golden(folder: str, doc: Dict[str, Any]) -> str:
+    path = os.path.join(folder, GOLDEN)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, separators=(",", ":"))
+        fh.write("\n")
+    return path
 
 
 def load_golden(folder: ModelFolder) -> Optional[Reference]:
@@ -168,10 +200,6 @@ class RowResult:
             self.failures.append(f"logit error {self.max_rel:.2e} relative exceeds the {tol.dtype} limit {tol.rel:.0e}")
 
 
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}{'' if n == 1 else 's'}"
-
-
 def replay(generator, reference: Reference, tol: Tolerance, progress=None) -> List[RowResult]:
     """Run every reference batch teacher-forced through `generator.infer`; one RowResult per row."""
     results: List[RowResult] = []
@@ -230,61 +258,3 @@ def replay_slots(generator, reference: Reference, tol: Tolerance, progress=None)
             r.close(tol)
         results.extend(mine)
     return results
-
-
-@dataclass
-class Report:
-    name: str
-    backend: str
-    dtype: str
-    tolerance: Tolerance
-    reference: str
-    rows: List[RowResult]
-    info: Dict[str, Any] = field(default_factory=dict)  # environment, versions, the folder's settings
-
-    @property
-    def passed(self) -> bool:
-        return all(r.passed for r in self.rows)
-
-    def verdict(self) -> str:
-        steps = sum(r.steps for r in self.rows)
-        worst = max((r.max_rel for r in self.rows), default=0.0)
-        limit = f"({self.dtype} limit {self.tolerance.rel:.0e})"
-        ties = sum(len(r.near_ties) for r in self.rows)
-        tie_note = f"; {ties} near-tie step(s) reported, not failed" if ties else ""
-        prompts = _count(len({r.prompt for r in self.rows}), "prompt")
-        slots = any(r.graph.startswith("slot_") for r in self.rows)  # replay_slots ran the prompts a second way
-        paths = " (each through the prefill graphs and through the slot graphs)" if slots else ""
-        if self.passed:
-            return (f"PASS {self.name} on backend {self.backend}: {prompts}{paths}, {steps} steps, greedy "
-                    f"tokens identical, top-k logits within {worst:.1e} relative {limit}{tie_note}")
-        bad = [r for r in self.rows if not r.passed]
-        runs = f"{len(bad)} of {len(self.rows)} runs of {prompts}{paths}" if slots else \
-            f"{len(bad)} of {len(self.rows)} prompts"
-        diverged = [r for r in bad if any("greedy token" in f for f in r.failures)]
-        if diverged:
-            r, d = diverged[0], diverged[0].divergence or {}
-            what = (f"greedy tokens diverge in prompt {r.prompt} ({r.graph}) at step {r.first_divergence}: device "
-                    f"token {d.get('device_token')}, reference {d.get('reference_token')}")
-        else:
-            what = f"prompt {bad[0].prompt} ({bad[0].graph}): {bad[0].failures[0]}"
-        return (f"FAIL {self.name} on backend {self.backend}: {runs} fail; {what}; "
-                f"worst logit error {worst:.1e} relative {limit}")
-
-    def table(self) -> str:
-        head = ("prompt", "graph", "tokens", "steps", "diverges at", "top-1", "max abs err", "max rel err", "result")
-        lines = [head]
-        for r in self.rows:
-            where = "-" if r.first_divergence is None else str(r.first_divergence)
-            result = "ok" if r.passed else "FAIL"
-            if r.near_ties:
-                result += f" (near tie at {', '.join(map(str, r.near_ties))})"
-            lines.append((str(r.prompt), r.graph, str(r.prompt_tokens), str(r.steps), where,
-                          f"{r.top1_agree}/{r.steps}", f"{r.max_abs:.2e}", f"{r.max_rel:.2e}", result))
-        widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"verdict": self.verdict(), "passed": self.passed, "name": self.name, "backend": self.backend,
-                "dtype": self.dtype, "tolerance": asdict(self.tolerance), "reference": self.reference,
-                "rows": [{**asdict(r), "passed": r.passed} for r in self.rows], "info": self.info}

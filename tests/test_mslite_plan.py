@@ -208,7 +208,7 @@ def test_graph_boundary_is_int32_in_float32_out_in_every_dtype(atlas_exported, d
 
     from mindspore.train import mind_ir_pb2
 
-    from export.folder import read_graph_spec
+    from lite_runtime.folder import mindir_specs
 
     folder = atlas_exported[dtype]
     with open(os.path.join(folder, "manifest.json")) as fh:
@@ -216,15 +216,16 @@ def test_graph_boundary_is_int32_in_float32_out_in_every_dtype(atlas_exported, d
     assert sorted((g["role"], g["tokens"]) for g in graphs) == [("inc", 1), ("prefill", 8), ("prefill", 32),
                                                                  ("slot", 8), ("slot", 32)]
     for g in graphs:
-        spec = read_graph_spec(os.path.join(folder, g["file"]))
+        model = mind_ir_pb2.ModelProto()
+        with open(os.path.join(folder, g["file"]), "rb") as fh:
+            model.ParseFromString(fh.read())
+        inputs, outputs = mindir_specs(model)
+        spec = {"inputs": [t.to_dict() for t in inputs], "outputs": [t.to_dict() for t in outputs]}
         assert spec == {"inputs": g["inputs"], "outputs": g["outputs"]}
         slot = [("slot", "int32")] if g["role"] == "slot" else []
         assert [(t["name"], t["dtype"]) for t in spec["inputs"]] == [("input_ids", "int32"), ("valid_length", "int32"),
                                                                    *slot]
         assert [(t["name"], t["dtype"]) for t in spec["outputs"]] == [("logits", "float32")]
-        model = mind_ir_pb2.ModelProto()
-        with open(os.path.join(folder, g["file"]), "rb") as fh:
-            model.ParseFromString(fh.read())
         types = {mind_ir_pb2.TensorProto.DataType.Name(p.data_type) for p in model.graph.parameter}
         assert types == {"FLOAT16" if dtype == "float16" else "BFLOAT16"}
 

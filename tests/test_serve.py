@@ -143,7 +143,7 @@ def test_four_staggered_requests_each_equal_their_solo_output(server, pipe):
     """Four greedy requests of different lengths, each started while the others decode (8 engine steps apart):
     each joins a running decode batch, and each returns what it returns alone. The tiny model decodes a token in
     about a millisecond, so the engine is held (MindSpore's lock) while a request is submitted."""
-    from lite_runtime.backends.ms import MINDSPORE_LOCK
+    from lite_runtime.mindspore_lock import MINDSPORE_LOCK
 
     rows = prompts(4, [3, 12, 25, 40], seed=7)
     limits = [60, 50, 38, 24]
@@ -220,7 +220,7 @@ def test_a_disconnected_client_frees_its_row(server, pipe):
 
 def test_past_the_queue_bound_503_with_retry_after(server, pipe):
     """4 rows + max_queue 1: a sixth request is refused while the engine is held; the five finish correctly."""
-    from lite_runtime.backends.ms import MINDSPORE_LOCK
+    from lite_runtime.mindspore_lock import MINDSPORE_LOCK
 
     engine = server.service.engine
     rows = prompts(5, [3, 5, 7, 9, 11], seed=12)

@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 from typing import Dict, Tuple
 
 import numpy as np
 
 from lite_runtime.backends import bind_inputs, unavailable
-from lite_runtime.folder import TensorSpec
-
-_DTYPES = {"INT32": "int32", "INT64": "int64", "FLOAT": "float32", "FLOAT16": "float16",
-           "BFLOAT16": "bfloat16", "BOOL": "bool"}
+from lite_runtime.folder import TensorSpec, mindir_specs
+from lite_runtime.mindspore_lock import MINDSPORE_LOCK
 
 
 def _mindspore():
@@ -53,26 +50,6 @@ def _read_mindir(path: str):
         model.ParseFromString(fh.read())
     return model
 
-
-def mindir_specs(model) -> Tuple[Tuple[TensorSpec, ...], Tuple[TensorSpec, ...]]:
-    """Input and output specs as a parsed MindIR declares them (names without the graph prefix)."""
-    from mindspore.train import mind_ir_pb2
-
-    name_of = mind_ir_pb2.TensorProto.DataType.Name
-
-    def spec(value, name):
-        t = value.tensor[0]
-        return TensorSpec(name, _DTYPES.get(name_of(t.data_type), name_of(t.data_type).lower()), tuple(t.dims))
-
-    inputs = tuple(spec(v, v.name.rsplit(":", 1)[-1]) for v in model.graph.input)
-    outputs = tuple(spec(v, "logits" if i == 0 else f"output_{i}") for i, v in enumerate(model.graph.output))
-    return inputs, outputs
-
-
-# MindSpore's graph compiler is not thread-safe: a compile in the generator's idle warm-up thread running
-# beside another compile or export in the process crashed it ("Illegal AnfNode for evaluating"). Every compile
-# and run of this backend, and export/pipeline.py's graph building, holds this lock.
-MINDSPORE_LOCK = threading.RLock()
 
 # BFLOAT16: numpy has none; its bits are read as uint16 and viewed as mindspore.common.np_dtype.bfloat16 (MsBackend._cell)
 _NUMPY = {"FLOAT": np.float32, "FLOAT16": np.float16, "INT32": np.int32, "INT64": np.int64, "BOOL": np.bool_,
