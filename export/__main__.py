@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 1)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.add_argument("-v", "--verbose", action="store_true", help="log each stage as it starts, and more")
     return p
 
 
@@ -86,7 +87,8 @@ def default_dtype(profile, checkpoint: str) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     from export.config import ExportConfig
     from export.pipeline import run_export
 
@@ -106,6 +108,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("interrupted: nothing was written", file=sys.stderr)
         return 130
     print(summary.line())
+    print(summary.stage_line())
     return 0
 
 

@@ -83,17 +83,15 @@ class HFSteps:
 
 def hf_reference(model, batches: Sequence[Sequence[Sequence[int]]], steps: Sequence[int], top_k: int) -> Reference:
     """HF float32 greedy continuation and top-k logits of each prompt (rows run one by one)."""
-    from export.golden import new_record, record_step
-
     stepper = HFSteps(model)
     out = []
     for prompts, n in zip(batches, steps):
         rows = []
         for prompt in prompts:
-            record, seq = new_record(prompt), list(prompt)
+            record, seq = ReferenceRow(prompt=list(prompt)), list(prompt)
             for _ in range(n):
-                seq.append(record_step(record, stepper.infer([seq]).logits[0], top_k))
-            rows.append(ReferenceRow(**record))
+                seq.append(record.record(stepper.infer([seq]).logits[0], top_k))
+            rows.append(record)
         out.append(ReferenceBatch("", rows))
     return Reference(source="HF transformers, float32, the checkpoint's weights", batches=out)
 

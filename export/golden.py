@@ -18,7 +18,6 @@ The prompts (documented in model_dirs/README.md, "golden.json"):
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -28,12 +27,11 @@ import numpy as np
 
 from export.config import ModelConfig
 from export.errors import ExportError
-from export.folder import GOLDEN as GOLDEN_FILE
+from lite_runtime.folder import graph_key
+from lite_runtime.golden import ReferenceBatch, ReferenceRow, golden_document
 
 log = logging.getLogger(__name__)
 
-FORMAT = "mslite-llm-golden"
-FORMAT_VERSION = 1
 NEW_TOKENS = 16
 TOP_K = 8
 LEAD_CAP = 256  # bounds the reference's cost: no prompt is longer, unless a graph needs it to be used at all
@@ -97,33 +95,13 @@ def prompts_for(plan: List[Tuple[int, List[int], int]], checkpoint: str, vocab_s
     return batches, "tokenizer.json" if texts is not None else "random"
 
 
-def largest_logits(logits: np.ndarray, k: int) -> Tuple[List[int], List[float]]:
-    """The k largest logits, largest first, ties by smaller id (np.argmax's choice)."""
-    idx = np.argpartition(-logits, k - 1)[:k]
-    idx = idx[np.lexsort((idx, -logits[idx]))]
-    return [int(i) for i in idx], [float(f"{logits[i]:.9g}") for i in idx]  # 9 digits round-trip float32
-
-
-def record_step(record: Dict[str, Any], logits: np.ndarray, k: int) -> int:
-    """Append one step of a reference row (greedy token, top-k ids and logits, max |logit|); returns the token."""
-    ids, values = largest_logits(logits, k)
-    record["tokens"].append(ids[0])
-    record["top_ids"].append(ids)
-    record["top_logits"].append(values)
-    record["scale"].append(float(f"{np.abs(logits).max():.9g}"))
-    return ids[0]
-
-
-def new_record(prompt: Sequence[int]) -> Dict[str, Any]:
-    """An empty reference row for `prompt`, in golden.json's layout (lite_runtime.golden.ReferenceRow's fields)."""
-    return {"prompt": list(prompt), "tokens": [], "top_ids": [], "top_logits": [], "scale": []}
-
-
 def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int], seq_length: int,
             batch_size: int, progress: Optional[Callable[[int], None]] = None,
             matrices_in: str = "float32") -> Dict[str, Any]:
-    """Run the plan through the float32 reference; returns the golden document (see write).
+    """Run the plan through the float32 reference; returns golden.json's content (lite_runtime.golden).
 
+    Every row of every batch runs together, so each forward is one pass over the weights: the first
+    prefills every prompt, each later one decodes one token of every row still going.
     matrices_in: for a CPU folder that stores its matrices in 16 bits and computes in float32, the
     reference uses the same rounded matrices (NumpyDecoder), and the folder is held to float32's limits.
     """
@@ -135,43 +113,35 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
     batches, source = prompts_for(plan, checkpoint, model_cfg.vocab_size)
     where = open_checkpoint(checkpoint)
     net = NumpyDecoder(model_cfg, where, seq_length, matrices_in=matrices_in)
-    plan_weights(net.weight_shapes(), where, tied=bool(model_cfg.tie_word_embeddings))  # names and shapes, by name
-    rows = [(b, r, list(ids)) for b, batch in enumerate(batches) for r, ids in enumerate(batch)]
-    steps = [plan[b][2] for b, _, _ in rows]
-    caches = [net.new_cache() for _ in rows]
-    records = [new_record(ids) for _, _, ids in rows]
-    feed = [ids for _, _, ids in rows]
-    active = list(range(len(rows)))
-    while active:
-        logits = net.forward([feed[i] for i in active], [caches[i] for i in active])
-        if not np.isfinite(logits).all():
-            raise ExportError(f"{checkpoint}: the float32 reference produced non-finite logits; the weights are "
-                              "damaged or not this config's")
-        for i, row_logits in zip(active, logits):
-            feed[i] = [record_step(records[i], row_logits, TOP_K)]
-        active = [i for i in active if len(records[i]["tokens"]) < steps[i]]
-        if progress is not None:
-            progress(1)
-    out_batches = []
-    for b, (tokens, _, n_steps) in enumerate(plan):
-        out_batches.append({"graph": f"prefill_{tokens}", "steps": n_steps,
-                            "rows": [records[i] for i, (rb, _, _) in enumerate(rows) if rb == b]})
-    return {"format": FORMAT, "format_version": FORMAT_VERSION,
-            "computed_by": "export/reference.py: float32 numpy on the checkpoint's weights" + (
-                f", matrices rounded to {matrices_in} as the folder stores them" if matrices_in != "float32" else ""),
-            "matrices_in": matrices_in,
-            "prompt_source": source, "top_k": TOP_K, "seq_length": seq_length, "batch_size": batch_size,
-            "batches": out_batches, "seconds": round(time.perf_counter() - start, 3)}
+    try:
+        plan_weights(net.weight_shapes(), where, tied=bool(model_cfg.tie_word_embeddings))  # names and shapes
+        rows = [(b, list(ids)) for b, batch in enumerate(batches) for ids in batch]
+        steps = [plan[b][2] for b, _ in rows]
+        caches = [net.new_cache() for _ in rows]
+        records = [ReferenceRow(prompt=ids) for _, ids in rows]
+        feed = [ids for _, ids in rows]
+        active = list(range(len(rows)))
+        while active:
+            logits = net.forward([feed[i] for i in active], [caches[i] for i in active])
+            if not np.isfinite(logits).all():
+                raise ExportError(f"{checkpoint}: the float32 reference produced non-finite logits; the weights are "
+                                  "damaged or not this config's")
+            for i, row_logits in zip(active, logits):
+                feed[i] = [records[i].record(row_logits, TOP_K)]
+            active = [i for i in active if len(records[i].tokens) < steps[i]]
+            if progress is not None:
+                progress(1)
+    finally:
+        net.close()
+    out = [ReferenceBatch(graph_key("prefill", tokens), [records[i] for i, (rb, _) in enumerate(rows) if rb == b])
+           for b, (tokens, _, _) in enumerate(plan)]
+    return golden_document(
+        out, computed_by="export/reference.py: float32 numpy on the checkpoint's weights" + (
+            f", matrices rounded to {matrices_in} as the folder stores them" if matrices_in != "float32" else ""),
+        matrices_in=matrices_in, prompt_source=source, top_k=TOP_K, seq_length=seq_length, batch_size=batch_size,
+        seconds=round(time.perf_counter() - start, 3))
 
 
 def max_steps(prefill_sizes: Sequence[int], seq_length: int, batch_size: int) -> int:
     """How many reference forwards `compute` runs (for a progress bar)."""
     return max(s for _, _, s in plan_batches(prefill_sizes, seq_length, batch_size))
-
-
-def write(folder: str, doc: Dict[str, Any]) -> str:
-    path = os.path.join(folder, GOLDEN_FILE)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, separators=(",", ":"))
-        fh.write("\n")
-    return path

@@ -73,7 +73,8 @@ class Kernels(NamedTuple):
 
 
 def _weight(shape, dtype, name: str) -> Parameter:
-    # Lazy zeros: nothing is allocated until the loader sets the checkpoint's data.
+    # Lazy zeros: nothing is allocated. Export compiles the graphs from shapes and dtypes alone and writes the data
+    # straight from the checkpoint (export/graphs.py, export/weights_file.py).
     return Parameter(initializer("zeros", shape, dtype), name=name, requires_grad=False)
 
 
@@ -246,8 +247,8 @@ class Attention(nn.Cell):
         else:
             self.qkv_rope = self.attention = None
         cache_shape = (batch_size, self.kh, seq_length, self.d)
-        self.key_cache = Parameter(Tensor(np.zeros(cache_shape), dtype), name="key_cache", requires_grad=False)
-        self.value_cache = Parameter(Tensor(np.zeros(cache_shape), dtype), name="value_cache", requires_grad=False)
+        self.key_cache = _weight(cache_shape, dtype, "key_cache")  # zeros in the weights file
+        self.value_cache = _weight(cache_shape, dtype, "value_cache")
         self.bmm_qk = ops.BatchMatMul(transpose_b=True)
         self.bmm_pv = ops.BatchMatMul()
 

@@ -1,15 +1,28 @@
-"""run_export: checkpoint -> model folder, written into a temporary folder and renamed at the end."""
+"""run_export: checkpoint -> model folder, written into a temporary folder and renamed at the end.
+
+The stages, in order (each reported in the summary with its time):
+1. check: config.json, settings, the checkpoint's tensor names and shapes (headers only), the free space;
+2. compile: every rank's network built without weights, each graph compiled into a proto without data
+   (export/graphs.py);
+3. golden: the golden references from the float32 numpy reference (export/golden.py), before any weight
+   is written, so damaged weights fail early;
+4. weights: every rank's weights file written once, streamed from the checkpoint (export/weights_file.py);
+5. files: the graph files pointing into it, tokenizer, config.ini, yaml and manifest (lite_runtime's contract).
+Memory is set by the largest chunk in flight and MindSpore's own footprint, not by the model; the disk holds
+the folder and nothing else.
+"""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
 import re
-import resource
 import shutil
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict
 
 from tqdm import tqdm
@@ -17,9 +30,11 @@ from tqdm import tqdm
 from export.config import ExportConfig, ModelConfig
 from export.devices import default_buckets, get_profile
 from export.errors import ExportError
-from export import folder as fmt
+from export import folder as checkpoint_files
 
 log = logging.getLogger(__name__)
+
+GRAPH_BYTES_ESTIMATE = 16 << 20  # per graph, for the free-space check before the graphs exist (a 7B's: ~1 MB)
 
 
 @dataclass
@@ -29,15 +44,26 @@ class ExportSummary:
     total_bytes: int
     weight_bytes: int
     seconds: float
-    peak_rss_bytes: int
+    peak_anon_bytes: int  # peak anonymous memory (RssAnon) of the export: what it holds, not the page cache
     golden_prompts: int = 0
     golden_seconds: float = 0.0
+    stages: Dict[str, float] = field(default_factory=dict)  # wall seconds per stage, in order
+    weights: Dict[str, float] = field(default_factory=dict)  # busy seconds inside the weights stage
 
     def line(self) -> str:
         return (f"exported {self.output}: {self.files} files, {_size(self.total_bytes)} "
-                f"(weights {_size(self.weight_bytes)}), {self.seconds:.1f} s, peak RSS {_size(self.peak_rss_bytes)}; "
-                f"golden references: {self.golden_prompts} prompt{'s' if self.golden_prompts != 1 else ''} "
-                f"in {self.golden_seconds:.2f} s")
+                f"(weights {_size(self.weight_bytes)}), {self.seconds:.1f} s, peak anonymous memory "
+                f"{_size(self.peak_anon_bytes)}; golden references: {self.golden_prompts} "
+                f"prompt{'s' if self.golden_prompts != 1 else ''} in {self.golden_seconds:.2f} s")
+
+    def stage_line(self) -> str:
+        """Where the time went; the weights stage's work overlaps in threads, so its parts are busy times."""
+        parts = [f"{name} {seconds:.1f} s" for name, seconds in self.stages.items()]
+        w = self.weights
+        if w:
+            parts = [p + (f" (read+convert {w['convert']:.1f} s, hash {w['hash']:.1f} s, write {w['write']:.1f} s "
+                          "busy)" if p.startswith("weights ") else "") for p in parts]
+        return "time: " + ", ".join(parts)
 
 
 def _size(n: float) -> str:
@@ -50,8 +76,38 @@ def _size(n: float) -> str:
     return f"{n:.1f} {unit}"
 
 
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+class PeakAnon:
+    """Samples this process's anonymous memory (RssAnon) while it runs: the memory the export itself holds. (The
+    peak RSS also counts the checkpoint's pages the memory maps touched, which the kernel reclaims at will.)"""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.peak = self._now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), name="peak-anon", daemon=True)
+
+    @staticmethod
+    def _now() -> int:
+        try:
+            with open("/proc/self/status", encoding="ascii") as fh:
+                for line in fh:
+                    if line.startswith("RssAnon:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.peak = max(self.peak, self._now())
+
+    def __enter__(self) -> "PeakAnon":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._now())
 
 
 def prepare(cfg: ExportConfig) -> tuple:
@@ -73,32 +129,181 @@ def resolve(cfg: ExportConfig) -> ExportConfig:
 
 def run_export(cfg: ExportConfig, show_progress: bool = False) -> ExportSummary:
     """Export `cfg.checkpoint` to `cfg.output`. Nothing is left behind if it fails."""
+    with PeakAnon() as memory:
+        summary = _run_export(cfg, show_progress)
+    summary.peak_anon_bytes = memory.peak
+    return summary
+
+
+def _run_export(cfg: ExportConfig, show_progress: bool) -> ExportSummary:
+    from export.graphs import graph_plan
+    from export.weights import open_checkpoint
+
     start = time.time()
+    stages: Dict[str, float] = {}
     model_cfg, profile = prepare(cfg)
     cfg = resolve(cfg)
+    where = open_checkpoint(cfg.checkpoint)
     output = os.path.abspath(cfg.output)
     parent = os.path.dirname(output)
     os.makedirs(parent, exist_ok=True)
     _sweep_leftovers(parent)
+    log.info("stage check")
+    networks, layouts = _plan(cfg, model_cfg, where)
+    n_graphs = len(graph_plan(cfg)) * cfg.tp_size
+    _check_space(parent, sum(layout.size for layout in layouts) + n_graphs * GRAPH_BYTES_ESTIMATE
+                 + _small_files_bytes(cfg.checkpoint, profile))
+    stages["check"] = time.time() - start
     tmp = os.path.join(parent, f".{os.path.basename(output)}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        # The golden references first: they fail fast on damaged weights, and their memory map of the checkpoint
-        # is released before the network maps it (the network's float32 weights are views of that map, so two maps
-        # alive together would count the checkpoint's pages twice in the peak RSS).
-        doc = _write_golden(cfg, model_cfg, tmp, show_progress)
-        weight_bytes, gemv, graphs, hashed = _write_graphs(cfg, model_cfg, tmp, show_progress)
-        _write_folder_files(cfg, model_cfg, profile, tmp, graphs, hashed, gemv)
+        graphs = _timed(stages, "compile", _compile, cfg, networks, show_progress)
+        doc = _timed(stages, "golden", _write_golden, cfg, model_cfg, tmp, show_progress)
+        hashed, stats = _timed(stages, "weights", _write_weights, tmp, layouts, where, show_progress)
+        _timed(stages, "files", _write_folder_files, cfg, model_cfg, profile, tmp, graphs, layouts, hashed,
+               networks[0].kernels)
         _replace(tmp, output)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(_os_error_line(exc, tmp, output)) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     total = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(output) for f in fs)
     files = sum(len(fs) for _, _, fs in os.walk(output))
     prompts = sum(len(b["rows"]) for b in doc["batches"])
-    return ExportSummary(cfg.output, files, total, weight_bytes, time.time() - start, _peak_rss(),
-                         golden_prompts=prompts, golden_seconds=doc["seconds"])
+    return ExportSummary(cfg.output, files, total, stats.bytes_written, time.time() - start, 0,
+                         golden_prompts=prompts, golden_seconds=doc["seconds"], stages=stages,
+                         weights={"convert": stats.convert_seconds, "hash": stats.hash_seconds,
+                                  "write": stats.write_seconds})
+
+
+def _timed(stages: Dict[str, float], name: str, fn, *args):
+    log.info("stage %s", name)
+    start = time.time()
+    try:
+        return fn(*args)
+    finally:
+        stages[name] = time.time() - start
+
+
+def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where):
+    """Each rank's network (no weights) and weights file layout; the checkpoint's names and shapes checked."""
+    from export.graphs import RankNetwork
+    from export.reference import weight_shapes
+    from export.weights import plan_weights
+    from export.weights_file import plan_layouts
+    from lite_runtime.folder import data_location
+    from lite_runtime.mindspore_lock import MINDSPORE_LOCK
+
+    # names and shapes, by name, before anything runs (the reference reads exactly the network's weights:
+    # tests/test_golden.py)
+    plan_weights(weight_shapes(model_cfg), where, tied=bool(model_cfg.tie_word_embeddings))
+    with MINDSPORE_LOCK:
+        networks = [RankNetwork(cfg, model_cfg, rank) for rank in range(cfg.tp_size)]
+    layouts = plan_layouts([net.parameters() for net in networks], where,
+                           [data_location(net.name) for net in networks])
+    return networks, layouts
+
+
+def _compile(cfg: ExportConfig, networks, show_progress: bool):
+    from export.graphs import compile_graphs, graph_plan
+
+    total = len(graph_plan(cfg)) * len(networks)
+    with tqdm(total=total, desc="graphs", unit="graph", disable=not show_progress) as bar:
+        return compile_graphs(cfg, networks, progress=bar.update)
+
+
+def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_progress: bool) -> Dict[str, Any]:
+    """Fixed prompts through the float32 reference (export/golden.py), written to golden.json."""
+    from export import golden
+    from lite_runtime.golden import write_golden
+
+    sizes = sorted(set(cfg.prefill_buckets) | {cfg.seq_length})  # the prefill graphs of the folder
+    log.info("computing golden references (float32 numpy reference)")
+    total = golden.max_steps(sizes, cfg.seq_length, cfg.batch_size)
+    with tqdm(total=total, desc="golden", unit="step", disable=not show_progress) as bar:
+        doc = golden.compute(model_cfg, cfg.checkpoint, sizes, cfg.seq_length, cfg.batch_size, progress=bar.update,
+                             matrices_in=cfg.dtype if cfg.half_weights_on_cpu else "float32")
+    write_golden(tmp, doc)
+    return doc
+
+
+def _write_weights(tmp: str, layouts, where, show_progress: bool):
+    from export.weights_file import write_files
+
+    total = sum(layout.size for layout in layouts)
+    with tqdm(total=total, desc="weights", unit="B", unit_scale=True, unit_divisor=1024,
+              disable=not show_progress) as bar:
+        return write_files(tmp, layouts, where, progress=bar.update)
+
+
+def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp: str, graphs, layouts,
+                        hashed: Dict[str, str], kernels: bool) -> None:
+    import mindspore as ms
+
+    from export.graphs import finish
+    from lite_runtime.folder import GE_CONFIG
+    from lite_runtime.manifest import InferSection, write_manifest, write_yaml
+
+    entries = [finish(tmp, g, layouts[g.rank or 0], kernels) for g in graphs]
+    shutil.copyfile(profile.ini_path, os.path.join(tmp, GE_CONFIG))
+    tokenizer_files = checkpoint_files.copy_tokenizer(cfg.checkpoint, tmp)
+    ids = checkpoint_files.special_token_ids(cfg.checkpoint, model_cfg.eos_token_id)
+    rank0 = [e for e in entries if not e.rank]  # each rank loads its own (lite_runtime.folder)
+    full = next(e for e in rank0 if e.role == "prefill" and e.tokens == cfg.seq_length)
+    inc = next(e for e in rank0 if e.role == "inc")
+    infer = InferSection(model_name=model_cfg.model_type, seq_length=cfg.seq_length, batch_size=cfg.batch_size,
+                         dtype=cfg.dtype, compute_dtype=cfg.compute_dtype, device=profile.name, soc=profile.soc,
+                         vocab_size=model_cfg.vocab_size, eos_token_id=ids["eos_token_id"],
+                         pad_token_id=ids["pad_token_id"], prefill_model_path=full.file,
+                         increment_model_path=inc.file,
+                         prefill_buckets=sorted(e.tokens for e in rank0 if e.role == "prefill"),
+                         tp_size=cfg.tp_size, cpu_kernels=kernels)
+    export = {**dataclasses.asdict(cfg), "checkpoint": os.path.abspath(cfg.checkpoint),
+              "output": os.path.abspath(cfg.output), "mindspore_version": ms.__version__,
+              "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokenizer_files": tokenizer_files}
+    model = {"model_type": model_cfg.model_type, "family": model_cfg.model_type, "config": model_cfg.to_dict()}
+    write_yaml(tmp, cfg.name, model, export, infer)
+    write_manifest(tmp, cfg.name, entries, hashed, exported_with=checkpoint_files.exporter_versions(ms.__version__),
+                   family=model_cfg.model_type)
+
+
+def _small_files_bytes(checkpoint: str, profile) -> int:
+    """Tokenizer files, config.ini, and room for golden.json, the yaml and the manifest."""
+    files = [os.path.join(checkpoint, f) for f in checkpoint_files.TOKENIZER_FILES] + [profile.ini_path]
+    return sum(os.path.getsize(f) for f in files if os.path.isfile(f)) + (4 << 20)
+
+
+def _check_space(parent: str, needed: int) -> None:
+    """Refuse up front when the output's file system cannot hold the folder."""
+    try:
+        st = os.statvfs(parent)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < needed:
+        raise ExportError(f"{parent}: {_size(free)} free, the model folder needs {_size(needed)}; free space there "
+                          "or pass an --output on a larger file system")
+
+
+_HINTS = {errno.ENOSPC: "the disk is full: free space there or pass an --output on a larger file system",
+          errno.EDQUOT: "your disk quota is used up: free space or pass an --output elsewhere",
+          errno.EACCES: "check the folder's permissions or pass another --output",
+          errno.EPERM: "check the folder's permissions or pass another --output",
+          errno.EROFS: "the file system is read-only: pass another --output",
+          errno.EFBIG: "a file size limit was hit (ulimit -f): raise it or pass another --output",
+          errno.EIO: "the disk reported an I/O error: check it, or pass an --output on another disk"}
+
+
+def _os_error_line(exc: OSError, tmp: str, output: str) -> str:
+    """One line for an OSError met while exporting: the file, what happened, what to do; nothing was kept."""
+    path = exc.filename or tmp
+    if isinstance(path, str) and path.startswith(tmp):
+        path = output + path[len(tmp):]  # the user knows the output's name, not the partial folder's
+    hint = _HINTS.get(exc.errno, "nothing was written; fix the cause and export again")
+    return f"{path}: {exc.strerror or exc}; {hint} (nothing was kept)"
 
 
 _LEFTOVER = re.compile(r"^\..+\.(partial|old)-(\d+)$")
@@ -129,117 +334,6 @@ def _sweep_leftovers(parent: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
         log.warning("removed %s (%s), left by an export (process %s) that did not finish", path, _size(size),
                     match.group(2))
-
-
-def _write_graphs(*args, **kwargs):
-    """Build and export the graphs, holding the ms backend's MindSpore lock (a pipeline in this process may be
-    compiling a graph in its idle warm-up thread; MindSpore's compiler is not thread-safe)."""
-    from lite_runtime.backends.ms import MINDSPORE_LOCK
-
-    with MINDSPORE_LOCK:
-        return _build_and_export_graphs(*args, **kwargs)
-
-
-def _build_and_export_graphs(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_progress: bool):
-    """Every graph, with its weights file: one set, or one per rank with --tp_size (each rank its own weights)."""
-    weight_bytes, graphs, hashed, gemv = 0, [], {}, False
-    for rank in range(cfg.tp_size):
-        got, gemv, rank_graphs, rank_hashed = _export_rank_graphs(cfg, model_cfg, tmp, show_progress, rank)
-        weight_bytes += got
-        graphs += rank_graphs
-        hashed.update(rank_hashed)
-    return weight_bytes, gemv, graphs, hashed
-
-
-def _export_rank_graphs(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_progress: bool, rank: int):
-    import mindspore as ms
-    import numpy as np
-
-    from export.config import tensor_parallel_config
-    from export.model import CausalLM, DecodeGraph, PrefillGraph, SlotPrefillGraph
-    from export.shared_weights import data_location, share_weights
-    from export.weights import load_into
-
-    ms.set_context(mode=ms.GRAPH_MODE)
-    gemv = cfg.use_cpu_kernels()
-    # every full-graph matmul through our kernel: 16-bit matrices need it; float32 ones only for few rows
-    # (export/model.py KERNEL_PREFILL_MAX_ROWS)
-    gemm = gemv and cfg.half_weights_on_cpu
-    tp = cfg.tp_size
-    net = CausalLM(tensor_parallel_config(model_cfg, tp) if tp > 1 else model_cfg, cfg.batch_size, cfg.seq_length,
-                   cfg.compute_dtype, gemv=gemv, gemm=gemm, weight_dtype=cfg.dtype, tensor_parallel=tp > 1)
-    # a tensor-parallel folder names each rank's files <name>_rank<r>_...
-    name = f"{cfg.name}_rank{rank}" if tp > 1 else cfg.name
-    n_weights = len([p for p in net.get_parameters() if not p.name.endswith(("key_cache", "value_cache"))])
-    desc = f"weights (rank {rank})" if tp > 1 else "weights"
-    with tqdm(total=n_weights, desc=desc, unit="tensor", disable=not show_progress) as bar:
-        weight_bytes = load_into(net, cfg.checkpoint, progress=bar.update, shard=(rank, tp))
-    b, s = cfg.batch_size, cfg.seq_length
-    buckets = sorted(set(cfg.prefill_buckets) | {s})
-    plan = [("prefill", n) for n in buckets] + [("inc", 1)]
-    if b > 1:  # a slot graph per bucket: one prompt into one cache row, for continuous batching (lite_runtime.serve)
-        plan += [("slot", n) for n in buckets]
-    cells = {"prefill": PrefillGraph(net), "inc": DecodeGraph(net), "slot": SlotPrefillGraph(net)}
-    files = []
-    for role, tokens in tqdm(plan, desc="graphs", unit="graph", disable=not show_progress):
-        prefix = fmt.graph_prefix(name, role, tokens, s)
-        log.info("exporting the %s graph (%d tokens)", role, tokens)
-        rows = 1 if role == "slot" else b
-        args = [ms.Tensor(np.zeros((rows, tokens), np.int32)),
-                ms.Tensor(np.full((rows,), 2 if role == "inc" else 1, np.int32))]
-        if role == "slot":
-            args.append(ms.Tensor(np.zeros((1,), np.int32)))
-        ms.export(cells[role], *args, file_name=os.path.join(tmp, prefix), file_format="MINDIR")
-        files.append(fmt.place_graph(tmp, prefix))
-    _, data_sha256 = share_weights(tmp, name, files, edit=fmt.portable_kernel_paths if gemv else None)
-    rank_field = {"rank": rank} if tp > 1 else {}
-    graphs = [{"role": role, "file": f, "variables": data_location(name), "tokens": tokens, **rank_field,
-               **fmt.read_graph_spec(os.path.join(tmp, f))} for (role, tokens), f in zip(plan, files)]
-    return weight_bytes, gemv, graphs, {data_location(name): data_sha256}
-
-
-def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_progress: bool) -> Dict[str, Any]:
-    """Fixed prompts through the float32 reference (export/golden.py), written to golden.json."""
-    from export import golden
-
-    sizes = sorted(set(cfg.prefill_buckets) | {cfg.seq_length})  # the prefill graphs _write_graphs will export
-    log.info("computing golden references (float32 numpy reference)")
-    total = golden.max_steps(sizes, cfg.seq_length, cfg.batch_size)
-    with tqdm(total=total, desc="golden", unit="step", disable=not show_progress) as bar:
-        doc = golden.compute(model_cfg, cfg.checkpoint, sizes, cfg.seq_length, cfg.batch_size, progress=bar.update,
-                             matrices_in=cfg.dtype if cfg.half_weights_on_cpu else "float32")
-    golden.write(tmp, doc)
-    return doc
-
-
-def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp: str, graphs,
-                        hashed: Dict[str, str], gemv: bool) -> None:
-    import mindspore as ms
-
-    shutil.copyfile(profile.ini_path, os.path.join(tmp, fmt.GE_CONFIG))
-    tokenizer_files = fmt.copy_tokenizer(cfg.checkpoint, tmp)
-    ids = fmt.special_token_ids(cfg.checkpoint, model_cfg.eos_token_id)
-    # rank 0's graphs in a tensor-parallel folder (each rank loads its own: lite_runtime.folder)
-    full = next(g for g in graphs if g["role"] == "prefill" and g["tokens"] == cfg.seq_length and not g.get("rank"))
-    inc = next(g for g in graphs if g["role"] == "inc" and not g.get("rank"))
-    content: Dict[str, Any] = {
-        "model": {"model_type": model_cfg.model_type, "family": model_cfg.model_type, "config": model_cfg.to_dict()},
-        "export": {**dataclasses.asdict(cfg), "checkpoint": os.path.abspath(cfg.checkpoint),
-                   "output": os.path.abspath(cfg.output), "mindspore_version": ms.__version__,
-                   "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   "tokenizer_files": tokenizer_files},
-        "infer": {"model_name": model_cfg.model_type, "seq_length": cfg.seq_length, "batch_size": cfg.batch_size,
-                  "dtype": cfg.dtype, "compute_dtype": cfg.compute_dtype, "device": profile.name, "soc": profile.soc,
-                  "vocab_size": model_cfg.vocab_size, **ids,
-                  "prefill_model_path": full["file"], "increment_model_path": inc["file"],
-                  "prefill_buckets": sorted(g["tokens"] for g in graphs if g["role"] == "prefill" and not g.get("rank")),
-                  "tp_size": cfg.tp_size,
-                  "cpu_kernels": gemv,
-                  "ge_config_path": fmt.GE_CONFIG},
-    }
-    fmt.write_yaml(tmp, cfg.name, content)
-    fmt.write_manifest(tmp, cfg.name, graphs, hashed, exported_with=fmt.exporter_versions(ms.__version__),
-                       family=model_cfg.model_type)
 
 
 def _replace(tmp: str, output: str) -> None:

@@ -6,22 +6,38 @@ they cannot come from the exported graphs (a bug there would be copied into its 
 the export must not need torch. numpy float32 with HF's order of operations agrees with HF
 transformers to ~1e-6 relative (tests/test_golden.py), whatever dtype the folder is exported in.
 
-Memory: weights are read layer by layer from the checkpoint's memory map (views for float32
-checkpoints, one widened layer at a time for bf16/fp16), so the reference adds about one layer
-of float32 to the export's peak. Rows of any length run together: the linear layers see every
-row's new tokens as one matrix, attention runs per row against that row's own cache.
+Cost: one pass over the weights per forward, for every row of every golden batch together. Each
+matrix is read from the checkpoint's memory map and widened to float32 (rounded as the folder
+stores it, for CPU folders with 16-bit matrices) once per pass, in blocks of output rows
+(BlockedMatmul):
+- many rows (the prefill of all golden prompts): blocks of up to 64 MB, each one BLAS GEMM on
+  every core, so the pass runs at the machine's float32 GEMM rate;
+- a few rows (a decode step, the lm_head): blocks of ~1 MB that stay in cache, shared among the
+  cores (BLAS on one thread each), so a step costs about one read of the 16-bit weights.
+Memory: one block per core, the activations and the rows' KV caches; never a whole matrix in
+float32 (the Qwen2-7B head alone would be 2.2 GB).
 
 Shapes: T new tokens of all rows together, E hidden, H query heads, KH kv heads, G = H // KH, D head_dim.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from export.config import ModelConfig
 from export.rope import rope_tables
 from export.weights import SafetensorsFile, rounded_to, widen
+
+# Above this many rows a matmul is a GEMM on big blocks with BLAS's own threads; at or below it, cache-sized
+# blocks shared among Python threads with BLAS on one thread each (OpenBLAS takes ~10x longer per matmul at
+# 2-16 rows than at 1 when it threads them itself: measured on the 0.5B shape's gate_proj, 0.36 ms at 1 row,
+# 4-5.5 ms at 2-16).
+FEW_ROWS = 32
+GEMM_BLOCK_BYTES = 64 << 20  # float32 bytes of one block of W for a GEMM
+GEMV_BLOCK_BYTES = 1 << 20  # ... for a few rows: about one core's L2
 
 
 class RowCache:
@@ -33,12 +49,89 @@ class RowCache:
         self.length = 0
 
 
-def _matmul_t(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x [N, in] @ w[out, in]^T. A few rows go one GEMV each: OpenBLAS takes ~10x longer per matmul at
-    2-16 rows than at 1 (measured on the 0.5B shape's gate_proj: 0.36 ms at 1 row, 4-5.5 ms at 2-16)."""
-    if x.shape[0] <= 8:
-        return np.stack([w @ row for row in x])
-    return x @ w.T
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class BlockedMatmul:
+    """x [T, I] @ W[O, I]^T for W as the checkpoint stores it (float32, float16, or bfloat16 bits as uint16),
+    widened to float32 block by block and rounded through `matrices_in` when the folder stores its matrices so."""
+
+    def __init__(self, matrices_in: str = "float32", threads: Optional[int] = None) -> None:
+        self.matrices_in = matrices_in
+        self.threads = threads or _cores()
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="golden") if self.threads > 1 else None
+        self._blas = None
+        if self._pool is not None:
+            from threadpoolctl import ThreadpoolController
+
+            self._blas = ThreadpoolController()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    def _widen(self, block: np.ndarray, buf: np.ndarray) -> np.ndarray:
+        """`block` [n, I] of stored bits as float32, in `buf` (a float32 scratch of at least n rows) unless it is
+        float32 already and needs no rounding."""
+        n = block.shape[0]
+        if block.dtype == np.float32 and self.matrices_in == "float32":
+            return block
+        out = buf[:n]
+        if block.dtype == np.uint16:  # bfloat16 bits: the float32 with the same top half, exactly
+            np.left_shift(block, 16, out=out.view(np.uint32), dtype=np.uint32)
+        else:
+            np.copyto(out, block, casting="unsafe")
+        stored_in = {np.dtype(np.uint16): "bfloat16", np.dtype(np.float16): "float16"}.get(block.dtype, "float32")
+        if self.matrices_in != "float32" and self.matrices_in != stored_in:
+            out[...] = rounded_to(out, self.matrices_in)
+        return out
+
+    def __call__(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        rows, width = x.shape
+        n_out = w.shape[0]
+        out = np.empty((rows, n_out), np.float32)
+        if rows > FEW_ROWS or self._pool is None:
+            step = max(1, GEMM_BLOCK_BYTES // (4 * width))
+            buf = np.empty((min(step, n_out), width), np.float32)
+            for o in range(0, n_out, step):
+                out[:, o:o + step] = x @ self._widen(w[o:o + step], buf).T
+            return out
+        step = max(8, GEMV_BLOCK_BYTES // (4 * width))
+        starts = list(range(0, n_out, step))
+
+        def part(k: int) -> None:
+            buf = np.empty((min(step, n_out), width), np.float32)
+            for o in starts[k::self.threads]:
+                out[:, o:o + step] = x @ self._widen(w[o:o + step], buf).T
+
+        with self._blas.limit(limits=1, user_api="blas"):
+            list(self._pool.map(part, range(self.threads)))
+        return out
+
+
+def weight_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
+    """Every checkpoint tensor the forward reads, by HF name (the MindSpore network's parameters, too:
+    tests/test_golden.py holds the two equal)."""
+    e, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    shapes: Dict[str, Tuple[int, ...]] = {"model.embed_tokens.weight": (v, e), "model.norm.weight": (e,)}
+    linear = {"self_attn.q_proj": ((q, e), cfg.qkv_bias), "self_attn.k_proj": ((kv, e), cfg.qkv_bias),
+              "self_attn.v_proj": ((kv, e), cfg.qkv_bias), "self_attn.o_proj": ((e, q), cfg.o_proj_bias),
+              "mlp.gate_proj": ((i, e), cfg.mlp_bias), "mlp.up_proj": ((i, e), cfg.mlp_bias),
+              "mlp.down_proj": ((e, i), cfg.mlp_bias)}
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shapes.update({p + "input_layernorm.weight": (e,), p + "post_attention_layernorm.weight": (e,)})
+        for name, (shape, bias) in linear.items():
+            shapes[p + name + ".weight"] = shape
+            if bias:
+                shapes[p + name + ".bias"] = shape[:1]
+        if cfg.qk_norm:
+            shapes.update({p + f"self_attn.{n}_norm.weight": (cfg.head_dim,) for n in "qk"})
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, e)
+    return shapes
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -57,50 +150,32 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 
 class NumpyDecoder:
-    """The network over the checkpoint's tensors (`where`: name -> the file holding it)."""
+    """The network over the checkpoint's tensors (`where`: name -> the file holding it). `close()` when done."""
 
     def __init__(self, cfg: ModelConfig, where: Dict[str, SafetensorsFile], max_positions: int,
-                 matrices_in: str = "float32") -> None:
+                 matrices_in: str = "float32", threads: Optional[int] = None) -> None:
         """matrices_in: the dtype a folder stores its matrices in while computing in float32 (CPU folders with
         16-bit weights): the reference rounds them the same way, so it computes what that folder means."""
         self.cfg, self.where, self.matrices_in = cfg, where, matrices_in
         self.cos, self.sin = rope_tables(cfg, max_positions)  # [P, D]
+        self.matmul = BlockedMatmul(matrices_in, threads)
+
+    def close(self) -> None:
+        self.matmul.close()
 
     def weight_shapes(self) -> Dict[str, Tuple[int, ...]]:
-        """Every checkpoint tensor the forward reads, by HF name (the MindSpore network's parameters, too:
-        tests/test_golden.py holds the two equal)."""
-        cfg = self.cfg
-        e, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        shapes: Dict[str, Tuple[int, ...]] = {"model.embed_tokens.weight": (v, e), "model.norm.weight": (e,)}
-        linear = {"self_attn.q_proj": ((q, e), cfg.qkv_bias), "self_attn.k_proj": ((kv, e), cfg.qkv_bias),
-                  "self_attn.v_proj": ((kv, e), cfg.qkv_bias), "self_attn.o_proj": ((e, q), cfg.o_proj_bias),
-                  "mlp.gate_proj": ((i, e), cfg.mlp_bias), "mlp.up_proj": ((i, e), cfg.mlp_bias),
-                  "mlp.down_proj": ((e, i), cfg.mlp_bias)}
-        for layer in range(cfg.num_hidden_layers):
-            p = f"model.layers.{layer}."
-            shapes.update({p + "input_layernorm.weight": (e,), p + "post_attention_layernorm.weight": (e,)})
-            for name, (shape, bias) in linear.items():
-                shapes[p + name + ".weight"] = shape
-                if bias:
-                    shapes[p + name + ".bias"] = shape[:1]
-            if cfg.qk_norm:
-                shapes.update({p + f"self_attn.{n}_norm.weight": (cfg.head_dim,) for n in "qk"})
-        if not cfg.tie_word_embeddings:
-            shapes["lm_head.weight"] = (v, e)
-        return shapes
+        return weight_shapes(self.cfg)
 
     def new_cache(self) -> RowCache:
         return RowCache(self.cfg.num_hidden_layers)
 
-    def _w(self, name: str) -> np.ndarray:
-        arr = self.where[name].read(name)
-        arr = arr if arr.dtype == np.float32 else arr.astype(np.float32)
-        return rounded_to(arr, self.matrices_in) if arr.ndim == 2 else arr
+    def _vector(self, name: str) -> np.ndarray:
+        """A norm weight or a bias, in float32 (never rounded: folders keep them in their compute dtype)."""
+        return np.asarray(self.where[name].read(name), np.float32)
 
     def _linear(self, x: np.ndarray, prefix: str, bias: bool = False) -> np.ndarray:
-        y = _matmul_t(x, self._w(prefix + ".weight"))
-        return y + self._w(prefix + ".bias") if bias else y
+        y = self.matmul(x, self.where[prefix + ".weight"].stored(prefix + ".weight"))
+        return y + self._vector(prefix + ".bias") if bias else y
 
     def forward(self, chunks: Sequence[Sequence[int]], caches: Sequence[RowCache]) -> np.ndarray:
         """Feed chunks[r] (row r's new tokens) after what caches[r] holds; returns float32 logits
@@ -114,18 +189,18 @@ class NumpyDecoder:
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, D]
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}."
-            h = _rms_norm(x, self._w(p + "input_layernorm.weight"), cfg.rms_norm_eps)
+            h = _rms_norm(x, self._vector(p + "input_layernorm.weight"), cfg.rms_norm_eps)
             x = x + self._linear(self._attention(h, cos, sin, layer, sizes, caches), p + "self_attn.o_proj",
                                  cfg.o_proj_bias)
-            h = _rms_norm(x, self._w(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
+            h = _rms_norm(x, self._vector(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
             gate, up = self._linear(h, p + "mlp.gate_proj", cfg.mlp_bias), self._linear(h, p + "mlp.up_proj", cfg.mlp_bias)
             x = x + self._linear(gate / (1 + np.exp(-gate)) * up, p + "mlp.down_proj", cfg.mlp_bias)
         for cache, n in zip(caches, sizes):
             cache.length += n
         last = np.cumsum(sizes) - 1
-        x = _rms_norm(x[last], self._w("model.norm.weight"), cfg.rms_norm_eps)  # [rows, E]
+        x = _rms_norm(x[last], self._vector("model.norm.weight"), cfg.rms_norm_eps)  # [rows, E]
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        return _matmul_t(x, self._w(head)).astype(np.float32)
+        return self.matmul(x, self.where[head].stored(head))
 
     def _attention(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, layer: int, sizes: List[int],
                    caches: Sequence[RowCache]) -> np.ndarray:
@@ -137,8 +212,8 @@ class NumpyDecoder:
         k = self._linear(h, p + "k_proj", cfg.qkv_bias).reshape(-1, kh, d)
         v = self._linear(h, p + "v_proj", cfg.qkv_bias).reshape(-1, kh, d)
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head before RoPE
-            q = _rms_norm(q, self._w(p + "q_norm.weight"), cfg.rms_norm_eps)
-            k = _rms_norm(k, self._w(p + "k_norm.weight"), cfg.rms_norm_eps)
+            q = _rms_norm(q, self._vector(p + "q_norm.weight"), cfg.rms_norm_eps)
+            k = _rms_norm(k, self._vector(p + "k_norm.weight"), cfg.rms_norm_eps)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         out = np.empty((h.shape[0], hq * d), np.float32)
         start = 0

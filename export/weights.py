@@ -1,10 +1,11 @@
-"""Checkpoint weights: read *.safetensors tensor by tensor (mmap), cast to the export dtype, set into the network."""
+"""Checkpoint weights: *.safetensors read tensor by tensor from a memory map, names and shapes checked, cast to a
+folder's dtype (export/weights_file.py writes them)."""
 from __future__ import annotations
 
 import json
 import os
 import struct
-from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -43,6 +44,10 @@ class SafetensorsFile:
 
     def names(self) -> List[str]:
         return list(self.header)
+
+    def offset(self, name: str) -> int:
+        """Where the tensor's bytes begin in the file."""
+        return self.data_start + int(self.header[name]["data_offsets"][0])
 
     def shape(self, name: str) -> Tuple[int, ...]:
         return tuple(self.header[name]["shape"])
@@ -175,41 +180,3 @@ _SPLIT_AXIS = {"self_attn.q_proj.weight": 0, "self_attn.q_proj.bias": 0, "self_a
 
 def split_axis(name: str) -> Optional[int]:
     return next((axis for end, axis in _SPLIT_AXIS.items() if name.endswith(end)), None)
-
-
-def load_into(net, checkpoint: str, progress: Optional[Callable[[int], None]] = None,
-              shard: Tuple[int, int] = (0, 1)) -> int:
-    """Set every weight Parameter of `net` from the checkpoint, in each Parameter's own dtype (a CPU folder
-    with 16-bit weights keeps its norms and biases in float32). Returns the bytes loaded.
-
-    `shard` (rank, tp_size): `net` is one rank of a tensor-parallel split; split tensors get the rank's slice."""
-    import mindspore as ms
-    from mindspore import Tensor
-
-    rank, tp = shard
-    params = {p.name: p for p in net.get_parameters() if not p.name.endswith(("key_cache", "value_cache"))}
-    axes = {name: split_axis(name) if tp > 1 else None for name in params}
-    expected = {}
-    for name, p in params.items():  # the checkpoint's (whole) shapes
-        shape = list(p.shape)
-        if axes[name] is not None:
-            shape[axes[name]] *= tp
-        expected[name] = tuple(shape)
-    where = open_checkpoint(checkpoint)
-    names = plan_weights(expected, where, tied=bool(net.config.tie_word_embeddings))
-    dtypes = {ms.float32: "float32", ms.float16: "float16", ms.bfloat16: "bfloat16"}
-    total = 0
-    for name in names:
-        param = params[name]
-        arr = where[name].stored(name)
-        axis = axes[name]
-        if axis is not None:
-            n = param.shape[axis]
-            arr = arr[rank * n:(rank + 1) * n] if axis == 0 else arr[:, rank * n:(rank + 1) * n]
-        arr = stored_as(arr, dtypes[param.dtype])
-        tensor = Tensor.from_numpy(np.ascontiguousarray(arr))
-        param.set_data(tensor.view(ms.bfloat16) if param.dtype == ms.bfloat16 else tensor)
-        total += arr.nbytes
-        if progress is not None:
-            progress(1)
-    return total

@@ -49,3 +49,22 @@ def hf_generate(checkpoint: str, row: List[int], **kwargs) -> List[int]:
         out = hf_model(checkpoint).generate(torch.tensor([row]), attention_mask=torch.ones(1, len(row), dtype=torch.long),
                                             **kwargs)
     return [int(t) for t in out[0]]
+
+
+def load_into(net, checkpoint: str) -> None:
+    """Set every weight Parameter of an export/model.py network from the checkpoint, in the Parameter's dtype, for
+    tests that run the network itself (export never does: it compiles the graphs without weights and writes the
+    weights file straight from the checkpoint)."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from export.weights import open_checkpoint, stored_as
+
+    where = open_checkpoint(checkpoint)
+    dtypes = {ms.float32: "float32", ms.float16: "float16", ms.bfloat16: "bfloat16"}
+    for param in net.get_parameters():
+        if param.name.endswith(("key_cache", "value_cache")):
+            continue
+        arr = np.ascontiguousarray(stored_as(where[param.name].stored(param.name), dtypes[param.dtype]))
+        tensor = Tensor.from_numpy(arr)
+        param.set_data(tensor.view(ms.bfloat16) if param.dtype == ms.bfloat16 else tensor)

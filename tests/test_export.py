@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -169,8 +170,11 @@ def test_sharded_bfloat16_checkpoint_written_by_hf(tmp_path, checkpoints, capsys
 def test_summary_line_and_overwrite(tmp_path, checkpoints, capsys):
     out = tmp_path / "m"
     args = ["--checkpoint", checkpoints["gqa_tied"], "--output", str(out), "--device", "cpu", "--seq_length", "8"]
-    code, line, _ = export_cli(capsys, *args)
-    assert code == 0 and line.startswith(f"exported {out}: 11 files, ") and "peak RSS" in line
+    code, out_text, _ = export_cli(capsys, *args)
+    line, stages = out_text.splitlines()
+    assert code == 0 and line.startswith(f"exported {out}: 11 files, ") and "peak anonymous memory" in line
+    assert re.fullmatch(r"time: check \S+ s, compile \S+ s, golden \S+ s, weights \S+ s \(read\+convert \S+ s, "
+                        r"hash \S+ s, write \S+ s busy\), files \S+ s", stages), stages
     code, _, err = export_cli(capsys, *args)
     assert (code, err) == (2, f"error: {out} already exists. Delete it or pass --overwrite")
     (out / "stale.txt").write_text("from an older export")

@@ -90,7 +90,7 @@ def test_matrices_are_stored_in_16_bits_and_the_rest_in_float32(half_folders, dt
     vectors = [(e,)] + layers * [(e,), (e,), (h * d,), (kh * d,), (kh * d,)]  # norms, biases
     caches = layers * 2 * [(2, kh, 32, d)]  # batch 2, seq_length 32, float32 like the rest of the compute
 
-    def stored(shapes, itemsize):  # the weights file: a 64-byte header, each tensor aligned to 64 bytes (shared_weights)
+    def stored(shapes, itemsize):  # the weights file: a 64-byte header, each tensor aligned to 64 bytes (export/weights_file.py)
         return sum(-(-int(np.prod(s)) * itemsize // 64) * 64 for s in shapes)
 
     data = os.path.getsize(os.path.join(folder, f"cpu_{dtype}_variables", "data_0"))

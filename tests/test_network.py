@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from reference import hf_last_logits, prompts, rel_err, right_pad
+from reference import hf_last_logits, load_into, prompts, rel_err, right_pad
 
 TOL = 1e-4
 
@@ -12,7 +12,6 @@ TOL = 1e-4
 def build(checkpoint: str, batch: int, seq: int, dtype: str = "float32"):
     from export.config import ModelConfig
     from export.model import CausalLM, DecodeGraph, PrefillGraph
-    from export.weights import load_into
 
     net = CausalLM(ModelConfig.from_file(f"{checkpoint}/config.json"), batch, seq, dtype)
     load_into(net, checkpoint)

@@ -1,0 +1,162 @@
+"""The graphs of a folder, compiled without weights: each a MindIR proto whose parameters hold no data.
+
+mindspore.export compiles a cell, takes its graph proto, and only then writes every parameter's bytes
+(mindspore/train/serialization.py: _save_mindir -> _cell_info, then _save_mindir_together or
+_split_save). Compiling needs each Parameter's shape and dtype, not its bytes, so the network is built
+with lazily initialised Parameters (nothing allocated), each graph is compiled and its proto taken the
+way mindspore.export takes it (`_cell_info`, in MindSpore 2.7 to 2.10), and the bytes are written once
+per rank by export/weights_file.py. `finish` then points every parameter at its place in that file
+(MindIR's external_data: location, offset, length) and writes the graph.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from export.config import ExportConfig, ModelConfig, tensor_parallel_config
+from export.errors import ExportError
+from lite_runtime.folder import MINDIR_DTYPES, graph_file, mindir_specs, rank_name
+from lite_runtime.manifest import GraphEntry
+
+Params = Dict[str, Tuple[Tuple[int, ...], str]]  # parameter name -> (shape, dtype)
+
+
+@dataclass
+class CompiledGraph:
+    role: str
+    tokens: int
+    rank: Optional[int]  # None in a single-card folder
+    file: str  # relative to the folder
+    proto: Any  # mind_ir_pb2.ModelProto, parameters without data
+
+    def parameters(self) -> Params:
+        from mindspore.train import mind_ir_pb2
+
+        name_of = mind_ir_pb2.TensorProto.DataType.Name
+        return {p.name.rsplit(":", 1)[-1]: (tuple(int(d) for d in p.dims), MINDIR_DTYPES[name_of(p.data_type)])
+                for p in self.proto.graph.parameter}
+
+
+def graph_plan(cfg: ExportConfig) -> List[Tuple[str, int]]:
+    """(role, tokens) of every graph of one rank: a prefill graph per bucket and seq_length, the inc graph, and
+    for batch_size > 1 a slot graph per prefill graph (one prompt into one cache row, for lite_runtime.serve)."""
+    buckets = sorted(set(cfg.prefill_buckets or ()) | {cfg.seq_length})
+    plan = [("prefill", n) for n in buckets] + [("inc", 1)]
+    if cfg.batch_size > 1:
+        plan += [("slot", n) for n in buckets]
+    return plan
+
+
+class RankNetwork:
+    """One rank's network, built without weights: its parameters (shapes and dtypes) and its graphs."""
+
+    def __init__(self, cfg: ExportConfig, model_cfg: ModelConfig, rank: int) -> None:
+        import mindspore as ms
+
+        from export.model import CausalLM
+
+        ms.set_context(mode=ms.GRAPH_MODE)
+        self.cfg, self.rank = cfg, rank
+        self.kernels = cfg.use_cpu_kernels()
+        # every full-graph matmul through our kernel: 16-bit matrices need it; float32 ones only for few rows
+        # (export/model.py KERNEL_PREFILL_MAX_ROWS)
+        gemm = self.kernels and cfg.half_weights_on_cpu
+        tp = cfg.tp_size
+        self.net = CausalLM(tensor_parallel_config(model_cfg, tp) if tp > 1 else model_cfg, cfg.batch_size,
+                            cfg.seq_length, cfg.compute_dtype, gemv=self.kernels, gemm=gemm, weight_dtype=cfg.dtype,
+                            tensor_parallel=tp > 1)
+        self.name = rank_name(cfg.name, rank, tp)
+
+    def parameters(self) -> Params:
+        names = {"Float32": "float32", "Float16": "float16", "BFloat16": "bfloat16"}
+        return {p.name: (tuple(p.shape), names[str(p.dtype)]) for p in self.net.get_parameters()}
+
+    def compile(self, role: str, tokens: int) -> CompiledGraph:
+        """Compile one graph and take its proto, as mindspore.export does before it writes any data."""
+        import numpy as np
+
+        import mindspore as ms
+        from export.model import DecodeGraph, PrefillGraph, SlotPrefillGraph
+
+        try:
+            from mindspore.train.serialization import _cell_info
+        except ImportError:
+            raise ExportError(f"MindSpore {ms.__version__} has no mindspore.train.serialization._cell_info, which "
+                              "export uses to compile graphs without their weights; install 2.7 to 2.10: "
+                              "pip install 'mindspore>=2.7,<2.11'") from None
+        from mindspore.train import mind_ir_pb2
+
+        cell = {"prefill": PrefillGraph, "inc": DecodeGraph, "slot": SlotPrefillGraph}[role](self.net)
+        rows = 1 if role == "slot" else self.cfg.batch_size
+        args = [ms.Tensor(np.zeros((rows, tokens), np.int32)),
+                ms.Tensor(np.full((rows,), 2 if role == "inc" else 1, np.int32))]
+        if role == "slot":
+            args.append(ms.Tensor(np.zeros((1,), np.int32)))
+        level = ms.get_context("jit_syntax_level")
+        ms.set_context(jit_syntax_level=ms.STRICT)  # as mindspore.export compiles
+        try:
+            stream, _ = _cell_info(cell, False, *args)
+        finally:
+            ms.set_context(jit_syntax_level=level)
+        proto = mind_ir_pb2.ModelProto()
+        proto.ParseFromString(stream)
+        for param in proto.graph.parameter:
+            if param.raw_data or param.external_data.location:
+                raise ExportError(f"MindSpore {ms.__version__} put parameter data into the {role} graph's proto; "
+                                  "export needs 2.7 to 2.10: pip install 'mindspore>=2.7,<2.11'")
+        rank = self.rank if self.cfg.tp_size > 1 else None
+        return CompiledGraph(role, tokens, rank, graph_file(self.name, role, tokens, self.cfg.seq_length), proto)
+
+
+def compile_graphs(cfg: ExportConfig, networks: List[RankNetwork],
+                   progress: Optional[Callable[[int], None]] = None) -> List[CompiledGraph]:
+    """Every rank's graphs, in graph_plan order, rank by rank; holds MindSpore's process-wide lock."""
+    from lite_runtime.mindspore_lock import MINDSPORE_LOCK
+
+    graphs = []
+    with MINDSPORE_LOCK:
+        for net in networks:
+            for role, tokens in graph_plan(cfg):
+                graphs.append(net.compile(role, tokens))
+                if progress is not None:
+                    progress(1)
+    return graphs
+
+
+def finish(folder: str, graph: CompiledGraph, layout, portable_kernels: bool) -> GraphEntry:
+    """Point the graph's parameters at its rank's weights file (`layout`: export/weights_file.Layout), write it,
+    and return its manifest entry. The specs are read from the very proto written."""
+    for param in graph.proto.graph.parameter:
+        name = param.name.rsplit(":", 1)[-1]
+        entry = layout.entries.get(name)
+        declared = (tuple(int(d) for d in param.dims), MINDIR_DTYPES[_type_name(param.data_type)])
+        if entry is None or declared != (entry.shape, entry.dtype):
+            raise ExportError(f"{graph.file}: parameter {name} {list(param.dims)} is not in {layout.location} as the "
+                              "graph declares it; this is a bug in export/graphs.py, please report it")
+        param.external_data.location = layout.location
+        param.external_data.offset = entry.offset
+        param.external_data.length = entry.nbytes
+    if portable_kernels:
+        _portable_kernel_paths(graph.proto)
+    with open(os.path.join(folder, graph.file), "wb") as fh:
+        fh.write(graph.proto.SerializeToString())
+    inputs, outputs = mindir_specs(graph.proto)
+    return GraphEntry(graph.role, graph.file, layout.location, graph.tokens, inputs, outputs, rank=graph.rank)
+
+
+def _type_name(data_type: int) -> str:
+    from mindspore.train import mind_ir_pb2
+
+    return mind_ir_pb2.TensorProto.DataType.Name(data_type)
+
+
+def _portable_kernel_paths(model) -> int:
+    """Store our CPU kernels' Custom ops by library name, not by this machine's path; returns how many.
+
+    mindspore.export records the absolute path of the library the op was built with; the `ms`
+    backend points the name at the loading machine's library (cpu_kernels.local_func).
+    """
+    import cpu_kernels
+
+    return cpu_kernels.retarget(model, lambda func: cpu_kernels.graph_func(func.rpartition(":")[2]))
