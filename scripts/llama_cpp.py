@@ -227,6 +227,14 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+def converter_command(src: str, checkpoint: str, dtype: str, outfile: str):
+    """(argv, environment) that run the vendored convert_hf_to_gguf.py on `checkpoint` into `outfile`, with the
+    fallbacks of the module docstring (scripts/bench_export.py times it beside our export)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(src, "gguf-py"),
+                                                                     os.environ.get("PYTHONPATH")])))
+    return [sys.executable, "-c", _CONVERTER, src, checkpoint, "--outtype", dtype, "--outfile", outfile], env
+
+
 def _checkpoint_key(checkpoint: str, src: str) -> str:
     """Hash of the checkpoint's files (path, size, mtime) and of the converter's sdist."""
     stamp = hashlib.sha256(os.path.dirname(os.path.dirname(src)).encode())
@@ -244,13 +252,11 @@ def convert(src: str, checkpoint: str, dtype: str, work_dir: str) -> Dict[str, A
         with open(info_path, encoding="utf-8") as fh:
             return json.load(fh)
     partial = out + ".partial"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(src, "gguf-py"),
-                                                                     os.environ.get("PYTHONPATH")])))
+    cmd, env = converter_command(src, checkpoint, dtype, partial)
     _say(f"converting {checkpoint} to {dtype} GGUF")
     start = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-c", _CONVERTER, src, checkpoint, "--outtype", dtype,
-                               "--outfile", partial], capture_output=True, text=True, timeout=3600, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise Skip(f"convert_hf_to_gguf.py: {exc}") from None
     with open(out + ".log", "w", encoding="utf-8") as fh:
