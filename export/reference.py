@@ -13,7 +13,8 @@ stores it, for CPU folders with 16-bit matrices) once per pass, in blocks of out
 - many rows (the prefill of all golden prompts): blocks of up to 64 MB, each one BLAS GEMM on
   every core, so the pass runs at the machine's float32 GEMM rate;
 - a few rows (a decode step, the lm_head): blocks of ~1 MB that stay in cache, shared among the
-  cores (BLAS on one thread each), so a step costs about one read of the 16-bit weights.
+  cores (BLAS on one thread each, a few rows per call: _SMALL_M_ROWS), so a step costs about one read of
+  the 16-bit weights.
 Memory: one block per core, the activations and the rows' KV caches; never a whole matrix in
 float32 (the Qwen2-7B head alone would be 2.2 GB).
 
@@ -32,12 +33,17 @@ from export.rope import rope_tables
 from export.weights import SafetensorsFile, rounded_to, widen
 
 # Above this many rows a matmul is a GEMM on big blocks with BLAS's own threads; at or below it, cache-sized
-# blocks shared among Python threads with BLAS on one thread each (OpenBLAS takes ~10x longer per matmul at
-# 2-16 rows than at 1 when it threads them itself: measured on the 0.5B shape's gate_proj, 0.36 ms at 1 row,
-# 4-5.5 ms at 2-16).
-FEW_ROWS = 32
+# blocks shared among Python threads with BLAS on one thread each, a few rows per call (_SMALL_M_ROWS). Measured on the
+# Qwen2-7B head (1.09 GB of bf16) on 2 cores: 12 rows take 0.44-0.80 s that way, 0.60-0.90 s as big GEMMs, 24 rows
+# 1.5 s against 0.7-0.8 s.
+FEW_ROWS = 12
 GEMM_BLOCK_BYTES = 64 << 20  # float32 bytes of one block of W for a GEMM
 GEMV_BLOCK_BYTES = 1 << 20  # ... for a few rows: about one core's L2
+# Rows per BLAS call in the few-rows path, by OpenBLAS's kernel family. Its AVX-512 kernels have a small-matrix
+# path up to 3 rows (the 7B head: 0.21 s at 3 rows in one call, 0.29 s row by row); the Haswell/Zen kernels (AVX2
+# machines) take the full GEMM driver from 2 rows on, where two threads calling it wait for each other (0.56 s at
+# 3 rows in one call, 0.22 s row by row). One row per call is a GEMV, which does neither.
+_SMALL_M_ROWS = {"SkylakeX": 3, "Cooperlake": 3, "SapphireRapids": 3}
 
 
 class RowCache:
@@ -62,10 +68,13 @@ class BlockedMatmul:
         self.threads = threads or _cores()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="golden") if self.threads > 1 else None
         self._blas = None
+        self.small_m = 1
         if self._pool is not None:
             from threadpoolctl import ThreadpoolController
 
             self._blas = ThreadpoolController()
+            arch = next((i.get("architecture") for i in self._blas.info() if i.get("user_api") == "blas"), None)
+            self.small_m = _SMALL_M_ROWS.get(arch, 1)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -95,19 +104,32 @@ class BlockedMatmul:
             step = max(1, GEMM_BLOCK_BYTES // (4 * width))
             buf = np.empty((min(step, n_out), width), np.float32)
             for o in range(0, n_out, step):
-                out[:, o:o + step] = x @ self._widen(w[o:o + step], buf).T
+                out[:, o:o + step] = x @ self._widen_parallel(w[o:o + step], buf).T
             return out
         step = max(8, GEMV_BLOCK_BYTES // (4 * width))
         starts = list(range(0, n_out, step))
+        small = self.small_m
 
         def part(k: int) -> None:
             buf = np.empty((min(step, n_out), width), np.float32)
             for o in starts[k::self.threads]:
-                out[:, o:o + step] = x @ self._widen(w[o:o + step], buf).T
+                block = self._widen(w[o:o + step], buf).T
+                for r in range(0, rows, small):
+                    out[r:r + small, o:o + step] = x[r:r + small] @ block
 
         with self._blas.limit(limits=1, user_api="blas"):
             list(self._pool.map(part, range(self.threads)))
         return out
+
+    def _widen_parallel(self, block: np.ndarray, buf: np.ndarray) -> np.ndarray:
+        """_widen with the rows shared among the threads (for the GEMM path, whose BLAS call is threaded itself)."""
+        n = block.shape[0]
+        if self._pool is None or n < 2 * self.threads or (block.dtype == np.float32 and self.matrices_in == "float32"):
+            return self._widen(block, buf)
+        share = -(-n // self.threads)
+        list(self._pool.map(lambda k: self._widen(block[k * share:(k + 1) * share], buf[k * share:(k + 1) * share]),
+                            range(self.threads)))
+        return buf[:n]
 
 
 def weight_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
@@ -169,6 +191,13 @@ class NumpyDecoder:
     def new_cache(self) -> RowCache:
         return RowCache(self.cfg.num_hidden_layers)
 
+    def _read_ahead(self, prefix: str) -> None:
+        """Ask the kernel to start reading the tensors named `prefix*` from disk while this layer computes: a cold
+        checkpoint is otherwise read by page faults, one at a time, on the thread that widens the weights."""
+        for name, file in self.where.items():
+            if name.startswith(prefix):
+                file.will_need(name)
+
     def _vector(self, name: str) -> np.ndarray:
         """A norm weight or a bias, in float32 (never rounded: folders keep them in their compute dtype)."""
         return np.asarray(self.where[name].read(name), np.float32)
@@ -187,8 +216,10 @@ class NumpyDecoder:
         embed = self.where["model.embed_tokens.weight"].stored("model.embed_tokens.weight")
         x = rounded_to(widen(np.asarray(embed[ids])).astype(np.float32), self.matrices_in)  # [T, E]: the rows used
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, D]
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}."
+            self._read_ahead(f"model.layers.{layer + 1}." if layer + 1 < cfg.num_hidden_layers else head)
             h = _rms_norm(x, self._vector(p + "input_layernorm.weight"), cfg.rms_norm_eps)
             x = x + self._linear(self._attention(h, cos, sin, layer, sizes, caches), p + "self_attn.o_proj",
                                  cfg.o_proj_bias)
@@ -199,7 +230,7 @@ class NumpyDecoder:
             cache.length += n
         last = np.cumsum(sizes) - 1
         x = _rms_norm(x[last], self._vector("model.norm.weight"), cfg.rms_norm_eps)  # [rows, E]
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        self._read_ahead("model.layers.0.")  # the next forward's
         return self.matmul(x, self.where[head].stored(head))
 
     def _attention(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, layer: int, sizes: List[int],

@@ -69,6 +69,21 @@ class SafetensorsFile:
                               f"needs {expected}; the header is damaged, re-download the file")
         return raw.view(_STORED[dtype]).reshape(shape)
 
+    def will_need(self, name: str) -> None:
+        """Start reading the tensor's pages in the background (madvise WILLNEED); a hint, never an error."""
+        import mmap
+
+        self.stored(name)  # opens the map
+        mapped = getattr(self._map, "_mmap", None)
+        if mapped is None or not hasattr(mapped, "madvise") or not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        begin, end = self.header[name]["data_offsets"]
+        start = (self.data_start + begin) // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            mapped.madvise(mmap.MADV_WILLNEED, start, self.data_start + end - start)
+        except (OSError, ValueError):
+            pass
+
     def read(self, name: str) -> np.ndarray:
         """The tensor as float32/float16 numpy (bf16 widened to float32), a view where possible."""
         return widen(self.stored(name))

@@ -255,6 +255,21 @@ def run_ours(checkpoint: str, output: str, extra: List[str], cold: bool) -> Dict
     return result
 
 
+def run_check(folder: str, cold: bool) -> Dict[str, Any]:
+    if cold:
+        drop_caches()
+    cmd = [sys.executable, "-m", "lite_runtime.check", folder, "--backend", "ms", "-q"]
+    say(f"running python -m lite_runtime.check {folder}")
+    result = measure(cmd, os.path.dirname(folder))
+    weights = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs
+                  if f.startswith("data_"))
+    result["weights_gib"] = round(weights / 2**30, 2)
+    result["verdict"] = result["stdout"][-1] if result["stdout"] else ""
+    say(f"check: {result['seconds']} s, exit {result['returncode']}, peak anon {result['peak_anon_gib']} GiB "
+        f"(weights {result['weights_gib']} GiB): {result['verdict'][:120]}")
+    return result
+
+
 def run_llama_cpp(checkpoint: str, output: str, cold: bool) -> Dict[str, Any]:
     import llama_cpp
 
@@ -299,6 +314,8 @@ def main(argv=None) -> int:
     p.add_argument("--llama_cpp", action="store_true", help="also time llama.cpp's converter (f16 GGUF)")
     p.add_argument("--drop_caches", action="store_true", help="empty the page cache before each run (root)")
     p.add_argument("--keep", action="store_true", help="keep the exported folders")
+    p.add_argument("--check", action="store_true",
+                   help="after each export, time python -m lite_runtime.check on the folder (backend ms) the same way")
     p.add_argument("--json", dest="json_path", help="write the results as JSON to this file")
     args = p.parse_args(argv)
     tag = args.shape + (f"-{args.layers}l" if args.layers else "")
@@ -316,6 +333,8 @@ def main(argv=None) -> int:
         output = os.path.join(args.work_dir, f"out-{tag}")
         result = run_ours(checkpoint, output, shlex.split(extra), args.drop_caches)
         result["args"] = extra
+        if args.check and result["returncode"] == 0:
+            result["check"] = run_check(output, args.drop_caches)
         doc["runs"].append(result)
         if not args.keep:
             shutil.rmtree(output, ignore_errors=True)

@@ -1,0 +1,221 @@
+"""The weights file: written once, straight from the checkpoint; every tensor is the checkpoint's, converted by torch
+to the folder's dtype and split for its rank; the free-space check and write errors are one line and leave nothing."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Megatron's split, written out here rather than taken from export: q/k/v and gate/up are column-parallel (rows of
+# the HF [out, in] weight and of the bias), o_proj and down_proj row-parallel (columns); the rest is replicated
+COLUMN = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
+          "gate_proj.weight", "up_proj.weight")
+ROW = ("o_proj.weight", "down_proj.weight")
+
+
+def torch_bytes(state, name: str, dtype: str, rank: int, tp: int) -> bytes:
+    """What the folder must hold for `name`: the checkpoint's tensor converted by torch, this rank's share."""
+    import torch
+
+    t = state[name]
+    if name.endswith(COLUMN) and tp > 1:
+        t = t.chunk(tp, dim=0)[rank]
+    elif name.endswith(ROW) and tp > 1:
+        t = t.chunk(tp, dim=1)[rank]
+    t = t.to(getattr(torch, dtype)).contiguous()
+    return (t.view(torch.int16) if dtype == "bfloat16" else t).numpy().tobytes()
+
+
+def folder_tensors(folder: str):
+    """{(rank, name): (location, offset, length)} over every graph of the folder; a name's place is the same in
+    every graph of its rank."""
+    from mindspore.train import mind_ir_pb2
+
+    with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as fh:
+        manifest = json.load(fh)
+    places = {}
+    for g in manifest["graphs"]:
+        proto = mind_ir_pb2.ModelProto()
+        with open(os.path.join(folder, g["file"]), "rb") as fh:
+            proto.ParseFromString(fh.read())
+        for p in proto.graph.parameter:
+            assert not p.raw_data, (g["file"], p.name)
+            ext = p.external_data
+            key = (g.get("rank", 0), p.name.rsplit(":", 1)[-1])
+            place = (ext.location, ext.offset, ext.length)
+            assert places.setdefault(key, place) == place, key
+            assert ext.location == g["variables"]
+    return places, manifest
+
+
+def hf_state(checkpoint: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="auto")
+    return {k: v.detach() for k, v in model.state_dict().items()}, model.dtype == torch.bfloat16
+
+
+def assert_weights_are_the_checkpoints(folder: str, checkpoint: str) -> None:
+    import yaml
+
+    places, manifest = folder_tensors(folder)
+    with open(os.path.join(folder, manifest["yaml"]), encoding="utf-8") as fh:
+        doc = yaml.safe_load(fh)
+    infer, config = doc["infer"], doc["model"]["config"]
+    tp, b, s = infer["tp_size"], infer["batch_size"], infer["seq_length"]
+    state, _ = hf_state(checkpoint)
+    sizes = {}
+    for (rank, name), (location, offset, length) in places.items():
+        with open(os.path.join(folder, location), "rb") as fh:
+            fh.seek(offset)
+            data = fh.read(length)
+        assert offset % 64 == 0 and len(data) == length
+        if name.endswith(("key_cache", "value_cache")):
+            item = {"float32": 4, "float16": 2, "bfloat16": 2}[infer["compute_dtype"]]
+            assert length == b * config["num_key_value_heads"] // tp * s * config["head_dim"] * item, name
+            assert not any(data), name
+        else:
+            matrix = state[name].ndim == 2
+            dtype = infer["dtype"] if matrix else infer["compute_dtype"]  # CPU 16-bit folders: only the matrices
+            assert data == torch_bytes(state, name, dtype, rank, tp), (rank, name, dtype)
+        sizes.setdefault(location, []).append((offset, length))
+    for location, spans in sizes.items():  # the file is the 64-byte header and the tensors, each aligned, no gaps
+        spans.sort()
+        end = 64
+        for offset, length in spans:
+            assert offset == end, (location, offset, end)
+            end = offset + length + (-length % 64)
+        assert os.path.getsize(os.path.join(folder, location)) == end
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory, checkpoints):
+    """gqa_tied saved in bfloat16 in three shards, with its tokenizer: a Qwen release's layout."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("bf16_ckpt")
+    src = checkpoints["gqa_tied"]
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(out, max_shard_size="60KB")
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(os.path.join(src, f), out / f)
+    assert len([f for f in os.listdir(out) if f.endswith(".safetensors")]) > 1
+    return str(out)
+
+
+def test_the_scratch_folder_never_holds_anything_but_the_folder(tmp_path, bf16_checkpoint):
+    """Atlas float16 from a bf16 checkpoint (the 7B default's conversion), two ranks, batch 3 (slot graphs), a
+    bucket: every file the export ever creates is a file of the finished folder, written once, and the graphs hold
+    no parameter data; every tensor is torch's conversion of the checkpoint's, split for its rank."""
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+    from watch import CreatedFiles
+
+    out = tmp_path / "m"
+    with CreatedFiles(str(tmp_path)) as seen:
+        run_export(ExportConfig(checkpoint=bf16_checkpoint, output=str(out), name="m", seq_length=32, batch_size=3,
+                                dtype="float16", device="atlas_800i_a2", prefill_buckets=(8,), tp_size=2))
+    final = {os.path.relpath(os.path.join(r, f), out).replace(os.sep, "/")
+             for r, _, fs in os.walk(out) for f in fs}
+    scratch = [p for p in seen.paths if p.startswith(".m.partial-")]
+    assert scratch, seen.paths
+    inside = {p.split("/", 1)[1] for p in scratch if "/" in p.rstrip("/")}
+    assert {p for p in inside if not p.endswith("/")} == final
+    assert {p for p in inside if p.endswith("/")} == {"m_rank0_variables/", "m_rank1_variables/"}
+    written = {p.split("/", 1)[1]: n for p, n in seen.sizes.items() if p.startswith(".m.partial-")}
+    total = sum(os.path.getsize(out / f) for f in final)
+    assert sum(written.values()) <= total and sum(written.values()) > 0.9 * total
+    assert_weights_are_the_checkpoints(str(out), bf16_checkpoint)
+
+
+@pytest.mark.parametrize("kind", ["cpu_float32_buckets", "atlas_float16", "atlas_bfloat16"])
+def test_the_session_folders_hold_the_checkpoints_tensors(exported, atlas_exported, checkpoints, kind):
+    """float32 as is; float16 and bfloat16 rounded from a float32 checkpoint as torch rounds."""
+    folder = {"cpu_float32_buckets": exported["gqa_tied_buckets"], "atlas_float16": atlas_exported["float16"],
+              "atlas_bfloat16": atlas_exported["bfloat16"]}[kind]
+    assert_weights_are_the_checkpoints(folder, checkpoints["gqa_tied"])
+
+
+def test_a_cpu_bfloat16_folder_keeps_a_bf16_checkpoint_bit_for_bit_and_rounds_nothing_else(tmp_path, bf16_checkpoint):
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+
+    out = tmp_path / "cpu"
+    run_export(ExportConfig(checkpoint=bf16_checkpoint, output=str(out), name="cpu", seq_length=16, batch_size=1,
+                            dtype="bfloat16", device="cpu", prefill_buckets=()))
+    assert_weights_are_the_checkpoints(str(out), bf16_checkpoint)
+
+
+# --- the disk: checked before writing, write errors in one line, nothing kept ----------------------------------
+
+def _export_cmd(checkpoint: str, output: str):
+    return [sys.executable, "-m", "export", "-q", "--checkpoint", checkpoint, "--output", output, "--device", "cpu",
+            "--seq_length", "16", "--prefill_buckets", "none"]
+
+
+def test_too_little_free_space_is_refused_before_writing(tmp_path, checkpoints):
+    """On a 1 MiB tmpfs (its own mount namespace, as root): one line with both numbers, nothing written."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--mount", "true"],
+                                                         capture_output=True).returncode != 0:
+        pytest.skip("needs unshare --mount (root, util-linux) to mount a small tmpfs for the test")
+    small = tmp_path / "small"
+    small.mkdir()
+    script = (f"mount -t tmpfs -o size=1m tmpfs {small} && "
+              + " ".join(_export_cmd(checkpoints["mha_untied"], f"{small}/m"))
+              + f"; code=$?; ls -A {small}; exit $code")
+    proc = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr
+    assert err[0].startswith(f"error: {small}: 1.0 MiB free, the model folder needs ") and err[0].endswith(
+        "; free space there or pass an --output on a larger file system"), err[0]
+    assert proc.stdout.strip() == ""  # the tmpfs is empty: nothing was written
+
+
+def test_a_write_error_is_one_line_naming_the_file_and_nothing_is_kept(tmp_path, checkpoints):
+    """A file size limit (ulimit -f) stops the weights file mid-write with EFBIG: the error names it, exit 2."""
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write(2) then fails with EFBIG instead of a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+    out = tmp_path / "m"
+    proc = subprocess.run(_export_cmd(checkpoints["mha_untied"], str(out)), capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, preexec_fn=limit)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"error: {out}/m_variables/data_0: File too large; a file size limit was hit "
+                                   "(ulimit -f): raise it or pass another --output (nothing was kept)")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_full_disk_while_writing_the_weights_names_the_file(tmp_path, checkpoints):
+    """ENOSPC from a real device (/dev/full behind the weights file's name) comes back as an OSError naming it."""
+    from export.weights import open_checkpoint
+    from export.weights_file import Layout, write_files
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this machine")
+    ckpt = checkpoints["mha_untied"]
+    where = open_checkpoint(ckpt)
+    layout = Layout("w_variables/data_0")
+    for name in sorted(where):
+        layout.add(name, where[name].shape(name), "float32")
+    (tmp_path / "w_variables").mkdir()
+    os.symlink("/dev/full", tmp_path / "w_variables" / "data_0")
+    with pytest.raises(OSError) as caught:
+        write_files(str(tmp_path), [layout], where)
+    assert (caught.value.errno, caught.value.filename) == (errno.ENOSPC, str(tmp_path / "w_variables" / "data_0"))
+    from export.pipeline import _os_error_line
+
+    assert _os_error_line(caught.value, str(tmp_path), "/out/m") == (
+        "/out/m/w_variables/data_0: No space left on device; the disk is full: free space there or pass an "
+        "--output on a larger file system (nothing was kept)")
