@@ -14,6 +14,7 @@ kernels are slow (README, "Checking a folder"). Bfloat16 folders cannot run on M
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -117,6 +118,7 @@ def compare(checkpoint: str, model_dir: str, quiet: bool = True):
     from lite_runtime.golden import load_golden
 
     config = InferConfig.from_folder(model_dir, backend="ms")  # checksums verified once, here
+    _refuse_what_cannot_fit(checkpoint, config)
     if config.compute_dtype == "bfloat16":
         raise ExportError(f"{config.folder.yaml_path}: a bfloat16 folder cannot run on this CPU (MindSpore has no "
                           "bfloat16 CPU kernels); run python -m lite_runtime.check on the Atlas A2 server it is for, or "
@@ -143,8 +145,27 @@ def compare(checkpoint: str, model_dir: str, quiet: bool = True):
     reference = hf_reference(model, prompts, steps, top_k)
     log.info("HF reference: %d prompts in %.1f s", sum(map(len, prompts)), time.perf_counter() - start)
     golden_rows = replay(HFSteps(model), golden, TOLERANCES["float32"]) if golden is not None else None
+    del model  # HF's float32 copy is gone before the folder loads: the two never need memory together
+    gc.collect()
     report = check_config(config, reference)
     return report, golden_rows
+
+
+def _refuse_what_cannot_fit(checkpoint: str, config) -> None:
+    """HF transformers holds the checkpoint in float32 (4 bytes per parameter), then the folder runs on the `ms`
+    backend: refuse up front, with the numbers, what this machine cannot hold (lite_runtime/memory.py)."""
+    from export.weights import open_checkpoint
+    from lite_runtime.memory import GIB, available_bytes, gib, refuse_if_too_big
+
+    refuse_if_too_big(config.folder)  # the folder itself cannot run here: checking it on the device is the answer
+    where = open_checkpoint(checkpoint)
+    hf = 4 * sum(int(np.prod(f.shape(n), dtype=np.int64)) for n, f in where.items()) + GIB // 2
+    have = available_bytes()
+    if have is not None and hf > have:
+        raise ExportError(f"{checkpoint}: HF transformers needs about {gib(hf)} to run it in float32 (4 bytes per "
+                          f"parameter), and {gib(have)} is available; run python -m lite_runtime.check "
+                          f"{config.folder.path} instead: its golden references come from the export's float32 "
+                          "reference, which export.compare holds to HF on models that fit")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -195,6 +195,10 @@ class MsBackend:
         self._tp = config.tp_size > 1
         if self._tp:  # a tensor-parallel folder: this process runs its rank's graphs (every rank steps together)
             config.rank_id = _join_ranks(config.folder)
+        if config.folder is not None:  # a float16 folder too big for MindSpore's float32 copies: say so now
+            from lite_runtime.memory import refuse_if_too_big
+
+            refuse_if_too_big(config.folder, int(config.rank_id) if self._tp else 0)
         self._paths = config.graph_paths()
         self._parsed = {}  # key -> parsed proto, read for its specs and not loaded yet
         self.specs = {}

@@ -1,0 +1,95 @@
+"""What a run on this machine's CPU needs in memory, against what the machine has: refused up front, never an OOM kill.
+
+The `ms` backend maps a folder's weights file (page cache, given back at will), so a float32 or a
+CPU 16-bit-weights folder adds little anonymous memory. A float16 folder (the Atlas default) is
+different: MindSpore's CPU float16 MatMul keeps a float32 copy of every weight it multiplies.
+Measured on the Qwen2-0.5B shape (0.93 GiB of float16 weights, 4 graphs): `check` peaked at 3.22
+GiB of anonymous memory, 4.95 GiB at batch 2 (7 graphs), against 1.68 GiB for the float32 CPU
+folder. So such a run needs at least twice the weights, plus MindSpore's own (FLOAT16_OVERHEAD);
+a 7B float16 folder (14.2 GiB) needs more than 29 GiB.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+GIB = 1 << 30
+FLOAT16_OVERHEAD = 1 * GIB  # MindSpore's runtime, graphs and activations beyond the float32 copies (at least)
+
+
+def available_bytes() -> Optional[int]:
+    """What this process can still allocate without swapping or being killed: the machine's MemAvailable, and in a
+    container or any memory-limited cgroup the room left under each limit above it (cgroup v1 or v2). None where
+    nothing is known."""
+    found = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            found += [int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    found += _cgroup_room()
+    return min(found) if found else None
+
+
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path, encoding="ascii") as fh:
+            text = fh.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" (v2) means no limit
+
+
+def _cgroup_room() -> List[int]:
+    """limit - usage of this process's memory cgroup and every ancestor that has a limit."""
+    rooms = []
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return rooms
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            roots, limit_file, usage_file = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"), "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):  # v1
+            roots, limit_file, usage_file = ("/sys/fs/cgroup/memory",), "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        for root in roots:
+            parts = [p for p in path.split("/") if p]
+            for depth in range(len(parts), -1, -1):
+                folder = os.path.join(root, *parts[:depth])
+                limit, usage = _read_int(os.path.join(folder, limit_file)), _read_int(os.path.join(folder, usage_file))
+                if limit is not None and usage is not None and limit < (1 << 60):
+                    rooms.append(max(0, limit - usage))
+    return rooms
+
+
+def ms_backend_needs(folder, rank: int = 0) -> int:
+    """Anonymous memory the `ms` backend needs at least for `folder` (a lite_runtime.folder.ModelFolder): twice the
+    rank's weights file for float16 compute (MindSpore's float32 copies), else nothing beyond the mapped file."""
+    compute = folder.infer.get("compute_dtype") or folder.infer.get("dtype")
+    if compute != "float16":
+        return 0
+    files = {os.path.join(folder.path, g["variables"]) for g in folder.manifest.get("graphs", [])
+             if int(g.get("rank", 0)) == rank and g.get("variables")}
+    weights = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+    return 2 * weights + FLOAT16_OVERHEAD
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def refuse_if_too_big(folder, rank: int = 0) -> None:
+    """InferError, with the numbers, when the `ms` backend cannot hold `folder` here (a float16 folder whose float32
+    copies do not fit); called before MindSpore reads a weight, where the OOM killer would end it minutes later."""
+    from lite_runtime.errors import InferError
+
+    need, have = ms_backend_needs(folder, rank), available_bytes()
+    if need and have is not None and need > have:
+        raise InferError(f"{folder.path}: this float16 folder needs about {gib(need)} of memory on MindSpore's CPU "
+                         f"(its float16 MatMul keeps a float32 copy of every weight), and {gib(have)} is available; "
+                         "check it on the Atlas device it is for (python -m lite_runtime.check there), or export a "
+                         "--device cpu folder of the checkpoint to check its weights on this machine")
