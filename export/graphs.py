@@ -5,7 +5,7 @@ mindspore.export compiles a cell, takes its graph proto, and only then writes ev
 _split_save). Compiling needs each Parameter's shape and dtype, not its bytes, so the network is built
 with lazily initialised Parameters (nothing allocated), each graph is compiled and its proto taken the
 way mindspore.export takes it (`_cell_info`, in MindSpore 2.7 to 2.10), and the bytes are written once
-per rank by export/weights_file.py. `finish` then points every parameter at its place in that file
+per rank by export/weights_file.py. `write_graph` then points every parameter at its place in that file
 (MindIR's external_data: location, offset, length) and writes the graph.
 """
 from __future__ import annotations
@@ -26,16 +26,7 @@ Params = Dict[str, Tuple[Tuple[int, ...], str]]  # parameter name -> (shape, dty
 class CompiledGraph:
     role: str
     tokens: int
-    rank: Optional[int]  # None in a single-card folder
-    file: str  # relative to the folder
     proto: Any  # mind_ir_pb2.ModelProto, parameters without data
-
-    def parameters(self) -> Params:
-        from mindspore.train import mind_ir_pb2
-
-        name_of = mind_ir_pb2.TensorProto.DataType.Name
-        return {p.name.rsplit(":", 1)[-1]: (tuple(int(d) for d in p.dims), MINDIR_DTYPES[name_of(p.data_type)])
-                for p in self.proto.graph.parameter}
 
 
 def graph_plan(cfg: ExportConfig) -> List[Tuple[str, int]]:
@@ -48,16 +39,18 @@ def graph_plan(cfg: ExportConfig) -> List[Tuple[str, int]]:
     return plan
 
 
-class RankNetwork:
-    """One rank's network, built without weights: its parameters (shapes and dtypes) and its graphs."""
+class Network:
+    """The network of one rank, built without weights: its parameters (shapes and dtypes) and its graphs. Every
+    rank of a tensor-parallel folder has the same network (equal shares of the heads and MLP columns, the same
+    parameter names), so one is built and compiled for all of them."""
 
-    def __init__(self, cfg: ExportConfig, model_cfg: ModelConfig, rank: int) -> None:
+    def __init__(self, cfg: ExportConfig, model_cfg: ModelConfig) -> None:
         import mindspore as ms
 
         from export.model import CausalLM
 
         ms.set_context(mode=ms.GRAPH_MODE)
-        self.cfg, self.rank = cfg, rank
+        self.cfg = cfg
         self.kernels = cfg.use_cpu_kernels()
         # every full-graph matmul through our kernel: 16-bit matrices need it; float32 ones only for few rows
         # (export/model.py KERNEL_PREFILL_MAX_ROWS)
@@ -66,7 +59,6 @@ class RankNetwork:
         self.net = CausalLM(tensor_parallel_config(model_cfg, tp) if tp > 1 else model_cfg, cfg.batch_size,
                             cfg.seq_length, cfg.compute_dtype, gemv=self.kernels, gemm=gemm, weight_dtype=cfg.dtype,
                             tensor_parallel=tp > 1)
-        self.name = rank_name(cfg.name, rank, tp)
 
     def parameters(self) -> Params:
         names = {"Float32": "float32", "Float16": "float16", "BFloat16": "bfloat16"}
@@ -105,44 +97,46 @@ class RankNetwork:
             if param.raw_data or param.external_data.location:
                 raise ExportError(f"MindSpore {ms.__version__} put parameter data into the {role} graph's proto; "
                                   "export needs 2.7 to 2.10: pip install 'mindspore>=2.7,<2.11'")
-        rank = self.rank if self.cfg.tp_size > 1 else None
-        return CompiledGraph(role, tokens, rank, graph_file(self.name, role, tokens, self.cfg.seq_length), proto)
+        return CompiledGraph(role, tokens, proto)
 
 
-def compile_graphs(cfg: ExportConfig, networks: List[RankNetwork],
+def compile_graphs(cfg: ExportConfig, network: Network,
                    progress: Optional[Callable[[int], None]] = None) -> List[CompiledGraph]:
-    """Every rank's graphs, in graph_plan order, rank by rank; holds MindSpore's process-wide lock."""
+    """Every graph of graph_plan, once for all ranks; holds MindSpore's process-wide lock."""
     from lite_runtime.mindspore_lock import MINDSPORE_LOCK
 
     graphs = []
     with MINDSPORE_LOCK:
-        for net in networks:
-            for role, tokens in graph_plan(cfg):
-                graphs.append(net.compile(role, tokens))
-                if progress is not None:
-                    progress(1)
+        for role, tokens in graph_plan(cfg):
+            graphs.append(network.compile(role, tokens))
+            if progress is not None:
+                progress(1)
     return graphs
 
 
-def finish(folder: str, graph: CompiledGraph, layout, portable_kernels: bool) -> GraphEntry:
-    """Point the graph's parameters at its rank's weights file (`layout`: export/weights_file.Layout), write it,
-    and return its manifest entry. The specs are read from the very proto written."""
+def write_graph(folder: str, cfg: ExportConfig, graph: CompiledGraph, rank: int, layout,
+                portable_kernels: bool) -> GraphEntry:
+    """Rank `rank`'s copy of the graph: its parameters pointed at that rank's weights file (`layout`:
+    export/weights_file.Layout), written, and its manifest entry returned. The specs are read from the very proto
+    written."""
+    tp = cfg.tp_size
+    file = graph_file(rank_name(cfg.name, rank, tp), graph.role, graph.tokens, cfg.seq_length)
     for param in graph.proto.graph.parameter:
         name = param.name.rsplit(":", 1)[-1]
         entry = layout.entries.get(name)
         declared = (tuple(int(d) for d in param.dims), MINDIR_DTYPES[_type_name(param.data_type)])
         if entry is None or declared != (entry.shape, entry.dtype):
-            raise ExportError(f"{graph.file}: parameter {name} {list(param.dims)} is not in {layout.location} as the "
+            raise ExportError(f"{file}: parameter {name} {list(param.dims)} is not in {layout.location} as the "
                               "graph declares it; this is a bug in export/graphs.py, please report it")
         param.external_data.location = layout.location
         param.external_data.offset = entry.offset
         param.external_data.length = entry.nbytes
     if portable_kernels:
         _portable_kernel_paths(graph.proto)
-    with open(os.path.join(folder, graph.file), "wb") as fh:
+    with open(os.path.join(folder, file), "wb") as fh:
         fh.write(graph.proto.SerializeToString())
     inputs, outputs = mindir_specs(graph.proto)
-    return GraphEntry(graph.role, graph.file, layout.location, graph.tokens, inputs, outputs, rank=graph.rank)
+    return GraphEntry(graph.role, file, layout.location, graph.tokens, inputs, outputs, rank=rank if tp > 1 else None)
 
 
 def _type_name(data_type: int) -> str:

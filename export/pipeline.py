@@ -149,7 +149,7 @@ def _run_export(cfg: ExportConfig, show_progress: bool) -> ExportSummary:
     os.makedirs(parent, exist_ok=True)
     _sweep_leftovers(parent)
     log.info("stage check")
-    networks, layouts = _plan(cfg, model_cfg, where)
+    network, layouts = _plan(cfg, model_cfg, where)
     n_graphs = len(graph_plan(cfg)) * cfg.tp_size
     _check_space(parent, sum(layout.size for layout in layouts) + n_graphs * GRAPH_BYTES_ESTIMATE
                  + _small_files_bytes(cfg.checkpoint, profile))
@@ -158,11 +158,11 @@ def _run_export(cfg: ExportConfig, show_progress: bool) -> ExportSummary:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        graphs = _timed(stages, "compile", _compile, cfg, networks, show_progress)
+        graphs = _timed(stages, "compile", _compile, cfg, network, show_progress)
         doc = _timed(stages, "golden", _write_golden, cfg, model_cfg, tmp, show_progress)
         hashed, stats = _timed(stages, "weights", _write_weights, tmp, layouts, where, show_progress)
         _timed(stages, "files", _write_folder_files, cfg, model_cfg, profile, tmp, graphs, layouts, hashed,
-               networks[0].kernels)
+               network.kernels)
         _replace(tmp, output)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -189,30 +189,30 @@ def _timed(stages: Dict[str, float], name: str, fn, *args):
 
 
 def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where):
-    """Each rank's network (no weights) and weights file layout; the checkpoint's names and shapes checked."""
-    from export.graphs import RankNetwork
+    """The network (no weights; every rank's is the same) and each rank's weights file layout; the checkpoint's
+    names and shapes checked first."""
+    from export.graphs import Network
     from export.reference import weight_shapes
     from export.weights import plan_weights
     from export.weights_file import plan_layouts
-    from lite_runtime.folder import data_location
+    from lite_runtime.folder import data_location, rank_name
     from lite_runtime.mindspore_lock import MINDSPORE_LOCK
 
     # names and shapes, by name, before anything runs (the reference reads exactly the network's weights:
     # tests/test_golden.py)
     plan_weights(weight_shapes(model_cfg), where, tied=bool(model_cfg.tie_word_embeddings))
     with MINDSPORE_LOCK:
-        networks = [RankNetwork(cfg, model_cfg, rank) for rank in range(cfg.tp_size)]
-    layouts = plan_layouts([net.parameters() for net in networks], where,
-                           [data_location(net.name) for net in networks])
-    return networks, layouts
+        network = Network(cfg, model_cfg)
+    params = network.parameters()
+    locations = [data_location(rank_name(cfg.name, rank, cfg.tp_size)) for rank in range(cfg.tp_size)]
+    return network, plan_layouts([params] * cfg.tp_size, where, locations)
 
 
-def _compile(cfg: ExportConfig, networks, show_progress: bool):
+def _compile(cfg: ExportConfig, network, show_progress: bool):
     from export.graphs import compile_graphs, graph_plan
 
-    total = len(graph_plan(cfg)) * len(networks)
-    with tqdm(total=total, desc="graphs", unit="graph", disable=not show_progress) as bar:
-        return compile_graphs(cfg, networks, progress=bar.update)
+    with tqdm(total=len(graph_plan(cfg)), desc="graphs", unit="graph", disable=not show_progress) as bar:
+        return compile_graphs(cfg, network, progress=bar.update)
 
 
 def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_progress: bool) -> Dict[str, Any]:
@@ -243,11 +243,11 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
                         hashed: Dict[str, str], kernels: bool) -> None:
     import mindspore as ms
 
-    from export.graphs import finish
+    from export.graphs import write_graph
     from lite_runtime.folder import GE_CONFIG
     from lite_runtime.manifest import InferSection, write_manifest, write_yaml
 
-    entries = [finish(tmp, g, layouts[g.rank or 0], kernels) for g in graphs]
+    entries = [write_graph(tmp, cfg, g, rank, layouts[rank], kernels) for rank in range(cfg.tp_size) for g in graphs]
     shutil.copyfile(profile.ini_path, os.path.join(tmp, GE_CONFIG))
     tokenizer_files = checkpoint_files.copy_tokenizer(cfg.checkpoint, tmp)
     ids = checkpoint_files.special_token_ids(cfg.checkpoint, model_cfg.eos_token_id)
