@@ -155,6 +155,13 @@ def tensor_parallel_config(model: ModelConfig, tp_size: int) -> ModelConfig:
                                intermediate_size=model.intermediate_size // tp_size, head_dim=model.head_dim)
 
 
+def vocab_shards(model: ModelConfig, tp_size: int) -> int:
+    """How many ranks split the embedding and lm_head by vocabulary rows: all of them (vocab-parallel, as Megatron
+    and vLLM do) when tp_size divides the vocabulary, as it does for every Qwen2/2.5/3 and Llama 3 vocabulary up to
+    TP 16; else 1, and each rank holds the whole tables."""
+    return tp_size if tp_size > 1 and model.vocab_size % tp_size == 0 else 1
+
+
 def _rope_settings(raw: Dict[str, Any], source: str) -> Tuple[float, Optional[Dict[str, Any]]]:
     """(rope_theta, scaling) from either layout found in the wild: `rope_theta` + `rope_scaling` (hub checkpoints
     written by transformers 4) or `rope_parameters` (transformers 5). Scaling comes back in the second form."""

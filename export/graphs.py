@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from export.config import ExportConfig, ModelConfig, tensor_parallel_config
+from export.config import ExportConfig, ModelConfig, tensor_parallel_config, vocab_shards
 from export.errors import ExportError
 from lite_runtime.folder import MINDIR_DTYPES, graph_file, mindir_specs, rank_name
 from lite_runtime.manifest import GraphEntry
@@ -56,12 +56,13 @@ class Network:
         # (export/model.py KERNEL_PREFILL_MAX_ROWS)
         gemm = self.kernels and cfg.half_weights_on_cpu
         tp = cfg.tp_size
+        self.vocab_shards = vocab_shards(model_cfg, tp)
         self.net = CausalLM(tensor_parallel_config(model_cfg, tp) if tp > 1 else model_cfg, cfg.batch_size,
                             cfg.seq_length, cfg.compute_dtype, gemv=self.kernels, gemm=gemm, weight_dtype=cfg.dtype,
-                            tensor_parallel=tp > 1)
+                            tensor_parallel=tp > 1, vocab_shards=self.vocab_shards)
 
     def parameters(self) -> Params:
-        names = {"Float32": "float32", "Float16": "float16", "BFloat16": "bfloat16"}
+        names = {"Float32": "float32", "Float16": "float16", "BFloat16": "bfloat16", "Int32": "int32"}
         return {p.name: (tuple(p.shape), names[str(p.dtype)]) for p in self.net.get_parameters()}
 
     def compile(self, role: str, tokens: int) -> CompiledGraph:

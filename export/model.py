@@ -366,22 +366,40 @@ class DecoderLayer(nn.Cell):
 
 
 class Embedding(nn.Cell):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype, k: "Kernels") -> None:
+    """The token embedding. `shards` > 1 (tensor parallel, vocab-parallel): this rank holds rows
+    [vocab_start, vocab_start + V/shards) of the table; ids outside them give zeros, and AllReduce sums the ranks'
+    rows into every rank's embedding. `vocab_start` is a Parameter (each rank's weights file holds its own value), so
+    every rank runs the same graph."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype, k: "Kernels", shards: int = 1) -> None:
         super().__init__()
-        self.weight = _weight((vocab_size, hidden_size), k.weight_dtype or dtype, "weight")
+        self.rows = vocab_size // shards
+        self.weight = _weight((self.rows, hidden_size), k.weight_dtype or dtype, "weight")
         self.kernel = kernel_embed() if k.weight_dtype is not None else None
+        if shards > 1:
+            self.vocab_start = Parameter(initializer("zeros", (1,), ms.int32), name="vocab_start", requires_grad=False)
+            self.reduce = ops.AllReduce()
+        else:
+            self.vocab_start = self.reduce = None
+
+    def _lookup(self, ids):
+        return self.kernel(ids, self.weight) if self.kernel is not None else ops.gather(self.weight, ids, 0)
 
     def construct(self, ids):  # [N] -> [N, E]
-        if self.kernel is not None:
-            return self.kernel(ids, self.weight)
-        return ops.gather(self.weight, ids, 0)
+        if self.vocab_start is None:
+            return self._lookup(ids)
+        local = ids - ops.broadcast_to(self.vocab_start, ids.shape)  # explicit broadcasts: BROADCASTS above
+        inside = ops.logical_and(local >= 0, local < self.rows)
+        x = self._lookup(ops.select(inside, local, ops.zeros_like(local)))
+        mask = ops.broadcast_to(ops.cast(inside, x.dtype).reshape(-1, 1), x.shape)
+        return self.reduce(ew_mul(x, mask))
 
 
 class DecoderModel(nn.Cell):
     def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels",
-                 tp: bool = False) -> None:
+                 tp: bool = False, vocab_shards: int = 1) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, k)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, k, vocab_shards)
         self.layers = nn.CellList([DecoderLayer(cfg, batch_size, seq_length, dtype, k, tp)
                                    for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
@@ -403,13 +421,15 @@ class CausalLM(nn.Cell):
 
     `tensor_parallel`: one rank of a Megatron split. `cfg` is then the rank's share (tensor_parallel_config: its
     heads, kv heads and intermediate columns); o_proj and down_proj are row-parallel, each followed by AllReduce
-    (group hccl_world_group, as Lite's HCCL expects; the ms backend renames it at load). The embedding, norms and
-    lm_head are replicated, so every rank computes the same logits.
+    (group hccl_world_group, as Lite's HCCL expects; the ms backend renames it at load). The norms are replicated.
+    `vocab_shards` > 1 (vocab-parallel): the embedding and lm_head are split by vocabulary rows too (Embedding), and
+    each rank's logits of its rows are gathered (AllGather) into the whole vocabulary's; 1: they are replicated.
+    Either way every rank computes the same logits.
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype: str = "float32",
                  gemv: bool = False, gemm: bool = False, weight_dtype: Optional[str] = None,
-                 tensor_parallel: bool = False) -> None:
+                 tensor_parallel: bool = False, vocab_shards: int = 1) -> None:
         super().__init__()
         ms_dtype = MS_DTYPES[dtype]
         if weight_dtype == dtype:
@@ -418,9 +438,17 @@ class CausalLM(nn.Cell):
             raise ValueError(f"{weight_dtype} weights with {dtype} compute need the CPU kernels (gemv and gemm)")
         k = Kernels(gemv, gemm, MS_DTYPES[weight_dtype] if weight_dtype else None)
         self.config, self.batch_size, self.seq_length, self.dtype = cfg, batch_size, seq_length, ms_dtype
-        self.model = DecoderModel(cfg, batch_size, seq_length, ms_dtype, k, tensor_parallel)
+        self.model = DecoderModel(cfg, batch_size, seq_length, ms_dtype, k, tensor_parallel, vocab_shards)
         self.tied = bool(cfg.tie_word_embeddings)
-        self.lm_head = None if self.tied else Linear(cfg.hidden_size, cfg.vocab_size, False, ms_dtype, *k)
+        self.lm_head = None if self.tied else Linear(cfg.hidden_size, cfg.vocab_size // vocab_shards, False, ms_dtype,
+                                                     *k)
+        self.vocab_shards = vocab_shards
+        self.gather_logits = None
+        if vocab_shards > 1:
+            # export never joins a communication group, where AllGather would read the group's size: say it
+            self.gather_logits = ops.AllGather()
+            self.gather_logits.rank_size = vocab_shards
+            self.gather_logits.add_prim_attr("rank_size", vocab_shards)
         self.head_kernel = kernel_matmul(False) if gemv or gemm else None
         self.head_gemv, self.head_gemm = gemv, gemm
         cos, sin = rope_tables(cfg, seq_length)
@@ -437,7 +465,12 @@ class CausalLM(nn.Cell):
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
         few = hidden.shape[0] <= KERNEL_PREFILL_MAX_ROWS
         matmul = self.head_kernel if self.head_gemm or (self.head_gemv and (decode or few)) else self.head_matmul
-        return ops.cast(matmul(hidden, weight), ms.float32)
+        logits = ops.cast(matmul(hidden, weight), ms.float32)
+        if self.gather_logits is None:
+            return logits
+        b = hidden.shape[0]  # [B, V/shards] of each rank -> [shards*B, V/shards] -> [B, V], rank r's rows r-th
+        gathered = self.gather_logits(logits).reshape(self.vocab_shards, b, -1)
+        return gathered.transpose(1, 0, 2).reshape(b, -1)
 
     def prefill(self, input_ids, valid_length, slot=None):
         b, n = input_ids.shape

@@ -149,7 +149,7 @@ def _run_export(cfg: ExportConfig, show_progress: bool) -> ExportSummary:
     os.makedirs(parent, exist_ok=True)
     _sweep_leftovers(parent)
     log.info("stage check")
-    network, layouts = _plan(cfg, model_cfg, where)
+    network, layouts, values = _plan(cfg, model_cfg, where)
     n_graphs = len(graph_plan(cfg)) * cfg.tp_size
     _check_space(parent, sum(layout.size for layout in layouts) + n_graphs * GRAPH_BYTES_ESTIMATE
                  + _small_files_bytes(cfg.checkpoint, profile))
@@ -160,9 +160,9 @@ def _run_export(cfg: ExportConfig, show_progress: bool) -> ExportSummary:
     try:
         graphs = _timed(stages, "compile", _compile, cfg, network, show_progress)
         doc = _timed(stages, "golden", _write_golden, cfg, model_cfg, tmp, show_progress)
-        hashed, stats = _timed(stages, "weights", _write_weights, tmp, layouts, where, show_progress)
+        hashed, stats = _timed(stages, "weights", _write_weights, tmp, layouts, where, values, show_progress)
         _timed(stages, "files", _write_folder_files, cfg, model_cfg, profile, tmp, graphs, layouts, hashed,
-               network.kernels)
+               network.kernels, network.vocab_shards > 1)
         _replace(tmp, output)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -189,11 +189,14 @@ def _timed(stages: Dict[str, float], name: str, fn, *args):
 
 
 def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where):
-    """The network (no weights; every rank's is the same) and each rank's weights file layout; the checkpoint's
-    names and shapes checked first."""
+    """The network (no weights; every rank's is the same), each rank's weights file layout, and the values the
+    export generates per rank; the checkpoint's names and shapes checked first."""
+    import numpy as np
+
+    from export.config import vocab_shards
     from export.graphs import Network
     from export.reference import weight_shapes
-    from export.weights import plan_weights
+    from export.weights import plan_weights, split_axis
     from export.weights_file import plan_layouts
     from lite_runtime.folder import data_location, rank_name
     from lite_runtime.mindspore_lock import MINDSPORE_LOCK
@@ -204,8 +207,13 @@ def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where):
     with MINDSPORE_LOCK:
         network = Network(cfg, model_cfg)
     params = network.parameters()
-    locations = [data_location(rank_name(cfg.name, rank, cfg.tp_size)) for rank in range(cfg.tp_size)]
-    return network, plan_layouts([params] * cfg.tp_size, where, locations)
+    tp, shards = cfg.tp_size, network.vocab_shards
+    splits = {name: split_axis(name, vocab_parallel=shards > 1) for name in params} if tp > 1 else {}
+    # vocab-parallel: each rank's first vocabulary row (export/model.py Embedding)
+    values = {"model.embed_tokens.vocab_start": [np.array([r * (model_cfg.vocab_size // shards)], np.int32)
+                                                 for r in range(tp)]} if shards > 1 else {}
+    locations = [data_location(rank_name(cfg.name, rank, tp)) for rank in range(tp)]
+    return network, plan_layouts([params] * tp, where, locations, splits, values), values
 
 
 def _compile(cfg: ExportConfig, network, show_progress: bool):
@@ -230,17 +238,17 @@ def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_prog
     return doc
 
 
-def _write_weights(tmp: str, layouts, where, show_progress: bool):
+def _write_weights(tmp: str, layouts, where, values, show_progress: bool):
     from export.weights_file import write_files
 
     total = sum(layout.size for layout in layouts)
     with tqdm(total=total, desc="weights", unit="B", unit_scale=True, unit_divisor=1024,
               disable=not show_progress) as bar:
-        return write_files(tmp, layouts, where, progress=bar.update)
+        return write_files(tmp, layouts, where, progress=bar.update, values=values)
 
 
 def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp: str, graphs, layouts,
-                        hashed: Dict[str, str], kernels: bool) -> None:
+                        hashed: Dict[str, str], kernels: bool, vocab_parallel: bool) -> None:
     import mindspore as ms
 
     from export.graphs import write_graph
@@ -264,6 +272,8 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
     export = {**dataclasses.asdict(cfg), "checkpoint": os.path.abspath(cfg.checkpoint),
               "output": os.path.abspath(cfg.output), "mindspore_version": ms.__version__,
               "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokenizer_files": tokenizer_files}
+    if cfg.tp_size > 1:  # how the ranks share the tables (model_dirs/README.md)
+        export["vocab_parallel"] = vocab_parallel
     model = {"model_type": model_cfg.model_type, "family": model_cfg.model_type, "config": model_cfg.to_dict()}
     write_yaml(tmp, cfg.name, model, export, infer)
     write_manifest(tmp, cfg.name, entries, hashed, exported_with=checkpoint_files.exporter_versions(ms.__version__),

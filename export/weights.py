@@ -186,12 +186,16 @@ def plan_weights(expected: Dict[str, Tuple[int, ...]], where: Dict[str, Safetens
 
 
 # Tensor parallel (Megatron): the axis each rank takes a slice of, by the end of the HF name; other tensors are
-# replicated (embedding, norms, lm_head, and the row-parallel projections' biases, added once after AllReduce)
+# replicated (norms, the row-parallel projections' biases, added once after AllReduce, and the embedding and lm_head
+# unless they are vocab-parallel, export/config.py vocab_shards)
 _SPLIT_AXIS = {"self_attn.q_proj.weight": 0, "self_attn.q_proj.bias": 0, "self_attn.k_proj.weight": 0,
                "self_attn.k_proj.bias": 0, "self_attn.v_proj.weight": 0, "self_attn.v_proj.bias": 0,
                "mlp.gate_proj.weight": 0, "mlp.gate_proj.bias": 0, "mlp.up_proj.weight": 0, "mlp.up_proj.bias": 0,
                "self_attn.o_proj.weight": 1, "mlp.down_proj.weight": 1}
+_VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def split_axis(name: str) -> Optional[int]:
+def split_axis(name: str, vocab_parallel: bool = False) -> Optional[int]:
+    if vocab_parallel and name in _VOCAB_ROWS:
+        return 0
     return next((axis for end, axis in _SPLIT_AXIS.items() if name.endswith(end)), None)

@@ -20,14 +20,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLUMN = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
           "gate_proj.weight", "up_proj.weight")
 ROW = ("o_proj.weight", "down_proj.weight")
+VOCAB = ("model.embed_tokens.weight", "lm_head.weight")  # by vocabulary rows when the folder is vocab-parallel
 
 
-def torch_bytes(state, name: str, dtype: str, rank: int, tp: int) -> bytes:
+def torch_bytes(state, name: str, dtype: str, rank: int, tp: int, vocab_parallel: bool = False) -> bytes:
     """What the folder must hold for `name`: the checkpoint's tensor converted by torch, this rank's share."""
     import torch
 
     t = state[name]
-    if name.endswith(COLUMN) and tp > 1:
+    if tp > 1 and (name.endswith(COLUMN) or (vocab_parallel and name in VOCAB)):
         t = t.chunk(tp, dim=0)[rank]
     elif name.endswith(ROW) and tp > 1:
         t = t.chunk(tp, dim=1)[rank]
@@ -73,6 +74,7 @@ def assert_weights_are_the_checkpoints(folder: str, checkpoint: str) -> None:
         doc = yaml.safe_load(fh)
     infer, config = doc["infer"], doc["model"]["config"]
     tp, b, s = infer["tp_size"], infer["batch_size"], infer["seq_length"]
+    vocab_parallel = doc["export"].get("vocab_parallel", False)
     state, _ = hf_state(checkpoint)
     sizes = {}
     for (rank, name), (location, offset, length) in places.items():
@@ -80,14 +82,16 @@ def assert_weights_are_the_checkpoints(folder: str, checkpoint: str) -> None:
             fh.seek(offset)
             data = fh.read(length)
         assert offset % 64 == 0 and len(data) == length
-        if name.endswith(("key_cache", "value_cache")):
+        if name == "model.embed_tokens.vocab_start":  # vocab-parallel: each rank's first row
+            assert vocab_parallel and np.frombuffer(data, np.int32).tolist() == [rank * config["vocab_size"] // tp]
+        elif name.endswith(("key_cache", "value_cache")):
             item = {"float32": 4, "float16": 2, "bfloat16": 2}[infer["compute_dtype"]]
             assert length == b * config["num_key_value_heads"] // tp * s * config["head_dim"] * item, name
             assert not any(data), name
         else:
             matrix = state[name].ndim == 2
             dtype = infer["dtype"] if matrix else infer["compute_dtype"]  # CPU 16-bit folders: only the matrices
-            assert data == torch_bytes(state, name, dtype, rank, tp), (rank, name, dtype)
+            assert data == torch_bytes(state, name, dtype, rank, tp, vocab_parallel), (rank, name, dtype)
         sizes.setdefault(location, []).append((offset, length))
     for location, spans in sizes.items():  # the file is the 64-byte header and the tensors, each aligned, no gaps
         spans.sort()
@@ -136,6 +140,32 @@ def test_the_scratch_folder_never_holds_anything_but_the_folder(tmp_path, bf16_c
     total = sum(os.path.getsize(out / f) for f in final)
     assert sum(written.values()) <= total and sum(written.values()) > 0.9 * total
     assert_weights_are_the_checkpoints(str(out), bf16_checkpoint)
+    assert "AllGather" in _primitives(out / "m_rank1_inc_graph.mindir")  # vocab-parallel: 2 divides 512
+
+
+def _primitives(graph) -> set:
+    from mindspore.train import mind_ir_pb2
+
+    proto = mind_ir_pb2.ModelProto()
+    with open(graph, "rb") as fh:
+        proto.ParseFromString(fh.read())
+    return {p.op_type for p in proto.primitives}
+
+
+def test_a_vocabulary_the_ranks_cannot_share_equally_stays_replicated(tmp_path, tokenizer):
+    """vocab 510 over 4 ranks: the embedding and head are whole on every rank, and no logits are gathered."""
+    import make_demo_checkpoint
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+
+    ckpt = make_demo_checkpoint.make_checkpoint(str(tmp_path / "ckpt"), vocab_size=510, num_attention_heads=4,
+                                                num_key_value_heads=4, tie_word_embeddings=False, seed=5,
+                                                tokenizer=tokenizer)
+    out = tmp_path / "m"
+    run_export(ExportConfig(checkpoint=ckpt, output=str(out), name="m", seq_length=16, batch_size=1,
+                            dtype="float32", device="cpu", prefill_buckets=(), tp_size=4))
+    assert_weights_are_the_checkpoints(str(out), ckpt)
+    assert "AllGather" not in _primitives(out / "m_rank3_inc_graph.mindir")
 
 
 @pytest.mark.parametrize("kind", ["cpu_float32_buckets", "atlas_float16", "atlas_bfloat16"])

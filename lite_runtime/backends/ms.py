@@ -129,11 +129,12 @@ def _join_ranks(folder) -> int:
 
 
 def _retarget_collectives(model) -> None:
-    """The graphs' AllReduce names HCCL's world group (what Lite on Atlas runs); here it is MindSpore's own."""
+    """The graphs' collectives (AllReduce, and AllGather of vocab-parallel logits) name HCCL's world group (what
+    Lite on Atlas runs); here it is MindSpore's own."""
     from mindspore.communication.management import GlobalComm
 
     for prim in model.primitives:
-        if prim.op_type == "AllReduce":
+        if prim.op_type in ("AllReduce", "AllGather"):
             for attr in prim.attribute:
                 if attr.name == "group":
                     attr.s = GlobalComm.WORLD_COMM_GROUP.encode()
