@@ -42,7 +42,7 @@ class InferConfig:
     compute_dtype: str = ""  # activations and KV cache; "" means `dtype` (every folder but CPU 16-bit-weight ones)
     device: str = ""  # the export's device profile, when known
     # sha256 of every file against the manifest: True hashes files changed since they last matched on this
-    # machine (lite_runtime.folder.VERIFIED_CACHE), "always" hashes every file, False checks sizes only
+    # machine (lite_runtime/verified.py), "always" hashes every file, False checks sizes only
     verify_checksums: Any = True
     cpu_threads: Optional[int] = None  # ms backend: CPU kernel threads (default: the cores this process may use)
     # graphs run once at load so a request does not pay their compilation: "smallest" (the inc graph and

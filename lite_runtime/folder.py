@@ -7,8 +7,9 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Tuple
 
+from lite_runtime import verified
 from lite_runtime.errors import ModelFolderError
 
 FORMAT = "mslite-llm-model-folder"
@@ -148,51 +149,6 @@ def sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
-# Files whose sha256 matched their manifest, by path and stat: loading the same unchanged copy again does
-# not re-hash it (2 GB of weights take 1.5 s). Any write changes the file's ctime, which no user call can
-# set back, so a changed, truncated or replaced copy is hashed again. `verify="always"` ignores the record.
-VERIFIED_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                              "mslite-llm", "verified.json")
-
-
-def _stat_key(path: str) -> List[int]:
-    st = os.stat(path)
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
-def _read_verified() -> Dict[str, Any]:
-    try:
-        with open(VERIFIED_CACHE, encoding="utf-8") as fh:
-            data = json.load(fh)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def record_verified(files: Dict[str, str]) -> None:
-    """Note {path: sha256} as verified now (export calls this for the files it just hashed and wrote)."""
-    records = _read_verified()
-    for path, sha in files.items():
-        try:
-            records[os.path.realpath(path)] = [sha] + _stat_key(path)
-        except OSError:
-            pass
-    _write_verified(records)
-
-
-def _write_verified(records: Dict[str, Any]) -> None:
-    """Best effort, atomic: a read-only home only means hashing again next time. Gone files are dropped."""
-    records = {p: r for p, r in records.items() if os.path.exists(p)}
-    try:
-        os.makedirs(os.path.dirname(VERIFIED_CACHE), exist_ok=True)
-        tmp = f"{VERIFIED_CACHE}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(records, fh)
-        os.replace(tmp, VERIFIED_CACHE)
-    except OSError:
-        pass
-
-
 def _read_yaml(path: str) -> Dict[str, Any]:
     import yaml
 
@@ -210,7 +166,7 @@ def load_folder(path: str, verify: Any = True) -> ModelFolder:
     """Check and describe a model folder.
 
     verify: True checks every file's sha256 against the manifest, hashing only files changed since they
-    last matched on this machine (VERIFIED_CACHE); "always" hashes every file; False checks sizes only.
+    last matched on this machine (lite_runtime/verified.py); "always" hashes every file; False checks sizes only.
     """
     if verify not in (True, False, "always"):
         raise ModelFolderError(f"verify_checksums {verify!r} is not one of True, False, 'always'")
@@ -252,7 +208,7 @@ def load_folder(path: str, verify: Any = True) -> ModelFolder:
 
 
 def _check_files(path: str, files: Dict[str, Dict[str, Any]], verify: Any) -> None:
-    records = _read_verified() if verify is True else {}
+    records = verified.read_records() if verify is True else {}
     hashed = False
     for rel, entry in files.items():
         full = os.path.join(path, rel)
@@ -264,7 +220,7 @@ def _check_files(path: str, files: Dict[str, Dict[str, Any]], verify: Any) -> No
                                    "changed copy); re-copy the folder")
         if not verify:
             continue
-        real, stat = os.path.realpath(full), _stat_key(full)
+        real, stat = os.path.realpath(full), verified.stat_key(full)
         if verify is True and records.get(real) == [entry["sha256"]] + stat:
             continue
         if sha256_file(full) != entry["sha256"]:
@@ -272,7 +228,7 @@ def _check_files(path: str, files: Dict[str, Dict[str, Any]], verify: Any) -> No
         records[real] = [entry["sha256"]] + stat
         hashed = True
     if hashed and verify is True:
-        _write_verified(records)
+        verified.write_records(records)
     mindirs = sorted(os.path.relpath(os.path.join(r, f), path).replace(os.sep, "/")
                      for r, _, fs in os.walk(path) for f in fs if f.endswith(".mindir"))
     extra = [m for m in mindirs if m not in files]

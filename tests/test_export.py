@@ -173,7 +173,7 @@ def test_summary_line_and_overwrite(tmp_path, checkpoints, capsys):
     code, out_text, _ = export_cli(capsys, *args)
     line, stages = out_text.splitlines()
     assert code == 0 and line.startswith(f"exported {out}: 11 files, ") and "peak anonymous memory" in line
-    assert re.fullmatch(r"time: check \S+ s, compile \S+ s, golden \S+ s, weights \S+ s \(read\+convert \S+ s, "
+    assert re.fullmatch(r"time: check \S+ s, golden \S+ s, compile \S+ s, weights \S+ s \(read\+convert \S+ s, "
                         r"hash \S+ s, write \S+ s busy\), files \S+ s", stages), stages
     code, _, err = export_cli(capsys, *args)
     assert (code, err) == (2, f"error: {out} already exists. Delete it or pass --overwrite")

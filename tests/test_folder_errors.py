@@ -50,9 +50,9 @@ def test_corrupted_graph(folder):
 
 def test_a_copy_is_hashed_once_and_hashed_again_after_any_write(folder, tmp_path, monkeypatch):
     """verify_checksums=True trusts a file only while its stat is what it was when its sha256 matched."""
-    from lite_runtime import folder as folder_mod
+    from lite_runtime import verified
 
-    monkeypatch.setattr(folder_mod, "VERIFIED_CACHE", str(tmp_path / "verified.json"))
+    monkeypatch.setattr(verified, "VERIFIED_CACHE", str(tmp_path / "verified.json"))
     InferConfig.from_folder(str(folder))
     records = json.loads((tmp_path / "verified.json").read_text())
     manifest = json.loads((folder / "manifest.json").read_text())
