@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "split Megatron style, AllReduce after o_proj and down_proj); run it under msrun (CPU) or one "
                         "Lite process per card (Atlas). Must divide the heads, kv heads and intermediate size "
                         "(default: 1)")
+    p.add_argument("--graph", choices=("auto", "fused", "plain"), default="auto",
+                   help="Atlas graph form: fused runs Ascend's fused attention (PromptFlashAttention, "
+                        "IncreFlashAttention), RmsNorm and rotary operators with the lengths as tensors; plain only "
+                        "ops MindSpore's CPU also has. auto (default): fused where the profile's SoC has the "
+                        "operators and the dtype is float16/bfloat16, else plain (ge_configs/README.md)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true", help="log each stage as it starts, and more")
@@ -99,7 +104,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = ExportConfig(checkpoint=args.checkpoint, output=args.output, name=name, seq_length=args.seq_length,
                            batch_size=args.batch_size, dtype=dtype, device=args.device, overwrite=args.overwrite,
                            prefill_buckets=parse_buckets(args.prefill_buckets), cpu_kernels=args.cpu_kernels,
-                           tp_size=args.tp_size)
+                           tp_size=args.tp_size, graph=None if args.graph == "auto" else args.graph)
         summary = run_export(cfg, show_progress=not args.quiet)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)

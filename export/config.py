@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
+from export import families
 from export.errors import ExportError
 
 log = logging.getLogger(__name__)
@@ -30,16 +31,6 @@ _ROPE_REFUSED = {
     "longrope": "LongRoPE switches between two frequency tables by sequence length at run time, which graphs of "
                 "static shapes cannot; drop rope_scaling",
 }
-
-
-def flag(raw: Dict[str, Any], name: str, default: bool, source: str) -> bool:
-    """A boolean config.json key (HF writes true/false; absent means the family's default)."""
-    value = raw.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ExportError(f"{source}: {name} must be true or false, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -90,8 +81,6 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: Dict[str, Any], source: str = "config.json") -> "ModelConfig":
         """Build from HF keys; unknown keys are ignored, features we cannot honour are refused."""
-        from export import families
-
         family = families.get(raw.get("model_type"), source)
         act = raw.get("hidden_act", "silu")
         if act != "silu":
@@ -258,6 +247,8 @@ class ExportConfig:
     cpu_kernels: str = "auto"
     # tensor parallel ranks (Megatron split, export/model.py CausalLM tensor_parallel); 1: one device's folder
     tp_size: int = 1
+    # the graph form (export/devices.py graph_form): fused (Ascend's fused operators), plain, or None: the profile's
+    graph: Optional[str] = None
 
     @property
     def compute_dtype(self) -> str:

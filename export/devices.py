@@ -3,11 +3,24 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 from export.errors import ExportError
 
 GE_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ge_configs")
+
+
+class FusedOps(NamedTuple):
+    """The fused operators a SoC runs in `--graph fused` folders (export/atlas_layers.py), besides the attention
+    (PromptFlashAttention for prompts, IncreFlashAttention for the step), which every fused SoC must have."""
+
+    norm: bool = True  # RmsNorm / AddRmsNorm
+    rope: bool = True  # RotaryPositionEmbedding
+
+
+GRAPH_FORMS = ("fused", "plain")
+# dtypes the fused attention operators take (MindSpore 2.10 op docs: float16, bfloat16, int8); float32 folders are plain
+FUSED_DTYPES = ("float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -19,6 +32,8 @@ class DeviceProfile:
     # default prompt-length buckets (default_buckets): first, first*factor, ... below seq_length
     bucket_first: int = 128
     bucket_factor: int = 4
+    # the fused operators its SoC runs (ge_configs/README.md says which and why); None: no fused form
+    fused: Optional[FusedOps] = None
 
     @property
     def default_dtype(self) -> str:
@@ -30,9 +45,12 @@ class DeviceProfile:
 
 
 PROFILES: Dict[str, DeviceProfile] = {
-    "atlas_800i_a2": DeviceProfile("atlas_800i_a2", "Atlas 800I A2", "Ascend910B", ("float16", "bfloat16", "float32")),
-    "atlas_800t_a2": DeviceProfile("atlas_800t_a2", "Atlas 800T A2", "Ascend910B", ("float16", "bfloat16", "float32")),
+    "atlas_800i_a2": DeviceProfile("atlas_800i_a2", "Atlas 800I A2", "Ascend910B", ("float16", "bfloat16", "float32"),
+                                   fused=FusedOps(norm=True, rope=True)),
+    "atlas_800t_a2": DeviceProfile("atlas_800t_a2", "Atlas 800T A2", "Ascend910B", ("float16", "bfloat16", "float32"),
+                                   fused=FusedOps(norm=True, rope=True)),
     "atlas_800": DeviceProfile("atlas_800", "Atlas 800", "Ascend910A", ("float16", "float32")),
+    # 310P: PromptFlashAttention/IncreFlashAttention take no actual lengths and no GQA there (ge_configs/README.md)
     "atlas_300i_duo": DeviceProfile("atlas_300i_duo", "Atlas 300I Duo", "Ascend310P", ("float16",)),
     # CPU folders compute in float32; float16 and bfloat16 store the matrices in 16 bits (ExportConfig.compute_dtype)
     "cpu": DeviceProfile("cpu", "CPU", "", ("float32", "bfloat16", "float16"), bucket_first=16, bucket_factor=2),
@@ -68,3 +86,24 @@ def default_buckets(profile: DeviceProfile, seq_length: int) -> Tuple[int, ...]:
         sizes.append(size)
         size *= profile.bucket_factor
     return tuple(sizes)
+
+
+def graph_form(profile: DeviceProfile, dtype: str, asked: Optional[str], head_dim: int, kv_groups: int) -> str:
+    """The graph form of an export: `asked` (--graph), or by default `fused` where the profile's SoC runs every
+    fused operator used and the model and dtype fit them, else `plain`. An impossible `fused` is an error."""
+    if asked not in (None, "auto") + GRAPH_FORMS:
+        raise ExportError(f"--graph {asked!r} is not one of auto, {', '.join(GRAPH_FORMS)}")
+    why = None
+    if profile.fused is None:
+        why = f"device profile {profile.name!r} ({profile.soc or 'CPU'}) has no fused attention operators we can use"
+    elif dtype not in FUSED_DTYPES:
+        why = f"the fused attention operators take {' or '.join(FUSED_DTYPES)}, not {dtype}"
+    elif head_dim % 16 or head_dim > 512:  # CANN PromptFlashAttention: D a multiple of 16 for 16-bit inputs, <= 512
+        why = f"the fused attention operators need head_dim a multiple of 16 up to 512, and this model's is {head_dim}"
+    elif kv_groups > 64:  # CANN: num_heads / num_key_value_heads <= 64
+        why = f"the fused attention operators take at most 64 query heads per kv head, and this model has {kv_groups}"
+    if asked in (None, "auto"):
+        return "plain" if why else "fused"
+    if asked == "fused" and why:
+        raise ExportError(f"--graph fused: {why}; export --graph plain")
+    return asked

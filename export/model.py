@@ -2,407 +2,47 @@
 incremental step. The families differ only in the structural flags of ModelConfig: biases on q/k/v, o_proj and the
 MLP, and Qwen3's per-head RMSNorm of q and k before RoPE; rope scaling only changes the tables (export/rope.py).
 
-Only plain ops with CPU kernels in MindSpore 2.10 (fp32/fp16) are used, so the same graph
-runs on the CPU and under GE on Ascend: mean/rsqrt RMSNorm, rotate-half RoPE, BatchMatMul
-attention with grouped-query attention done by reshaping q. Module and parameter names equal
-the Hugging Face checkpoint names, so the weight map is the identity.
-
-BROADCASTS. Elementwise ops never broadcast implicitly here; operands are brought to the output's
-shape with ops.broadcast_to first. MindSpore 2.10's CPU Add/Sub/Mul/Div kernel, whenever it
-really broadcasts (different shapes, neither a scalar), builds two index arrays of the output's
-size (16 bytes per element) outside its memory pool and keeps them as long as the graph lives,
-one set per op. For the attention mask at 1024 tokens that was 235 MB per layer; the 0.5B shape's
-prefill grew by ~0.35 GiB per layer. With equal shapes the kernel takes its fast path; results
-are bit-identical (scripts/PERFORMANCE.md, section 8).
+Two graph forms (--graph): `plain`, only ops with CPU kernels in MindSpore 2.10, so the same graph runs on the CPU
+and under GE on Ascend; `fused` (Atlas profiles), Ascend's fused attention, norm and rotary operators, which the
+`ms` backend replaces by CPU stand-ins when it loads the graph (lite_runtime/backends/standins.py).
+Building blocks: export/layers.py (plain ops and CPU kernels), export/atlas_layers.py (Ascend fused ops).
 
 Shapes: B batch, L tokens in this call, S cache length (= exported seq_length),
 H query heads, KH key/value heads, G = H // KH, D head_dim, E hidden_size, V vocab.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Optional
 
 import numpy as np
 
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn, ops
-from mindspore.common.initializer import initializer
+from mindspore import Tensor, nn, ops
 
+from export.atlas_layers import AtlasRMSNorm, FusedDecoderLayer, FusedOps, FusedSteps, lengths_int64
 from export.config import ModelConfig
+from export.layers import (KERNEL_PREFILL_MAX_ROWS, MS_DTYPES, DecoderLayer, Embedding, Kernels, Linear, RMSNorm,
+                           kernel_matmul)
 from export.rope import rope_tables
-
-MS_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
-
-# FLOAT16. MindSpore 2.10's CPU Add/Sub/Mul/Div (and SiLU) take their fast path only for float32; for
-# any other dtype they always build the broadcast index arrays of BROADCASTS (16 bytes per output
-# element, kept while the graph lives), even for equal shapes or a scalar operand. The float16
-# prefill grew by ~0.27 GiB per layer per 1024 tokens per row: a 0.5B-shaped Atlas folder at
-# seq_length 1024, batch 2, reached 20 GB on the CPU. For float16 tensors the elementwise ops here
-# are AddN (bit-identical to Add) and MulNoNan (bit-identical to Mul except that x * 0 is +0, never
-# -0 or NaN); SiLU is x * sigmoid(x). All three are CANN AI Core ops, so the graph stays plain on
-# Ascend (not yet run there; `check` on the device proves the numerics). float32 (fast path) and
-# bfloat16 (Ascend only; MulNoNan has no CPU bfloat16 kernel) keep Add/Mul/SiLU. Measured in
-# scripts/PERFORMANCE.md, section 13.
-_mul_no_nan = ops.MulNoNan()
-
-
-def ew_add(a, b):
-    return ops.addn((a, b)) if a.dtype == ms.float16 else a + b
-
-
-def ew_mul(a, b):
-    return _mul_no_nan(a, b) if a.dtype == ms.float16 else a * b
-
-
-def ew_silu(x):
-    return _mul_no_nan(x, ops.sigmoid(x)) if x.dtype == ms.float16 else ops.silu(x)
-
-
-# Full graphs of at most this many rows (batch x prompt tokens) use our kernel for their matmuls even in float32
-# folders: there it runs its GEMV form, 1.6x faster than MindSpore's MatMul on a 16-token prompt of the 0.5B shape
-# (0.155 -> 0.098 s), while from 100 tokens on MatMul is 5-10 % ahead (scripts/PERFORMANCE.md section 17).
-KERNEL_PREFILL_MAX_ROWS = 16
-
-
-class Kernels(NamedTuple):
-    """Which matmuls use our CPU kernels, and the matrices' storage dtype when it is not the compute dtype."""
-
-    gemv: bool = False  # the decode step's
-    gemm: bool = False  # the full graph's
-    weight_dtype: Any = None  # a MindSpore dtype, or None: the compute dtype
-
-
-def _weight(shape, dtype, name: str) -> Parameter:
-    # Lazy zeros: nothing is allocated. Export compiles the graphs from shapes and dtypes alone and writes the data
-    # straight from the checkpoint (export/graphs.py, export/weights_file.py).
-    return Parameter(initializer("zeros", shape, dtype), name=name, requires_grad=False)
-
-
-def kernel_matmul(with_bias: bool, prompt_rows: bool = False):
-    """Our CPU matmul kernel as an aot Custom op (cpu_kernels/gemv.cc): x [N, I] float32 . W[O, I]^T (+ b [O])
-    -> [N, O] float32, W float32, float16 or bfloat16 (widened in registers); any N, GEMV or blocked GEMM.
-    `prompt_rows`: the full graph's form, with valid_length [B] as the last input, computing only each row's
-    prompt tokens (cpu_kernels.GEMM_VALID), so a prompt costs its length, not its bucket's."""
-    import cpu_kernels
-
-    name = cpu_kernels.GEMM_VALID if prompt_rows else cpu_kernels.GEMV_BIAS if with_bias else cpu_kernels.GEMV
-    return ops.Custom(cpu_kernels.local_func(name), out_shape=lambda x, w, *_: (x[0], w[0]),
-                      out_dtype=lambda x, *_: x, func_type="aot")
-
-
-def kernel_op(function: str, out_shape, out_dtype):
-    """One of cpu_kernels' fused decode-step ops as an aot Custom op (float32 activations)."""
-    import cpu_kernels
-
-    return ops.Custom(cpu_kernels.local_func(function), out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
-
-
-def kernel_embed():
-    """Our CPU embedding kernel as an aot Custom op: ids [N] int32, table [V, E] (float32/16, bfloat16) ->
-    [N, E] float32. MindSpore 2.10's CPU Gather has no bfloat16 kernel."""
-    import cpu_kernels
-
-    return ops.Custom(cpu_kernels.local_func(cpu_kernels.EMBED), out_shape=lambda ids, table: (ids[0], table[1]),
-                      out_dtype=lambda ids, table: ms.float32, func_type="aot")
-
-
-class Linear(nn.Cell):
-    """y = x @ W^T (+ b), W stored as HF stores it: [out, in].
-
-    `few_rows` is the decode step's form. With `gemv` (the CPU kernels) it is one Custom op that reads
-    W with every core instead of MindSpore's MatMul; with `gemm` the full graph's form is that Custom
-    op too. Half-precision weights on the CPU (`weight_dtype` float16/bfloat16, compute float32) need
-    both: only our kernel reads them, widening each weight to float32 as it is loaded.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, gemv: bool = False,
-                 gemm: bool = False, weight_dtype=None, row_parallel: bool = False) -> None:
-        super().__init__()
-        self.weight = _weight((out_features, in_features), weight_dtype or dtype, "weight")
-        self.bias = _weight((out_features,), dtype, "bias") if bias else None
-        # tensor parallel, row-parallel (o_proj, down_proj): this rank's columns of W give a partial product; the
-        # ranks' partial products are summed by AllReduce and the (replicated) bias is added once, after it
-        self.reduce = ops.AllReduce() if row_parallel else None
-        kernel_bias = bias and not row_parallel
-        self.matmul = ops.MatMul(transpose_b=True)
-        self.kernel = kernel_matmul(kernel_bias) if gemv or gemm else None
-        self.kernel_valid = kernel_matmul(kernel_bias, prompt_rows=True) if gemv or gemm else None
-        self.kernel_bias = kernel_bias
-        self.gemv, self.gemm = gemv, gemm
-
-    def _add_bias(self, y):
-        # explicit broadcasts everywhere: see BROADCASTS in the module docstring. The depend keeps
-        # MindSpore from running every layer's broadcast at graph start.
-        return ew_add(y, ops.broadcast_to(ops.depend(self.bias, y), y.shape))
-
-    def _reduced(self, y):
-        if self.reduce is None:
-            return y
-        y = self.reduce(y)
-        return y if self.bias is None else self._add_bias(y)
-
-    def _kernel(self, x, valid_length=None):
-        if valid_length is not None:  # the full graph: the padding rows are skipped
-            if self.kernel_bias:
-                return self.kernel_valid(x, self.weight, self.bias, valid_length)
-            return self.kernel_valid(x, self.weight, valid_length)
-        if self.kernel_bias:
-            return self.kernel(x, self.weight, self.bias)
-        return self.kernel(x, self.weight)
-
-    def construct(self, x, valid_length=None):  # [N, in] -> [N, out]; valid_length [B]: the full graph's prompts
-        if self.gemm or (self.gemv and x.shape[0] <= KERNEL_PREFILL_MAX_ROWS):  # static shapes: decided at export
-            return self._reduced(self._kernel(x, valid_length))
-        y = self.matmul(x, self.weight)
-        if self.kernel_bias:
-            y = self._add_bias(y)
-        return self._reduced(y)
-
-    def few_rows(self, x):  # [B, in] -> [B, out], B the batch size
-        return self._reduced(self._kernel(x)) if self.gemv else self.construct(x)
-
-
-class RMSNorm(nn.Cell):
-    def __init__(self, size: int, eps: float, dtype, fused: bool = False) -> None:
-        super().__init__()
-        self.weight = _weight((size,), dtype, "weight")
-        self.eps = eps
-        if fused:  # the decode step: one kernel instead of eight
-            import cpu_kernels
-
-            self.kernel = kernel_op(cpu_kernels.RMS_NORM, lambda x, *_: x, lambda x, *_: x)
-            self.eps_tensor = Tensor(np.array([eps], np.float32))
-        else:
-            self.kernel = None
-
-    def few_rows(self, x):  # [B, E], the decode step
-        return self.construct(x) if self.kernel is None else self.kernel(x, self.weight, self.eps_tensor)
-
-    def construct(self, x):
-        dtype = x.dtype
-        x32 = ops.cast(x, ms.float32)
-        var = ops.mean(ops.square(x32), -1, keep_dims=True)
-        x32 = x32 * ops.broadcast_to(ops.rsqrt(var + self.eps), x32.shape)
-        return ew_mul(ops.cast(x32, dtype), ops.broadcast_to(ops.depend(self.weight, x32), x32.shape))
-
-
-class MLP(nn.Cell):
-    def __init__(self, cfg: ModelConfig, dtype, k: "Kernels", tp: bool = False) -> None:
-        super().__init__()
-        bias = cfg.mlp_bias
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias, dtype, *k)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias, dtype, *k)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias, dtype, *k, row_parallel=tp)
-        if k.gemv and not bias:  # the decode step: gate, up, SiLU and the product in one kernel
-            import cpu_kernels
-
-            self.swiglu = kernel_op(cpu_kernels.SWIGLU, lambda x, wg, wu: (x[0], wg[0]), lambda x, *_: x)
-        else:
-            self.swiglu = None
-
-    def construct(self, x, valid_length=None):  # [N, E]
-        v = valid_length
-        return self.down_proj(ew_mul(ew_silu(self.gate_proj(x, v)), self.up_proj(x, v)), v)
-
-    def few_rows(self, x):  # [B, E], the decode step
-        return self.down_proj.few_rows(ew_mul(ew_silu(self.gate_proj.few_rows(x)), self.up_proj.few_rows(x)))
-
-
-def rotate_half(x):  # [..., D]
-    x1, x2 = ops.split(x, x.shape[-1] // 2, axis=-1)
-    return ops.cat((-x2, x1), axis=-1)
-
-
-class Attention(nn.Cell):
-    """Self-attention that owns its layer's KV cache Parameters ([B, KH, S, D] each); with cfg.qk_norm, q_norm and
-    k_norm (RMSNorm over each head's D, as Qwen3) before RoPE."""
-
-    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels",
-                 tp: bool = False) -> None:
-        super().__init__()
-        self.h, self.kh, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.g = self.h // self.kh
-        self.scale = 1.0 / float(np.sqrt(self.d))
-        bias = cfg.qkv_bias
-        self.q_proj = Linear(cfg.hidden_size, self.h * self.d, bias, dtype, *k)
-        self.k_proj = Linear(cfg.hidden_size, self.kh * self.d, bias, dtype, *k)
-        self.v_proj = Linear(cfg.hidden_size, self.kh * self.d, bias, dtype, *k)
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, cfg.o_proj_bias, dtype, *k, row_parallel=tp)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
-        else:
-            self.q_norm = self.k_norm = None
-        if k.gemv:  # the decode step: q/k/v with RoPE in one kernel, attention over the valid positions in another
-            import cpu_kernels
-
-            f32 = ms.float32
-            self.qkv_rope = kernel_op(cpu_kernels.QKV_ROPE, lambda x, wq, bq, wk, bk, wv, bv, *_: (
-                [x[0], wq[0]], [x[0], wk[0]], [x[0], wv[0]]), lambda *_: (f32, f32, f32))
-            # without a qkv bias the kernel adds zeros (graph constants, not parameters: the names stay HF's)
-            self.zero_bias = None if bias else (Tensor(np.zeros(self.h * self.d, np.float32)),
-                                                Tensor(np.zeros(self.kh * self.d, np.float32)))
-            self.norm_eps = Tensor(np.array([cfg.rms_norm_eps], np.float32)) if cfg.qk_norm else None
-            self.attention = kernel_op(cpu_kernels.DECODE_ATTENTION, lambda q, *_: q, lambda q, *_: q)
-        else:
-            self.qkv_rope = self.attention = None
-        cache_shape = (batch_size, self.kh, seq_length, self.d)
-        self.key_cache = _weight(cache_shape, dtype, "key_cache")  # zeros in the weights file
-        self.value_cache = _weight(cache_shape, dtype, "value_cache")
-        self.bmm_qk = ops.BatchMatMul(transpose_b=True)
-        self.bmm_pv = ops.BatchMatMul()
-
-    def _project(self, x, cos, sin, b, n, valid_length=None):
-        """x [B*n, E] -> q [B, KH, G*n, D], k, v [B, KH, n, D] with RoPE applied."""
-        if n == 1:  # the decode step
-            q, k, v = self.q_proj.few_rows(x), self.k_proj.few_rows(x), self.v_proj.few_rows(x)
-        else:
-            q, k, v = self.q_proj(x, valid_length), self.k_proj(x, valid_length), self.v_proj(x, valid_length)
-        q = q.reshape(b, n, self.h, self.d)
-        k = k.reshape(b, n, self.kh, self.d)
-        v = v.reshape(b, n, self.kh, self.d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.reshape(b, n, 1, self.d), sin.reshape(b, n, 1, self.d)
-        q = ew_add(ew_mul(q, ops.broadcast_to(cos, q.shape)), ew_mul(rotate_half(q), ops.broadcast_to(sin, q.shape)))
-        k = ew_add(ew_mul(k, ops.broadcast_to(cos, k.shape)), ew_mul(rotate_half(k), ops.broadcast_to(sin, k.shape)))
-        # query head h uses key head h // G (HF repeat_kv), so [B, n, KH, G, D] -> [B, KH, G*n, D]
-        q = q.reshape(b, n, self.kh, self.g, self.d).transpose(0, 2, 3, 1, 4).reshape(b, self.kh, self.g * n, self.d)
-        return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-
-    def _attend(self, q, k, v, mask, b, n):
-        """q [B, KH, G*n, D], k/v [B, KH, T, D], mask [B, 1, n, T] additive -> [B*n, H*D]."""
-        scores = self.bmm_qk(q, k).reshape(b, self.kh, self.g, n, -1)
-        # the biggest of the explicit broadcasts (module docstring): 235 MB per layer at 1024 tokens without it
-        mask = ops.broadcast_to(mask.reshape(b, 1, 1, n, -1), scores.shape)
-        scores = ops.cast(scores, ms.float32) * self.scale + mask
-        probs = ops.cast(ops.softmax(scores, -1), v.dtype).reshape(b, self.kh, self.g * n, -1)
-        out = self.bmm_pv(probs, v).reshape(b, self.kh, self.g, n, self.d)
-        return out.transpose(0, 3, 1, 2, 4).reshape(b * n, self.h * self.d)
-
-    def prefill(self, x, cos, sin, mask, b, n, valid_length, slot=None):
-        """slot [1] int32: the slot graph (b == 1), which writes that row of the cache and leaves the others."""
-        q, k, v = self._project(x, cos, sin, b, n, valid_length)
-        seq = self.key_cache.shape[2]
-        if n < seq:  # a shorter bucket: the tail of the cache is masked until decode writes it
-            pad = ops.zeros((b, self.kh, seq - n, self.d), k.dtype)
-            k_all, v_all = ops.cat((k, pad), axis=2), ops.cat((v, pad), axis=2)
-        else:
-            k_all, v_all = k, v
-        if slot is None:
-            k_done = ops.assign(self.key_cache, k_all)
-            v_done = ops.assign(self.value_cache, v_all)
-        else:
-            row = slot.reshape(1, 1)
-            k_done = ops.scatter_nd_update(self.key_cache, row, k_all)
-            v_done = ops.scatter_nd_update(self.value_cache, row, v_all)
-        out = self._attend(q, k, v, mask, b, n)
-        return self.o_proj(ops.depend(ops.depend(out, k_done), v_done), valid_length)
-
-    def decode(self, x, cos, sin, mask, index, b, valid_length):
-        """One token per row; index [B, KH, 3] = (row, head, position) to write in the cache."""
-        q, k, v = self._project(x, cos, sin, b, 1)
-        k_done = ops.scatter_nd_update(self.key_cache, index, k.reshape(b, self.kh, self.d))
-        v_done = ops.scatter_nd_update(self.value_cache, index, v.reshape(b, self.kh, self.d))
-        keys = ops.depend(self.key_cache, k_done)
-        values = ops.depend(self.value_cache, v_done)
-        return self.o_proj.few_rows(self._attend(q, keys, values, mask, b, 1))
-
-    def fused_attend(self, x, cos, sin, index, b, valid_length):
-        """The decode step through cpu_kernels' ops, up to o_proj (which the layer folds into the residual add)."""
-        p = (self.q_proj, self.k_proj, self.v_proj)
-        bq, bk, bv = (p[0].bias, p[1].bias, p[2].bias) if self.zero_bias is None else (
-            self.zero_bias[0], self.zero_bias[1], self.zero_bias[1])
-        if self.q_norm is None:
-            q, k, v = self.qkv_rope(x, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv, cos, sin)
-        else:
-            q, k, v = self.qkv_rope(x, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv, cos, sin, self.q_norm.weight,
-                                    self.k_norm.weight, self.norm_eps)
-        k_done = ops.scatter_nd_update(self.key_cache, index, k.reshape(b, self.kh, self.d))
-        v_done = ops.scatter_nd_update(self.value_cache, index, v.reshape(b, self.kh, self.d))
-        keys = ops.depend(self.key_cache, k_done)
-        values = ops.depend(self.value_cache, v_done)
-        return self.attention(q, keys, values, valid_length)
-
-
-class DecoderLayer(nn.Cell):
-    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels",
-                 tp: bool = False) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
-        self.self_attn = Attention(cfg, batch_size, seq_length, dtype, k, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
-        self.mlp = MLP(cfg, dtype, k, tp)
-        if k.gemv:  # the decode step: o_proj and down_proj each with the residual add, one kernel
-            import cpu_kernels
-
-            self.project_add = kernel_op(cpu_kernels.GEMV_ADD, lambda x, w, r: r, lambda x, *_: x)
-        else:
-            self.project_add = None
-
-    def prefill(self, x, cos, sin, mask, b, n, valid_length, slot=None):  # x [B*n, E]
-        h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n, valid_length, slot))
-        return ew_add(h, self.mlp(self.post_attention_layernorm(h), valid_length))
-
-    def _project_add(self, linear, x, residual):
-        """residual + linear(x) in the decode step: one kernel, unless the projection has a bias (Llama's
-        attention_bias / mlp_bias), which that kernel does not add, or is row-parallel (its AllReduce comes first)."""
-        if linear.bias is None and linear.reduce is None:
-            return self.project_add(x, linear.weight, residual)
-        return ew_add(residual, linear.few_rows(x))
-
-    def decode(self, x, cos, sin, mask, index, b, valid_length):  # x [B, E]
-        if self.project_add is not None:  # cpu_kernels: 7 calls per layer (more where a family has o/MLP biases)
-            attn = self.self_attn.fused_attend(self.input_layernorm.few_rows(x), cos, sin, index, b, valid_length)
-            h = self._project_add(self.self_attn.o_proj, attn, x)
-            normed = self.post_attention_layernorm.few_rows(h)
-            if self.mlp.swiglu is not None:
-                mlp = self.mlp.swiglu(normed, self.mlp.gate_proj.weight, self.mlp.up_proj.weight)
-            else:
-                mlp = ew_mul(ew_silu(self.mlp.gate_proj.few_rows(normed)), self.mlp.up_proj.few_rows(normed))
-            return self._project_add(self.mlp.down_proj, mlp, h)
-        h = ew_add(x, self.self_attn.decode(self.input_layernorm.few_rows(x), cos, sin, mask, index, b, valid_length))
-        return ew_add(h, self.mlp.few_rows(self.post_attention_layernorm.few_rows(h)))
-
-
-class Embedding(nn.Cell):
-    """The token embedding. `shards` > 1 (tensor parallel, vocab-parallel): this rank holds rows
-    [vocab_start, vocab_start + V/shards) of the table; ids outside them give zeros, and AllReduce sums the ranks'
-    rows into every rank's embedding. `vocab_start` is a Parameter (each rank's weights file holds its own value), so
-    every rank runs the same graph."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, dtype, k: "Kernels", shards: int = 1) -> None:
-        super().__init__()
-        self.rows = vocab_size // shards
-        self.weight = _weight((self.rows, hidden_size), k.weight_dtype or dtype, "weight")
-        self.kernel = kernel_embed() if k.weight_dtype is not None else None
-        if shards > 1:
-            self.vocab_start = Parameter(initializer("zeros", (1,), ms.int32), name="vocab_start", requires_grad=False)
-            self.reduce = ops.AllReduce()
-        else:
-            self.vocab_start = self.reduce = None
-
-    def _lookup(self, ids):
-        return self.kernel(ids, self.weight) if self.kernel is not None else ops.gather(self.weight, ids, 0)
-
-    def construct(self, ids):  # [N] -> [N, E]
-        if self.vocab_start is None:
-            return self._lookup(ids)
-        local = ids - ops.broadcast_to(self.vocab_start, ids.shape)  # explicit broadcasts: BROADCASTS above
-        inside = ops.logical_and(local >= 0, local < self.rows)
-        x = self._lookup(ops.select(inside, local, ops.zeros_like(local)))
-        mask = ops.broadcast_to(ops.cast(inside, x.dtype).reshape(-1, 1), x.shape)
-        return self.reduce(ew_mul(x, mask))
 
 
 class DecoderModel(nn.Cell):
+    """The layers, of one form: DecoderLayer (plain ops or CPU kernels, `k`) or FusedDecoderLayer (`fused`)."""
+
     def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels",
-                 tp: bool = False, vocab_shards: int = 1) -> None:
+                 tp: bool = False, vocab_shards: int = 1, fused: Optional[FusedOps] = None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, k, vocab_shards)
-        self.layers = nn.CellList([DecoderLayer(cfg, batch_size, seq_length, dtype, k, tp)
-                                   for _ in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
+        if fused is None:
+            layers = [DecoderLayer(cfg, batch_size, seq_length, dtype, k, tp) for _ in range(cfg.num_hidden_layers)]
+        else:
+            layers = [FusedDecoderLayer(cfg, batch_size, seq_length, dtype, fused, tp)
+                      for _ in range(cfg.num_hidden_layers)]
+        self.layers = nn.CellList(layers)
+        if fused is not None and fused.norm:
+            self.norm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        else:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
 
 
 class CausalLM(nn.Cell):
@@ -425,20 +65,24 @@ class CausalLM(nn.Cell):
     `vocab_shards` > 1 (vocab-parallel): the embedding and lm_head are split by vocabulary rows too (Embedding), and
     each rank's logits of its rows are gathered (AllGather) into the whole vocabulary's; 1: they are replicated.
     Either way every rank computes the same logits.
+
+    `fused` (FusedOps, Atlas profiles only): the fused form of the layers (export/atlas_layers.py); None: plain.
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype: str = "float32",
                  gemv: bool = False, gemm: bool = False, weight_dtype: Optional[str] = None,
-                 tensor_parallel: bool = False, vocab_shards: int = 1) -> None:
+                 tensor_parallel: bool = False, vocab_shards: int = 1, fused: Optional[FusedOps] = None) -> None:
         super().__init__()
         ms_dtype = MS_DTYPES[dtype]
         if weight_dtype == dtype:
             weight_dtype = None
         if weight_dtype is not None and not (gemv and gemm and dtype == "float32"):
             raise ValueError(f"{weight_dtype} weights with {dtype} compute need the CPU kernels (gemv and gemm)")
+        if fused is not None and (gemv or gemm or dtype == "float32"):
+            raise ValueError("the fused form runs Ascend's float16/bfloat16 operators, without the CPU kernels")
         k = Kernels(gemv, gemm, MS_DTYPES[weight_dtype] if weight_dtype else None)
         self.config, self.batch_size, self.seq_length, self.dtype = cfg, batch_size, seq_length, ms_dtype
-        self.model = DecoderModel(cfg, batch_size, seq_length, ms_dtype, k, tensor_parallel, vocab_shards)
+        self.model = DecoderModel(cfg, batch_size, seq_length, ms_dtype, k, tensor_parallel, vocab_shards, fused)
         self.tied = bool(cfg.tie_word_embeddings)
         self.lm_head = None if self.tied else Linear(cfg.hidden_size, cfg.vocab_size // vocab_shards, False, ms_dtype,
                                                      *k)
@@ -453,6 +97,7 @@ class CausalLM(nn.Cell):
         self.head_gemv, self.head_gemm = gemv, gemm
         cos, sin = rope_tables(cfg, seq_length)
         self.cos, self.sin = Tensor(cos, ms_dtype), Tensor(sin, ms_dtype)  # [S, D] graph constants
+        self.fused = None if fused is None else FusedSteps(self.cos, self.sin)
         self.head_matmul = ops.MatMul(transpose_b=True)
         self.rows = Tensor(np.arange(batch_size, dtype=np.int32))
         # (row, kv head) part of the cache write index, the position is added per call
@@ -475,6 +120,12 @@ class CausalLM(nn.Cell):
     def prefill(self, input_ids, valid_length, slot=None):
         b, n = input_ids.shape
         x = self.model.embed_tokens(input_ids.reshape(-1))  # [B*n, E]
+        if self.fused is not None:
+            cos, sin = self.fused.prompt(n)
+            lengths = lengths_int64(valid_length)
+            for layer in self.model.layers:
+                x = layer.prefill(x, cos, sin, lengths, self.fused.mask, b, n, slot)
+            return self._logits(ops.gather(x, self.rows[:b] * n + valid_length - 1, 0))
         pos = self.positions[:n]
         cos = ops.tile(self.cos[:n].reshape(1, n, -1), (b, 1, 1))  # [B, n, D]
         sin = ops.tile(self.sin[:n].reshape(1, n, -1), (b, 1, 1))
@@ -490,12 +141,17 @@ class CausalLM(nn.Cell):
         b = input_ids.shape[0]
         x = self.model.embed_tokens(input_ids.reshape(-1))  # [B, E]
         pos = valid_length - 1  # [B]
+        kh = self.index_base.shape[1]
+        index = ops.cat((self.index_base, ops.tile(pos.reshape(b, 1, 1), (1, kh, 1))), axis=-1)  # [B, KH, 3]
+        if self.fused is not None:
+            cos, sin = self.fused.step(pos, b)
+            lengths = lengths_int64(valid_length)
+            for layer in self.model.layers:
+                x = layer.decode(x, cos, sin, lengths, index, b)
+            return self._logits(x, decode=True)
         cos, sin = ops.gather(self.cos, pos, 0), ops.gather(self.sin, pos, 0)  # [B, D]
         valid = self.positions.reshape(1, -1) < valid_length.reshape(b, 1)  # [B, S]
         mask = _additive(valid)
-        kh = self.index_base.shape[1]
-        where = ops.tile(pos.reshape(b, 1, 1), (1, kh, 1))
-        index = ops.cat((self.index_base, where), axis=-1)  # [B, KH, 3]
         for layer in self.model.layers:
             x = layer.decode(x, cos, sin, mask, index, b, valid_length)
         return self._logits(x, decode=True)
@@ -541,4 +197,3 @@ class DecodeGraph(nn.Cell):
 
     def construct(self, input_ids, valid_length):
         return self.net.decode(input_ids, valid_length)
-

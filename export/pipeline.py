@@ -28,7 +28,7 @@ from typing import Any, Dict
 from tqdm import tqdm
 
 from export.config import ExportConfig, ModelConfig
-from export.devices import default_buckets, get_profile
+from export.devices import default_buckets, get_profile, graph_form
 from export.errors import ExportError
 from export import folder as checkpoint_files
 
@@ -120,11 +120,14 @@ def prepare(cfg: ExportConfig) -> tuple:
     return model_cfg, profile
 
 
-def resolve(cfg: ExportConfig) -> ExportConfig:
-    """`cfg` with the device's default prompt-length buckets filled in when none were given."""
-    if cfg.prefill_buckets is not None:
-        return cfg
-    return dataclasses.replace(cfg, prefill_buckets=default_buckets(get_profile(cfg.device), cfg.seq_length))
+def resolve(cfg: ExportConfig, model_cfg: ModelConfig) -> ExportConfig:
+    """`cfg` with the device's defaults filled in: the prompt-length buckets when none were given, the graph form."""
+    profile = get_profile(cfg.device)
+    buckets = cfg.prefill_buckets
+    if buckets is None:
+        buckets = default_buckets(profile, cfg.seq_length)
+    graph = graph_form(profile, cfg.dtype, cfg.graph, model_cfg.head_dim, model_cfg.kv_groups)
+    return dataclasses.replace(cfg, prefill_buckets=buckets, graph=graph)
 
 
 def run_export(cfg: ExportConfig, show_progress: bool = False) -> ExportSummary:
@@ -142,7 +145,7 @@ def _run_export(cfg: ExportConfig, show_progress: bool) -> ExportSummary:
     start = time.time()
     stages: Dict[str, float] = {}
     model_cfg, profile = prepare(cfg)
-    cfg = resolve(cfg)
+    cfg = resolve(cfg, model_cfg)
     where = open_checkpoint(cfg.checkpoint)
     output = os.path.abspath(cfg.output)
     parent = os.path.dirname(output)
@@ -269,7 +272,7 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
                          pad_token_id=ids["pad_token_id"], prefill_model_path=full.file,
                          increment_model_path=inc.file,
                          prefill_buckets=sorted(e.tokens for e in rank0 if e.role == "prefill"),
-                         tp_size=cfg.tp_size, cpu_kernels=kernels)
+                         tp_size=cfg.tp_size, cpu_kernels=kernels, graph=cfg.graph)
     export = {**dataclasses.asdict(cfg), "checkpoint": os.path.abspath(cfg.checkpoint),
               "output": os.path.abspath(cfg.output), "mindspore_version": ms.__version__,
               "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokenizer_files": tokenizer_files}

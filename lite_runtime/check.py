@@ -65,6 +65,16 @@ class Report:
     reference: str
     rows: List[RowResult]
     info: Dict[str, Any] = field(default_factory=dict)  # environment, versions, the folder's settings
+    graph: str = "plain"  # the folder's graph form
+    standins: Dict[str, int] = field(default_factory=dict)  # fused op -> nodes the backend ran as CPU stand-ins
+
+    def form_line(self) -> str:
+        """Which graph form ran, and what was substituted: the stand-ins prove the wiring, not Ascend's kernels."""
+        if not self.standins:
+            return f"graph form: {self.graph}"
+        ops = ", ".join(f"{op} x{n}" for op, n in sorted(self.standins.items()))
+        return (f"graph form: {self.graph}; Ascend's fused operators ran as CPU stand-ins ({ops}): this proves "
+                "the graphs' wiring, not Ascend's kernels; run check on the device for those")
 
     @property
     def passed(self) -> bool:
@@ -110,6 +120,7 @@ class Report:
 
     def to_dict(self) -> Dict[str, Any]:
         return {"verdict": self.verdict(), "passed": self.passed, "name": self.name, "backend": self.backend,
+                "graph": self.graph, "standins": dict(self.standins),
                 "dtype": self.dtype, "tolerance": asdict(self.tolerance), "reference": self.reference,
                 "rows": [{**asdict(r), "passed": r.passed} for r in self.rows], "info": self.info}
 
@@ -147,21 +158,24 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
         rows += replay_slots(generator, reference, tolerance, progress=progress)
     info = {"environment": environment(generator.backend_name), "exported_with": folder.exported_with,
             "folder": {k: folder.infer.get(k) for k in ("device", "soc", "dtype", "seq_length", "batch_size",
-                                                        "prefill_buckets", "cpu_kernels", "tp_size")},
+                                                        "prefill_buckets", "cpu_kernels", "tp_size", "graph")},
             "load_seconds": round(loaded, 2), "replay_seconds": round(time.perf_counter() - start - loaded, 2)}
     try:
         with open(folder.ge_config_path, encoding="utf-8", errors="replace") as fh:
             info["ge_config"] = fh.read()
     except OSError:
         pass
+    standins = dict(getattr(generator.backend, "standins", {}) or {})
+    info["standins"] = standins
     return Report(name=folder.name, backend=generator.backend_name, dtype=config.compute_dtype, tolerance=tolerance,
-                  reference=reference.source, rows=rows, info=info)
+                  reference=reference.source, rows=rows, info=info, graph=folder.graph_form, standins=standins)
 
 
 def print_report(report: Report, out=None) -> None:
     out = out or sys.stdout
     print(f"reference: {report.reference}", file=out)
     print(report.table(), file=out)
+    print(report.form_line(), file=out)
     print(report.verdict(), file=out)
 
 

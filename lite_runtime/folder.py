@@ -75,6 +75,11 @@ class ModelFolder:
         return int(self.infer["batch_size"])
 
     @property
+    def graph_form(self) -> str:
+        """plain, or fused: Ascend's fused operators (python -m export --graph); older folders are plain."""
+        return str(self.infer.get("graph", "plain"))
+
+    @property
     def tp_size(self) -> int:
         """Tensor-parallel ranks: each has its own graphs and weights file (python -m export --tp_size)."""
         return len(self.ranks) or 1

@@ -56,6 +56,7 @@ class InferSection:
     tp_size: int
     cpu_kernels: bool
     ge_config_path: str = GE_CONFIG
+    graph: str = "plain"  # the graph form: plain, or fused (Ascend's fused operators; CPU stand-ins on the ms backend)
 
 
 def write_yaml(folder: str, name: str, model: Dict[str, Any], export: Dict[str, Any], infer: InferSection) -> str:

@@ -67,15 +67,17 @@ def graph_mode():
 @pytest.fixture(scope="session")
 def atlas_exported(tmp_path_factory, checkpoints):
     """Folders for Atlas 800I A2 from the gqa_tied checkpoint: float16 (the profile's default, the artifact that
-    ships; it runs here on MindSpore's CPU float16 kernels) and bfloat16 (exported here, cannot run here)."""
+    ships: the fused graph form, run here with CPU stand-ins for Ascend's fused operators), the same in the plain
+    form (MindSpore's CPU float16 kernels), and bfloat16 (exported here, cannot run here)."""
     from export.config import ExportConfig
     from export.pipeline import run_export
 
     root = tmp_path_factory.mktemp("atlas_dirs")
     folders = {}
-    for dtype in ("float16", "bfloat16"):
-        out = str(root / f"atlas_{dtype}")
-        run_export(ExportConfig(checkpoint=checkpoints["gqa_tied"], output=out, name=f"atlas_{dtype}", seq_length=32,
-                                batch_size=2, dtype=dtype, device="atlas_800i_a2", prefill_buckets=(8,)))
-        folders[dtype] = out
+    for key, dtype, graph in (("float16", "float16", None), ("float16_plain", "float16", "plain"),
+                              ("bfloat16", "bfloat16", None)):
+        out = str(root / f"atlas_{key}")
+        run_export(ExportConfig(checkpoint=checkpoints["gqa_tied"], output=out, name=f"atlas_{key}", seq_length=32,
+                                batch_size=2, dtype=dtype, device="atlas_800i_a2", prefill_buckets=(8,), graph=graph))
+        folders[key] = out
     return folders

@@ -278,7 +278,7 @@ def test_decode_graph_calls_our_kernels_and_prefill_only_for_few_rows(exported):
     assert custom_funcs(os.path.join(folder, graphs["prefill"])) == (
         collections.Counter({"mslite_llm_cpu_kernels.so:MsliteLlmGemv": 1}), 1)
     # a bucket of at most KERNEL_PREFILL_MAX_ROWS rows (2 x 8) runs every matmul through the kernel
-    from export.model import KERNEL_PREFILL_MAX_ROWS
+    from export.layers import KERNEL_PREFILL_MAX_ROWS
 
     bucketed = exported["gqa_tied_buckets"]
     with open(os.path.join(bucketed, "manifest.json")) as fh:

@@ -10,7 +10,8 @@ lite_runtime's InputOfInfer.MAPPING when it needs other graph inputs).
 
 Module contract: MODEL_TYPE (the config.json value), SLIDING_WINDOW_KEYS (whether the family has
 Qwen's use_sliding_window / max_window_layers keys), structure(raw, source) -> the structural flags
-of ModelConfig (qkv_bias, o_proj_bias, mlp_bias, qk_norm).
+of ModelConfig (qkv_bias, o_proj_bias, mlp_bias, qk_norm). Family modules read their keys with keys.flag and
+import nothing else of export/, so export/config.py imports this registry at the top (no cycle).
 """
 from __future__ import annotations
 

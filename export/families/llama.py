@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from export.config import flag
+from export.families.keys import flag
 
 MODEL_TYPE = "llama"
 SLIDING_WINDOW_KEYS = False

@@ -11,7 +11,9 @@ Graphs are read, loaded and compiled on first use (MsBackend). Weights and KV ca
 (`mindspore.load` with the data and `GraphCell(params_init=...)` would each hold another copy.)
 
 Graphs of `--device cpu` folders may call our CPU kernels (cpu_kernels) as aot Custom ops by
-library name; loading points that name at this machine's built library.
+library name; loading points that name at this machine's built library. Graphs of `--graph fused` Atlas
+folders call Ascend's fused operators, which MindSpore's CPU lacks: loading replaces each by its CPU
+stand-in (backends/standins.py), which proves the graph's wiring, not Ascend's kernels.
 """
 from __future__ import annotations
 
@@ -106,6 +108,24 @@ def _relocate_kernels(model, path: str) -> None:
         cpu_kernels.retarget(model, cpu_kernels.local_func)
     except FileNotFoundError as exc:
         raise InferError(f"{path}: the graph calls mslite-llm's CPU kernels, but {exc}") from None
+
+
+def _substitute_standins(model, path: str, counts: Dict[str, int]) -> None:
+    """Replace the Ascend fused operators of a `--graph fused` graph by their CPU stand-ins (backends/standins.py)."""
+    import cpu_kernels
+
+    from lite_runtime.backends import standins
+    from lite_runtime.errors import InferError
+
+    def local(function: str) -> str:
+        try:
+            return cpu_kernels.local_func(function)
+        except FileNotFoundError as exc:
+            raise InferError(f"{path}: the graph calls Ascend's fused operators, whose CPU stand-ins are in "
+                             f"mslite-llm's kernel library, but {exc}") from None
+
+    for op, n in standins.substitute(model, local, path).items():
+        counts[op] = counts.get(op, 0) + n
 
 
 def _join_ranks(folder) -> int:
@@ -208,6 +228,7 @@ class MsBackend:
         self._owned = {}  # parameter name -> the Parameter every graph shares (weights and KV cache)
         self._owner = ""  # the graph whose parameters the others share
         self._tensor = ms.Tensor
+        self.standins: Dict[str, int] = {}  # fused op -> nodes replaced by CPU stand-ins, over the graphs loaded
         if cpu_kernels.library_path() is None:  # say so at load, not at the first decode step
             _relocate_kernels(self._parse("inc"), self._paths["inc"])
 
@@ -227,6 +248,7 @@ class MsBackend:
         del self._parsed[key]
         arrays = _parameter_arrays(model, path) if not self._owned else None  # read before the data is cleared
         _relocate_kernels(model, path)
+        _substitute_standins(model, path, self.standins)
         if self._tp:
             _retarget_collectives(model)
         cell = self._nn.GraphCell(_load_without_data(self._ms, model, os.path.basename(path)))

@@ -1,0 +1,368 @@
+// CPU stand-ins for the Ascend fused operators of `--graph fused` folders, as MindSpore aot Custom ops.
+//
+// Why: a fused Atlas folder calls PromptFlashAttention, IncreFlashAttention, RmsNorm, AddRmsNorm and
+// RotaryPositionEmbedding, which MindSpore's CPU build can shape-infer and export but has no kernels for.
+// The `ms` backend replaces each such node, when it loads the graph, by a Custom op calling the function
+// here (lite_runtime/backends/standins.py), so `check` and `compare` run the folder's own graph wiring
+// (layouts, lengths, masks, GQA, scale, epsilon, cache) on any CPU. They prove the wiring, not Ascend's
+// kernels: written from the operators' documented semantics (MindSpore 2.10 op docs, CANN aclnn docs),
+// plainly, for clarity over speed. All arithmetic is float32; outputs are rounded to the input's dtype.
+//
+// Interface (MindSpore aot CPU): int F(int nparam, void** params, int* ndims, int64_t** shapes,
+// const char** dtypes, void* stream, void* extra); 0 on success, else 1 wrong number of tensors,
+// 2 unsupported dtype, 3 wrong ranks, 4 shapes that do not fit, 6 an attribute the stand-in does not
+// implement, 7 a compressed causal mask that is not the documented one. Tensors (dtype T: float16,
+// bfloat16 or float32; lengths int32 or int64; attrs float32):
+//   MsliteLlmAtlasPromptFlashAttention: q [B, N, Sq, D], k, v [B, KVN, Skv, D], mask [2048, 2048] bool/uint8
+//     (sparse_mode 2/3) or [B|1, 1, Sq, Skv] (sparse_mode 0), actual_seq_lengths [B], actual_seq_lengths_kv [B],
+//     attrs [scale_value, sparse_mode, pre_tokens, next_tokens] -> out [B, N, Sq, D] T   (input_layout BNSD)
+//   MsliteLlmAtlasIncreFlashAttention: q [B, N, 1, D], k, v [B, KVN, S, D], actual_seq_lengths [B],
+//     attrs [scale_value] -> out [B, N, 1, D] T   (input_layout BNSD, no mask)
+//   MsliteLlmAtlasRmsNorm: x [..., E] T, gamma [E] T, attrs [epsilon] -> y [..., E] T, rstd [..., 1] float32
+//   MsliteLlmAtlasAddRmsNorm: x1, x2 [..., E] T, gamma [E] T, attrs [epsilon] -> y T, rstd float32, x = x1 + x2 T
+//   MsliteLlmAtlasRotaryPositionEmbedding: x [B, N, S, D] T, cos, sin [B|1, 1, S, D] T, attrs [mode]
+//     -> out [B, N, S, D] T   (mode 0: rotate-half, as HF's rotate_half; mode 1: interleaved pairs)
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+namespace {
+
+enum Dtype { F32, F16, BF16, BAD };
+
+Dtype dtype_of(const char* name) {
+  if (!std::strcmp(name, "float32")) return F32;
+  if (!std::strcmp(name, "float16")) return F16;
+  if (!std::strcmp(name, "bfloat16")) return BF16;
+  return BAD;
+}
+
+float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  if (exp == 0) {  // zero or subnormal
+    const float v = std::ldexp(float(man), -24);
+    return sign ? -v : v;
+  }
+  if (exp == 31) return bits_float(sign | 0x7f800000u | (man << 13));
+  return bits_float(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+uint16_t float_to_half(float f) {  // round to nearest even, as a float32 -> float16 Cast
+  const uint32_t u = float_bits(f), sign = (u >> 16) & 0x8000;
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs >= 0x7f800000u) return uint16_t(sign | 0x7c00 | (abs > 0x7f800000u ? 0x200 : 0));
+  if (abs >= 0x477ff000u) return uint16_t(sign | 0x7c00);  // rounds to >= 65520: infinity
+  if (abs < 0x38800000u) {  // below the smallest normal half: subnormal (or zero), rounded to nearest even
+    const float v = bits_float(abs) * 16777216.0f;  // in units of 2^-24
+    const float r = std::nearbyint(v);
+    return uint16_t(sign | uint32_t(r));
+  }
+  const uint32_t rounded = abs + 0x0fffu + ((abs >> 13) & 1u);
+  return uint16_t(sign | ((rounded - 0x38000000u) >> 13));
+}
+
+uint16_t float_to_bf16(float f) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+float load(const void* p, Dtype t, int64_t i) {
+  if (t == F32) return static_cast<const float*>(p)[i];
+  const uint16_t h = static_cast<const uint16_t*>(p)[i];
+  return t == F16 ? half_to_float(h) : bits_float(uint32_t(h) << 16);
+}
+
+void store(void* p, Dtype t, int64_t i, float v) {
+  if (t == F32)
+    static_cast<float*>(p)[i] = v;
+  else
+    static_cast<uint16_t*>(p)[i] = t == F16 ? float_to_half(v) : float_to_bf16(v);
+}
+
+// a value rounded to dtype t, as float (what a tensor of t holds)
+float round_to(Dtype t, float v) {
+  if (t == F32) return v;
+  return t == F16 ? half_to_float(float_to_half(v)) : bits_float(uint32_t(float_to_bf16(v)) << 16);
+}
+
+int64_t length_at(const void* p, const char* dtype, int64_t i) {
+  return !std::strcmp(dtype, "int64") ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
+}
+
+bool is_length_dtype(const char* dtype) { return !std::strcmp(dtype, "int64") || !std::strcmp(dtype, "int32"); }
+
+int64_t count(int ndim, const int64_t* shape) {
+  int64_t n = 1;
+  for (int i = 0; i < ndim; ++i) n *= shape[i];
+  return n;
+}
+
+// Runs f(task) for task in [0, tasks) on up to hardware_concurrency threads.
+template <class F>
+void parallel(int64_t tasks, F f) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(tasks, std::thread::hardware_concurrency()));
+  if (threads == 1) {
+    for (int64_t t = 0; t < tasks; ++t) f(t);
+    return;
+  }
+  std::vector<std::thread> pool;
+  for (int64_t w = 0; w < threads; ++w)
+    pool.emplace_back([&, w] {
+      for (int64_t t = w; t < tasks; t += threads) f(t);
+    });
+  for (auto& th : pool) th.join();
+}
+
+// One query row against keys [0, kv_end) where allowed(j): softmax(scale * q.k) . v, float32, into out (D floats).
+// A row with no allowed key is zeros.
+template <class Allowed>
+void attend_row(const float* q, const void* k, const void* v, Dtype t, int64_t base, int64_t kv_end, int64_t d,
+                float scale, Allowed allowed, std::vector<float>& scores, float* out) {
+  scores.assign(kv_end, -std::numeric_limits<float>::infinity());
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < kv_end; ++j) {
+    if (!allowed(j)) continue;
+    float s = 0.f;
+    for (int64_t c = 0; c < d; ++c) s += q[c] * load(k, t, base + j * d + c);
+    scores[j] = s * scale;
+    top = std::max(top, scores[j]);
+  }
+  for (int64_t c = 0; c < d; ++c) out[c] = 0.f;
+  if (top == -std::numeric_limits<float>::infinity()) return;
+  float total = 0.f;
+  for (int64_t j = 0; j < kv_end; ++j) {
+    if (scores[j] == -std::numeric_limits<float>::infinity()) continue;
+    const float e = std::exp(scores[j] - top);
+    total += e;
+    for (int64_t c = 0; c < d; ++c) out[c] += e * load(v, t, base + j * d + c);
+  }
+  for (int64_t c = 0; c < d; ++c) out[c] /= total;
+}
+
+constexpr int64_t COMPRESSED_MASK = 2048;  // the side of sparse_mode 2/3's mask, as the op documents it
+
+int prompt_flash_attention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 8) return 1;
+  for (int i = 0; i < 3; ++i)
+    if (ndims[i] != 4) return 3;
+  const Dtype t = dtype_of(dtypes[0]);
+  if (t == BAD || dtype_of(dtypes[1]) != t || dtype_of(dtypes[2]) != t || dtype_of(dtypes[7]) != t) return 2;
+  if (!is_length_dtype(dtypes[4]) || !is_length_dtype(dtypes[5]) || std::strcmp(dtypes[6], "float32")) return 2;
+  const int64_t batch = shapes[0][0], heads = shapes[0][1], sq = shapes[0][2], d = shapes[0][3];
+  const int64_t kv_heads = shapes[1][1], skv = shapes[1][2];
+  for (int i = 0; i < 4; ++i)
+    if (shapes[2][i] != shapes[1][i]) return 4;
+  if (shapes[1][0] != batch || shapes[1][3] != d || kv_heads <= 0 || heads % kv_heads) return 4;
+  if (count(ndims[4], shapes[4]) != batch || count(ndims[5], shapes[5]) != batch || count(ndims[6], shapes[6]) != 4)
+    return 4;
+  const float* attrs = static_cast<const float*>(params[6]);
+  const float scale = attrs[0];
+  const int sparse_mode = int(attrs[1]);
+  const int64_t pre_tokens = int64_t(attrs[2]), next_tokens = int64_t(attrs[3]);
+  const uint8_t* mask = static_cast<const uint8_t*>(params[3]);  // bool and uint8 are both one byte
+  if (std::strcmp(dtypes[3], "bool") && std::strcmp(dtypes[3], "uint8") && std::strcmp(dtypes[3], "int8")) return 2;
+  int64_t mask_batch = 0;
+  if (sparse_mode == 2 || sparse_mode == 3) {
+    if (count(ndims[3], shapes[3]) != COMPRESSED_MASK * COMPRESSED_MASK) return 4;
+    // the documented compressed causal mask: 1 (discard) strictly above the diagonal, 0 elsewhere
+    for (int64_t i = 0; i < COMPRESSED_MASK; ++i)
+      for (int64_t j = 0; j < COMPRESSED_MASK; ++j)
+        if ((mask[i * COMPRESSED_MASK + j] != 0) != (j > i)) return 7;
+  } else if (sparse_mode == 0) {
+    if (ndims[3] != 4 || shapes[3][1] != 1 || shapes[3][2] != sq || shapes[3][3] != skv) return 4;
+    if (shapes[3][0] != batch && shapes[3][0] != 1) return 4;
+    mask_batch = shapes[3][0];
+  } else {
+    return 6;
+  }
+  const int64_t group = heads / kv_heads;
+  parallel(batch * heads, [&](int64_t task) {
+    const int64_t b = task / heads, h = task % heads;
+    const int64_t q_len = std::min<int64_t>(length_at(params[4], dtypes[4], b), sq);
+    const int64_t kv_len = std::min<int64_t>(length_at(params[5], dtypes[5], b), skv);
+    const int64_t base = ((b * kv_heads) + h / group) * skv * d;
+    std::vector<float> q(d), out(d), scores;
+    for (int64_t i = 0; i < sq; ++i) {
+      const int64_t row = ((b * heads + h) * sq + i) * d;
+      if (i >= q_len) {  // past the row's actual length: zeros
+        for (int64_t c = 0; c < d; ++c) store(params[7], t, row + c, 0.f);
+        continue;
+      }
+      for (int64_t c = 0; c < d; ++c) q[c] = load(params[0], t, row + c);
+      const int64_t shift = sparse_mode == 3 ? kv_len - q_len : 0;  // rightDownCausal: the last query sees all keys
+      auto allowed = [&](int64_t j) {
+        if (sparse_mode == 2 || sparse_mode == 3) return j <= i + shift;
+        if (mask[((mask_batch == 1 ? 0 : b) * sq + i) * skv + j]) return false;
+        return j >= i - pre_tokens && j <= i + next_tokens;
+      };
+      attend_row(q.data(), params[1], params[2], t, base, kv_len, d, scale, allowed, scores, out.data());
+      for (int64_t c = 0; c < d; ++c) store(params[7], t, row + c, out[c]);
+    }
+  });
+  return 0;
+}
+
+int incre_flash_attention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 6) return 1;
+  for (int i = 0; i < 3; ++i)
+    if (ndims[i] != 4) return 3;
+  const Dtype t = dtype_of(dtypes[0]);
+  if (t == BAD || dtype_of(dtypes[1]) != t || dtype_of(dtypes[2]) != t || dtype_of(dtypes[5]) != t) return 2;
+  if (!is_length_dtype(dtypes[3]) || std::strcmp(dtypes[4], "float32")) return 2;
+  const int64_t batch = shapes[0][0], heads = shapes[0][1], d = shapes[0][3];
+  const int64_t kv_heads = shapes[1][1], seq = shapes[1][2];
+  for (int i = 0; i < 4; ++i)
+    if (shapes[2][i] != shapes[1][i]) return 4;
+  if (shapes[0][2] != 1 || shapes[1][0] != batch || shapes[1][3] != d || kv_heads <= 0 || heads % kv_heads) return 4;
+  if (count(ndims[3], shapes[3]) != batch || count(ndims[4], shapes[4]) != 1) return 4;
+  const float scale = static_cast<const float*>(params[4])[0];
+  const int64_t group = heads / kv_heads;
+  parallel(batch * heads, [&](int64_t task) {
+    const int64_t b = task / heads, h = task % heads;
+    const int64_t kv_len = std::min<int64_t>(length_at(params[3], dtypes[3], b), seq);
+    std::vector<float> q(d), out(d), scores;
+    const int64_t row = (b * heads + h) * d;
+    for (int64_t c = 0; c < d; ++c) q[c] = load(params[0], t, row + c);
+    attend_row(q.data(), params[1], params[2], t, ((b * kv_heads) + h / group) * seq * d, kv_len, d, scale,
+               [](int64_t) { return true; }, scores, out.data());
+    for (int64_t c = 0; c < d; ++c) store(params[5], t, row + c, out[c]);
+  });
+  return 0;
+}
+
+// y = x * rstd * gamma with rstd = 1 / sqrt(mean(x^2) + eps), in float32 from x as the tensor holds it
+void norm_rows(const void* x, Dtype t, const void* gamma, int64_t rows, int64_t e, float eps, void* y, float* rstd,
+               const std::vector<float>* sums) {
+  for (int64_t r = 0; r < rows; ++r) {
+    double square = 0.;
+    for (int64_t c = 0; c < e; ++c) {
+      const float v = sums ? (*sums)[r * e + c] : load(x, t, r * e + c);
+      square += double(v) * v;
+    }
+    const float inv = 1.f / std::sqrt(float(square / double(e)) + eps);
+    rstd[r] = inv;
+    for (int64_t c = 0; c < e; ++c) {
+      const float v = sums ? (*sums)[r * e + c] : load(x, t, r * e + c);
+      store(y, t, r * e + c, v * inv * load(gamma, t, c));
+    }
+  }
+}
+
+int rms_norm(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 5) return 1;
+  const Dtype t = dtype_of(dtypes[0]);
+  if (t == BAD || dtype_of(dtypes[1]) != t || std::strcmp(dtypes[2], "float32") || dtype_of(dtypes[3]) != t ||
+      std::strcmp(dtypes[4], "float32"))
+    return 2;
+  if (ndims[0] < 1 || ndims[1] != 1) return 3;
+  const int64_t e = shapes[0][ndims[0] - 1];
+  if (shapes[1][0] != e || count(ndims[2], shapes[2]) != 1) return 4;
+  const int64_t rows = count(ndims[0], shapes[0]) / e;
+  if (count(ndims[4], shapes[4]) != rows) return 4;
+  norm_rows(params[0], t, params[1], rows, e, static_cast<const float*>(params[2])[0], params[3],
+            static_cast<float*>(params[4]), nullptr);
+  return 0;
+}
+
+int add_rms_norm(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 7) return 1;
+  const Dtype t = dtype_of(dtypes[0]);
+  if (t == BAD || dtype_of(dtypes[1]) != t || dtype_of(dtypes[2]) != t || std::strcmp(dtypes[3], "float32") ||
+      dtype_of(dtypes[4]) != t || std::strcmp(dtypes[5], "float32") || dtype_of(dtypes[6]) != t)
+    return 2;
+  if (ndims[0] < 1 || ndims[1] != ndims[0] || ndims[2] != 1) return 3;
+  for (int i = 0; i < ndims[0]; ++i)
+    if (shapes[1][i] != shapes[0][i]) return 4;
+  const int64_t e = shapes[0][ndims[0] - 1], n = count(ndims[0], shapes[0]);
+  if (shapes[2][0] != e || count(ndims[3], shapes[3]) != 1 || count(ndims[5], shapes[5]) != n / e) return 4;
+  // x = x1 + x2 rounded to T (the op's third output); the norm reads that sum as the tensor holds it
+  std::vector<float> sums(n);
+  for (int64_t i = 0; i < n; ++i) {
+    sums[i] = round_to(t, load(params[0], t, i) + load(params[1], t, i));
+    store(params[6], t, i, sums[i]);
+  }
+  norm_rows(nullptr, t, params[2], n / e, e, static_cast<const float*>(params[3])[0], params[4],
+            static_cast<float*>(params[5]), &sums);
+  return 0;
+}
+
+int rotary_position_embedding(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 5) return 1;
+  const Dtype t = dtype_of(dtypes[0]);
+  if (t == BAD || dtype_of(dtypes[1]) != t || dtype_of(dtypes[2]) != t || std::strcmp(dtypes[3], "float32") ||
+      dtype_of(dtypes[4]) != t)
+    return 2;
+  if (ndims[0] != 4 || ndims[1] != 4 || ndims[2] != 4) return 3;
+  const int64_t batch = shapes[0][0], heads = shapes[0][1], seq = shapes[0][2], d = shapes[0][3];
+  for (int i = 0; i < 4; ++i)
+    if (shapes[2][i] != shapes[1][i]) return 4;
+  if ((shapes[1][0] != batch && shapes[1][0] != 1) || shapes[1][1] != 1 || shapes[1][2] != seq || shapes[1][3] != d ||
+      d % 2 || count(ndims[3], shapes[3]) != 1)
+    return 4;
+  const int mode = int(static_cast<const float*>(params[3])[0]);
+  if (mode != 0 && mode != 1) return 6;
+  const int64_t half = d / 2;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t s = 0; s < seq; ++s) {
+        const int64_t row = ((b * heads + h) * seq + s) * d, table = ((shapes[1][0] == 1 ? 0 : b) * seq + s) * d;
+        for (int64_t c = 0; c < d; ++c) {
+          float rotated;
+          if (mode == 0)  // rotate_half: (-x2, x1)
+            rotated = c < half ? -load(params[0], t, row + c + half) : load(params[0], t, row + c - half);
+          else  // interleaved: (-x1, x0, -x3, x2, ...)
+            rotated = c % 2 == 0 ? -load(params[0], t, row + c + 1) : load(params[0], t, row + c - 1);
+          const float v = load(params[0], t, row + c) * load(params[1], t, table + c) +
+                          rotated * load(params[2], t, table + c);
+          store(params[4], t, row + c, v);
+        }
+      }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int MsliteLlmAtlasPromptFlashAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                                       void*, void*) {
+  return prompt_flash_attention(nparam, params, ndims, shapes, dtypes);
+}
+
+int MsliteLlmAtlasIncreFlashAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                                      void*, void*) {
+  return incre_flash_attention(nparam, params, ndims, shapes, dtypes);
+}
+
+int MsliteLlmAtlasRmsNorm(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return rms_norm(nparam, params, ndims, shapes, dtypes);
+}
+
+int MsliteLlmAtlasAddRmsNorm(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
+                             void*) {
+  return add_rms_norm(nparam, params, ndims, shapes, dtypes);
+}
+
+int MsliteLlmAtlasRotaryPositionEmbedding(int nparam, void** params, int* ndims, int64_t** shapes,
+                                          const char** dtypes, void*, void*) {
+  return rotary_position_embedding(nparam, params, ndims, shapes, dtypes);
+}
+
+}  // extern "C"

@@ -1,0 +1,156 @@
+"""The Atlas fused form of the decoder layer (`--graph fused`): Ascend's fused operators where the plain form chains
+small ops, with the valid lengths as tensors so that no length ever recompiles and GE can sink the whole graph
+(tiling sink, `ge.tiling_schedule_optimize=1` in the profile's ini).
+
+- prompt attention: PromptFlashAttention, layout BNSD (q [B, H, n, D], k/v [B, KH, n, D], GQA through
+  num_key_value_heads), sparse_mode 3 (rightDownCausal) with the documented 2048 x 2048 compressed causal mask,
+  actual_seq_lengths = actual_seq_lengths_kv = the prompt lengths (int64 [B]): rows past a prompt are not read.
+- the incremental step: IncreFlashAttention, BNSD, the whole cache [B, KH, S, D] as key and value with
+  actual_seq_lengths = tokens in the cache after this step (int64 [B]); no mask.
+- norms: RmsNorm, and AddRmsNorm for the residual add before post_attention_layernorm (one op for add + norm).
+- rotary embedding: RotaryPositionEmbedding mode 0 (rotate-half, as HF) on BNSD with cos/sin [B|1, 1, n, D].
+Which profile gets which ops: export/devices.py (FusedOps per SoC) and ge_configs/README.md. The projections, the
+MLP and the cache writes are the plain form's (export/layers.py); parameter names are the same, so the weights
+file does not change with the graph form.
+
+On the CPU the `ms` backend replaces these ops by stand-ins (lite_runtime/backends/standins.py,
+cpu_kernels/atlas_ops.cc) when it loads a graph: `check` there proves the wiring, `check` on the device the kernels.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+from mindspore.ops.auto_generate import (AddRmsNorm, IncreFlashAttention, PromptFlashAttention, RmsNorm,
+                                         RotaryPositionEmbedding)
+
+from export.config import ModelConfig
+from export.devices import FusedOps
+from export.layers import DecoderLayer, Kernels, RMSNorm, ew_add, ew_mul, rotate_half
+
+# the side of the compressed causal mask of PromptFlashAttention's sparse_mode 2 and 3 (MindSpore 2.10 op docs)
+COMPRESSED_MASK = 2048
+SPARSE_RIGHT_DOWN_CAUSAL = 3
+
+
+def attention_scale(head_dim: int) -> float:
+    """scale_value of the fused attention: it multiplies q.k^T before the softmax, and its default is 1.0."""
+    return 1.0 / float(np.sqrt(head_dim))
+
+
+def compressed_causal_mask() -> Tensor:
+    """[2048, 2048] bool, True (discard) strictly above the diagonal: sparse_mode 2/3's mask, a 4 MB graph constant."""
+    return Tensor(np.triu(np.ones((COMPRESSED_MASK, COMPRESSED_MASK), np.bool_), 1))
+
+
+class AtlasRMSNorm(RMSNorm):
+    """RMSNorm through the fused RmsNorm op (same parameter); `add_norm(x, r)` is AddRmsNorm: (norm(x + r), x + r)."""
+
+    def __init__(self, size: int, eps: float, dtype) -> None:
+        super().__init__(size, eps, dtype)
+        self.rms_norm = RmsNorm(eps)
+        self.add_rms_norm = AddRmsNorm()
+
+    def construct(self, x):
+        return self.rms_norm(x, self.weight)[0]
+
+    def few_rows(self, x):
+        return self.construct(x)
+
+    def add_norm(self, x, residual):
+        y, _, total = self.add_rms_norm(x, residual, self.weight, self.eps)
+        return y, total
+
+
+class FusedDecoderLayer(DecoderLayer):
+    """A decoder layer of the fused form. Same cells and parameters as DecoderLayer (no CPU kernels); the attention
+    core, the norms and RoPE through the fused ops of `fused`."""
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, fused: FusedOps,
+                 tp: bool = False) -> None:
+        super().__init__(cfg, batch_size, seq_length, dtype, Kernels(), tp)
+        a = self.self_attn
+        self.fused = fused
+        if fused.norm:
+            self.input_layernorm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.post_attention_layernorm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            if cfg.qk_norm:
+                a.q_norm = AtlasRMSNorm(a.d, cfg.rms_norm_eps, dtype)
+                a.k_norm = AtlasRMSNorm(a.d, cfg.rms_norm_eps, dtype)
+        self.rope = RotaryPositionEmbedding() if fused.rope else None
+        scale = attention_scale(a.d)
+        self.prompt_attention = PromptFlashAttention(
+            num_heads=a.h, scale_value=scale, pre_tokens=2147483647, next_tokens=0, input_layout="BNSD",
+            num_key_value_heads=a.kh, sparse_mode=SPARSE_RIGHT_DOWN_CAUSAL)
+        self.step_attention = IncreFlashAttention(num_heads=a.h, input_layout="BNSD", scale_value=scale,
+                                                  num_key_value_heads=a.kh)
+
+    def _rotate(self, x, cos, sin):  # x [B, N, n, D], cos/sin [B|1, 1, n, D]
+        if self.rope is not None:
+            return self.rope(x, cos, sin, 0)
+        return ew_add(ew_mul(x, ops.broadcast_to(cos, x.shape)), ew_mul(rotate_half(x), ops.broadcast_to(sin, x.shape)))
+
+    def _qkv(self, x, cos, sin, b, n):
+        """x [B*n, E] -> q [B, H, n, D], k, v [B, KH, n, D], RoPE applied (after Qwen3's per-head norms)."""
+        a = self.self_attn
+        q = a.q_proj(x).reshape(b, n, a.h, a.d)
+        k = a.k_proj(x).reshape(b, n, a.kh, a.d)
+        v = a.v_proj(x).reshape(b, n, a.kh, a.d)
+        if a.q_norm is not None:
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
+
+    def _residual_norm(self, x, attn):
+        """(post_attention_layernorm(x + attn), x + attn)"""
+        if self.fused.norm:
+            return self.post_attention_layernorm.add_norm(x, attn)
+        h = ew_add(x, attn)
+        return self.post_attention_layernorm(h), h
+
+    def _out(self, out, b, n):  # [B, H, n, D] -> o_proj over [B*n, H*D]
+        a = self.self_attn
+        return a.o_proj(out.transpose(0, 2, 1, 3).reshape(b * n, a.h * a.d))
+
+    def prefill(self, x, cos, sin, lengths, mask, b, n, slot=None):
+        """x [B*n, E]; lengths int64 [B] the prompt lengths; mask the compressed causal mask; slot as DecoderLayer."""
+        a = self.self_attn
+        q, k, v = self._qkv(self.input_layernorm(x), cos, sin, b, n)
+        k_done, v_done = a.write_prompt(k, v, b, n, slot)
+        out = self.prompt_attention(q, k, v, mask, lengths, lengths, None, None, None, None, None, None)
+        attn = self._out(ops.depend(ops.depend(out, k_done), v_done), b, n)
+        normed, h = self._residual_norm(x, attn)
+        return ew_add(h, self.mlp(normed))
+
+    def decode(self, x, cos, sin, lengths, index, b):
+        """x [B, E]; lengths int64 [B] = tokens in the cache after this step; index as DecoderLayer.decode."""
+        a = self.self_attn
+        q, k, v = self._qkv(self.input_layernorm(x), cos, sin, b, 1)
+        keys, values = a.write_step(k.reshape(b, a.kh, a.d), v.reshape(b, a.kh, a.d), index, b)
+        out = self.step_attention(q, (keys,), (values,), None, lengths, None, None, None, None, None, None, None,
+                                  None, None, None)
+        normed, h = self._residual_norm(x, self._out(out, b, 1))
+        return ew_add(h, self.mlp(normed))
+
+
+def lengths_int64(valid_length):
+    """The fused attention ops' actual_seq_lengths: int64 [B] (int32 graph inputs, as every form has)."""
+    return ops.cast(valid_length, ms.int64)
+
+
+class FusedSteps(nn.Cell):
+    """The fused form's per-call inputs of the layers, built once per graph: RoPE tables in BNSD and the lengths."""
+
+    def __init__(self, cos: Tensor, sin: Tensor) -> None:
+        super().__init__()
+        self.cos, self.sin = cos, sin  # [S, D]
+        self.mask = compressed_causal_mask()
+
+    def prompt(self, n):  # cos/sin [1, 1, n, D]: every row's positions are 0..n-1
+        d = self.cos.shape[-1]
+        return self.cos[:n].reshape(1, 1, n, d), self.sin[:n].reshape(1, 1, n, d)
+
+    def step(self, pos, b):  # pos [B] -> cos/sin [B, 1, 1, D]
+        d = self.cos.shape[-1]
+        return ops.gather(self.cos, pos, 0).reshape(b, 1, 1, d), ops.gather(self.sin, pos, 0).reshape(b, 1, 1, d)

@@ -1,0 +1,202 @@
+"""The `ms` backend's CPU stand-ins for Ascend's fused operators: a parsed MindIR's fused-op nodes rewritten, before
+the graph is loaded, into aot Custom ops calling cpu_kernels/atlas_ops.cc.
+
+A `--graph fused` folder (export/atlas_ops.py) calls PromptFlashAttention, IncreFlashAttention, RmsNorm, AddRmsNorm
+and RotaryPositionEmbedding. MindSpore's CPU build infers their shapes, so the graphs export, but it has no kernels
+for them. Each node is replaced in place: same data inputs, same output (the node's recorded shape, which is what a
+loaded Custom op's abstract comes from), the op's scalar arguments (scale, sparse_mode, epsilon, ...) passed as a
+float32 constant, and the arguments a stand-in does not implement refused with one line naming the op and value.
+Everything else in the graph is untouched: the stand-ins prove the folder's own wiring, not Ascend's kernels.
+
+Node inputs by position follow MindSpore 2.10's op definitions (mindspore/ops/auto_generate/gen_ops_prim.py:
+PromptFlashAttention.__call__, IncreFlashAttention.__call__, RmsNorm, AddRmsNorm, RotaryPositionEmbedding), in
+which the constructor's arguments follow the tensors. Importable without MindSpore (it edits the proto only).
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from lite_runtime.errors import InferError
+
+LAYOUT_BNSD = 1  # MindSpore's enum for input_layout "BNSD" (str_to_enum; "BSH" is 0); tests hold it to MindSpore's
+
+
+@dataclass(frozen=True)
+class Standin:
+    """How one fused op becomes a Custom op: which node inputs are its tensors, which are scalars it reads (passed as
+    the float32 `attrs` tensor, in this order), which must be None, and what each scalar may be."""
+
+    function: str  # in cpu_kernels/atlas_ops.cc
+    tensors: Tuple[int, ...]
+    scalars: Tuple[int, ...]
+    nones: Tuple[int, ...] = ()
+    checks: Tuple[Tuple[int, str, Callable[[object], bool]], ...] = ()  # (input, name, accepts)
+    outputs: int = 1
+    arity: int = 0  # inputs of the node in MindSpore 2.10's definition
+
+
+_STANDINS: Dict[str, Standin] = {
+    # q, k, v, atten_mask, actual_seq_lengths, actual_seq_lengths_kv | pse_shift .. quant_offset2 | num_heads,
+    # scale_value, pre_tokens, next_tokens, input_layout, num_key_value_heads, sparse_mode, inner_precise
+    "PromptFlashAttention": Standin(
+        "MsliteLlmAtlasPromptFlashAttention", (0, 1, 2, 3, 4, 5), (13, 18, 14, 15), nones=tuple(range(6, 12)),
+        checks=((16, "input_layout", lambda v: v == LAYOUT_BNSD), (18, "sparse_mode", lambda v: v in (0, 2, 3))),
+        arity=20),
+    # q, key, value, atten_mask, actual_seq_lengths | pse_shift .. kv_padding_size | num_heads, input_layout,
+    # scale_value, num_key_value_heads, block_size, inner_precise
+    "IncreFlashAttention": Standin(
+        "MsliteLlmAtlasIncreFlashAttention", (0, 1, 2, 4), (17,), nones=(3,) + tuple(range(5, 15)),
+        checks=((16, "input_layout", lambda v: v == LAYOUT_BNSD), (19, "block_size", lambda v: v == 0)), arity=21),
+    # x, gamma, epsilon -> y, rstd
+    "RmsNorm": Standin("MsliteLlmAtlasRmsNorm", (0, 1), (2,), outputs=2, arity=3),
+    # x1, x2, gamma, epsilon -> y, rstd, x1 + x2
+    "AddRmsNorm": Standin("MsliteLlmAtlasAddRmsNorm", (0, 1, 2), (3,), outputs=3, arity=4),
+    "RotaryPositionEmbedding": Standin("MsliteLlmAtlasRotaryPositionEmbedding", (0, 1, 2), (3,),
+                                       checks=((3, "mode", lambda v: v in (0, 1)),), arity=4),
+}
+FUSED_OPS = tuple(_STANDINS)
+
+# ops the export inserts between a tensor and a fused op's tuple-typed input: the stand-in reads the tensor itself
+_PASS_THROUGH = ("TensorToTuple",)
+
+
+def _primitives(model) -> Dict[str, object]:
+    return {prim.name: prim for prim in model.primitives}
+
+
+def _op_of(node, prims) -> str:
+    name = node.op_type[len("REF::"):] if node.op_type.startswith("REF::") else node.op_type
+    prim = prims.get(name)
+    return prim.op_type if prim is not None else name
+
+
+def _scalar(node) -> object:
+    """The value of a Constant node holding a scalar (INT64, FLOAT, BOOL, NONE), else raises ValueError."""
+    for attr in node.attribute:
+        if attr.name != "value":
+            continue
+        kind = type(attr).AttributeType.Name(attr.type)
+        if kind == "NONE":
+            return None
+        if kind in ("INT64", "INT32", "INT8", "UINT8", "BOOL"):
+            return attr.i
+        if kind in ("FLOAT", "DOUBLE"):
+            return attr.f if kind == "FLOAT" else attr.d
+    raise ValueError(node.name)
+
+
+def substitute(model, local_func: Callable[[str], str], where: str) -> Dict[str, int]:
+    """Rewrite every fused-op node of `model` (a parsed MindIR ModelProto) into its stand-in, in place.
+    Returns {op type: nodes rewritten}. `local_func(function)` is the Custom op's func (this machine's library)."""
+    prims = _primitives(model)
+    nodes = {out: node for node in model.graph.node for out in node.output}
+    done: Dict[str, int] = {}
+    added: List[object] = []
+    for node in list(model.graph.node):
+        op = _op_of(node, prims)
+        spec = _STANDINS.get(op)
+        if spec is None:
+            continue
+        inputs = list(node.input)
+        if len(inputs) != spec.arity:
+            raise InferError(f"{where}: {op} has {len(inputs)} inputs where MindSpore 2.10 writes {spec.arity}; the "
+                             "CPU stand-ins follow 2.10's definitions: re-export with mindspore 2.10 to check it here")
+        for index in spec.scalars + spec.nones + tuple(c[0] for c in spec.checks):
+            if index >= len(inputs) or inputs[index] not in nodes or nodes[inputs[index]].op_type != "Constant":
+                raise InferError(f"{where}: {op} input {index} is not a constant; this folder's graph was not written "
+                                 "by mslite-llm's export, whose CPU stand-ins expect its own calls")
+        for index in spec.nones:
+            if _scalar(nodes[inputs[index]]) is not None:
+                raise InferError(f"{where}: {op} input {index} is set, which the CPU stand-in does not implement; "
+                                 "check this folder on the device")
+        for index, name, accepts in spec.checks:
+            value = _scalar(nodes[inputs[index]])
+            if not accepts(value):
+                raise InferError(f"{where}: {op} {name} {value!r} is not implemented by the CPU stand-in; check this "
+                                 "folder on the device, or re-export it with --graph plain")
+        scalars = [float(_scalar(nodes[inputs[index]])) for index in spec.scalars]
+        tensors = [_through(inputs[index], nodes, prims) for index in spec.tensors]
+        attrs = _constant(model, f"{node.name}:standin_attrs", scalars)
+        added.append(attrs)
+        prim = _custom_primitive(model, local_func(spec.function), spec.outputs > 1, len(model.primitives))
+        del node.input[:]
+        node.input.extend(tensors[:len(spec.tensors)] + [attrs.output[0]])
+        node.op_type = "REF::" + prim.name
+        done[op] = done.get(op, 0) + 1
+    if done:
+        _rebuild(model, added)
+    return done
+
+
+def _through(name: str, nodes, prims) -> str:
+    """A tensor input, seen through the ops the export inserts before tuple-typed inputs (TensorToTuple) and the
+    one-tensor lists of IncreFlashAttention's key and value (MakeTuple)."""
+    node = nodes.get(name)
+    if node is None:
+        return name
+    op = _op_of(node, prims)
+    if op in _PASS_THROUGH or (op == "MakeTuple" and len(node.input) == 1):
+        return node.input[0]
+    return name
+
+
+def _constant(model, name: str, values: Sequence[float]):
+    """A Constant node of a float32 [len(values)] tensor (not yet in the graph: substitute puts it first)."""
+    node = type(model.graph.node[0])()
+    node.op_type = "Constant"
+    node.name = name
+    node.output.append(name)
+    attr = node.attribute.add()
+    attr.name = "value"
+    attr.type = type(attr).AttributeType.Value("TENSORS")
+    tensor = attr.tensors.add()
+    tensor.dims.append(len(values))
+    tensor.data_type = type(tensor).DataType.Value("FLOAT")
+    tensor.name = "value0"
+    tensor.raw_data = struct.pack(f"<{len(values)}f", *values)
+    return node
+
+
+def _custom_primitive(model, func: str, multi_output: bool, index: int):
+    prim = model.primitives.add()
+    prim.name = f"Custom:standin{index}"
+    prim.op_type = "Custom"
+    prim.instance_name = ""
+    for name, value in (("imply_path", ""), ("uniq_name", "Custom__" + func), ("func_type", "aot"),
+                        ("func_name", func)):
+        attr = prim.attribute.add()
+        attr.name, attr.s = name, value.encode()
+        attr.type = type(attr).AttributeType.Value("STRING")
+    for name, value in (("multi_output", multi_output), ("autodiff", False)):
+        attr = prim.attribute.add()
+        attr.name, attr.i = name, int(value)
+        attr.type = type(attr).AttributeType.Value("BOOL")
+    prim.prim_type = type(prim).PrimType.Value("PRIMITIVE")
+    return prim
+
+
+def _rebuild(model, constants) -> None:
+    """The node list with the new constants first (a node comes before its readers) and without the nodes nothing
+    reads any more (the scalar arguments, TensorToTuple), removed until none is left."""
+    nodes = list(constants) + list(model.graph.node)
+    while True:
+        used = {name for node in nodes for name in node.input}
+        used.update(out.name for out in model.graph.output)
+        keep = [node for node in nodes if any(out in used for out in node.output)]
+        if len(keep) == len(nodes):
+            break
+        nodes = keep
+    copies = []
+    for node in nodes:
+        copied = type(node)()
+        copied.CopyFrom(node)
+        copies.append(copied)
+    del model.graph.node[:]
+    model.graph.node.extend(copies)
+
+
+def describe(done: Dict[str, int]) -> Optional[str]:
+    """'PromptFlashAttention x2, RmsNorm x9' for check's report, or None when nothing was substituted."""
+    return ", ".join(f"{op} x{n}" for op, n in sorted(done.items())) or None
