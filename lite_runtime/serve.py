@@ -121,10 +121,7 @@ class Service:
 
     def _common(self, body: Dict[str, Any], prompt: List[int], chat: bool) -> Plan:
         _refuse_unsupported(body)
-        model = _get(body, "model", "string")
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
+        self._check_model(body)
         n = _get(body, "n", "integer", 1)
         if n != 1:
             raise APIError(400, f"'n' must be 1 (one completion per request), got {n}", param="n")
@@ -193,7 +190,8 @@ class Service:
             raise APIError(400, "'prompt' is required: a string or a list of token ids", param="prompt")
         return self._common(body, ids, chat=False)
 
-    def chat_plan(self, body: Dict[str, Any]) -> Plan:
+    def chat_prompt(self, body: Dict[str, Any], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to the body's `messages` (text parts only)."""
         messages = _get(body, "messages", "array")
         if not messages:
             raise APIError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")
@@ -214,10 +212,47 @@ class Service:
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
         try:
-            text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # noqa: BLE001  (a template's raise_exception, e.g. roles out of order)
             raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
-        return self._common(body, self.generator.encode(text), chat=True)
+
+    def chat_plan(self, body: Dict[str, Any]) -> Plan:
+        return self._common(body, self.generator.encode(self.chat_prompt(body)), chat=True)
+
+    def _check_model(self, body: Dict[str, Any]) -> None:
+        model = _get(body, "model", "string")
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def tokenize(self, body: Dict[str, Any]) -> Dict[str, Any]:
+        """vLLM's /tokenize: `prompt` (add_special_tokens default true) or `messages` through the chat template
+        (add_generation_prompt default true, add_special_tokens default false). `max_model_len` is the tokens the
+        graphs hold per request, prompt and completion together."""
+        self._check_model(body)
+        chat = "messages" in body
+        if chat:
+            text = self.chat_prompt(body, _get(body, "add_generation_prompt", "boolean", True))
+        else:
+            text = _get(body, "prompt", "string")
+            if text is None:
+                raise APIError(400, "'prompt' (a string) or 'messages' is required", param="prompt")
+        special = _get(body, "add_special_tokens", "boolean", not chat)
+        tokens = self.generator.encode(text, add_special_tokens=special)
+        return {"count": len(tokens), "max_model_len": self.generator.seq_length, "tokens": tokens}
+
+    def detokenize(self, body: Dict[str, Any]) -> Dict[str, Any]:
+        """vLLM's /detokenize: `tokens` -> {"prompt": text}, special tokens kept."""
+        self._check_model(body)
+        tokens = _get(body, "tokens", "array")
+        vocab = self.generator.config.vocab_size
+        if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise APIError(400, "'tokens' is required: a list of token ids", param="tokens")
+        bad = next((t for t in tokens if vocab and not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"'tokens' has the token id {bad}, outside this model's vocabulary [0, {vocab})",
+                           param="tokens")
+        return {"prompt": self.generator.tokenizer.decode(tokens, skip_special_tokens=False)}
 
     def submit(self, plan: Plan, emit) -> SlotRequest:
         eos = tuple(self.generator.defaults.eos_token_id or ())
@@ -349,6 +384,16 @@ def create_app(service: Service):
 
         return StreamingResponse(sse(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await read_body(request)  # templates and tokenizers run off the event loop: streams keep flowing
+        return await asyncio.get_running_loop().run_in_executor(None, service.tokenize, body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await read_body(request)
+        return await asyncio.get_running_loop().run_in_executor(None, service.detokenize, body)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -346,3 +346,35 @@ def test_the_command_serves_and_warns_off_loopback_without_a_key(folder, tmp_pat
         _, err = server.communicate(timeout=30)
     assert f"serving serve4 on http://127.0.0.1:{port}/v1 (backend ms, 4 row(s) of {SEQ} tokens, API key " \
            "required)" in err
+
+
+# --- /tokenize and /detokenize (vLLM's shape) -------------------------------------------------------------------
+def test_tokenize_and_detokenize_round_trip_with_the_models_tokenizer(server, pipe):
+    tok = pipe.tokenizer
+    r = httpx.post(server.url + "/tokenize", json={"model": "serve4", "prompt": "hello world"})
+    ids = tok("hello world", add_special_tokens=True)["input_ids"]
+    assert r.status_code == 200 and r.json() == {"count": len(ids), "max_model_len": SEQ, "tokens": ids}
+    messages = [{"role": "user", "content": "hi there"}]
+    r = httpx.post(server.url + "/tokenize", json={"messages": messages})
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert r.json()["tokens"] == tok(text, add_special_tokens=False)["input_ids"]
+    r = httpx.post(server.url + "/detokenize", json={"tokens": ids})
+    assert (r.status_code, r.json()) == (200, {"prompt": tok.decode(ids, skip_special_tokens=False)})
+
+
+def test_tokenize_counts_what_the_chat_endpoint_prefills(server):
+    """The count /tokenize gives for messages is the prompt_tokens the chat endpoint then reports."""
+    messages = [{"role": "user", "content": "count me"}]
+    count = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["count"]
+    r = server.client.chat.completions.create(model="serve4", messages=messages, max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens == count
+
+
+def test_tokenize_and_detokenize_refuse_bad_input_by_field(server):
+    r = httpx.post(server.url + "/detokenize", json={"tokens": [1, 99999]})
+    assert (r.status_code, r.json()) == (400, _error(
+        "'tokens' has the token id 99999, outside this model's vocabulary [0, 512)", "tokens"))
+    r = httpx.post(server.url + "/tokenize", json={})
+    assert (r.status_code, r.json()) == (400, _error("'prompt' (a string) or 'messages' is required", "prompt"))
+    r = httpx.post(server.url + "/tokenize", json={"model": "gpt-4", "prompt": "a"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
