@@ -156,20 +156,30 @@ void attend_row(const float* q, const void* k, const void* v, Dtype t, int64_t b
   for (int64_t c = 0; c < d; ++c) out[c] /= total;
 }
 
+// q [B, N, Sq, D], k and v [B, KVN, Skv, D] and the output (params[out]) of one dtype, N a multiple of KVN: 0, or the
+// error code
+int check_qkv(int* ndims, int64_t** shapes, const char** dtypes, int out, Dtype* t) {
+  for (int i = 0; i < 3; ++i)
+    if (ndims[i] != 4) return 3;
+  *t = dtype_of(dtypes[0]);
+  if (*t == BAD || dtype_of(dtypes[1]) != *t || dtype_of(dtypes[2]) != *t || dtype_of(dtypes[out]) != *t) return 2;
+  for (int i = 0; i < 4; ++i)
+    if (shapes[2][i] != shapes[1][i]) return 4;
+  const int64_t kv_heads = shapes[1][1];
+  if (shapes[1][0] != shapes[0][0] || shapes[1][3] != shapes[0][3] || kv_heads <= 0 || shapes[0][1] % kv_heads)
+    return 4;
+  return 0;
+}
+
 constexpr int64_t COMPRESSED_MASK = 2048;  // the side of sparse_mode 2/3's mask, as the op documents it
 
 int prompt_flash_attention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam != 8) return 1;
-  for (int i = 0; i < 3; ++i)
-    if (ndims[i] != 4) return 3;
-  const Dtype t = dtype_of(dtypes[0]);
-  if (t == BAD || dtype_of(dtypes[1]) != t || dtype_of(dtypes[2]) != t || dtype_of(dtypes[7]) != t) return 2;
+  Dtype t;
+  if (const int bad = check_qkv(ndims, shapes, dtypes, 7, &t)) return bad;
   if (!is_length_dtype(dtypes[4]) || !is_length_dtype(dtypes[5]) || std::strcmp(dtypes[6], "float32")) return 2;
   const int64_t batch = shapes[0][0], heads = shapes[0][1], sq = shapes[0][2], d = shapes[0][3];
   const int64_t kv_heads = shapes[1][1], skv = shapes[1][2];
-  for (int i = 0; i < 4; ++i)
-    if (shapes[2][i] != shapes[1][i]) return 4;
-  if (shapes[1][0] != batch || shapes[1][3] != d || kv_heads <= 0 || heads % kv_heads) return 4;
   if (count(ndims[4], shapes[4]) != batch || count(ndims[5], shapes[5]) != batch || count(ndims[6], shapes[6]) != 4)
     return 4;
   const float* attrs = static_cast<const float*>(params[6]);
@@ -221,16 +231,12 @@ int prompt_flash_attention(int nparam, void** params, int* ndims, int64_t** shap
 
 int incre_flash_attention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam != 6) return 1;
-  for (int i = 0; i < 3; ++i)
-    if (ndims[i] != 4) return 3;
-  const Dtype t = dtype_of(dtypes[0]);
-  if (t == BAD || dtype_of(dtypes[1]) != t || dtype_of(dtypes[2]) != t || dtype_of(dtypes[5]) != t) return 2;
+  Dtype t;
+  if (const int bad = check_qkv(ndims, shapes, dtypes, 5, &t)) return bad;
   if (!is_length_dtype(dtypes[3]) || std::strcmp(dtypes[4], "float32")) return 2;
   const int64_t batch = shapes[0][0], heads = shapes[0][1], d = shapes[0][3];
   const int64_t kv_heads = shapes[1][1], seq = shapes[1][2];
-  for (int i = 0; i < 4; ++i)
-    if (shapes[2][i] != shapes[1][i]) return 4;
-  if (shapes[0][2] != 1 || shapes[1][0] != batch || shapes[1][3] != d || kv_heads <= 0 || heads % kv_heads) return 4;
+  if (shapes[0][2] != 1) return 4;
   if (count(ndims[3], shapes[3]) != batch || count(ndims[4], shapes[4]) != 1) return 4;
   const float scale = static_cast<const float*>(params[4])[0];
   const int64_t group = heads / kv_heads;

@@ -9,9 +9,9 @@ small ops, with the valid lengths as tensors so that no length ever recompiles a
   actual_seq_lengths = tokens in the cache after this step (int64 [B]); no mask.
 - norms: RmsNorm, and AddRmsNorm for the residual add before post_attention_layernorm (one op for add + norm).
 - rotary embedding: RotaryPositionEmbedding mode 0 (rotate-half, as HF) on BNSD with cos/sin [B|1, 1, n, D].
-Which profile gets which ops: export/devices.py (FusedOps per SoC) and ge_configs/README.md. The projections, the
-MLP and the cache writes are the plain form's (export/layers.py); parameter names are the same, so the weights
-file does not change with the graph form.
+Which profile gets the fused form: export/devices.py (DeviceProfile.fused) and ge_configs/README.md. The
+projections, the MLP and the cache writes are the plain form's (export/layers.py); parameter names are the same, so
+the weights file does not change with the graph form.
 
 On the CPU the `ms` backend replaces these ops by stand-ins (lite_runtime/backends/standins.py,
 cpu_kernels/atlas_ops.cc) when it loads a graph: `check` there proves the wiring, `check` on the device the kernels.
@@ -26,8 +26,7 @@ from mindspore.ops.auto_generate import (AddRmsNorm, IncreFlashAttention, Prompt
                                          RotaryPositionEmbedding)
 
 from export.config import ModelConfig
-from export.devices import FusedOps
-from export.layers import DecoderLayer, Kernels, RMSNorm, ew_add, ew_mul, rotate_half
+from export.layers import DecoderLayer, Kernels, RMSNorm, ew_add
 
 # the side of the compressed causal mask of PromptFlashAttention's sparse_mode 2 and 3 (MindSpore 2.10 op docs)
 COMPRESSED_MASK = 2048
@@ -65,31 +64,23 @@ class AtlasRMSNorm(RMSNorm):
 
 class FusedDecoderLayer(DecoderLayer):
     """A decoder layer of the fused form. Same cells and parameters as DecoderLayer (no CPU kernels); the attention
-    core, the norms and RoPE through the fused ops of `fused`."""
+    core, the norms and RoPE through the fused ops."""
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, fused: FusedOps,
-                 tp: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, tp: bool = False) -> None:
         super().__init__(cfg, batch_size, seq_length, dtype, Kernels(), tp)
         a = self.self_attn
-        self.fused = fused
-        if fused.norm:
-            self.input_layernorm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-            self.post_attention_layernorm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-            if cfg.qk_norm:
-                a.q_norm = AtlasRMSNorm(a.d, cfg.rms_norm_eps, dtype)
-                a.k_norm = AtlasRMSNorm(a.d, cfg.rms_norm_eps, dtype)
-        self.rope = RotaryPositionEmbedding() if fused.rope else None
+        self.input_layernorm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.qk_norm:
+            a.q_norm = AtlasRMSNorm(a.d, cfg.rms_norm_eps, dtype)
+            a.k_norm = AtlasRMSNorm(a.d, cfg.rms_norm_eps, dtype)
+        self.rope = RotaryPositionEmbedding()
         scale = attention_scale(a.d)
         self.prompt_attention = PromptFlashAttention(
             num_heads=a.h, scale_value=scale, pre_tokens=2147483647, next_tokens=0, input_layout="BNSD",
             num_key_value_heads=a.kh, sparse_mode=SPARSE_RIGHT_DOWN_CAUSAL)
         self.step_attention = IncreFlashAttention(num_heads=a.h, input_layout="BNSD", scale_value=scale,
                                                   num_key_value_heads=a.kh)
-
-    def _rotate(self, x, cos, sin):  # x [B, N, n, D], cos/sin [B|1, 1, n, D]
-        if self.rope is not None:
-            return self.rope(x, cos, sin, 0)
-        return ew_add(ew_mul(x, ops.broadcast_to(cos, x.shape)), ew_mul(rotate_half(x), ops.broadcast_to(sin, x.shape)))
 
     def _qkv(self, x, cos, sin, b, n):
         """x [B*n, E] -> q [B, H, n, D], k, v [B, KH, n, D], RoPE applied (after Qwen3's per-head norms)."""
@@ -100,14 +91,8 @@ class FusedDecoderLayer(DecoderLayer):
         if a.q_norm is not None:
             q, k = a.q_norm(q), a.k_norm(k)
         q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
-
-    def _residual_norm(self, x, attn):
-        """(post_attention_layernorm(x + attn), x + attn)"""
-        if self.fused.norm:
-            return self.post_attention_layernorm.add_norm(x, attn)
-        h = ew_add(x, attn)
-        return self.post_attention_layernorm(h), h
+        # x [B, N, n, D], cos/sin [B|1, 1, n, D]; mode 0: rotate-half, as HF
+        return self.rope(q, cos, sin, 0), self.rope(k, cos, sin, 0), v
 
     def _out(self, out, b, n):  # [B, H, n, D] -> o_proj over [B*n, H*D]
         a = self.self_attn
@@ -120,17 +105,17 @@ class FusedDecoderLayer(DecoderLayer):
         k_done, v_done = a.write_prompt(k, v, b, n, slot)
         out = self.prompt_attention(q, k, v, mask, lengths, lengths, None, None, None, None, None, None)
         attn = self._out(ops.depend(ops.depend(out, k_done), v_done), b, n)
-        normed, h = self._residual_norm(x, attn)
+        normed, h = self.post_attention_layernorm.add_norm(x, attn)
         return ew_add(h, self.mlp(normed))
 
     def decode(self, x, cos, sin, lengths, index, b):
         """x [B, E]; lengths int64 [B] = tokens in the cache after this step; index as DecoderLayer.decode."""
         a = self.self_attn
         q, k, v = self._qkv(self.input_layernorm(x), cos, sin, b, 1)
-        keys, values = a.write_step(k.reshape(b, a.kh, a.d), v.reshape(b, a.kh, a.d), index, b)
+        keys, values = a.write_step(k, v, index, b)
         out = self.step_attention(q, (keys,), (values,), None, lengths, None, None, None, None, None, None, None,
                                   None, None, None)
-        normed, h = self._residual_norm(x, self._out(out, b, 1))
+        normed, h = self.post_attention_layernorm.add_norm(x, self._out(out, b, 1))
         return ew_add(h, self.mlp(normed))
 
 
@@ -140,7 +125,7 @@ def lengths_int64(valid_length):
 
 
 class FusedSteps(nn.Cell):
-    """The fused form's per-call inputs of the layers, built once per graph: RoPE tables in BNSD and the lengths."""
+    """The fused form's per-call inputs of the layers: RoPE tables in BNSD, and the compressed causal mask."""
 
     def __init__(self, cos: Tensor, sin: Tensor) -> None:
         super().__init__()

@@ -3,19 +3,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from export.errors import ExportError
 
 GE_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ge_configs")
-
-
-class FusedOps(NamedTuple):
-    """The fused operators a SoC runs in `--graph fused` folders (export/atlas_layers.py), besides the attention
-    (PromptFlashAttention for prompts, IncreFlashAttention for the step), which every fused SoC must have."""
-
-    norm: bool = True  # RmsNorm / AddRmsNorm
-    rope: bool = True  # RotaryPositionEmbedding
 
 
 GRAPH_FORMS = ("fused", "plain")
@@ -32,8 +24,9 @@ class DeviceProfile:
     # default prompt-length buckets (default_buckets): first, first*factor, ... below seq_length
     bucket_first: int = 128
     bucket_factor: int = 4
-    # the fused operators its SoC runs (ge_configs/README.md says which and why); None: no fused form
-    fused: Optional[FusedOps] = None
+    # whether its SoC runs every fused operator of `--graph fused` (export/atlas_layers.py) as we call it:
+    # ge_configs/README.md says which SoC runs which and why
+    fused: bool = False
 
     @property
     def default_dtype(self) -> str:
@@ -46,9 +39,9 @@ class DeviceProfile:
 
 PROFILES: Dict[str, DeviceProfile] = {
     "atlas_800i_a2": DeviceProfile("atlas_800i_a2", "Atlas 800I A2", "Ascend910B", ("float16", "bfloat16", "float32"),
-                                   fused=FusedOps(norm=True, rope=True)),
+                                   fused=True),
     "atlas_800t_a2": DeviceProfile("atlas_800t_a2", "Atlas 800T A2", "Ascend910B", ("float16", "bfloat16", "float32"),
-                                   fused=FusedOps(norm=True, rope=True)),
+                                   fused=True),
     "atlas_800": DeviceProfile("atlas_800", "Atlas 800", "Ascend910A", ("float16", "float32")),
     # 310P: PromptFlashAttention/IncreFlashAttention take no actual lengths and no GQA there (ge_configs/README.md)
     "atlas_300i_duo": DeviceProfile("atlas_300i_duo", "Atlas 300I Duo", "Ascend310P", ("float16",)),
@@ -94,7 +87,7 @@ def graph_form(profile: DeviceProfile, dtype: str, asked: Optional[str], head_di
     if asked not in (None, "auto") + GRAPH_FORMS:
         raise ExportError(f"--graph {asked!r} is not one of auto, {', '.join(GRAPH_FORMS)}")
     why = None
-    if profile.fused is None:
+    if not profile.fused:
         why = f"device profile {profile.name!r} ({profile.soc or 'CPU'}) has no fused attention operators we can use"
     elif dtype not in FUSED_DTYPES:
         why = f"the fused attention operators take {' or '.join(FUSED_DTYPES)}, not {dtype}"

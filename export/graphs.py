@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from export.config import ExportConfig, ModelConfig, tensor_parallel_config, vocab_shards
-from export.devices import get_profile
 from export.errors import ExportError
 from lite_runtime.folder import MINDIR_DTYPES, graph_file, mindir_specs, rank_name
 from lite_runtime.manifest import GraphEntry
@@ -61,7 +60,7 @@ class Network:
         self.net = CausalLM(tensor_parallel_config(model_cfg, tp) if tp > 1 else model_cfg, cfg.batch_size,
                             cfg.seq_length, cfg.compute_dtype, gemv=self.kernels, gemm=gemm, weight_dtype=cfg.dtype,
                             tensor_parallel=tp > 1, vocab_shards=self.vocab_shards,
-                            fused=get_profile(cfg.device).fused if cfg.graph == "fused" else None)
+                            fused=cfg.graph == "fused")
 
     def parameters(self) -> Params:
         names = {"Float32": "float32", "Float16": "float16", "BFloat16": "bfloat16", "Int32": "int32"}

@@ -293,10 +293,10 @@ class Attention(nn.Cell):
         return ops.scatter_nd_update(self.key_cache, row, k), ops.scatter_nd_update(self.value_cache, row, v)
 
     def write_step(self, k, v, index, b):
-        """The decode step's cache write: k, v [B, KH, D] at index [B, KH, 3] = (row, head, position). Returns the
-        caches as read after the write."""
-        k_done = ops.scatter_nd_update(self.key_cache, index, k)
-        v_done = ops.scatter_nd_update(self.value_cache, index, v)
+        """The decode step's cache write: k, v (B * KH * D values each, any shape) at index [B, KH, 3] = (row, head,
+        position). Returns the caches as read after the write."""
+        k_done = ops.scatter_nd_update(self.key_cache, index, k.reshape(b, self.kh, self.d))
+        v_done = ops.scatter_nd_update(self.value_cache, index, v.reshape(b, self.kh, self.d))
         return ops.depend(self.key_cache, k_done), ops.depend(self.value_cache, v_done)
 
     def prefill(self, x, cos, sin, mask, b, n, valid_length, slot=None):
@@ -309,7 +309,7 @@ class Attention(nn.Cell):
     def decode(self, x, cos, sin, mask, index, b, valid_length):
         """One token per row; index [B, KH, 3] = (row, head, position) to write in the cache."""
         q, k, v = self._project(x, cos, sin, b, 1)
-        keys, values = self.write_step(k.reshape(b, self.kh, self.d), v.reshape(b, self.kh, self.d), index, b)
+        keys, values = self.write_step(k, v, index, b)
         return self.o_proj.few_rows(self._attend(q, keys, values, mask, b, 1))
 
     def fused_attend(self, x, cos, sin, index, b, valid_length):
@@ -322,7 +322,7 @@ class Attention(nn.Cell):
         else:
             q, k, v = self.qkv_rope(x, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv, cos, sin, self.q_norm.weight,
                                     self.k_norm.weight, self.norm_eps)
-        keys, values = self.write_step(k.reshape(b, self.kh, self.d), v.reshape(b, self.kh, self.d), index, b)
+        keys, values = self.write_step(k, v, index, b)
         return self.attention(q, keys, values, valid_length)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from export.atlas_layers import AtlasRMSNorm, FusedDecoderLayer, FusedOps, FusedSteps, lengths_int64
+from export.atlas_layers import AtlasRMSNorm, FusedDecoderLayer, FusedSteps, lengths_int64
 from export.config import ModelConfig
 from export.layers import (KERNEL_PREFILL_MAX_ROWS, MS_DTYPES, DecoderLayer, Embedding, Kernels, Linear, RMSNorm,
                            kernel_matmul)
@@ -30,16 +30,16 @@ class DecoderModel(nn.Cell):
     """The layers, of one form: DecoderLayer (plain ops or CPU kernels, `k`) or FusedDecoderLayer (`fused`)."""
 
     def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels",
-                 tp: bool = False, vocab_shards: int = 1, fused: Optional[FusedOps] = None) -> None:
+                 tp: bool = False, vocab_shards: int = 1, fused: bool = False) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, k, vocab_shards)
-        if fused is None:
+        if not fused:
             layers = [DecoderLayer(cfg, batch_size, seq_length, dtype, k, tp) for _ in range(cfg.num_hidden_layers)]
         else:
-            layers = [FusedDecoderLayer(cfg, batch_size, seq_length, dtype, fused, tp)
+            layers = [FusedDecoderLayer(cfg, batch_size, seq_length, dtype, tp)
                       for _ in range(cfg.num_hidden_layers)]
         self.layers = nn.CellList(layers)
-        if fused is not None and fused.norm:
+        if fused:
             self.norm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         else:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
@@ -66,19 +66,19 @@ class CausalLM(nn.Cell):
     each rank's logits of its rows are gathered (AllGather) into the whole vocabulary's; 1: they are replicated.
     Either way every rank computes the same logits.
 
-    `fused` (FusedOps, Atlas profiles only): the fused form of the layers (export/atlas_layers.py); None: plain.
+    `fused` (Atlas A2 profiles only): the fused form of the layers (export/atlas_layers.py); else plain.
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype: str = "float32",
                  gemv: bool = False, gemm: bool = False, weight_dtype: Optional[str] = None,
-                 tensor_parallel: bool = False, vocab_shards: int = 1, fused: Optional[FusedOps] = None) -> None:
+                 tensor_parallel: bool = False, vocab_shards: int = 1, fused: bool = False) -> None:
         super().__init__()
         ms_dtype = MS_DTYPES[dtype]
         if weight_dtype == dtype:
             weight_dtype = None
         if weight_dtype is not None and not (gemv and gemm and dtype == "float32"):
             raise ValueError(f"{weight_dtype} weights with {dtype} compute need the CPU kernels (gemv and gemm)")
-        if fused is not None and (gemv or gemm or dtype == "float32"):
+        if fused and (gemv or gemm or dtype == "float32"):
             raise ValueError("the fused form runs Ascend's float16/bfloat16 operators, without the CPU kernels")
         k = Kernels(gemv, gemm, MS_DTYPES[weight_dtype] if weight_dtype else None)
         self.config, self.batch_size, self.seq_length, self.dtype = cfg, batch_size, seq_length, ms_dtype
@@ -97,7 +97,7 @@ class CausalLM(nn.Cell):
         self.head_gemv, self.head_gemm = gemv, gemm
         cos, sin = rope_tables(cfg, seq_length)
         self.cos, self.sin = Tensor(cos, ms_dtype), Tensor(sin, ms_dtype)  # [S, D] graph constants
-        self.fused = None if fused is None else FusedSteps(self.cos, self.sin)
+        self.fused = FusedSteps(self.cos, self.sin) if fused else None
         self.head_matmul = ops.MatMul(transpose_b=True)
         self.rows = Tensor(np.arange(batch_size, dtype=np.int32))
         # (row, kv head) part of the cache write index, the position is added per call

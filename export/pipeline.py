@@ -31,6 +31,7 @@ from export.config import ExportConfig, ModelConfig
 from export.devices import default_buckets, get_profile, graph_form
 from export.errors import ExportError
 from export import folder as checkpoint_files
+from lite_runtime.memory import anon_bytes
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +88,7 @@ class PeakAnon:
 
     @staticmethod
     def _now() -> int:
-        try:
-            with open("/proc/self/status", encoding="ascii") as fh:
-                for line in fh:
-                    if line.startswith("RssAnon:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
+        return anon_bytes()
 
     def _run(self, interval: float) -> None:
         while not self._stop.wait(interval):

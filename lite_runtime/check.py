@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
 from lite_runtime.backends import CHOICES
+from lite_runtime.backends.standins import describe
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError
 from lite_runtime.golden import TOLERANCES, Reference, RowResult, Tolerance, load_golden, replay, replay_slots
@@ -70,9 +71,9 @@ class Report:
 
     def form_line(self) -> str:
         """Which graph form ran, and what was substituted: the stand-ins prove the wiring, not Ascend's kernels."""
-        if not self.standins:
+        ops = describe(self.standins)
+        if ops is None:
             return f"graph form: {self.graph}"
-        ops = ", ".join(f"{op} x{n}" for op, n in sorted(self.standins.items()))
         return (f"graph form: {self.graph}; Ascend's fused operators ran as CPU stand-ins ({ops}): this proves "
                 "the graphs' wiring, not Ascend's kernels; run check on the device for those")
 
@@ -165,7 +166,7 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
             info["ge_config"] = fh.read()
     except OSError:
         pass
-    standins = dict(getattr(generator.backend, "standins", {}) or {})
+    standins = dict(generator.backend.standins)
     info["standins"] = standins
     return Report(name=folder.name, backend=generator.backend_name, dtype=config.compute_dtype, tolerance=tolerance,
                   reference=reference.source, rows=rows, info=info, graph=folder.graph_form, standins=standins)

@@ -17,6 +17,19 @@ GIB = 1 << 30
 FLOAT16_OVERHEAD = 1 * GIB  # MindSpore's runtime, graphs and activations beyond the float32 copies (at least)
 
 
+def anon_bytes(pid="self") -> int:
+    """A process's anonymous memory (RssAnon: what it holds itself, not the page cache its maps touch); 0 when it
+    cannot be read (the process is gone, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def available_bytes() -> Optional[int]:
     """What this process can still allocate without swapping or being killed: the machine's MemAvailable, and in a
     container or any memory-limited cgroup the room left under each limit above it (cgroup v1 or v2). None where

@@ -177,12 +177,7 @@ class Service:
         if isinstance(prompt, str):
             ids = self.generator.encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.generator.config.vocab_size
-            bad = next((t for t in prompt if vocab and not 0 <= t < vocab), None)
-            if bad is not None:
-                raise APIError(400, f"'prompt' has the token id {bad}, outside this model's vocabulary [0, {vocab})",
-                               param="prompt")
-            ids = list(prompt)
+            ids = self._in_vocabulary(prompt, "prompt")
         elif isinstance(prompt, list):
             raise APIError(400, "'prompt' must be one string or one list of token ids: send one prompt per request",
                            param="prompt")
@@ -219,6 +214,15 @@ class Service:
     def chat_plan(self, body: Dict[str, Any]) -> Plan:
         return self._common(body, self.generator.encode(self.chat_prompt(body)), chat=True)
 
+    def _in_vocabulary(self, ids: List[int], field: str) -> List[int]:
+        """`ids` (ints) if every one is a token of this model, else a 400 naming `field` and the first outsider."""
+        vocab = self.generator.config.vocab_size
+        bad = next((t for t in ids if vocab and not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"'{field}' has the token id {bad}, outside this model's vocabulary [0, {vocab})",
+                           param=field)
+        return list(ids)
+
     def _check_model(self, body: Dict[str, Any]) -> None:
         model = _get(body, "model", "string")
         if model is not None and model != self.model_name:
@@ -245,13 +249,9 @@ class Service:
         """vLLM's /detokenize: `tokens` -> {"prompt": text}, special tokens kept."""
         self._check_model(body)
         tokens = _get(body, "tokens", "array")
-        vocab = self.generator.config.vocab_size
         if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise APIError(400, "'tokens' is required: a list of token ids", param="tokens")
-        bad = next((t for t in tokens if vocab and not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"'tokens' has the token id {bad}, outside this model's vocabulary [0, {vocab})",
-                           param="tokens")
+        tokens = self._in_vocabulary(tokens, "tokens")
         return {"prompt": self.generator.tokenizer.decode(tokens, skip_special_tokens=False)}
 
     def submit(self, plan: Plan, emit) -> SlotRequest:

@@ -35,6 +35,9 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
+
+from lite_runtime.memory import anon_bytes  # noqa: E402  (the repository root is on the path from here)
 
 SHAPES: Dict[str, Dict[str, Any]] = {  # the released configs' sizes (Qwen/Qwen2-*: config.json)
     "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -166,17 +169,7 @@ def _tree(pid: int) -> List[int]:
 
 
 def _anon_bytes(pids: List[int]) -> int:
-    total = 0
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/status", encoding="ascii") as fh:
-                for line in fh:
-                    if line.startswith("RssAnon:"):
-                        total += int(line.split()[1]) * 1024
-                        break
-        except OSError:
-            pass
-    return total
+    return sum(anon_bytes(p) for p in pids)
 
 
 def _used_bytes(path: str) -> int:

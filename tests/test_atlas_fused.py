@@ -254,19 +254,15 @@ def test_tiling_sink_is_on_exactly_where_the_fused_form_is_the_default():
     for name, profile in PROFILES.items():
         with open(profile.ini_path, encoding="ascii") as fh:
             lines = [line.strip() for line in fh if not line.startswith("#")]
-        assert ("ge.tiling_schedule_optimize=1" in lines) == (profile.fused is not None), name
+        assert ("ge.tiling_schedule_optimize=1" in lines) == profile.fused, name
 
 
 def test_a_fused_folder_split_over_two_ranks_passes_check_under_msrun(checkpoints, tmp_path):
     """tp_size 2: each rank's fused graphs (its heads, vocab-parallel tables, AllReduce/AllGather in float16)."""
-    from test_tensor_parallel import ROOT, msrun
+    from test_tensor_parallel import check_under_msrun
 
     folder = _export(checkpoints["gqa_tied"], str(tmp_path / "tpf"), prefill_buckets=(16,), tp_size=2)
-    code, logs = msrun(tmp_path, os.path.join(ROOT, "scripts", "run_infer_main.py"), "--model_dir", folder,
-                       "--backend", "ms", "--check")
-    assert code == 0, "\n".join(logs.values())[-3000:]
-    assert len(logs) == 2
-    for log in logs.values():
+    for log in check_under_msrun(tmp_path, folder).values():
         assert "PASS tpf on backend ms: 4 prompts (each through the prefill graphs and through the slot graphs)" in log
         assert "graph form: fused; Ascend's fused operators ran as CPU stand-ins" in log
 

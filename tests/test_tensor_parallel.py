@@ -62,6 +62,15 @@ def msrun(tmp_path, *args, workers: int = 2):
     return proc.returncode, logs
 
 
+def check_under_msrun(tmp_path, folder: str, workers: int = 2):
+    """The launcher's --check, unchanged, under msrun: it exits 0 and every worker logged. Returns the logs."""
+    code, logs = msrun(tmp_path, os.path.join(ROOT, "scripts", "run_infer_main.py"), "--model_dir", folder,
+                       "--backend", "ms", "--check", workers=workers)
+    assert code == 0, "\n".join(logs.values())[-3000:]
+    assert len(logs) == workers
+    return logs
+
+
 def test_the_folder_holds_each_ranks_graphs_and_weights(tp_folder):
     from lite_runtime.folder import load_folder
 
@@ -108,11 +117,7 @@ def test_two_ranks_under_msrun_equal_hf_and_the_single_card_folder(tp_folder, ch
 
 def test_check_under_msrun_passes_on_every_rank(tp_folder, tmp_path):
     """The launcher, unchanged, under msrun: each rank replays the golden references (prefill and slot graphs)."""
-    code, logs = msrun(tmp_path, os.path.join(ROOT, "scripts", "run_infer_main.py"), "--model_dir", tp_folder,
-                       "--backend", "ms", "--check")
-    assert code == 0, "\n".join(logs.values())[-3000:]
-    assert len(logs) == 2
-    for log in logs.values():
+    for log in check_under_msrun(tmp_path, tp_folder).values():
         assert "PASS tp2 on backend ms: 4 prompts (each through the prefill graphs and through the slot graphs)" in log
 
 

@@ -125,6 +125,7 @@ class MsLiteBackend:  # pragma: no cover - needs mindspore_lite and an Ascend de
     name = "mslite"
 
     def __init__(self, config) -> None:
+        self.standins: Dict[str, int] = {}  # Lite runs the graphs as written: nothing is substituted (backends/ms.py)
         settings = context_plan(config)
         build_plan(config)  # every refusal happens before mindspore_lite is imported
         try:

@@ -91,6 +91,8 @@ def substitute(model, local_func: Callable[[str], str], where: str) -> Dict[str,
     """Rewrite every fused-op node of `model` (a parsed MindIR ModelProto) into its stand-in, in place.
     Returns {op type: nodes rewritten}. `local_func(function)` is the Custom op's func (this machine's library)."""
     prims = _primitives(model)
+    if not any(prim.op_type in _STANDINS for prim in prims.values()):  # a plain graph: nothing to read
+        return {}
     nodes = {out: node for node in model.graph.node for out in node.output}
     done: Dict[str, int] = {}
     added: List[object] = []
