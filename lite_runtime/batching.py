@@ -7,11 +7,19 @@ a stop string, max_tokens) or its client has gone, and its row is free for the n
 are never written by another request's calls, so a request cannot see another's tokens, and a row's
 numbers do not depend on what the other rows hold.
 
-One thread (the engine) makes every graph call; callers submit a `SlotRequest` and receive its events
-through the request's `emit` callback, called from the engine thread: ("text", str), then one
-("end", finish_reason) or ("error", message). Text is decoded from the generated ids as a whole each
-step, so multi-byte characters and stop strings split across tokens come out right: text that could
-still be the start of a stop string is held back until it cannot.
+One thread (the engine) makes every graph call; callers submit a `SlotRequest` (or several at once:
+`submit_many`, all or none) and receive its events through the request's `emit` callback, called from the
+engine thread: ("text", str, logprobs), then one ("end", finish_reason) or ("error", message). Text is
+decoded from the generated ids as a whole each step, so multi-byte characters and stop strings split across
+tokens come out right: text that could still be the start of a stop string is held back until it cannot.
+`logprobs` is None unless the request asked for them (`SlotRequest.logprobs` = how many alternatives): then
+the `TokenLogprob`s of the tokens whose text this event completes, log-softmax of the raw float32 logits of
+the graphs (before the repetition penalty, temperature, top-k/top-p and any grammar mask: what the model
+gives, as OpenAI and vLLM's default report).
+
+A request may carry a `constraint` (lite_runtime.serve.grammar: a grammar's token mask): its `mask(scores)`
+is applied to the logits before the sampling transforms, `accept(token)` follows the chosen token, and
+`finished()` ends the request (finish reason "stop") when the grammar can take nothing more.
 
 No HTTP here (lite_runtime.serve) and no MindSpore or torch: the generator's backend does the work.
 """
@@ -22,7 +30,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -35,21 +43,34 @@ class QueueFull(Exception):
     """Every row is busy and the queue is at its bound."""
 
 
+class TokenLogprob(NamedTuple):
+    token: int
+    logprob: float
+    top: List[Tuple[int, float]]  # the `logprobs` most likely tokens, most likely first
+
+
 @dataclass
 class SlotRequest:
     prompt: List[int]
     max_tokens: int
     settings: GenerationSettings  # sampling (do_sample, temperature, top_k, top_p, repetition_penalty, seed)
-    emit: Callable[[Tuple[str, object]], None]
+    emit: Callable[[Tuple[Any, ...]], None]
     stop: Sequence[str] = ()
     eos: Sequence[int] = ()
+    logprobs: Optional[int] = None  # None: none; k: each token's log-probability and the k most likely
+    constraint: Any = None  # mask(scores) -> scores, accept(token), finished() -> bool
     cancelled: bool = False  # set by the caller (client gone); the engine frees the row at its next step
     # filled in by the engine
     generated: List[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
     text: str = ""  # sent so far
     submitted: float = field(default_factory=time.monotonic)
+    started: Optional[float] = None  # when its row's prefill began
+    token_times: List[float] = field(default_factory=list)  # when each generated token was chosen (monotonic)
+    ended: Optional[float] = None
     slot: Optional[int] = None
+    token_logprobs: List[TokenLogprob] = field(default_factory=list)
+    _sent_logprobs: int = 0  # token_logprobs already sent with text
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.settings.seed)
@@ -68,6 +89,19 @@ def held_back(text: str, stops: Sequence[str]) -> int:
                 keep = max(keep, len(text) - len(body) + n)
                 break
     return keep
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """The chosen token's log-probability under softmax(logits) and the `top` most likely tokens (float64 sums)."""
+    x = np.asarray(logits, np.float64)
+    peak = x.max()
+    lse = peak + np.log(np.exp(x - peak).sum())
+    best: List[Tuple[int, float]] = []
+    if top > 0:
+        part = np.argpartition(-x, top - 1)[:top]
+        part = part[np.lexsort((part, -x[part]))]  # most likely first; ties by id
+        best = [(int(i), float(x[i] - lse)) for i in part]
+    return TokenLogprob(int(token), float(x[token] - lse), best)
 
 
 class BatchEngine:
@@ -91,13 +125,17 @@ class BatchEngine:
 
     # --- callers ------------------------------------------------------------------------------------
     def submit(self, request: SlotRequest) -> None:
+        self.submit_many([request])
+
+    def submit_many(self, requests: Sequence[SlotRequest]) -> None:
+        """Queue every request or, past the bound, none (QueueFull)."""
         with self._cond:
             if self._stopped:
                 raise RuntimeError("the engine has stopped")
-            if self.inflight >= self.rows + self.max_queue:
+            if self.inflight + len(requests) > self.rows + self.max_queue:
                 raise QueueFull()
-            self.inflight += 1
-            self.waiting.append(request)
+            self.inflight += len(requests)
+            self.waiting.extend(requests)
             self._cond.notify()
 
     def load(self) -> Tuple[int, int]:
@@ -139,10 +177,12 @@ class BatchEngine:
             request.emit(("error", "the server is shutting down"))
 
     def _start(self, row: int, request: SlotRequest) -> None:
-        if request.cancelled:
+        if request.cancelled:  # its client left while it waited
             self._done()
+            request.finish_reason, request.ended = "cancelled", time.monotonic()
+            request.emit(("end", "cancelled"))
             return
-        request.slot = row
+        request.slot, request.started = row, time.monotonic()
         self.slots[row] = request
         self.peak_busy = max(self.peak_busy, sum(s is not None for s in self.slots))
         self._advance(row, request, self.generator.prefill_slot(row, request.prompt))
@@ -167,13 +207,19 @@ class BatchEngine:
     def _advance(self, row: int, request: SlotRequest, logits: np.ndarray) -> None:
         """Choose the request's next token from its logits, send the text it completes, end it if it is done."""
         seen = request.prompt + request.generated
-        scores = process(logits, seen, request.settings)
+        constraint = request.constraint
+        scores = process(logits if constraint is None else constraint.mask(logits), seen, request.settings)
         if request.settings.do_sample:
             token, _ = choose(scores, True, request.rng)
         else:  # what choose() picks, without the softmax over the vocabulary it does for the probability
             token = int(np.argmax(scores))
         request.generated.append(token)
-        if token in request.eos:
+        request.token_times.append(time.monotonic())
+        if request.logprobs is not None and token not in request.eos:
+            request.token_logprobs.append(token_logprob(logits, token, request.logprobs))
+        if constraint is not None:
+            constraint.accept(token)
+        if token in request.eos or constraint is not None and constraint.finished():
             self._send_text(request, final=True)
             self._end(row, request, reason="stop")
             return
@@ -193,15 +239,21 @@ class BatchEngine:
             found = [i for i in (text.find(s, since) for s in request.stop) if i >= 0]
             hit = min(found) if found else None
         end = hit if hit is not None else len(text) if final else len(text) - held_back(text, request.stop)
-        if end > len(request.text):
-            request.emit(("text", text[len(request.text):end]))
-            request.text = text[:end]
+        pending = request.logprobs is not None and (final or hit is not None) and \
+            request._sent_logprobs < len(request.token_logprobs)
+        if end > len(request.text) or pending:
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = request.token_logprobs[request._sent_logprobs:]
+                request._sent_logprobs = len(request.token_logprobs)
+            request.emit(("text", text[len(request.text):end], logprobs))
+            request.text = text[:max(end, len(request.text))]
         return hit is not None
 
     def _end(self, row: int, request: SlotRequest, reason: str = "", error: str = "") -> None:
         self.slots[row] = None
         self._done()
-        request.finish_reason = reason or "error"
+        request.finish_reason, request.ended = reason or "error", time.monotonic()
         request.emit(("error", error) if error else ("end", reason))
 
     def _done(self) -> None:

@@ -256,12 +256,16 @@ def _error(message, param=None, code=None):
 
 BAD = [
     ("not json", b'{"prompt": "a",', _error(
-        "the body is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 16 (char 15)")),
+        "the body is not valid JSON: Expecting property name enclosed in double quotes (char 15)")),
+    ("not an object", b'[1]', _error("the body must be a JSON object")),
+    ("not finite", b'{"prompt": "a", "temperature": NaN}', _error("'temperature' must be a finite number",
+                                                                  "temperature")),
     ("wrong type", {"prompt": "a", "max_tokens": "8"}, _error("'max_tokens' must be an integer, got \"8\"",
                                                               "max_tokens")),
     ("bool for a number", {"prompt": "a", "temperature": True}, _error("'temperature' must be a number, got true",
                                                                        "temperature")),
-    ("n > 1", {"prompt": "a", "n": 2}, _error("'n' must be 1 (one completion per request), got 2", "n")),
+    ("n > rows", {"prompt": "a", "n": 5}, _error(
+        "'n' must be at most 4 (this model's cache rows: each choice takes one), got 5", "n")),
     ("prompt too long", {"prompt": [5] * (SEQ + 1)}, _error(
         f"the prompt has {SEQ + 1} tokens; this model's graphs hold {SEQ} tokens per request, prompt and completion "
         "together: shorten it", "prompt", "context_length_exceeded")),
@@ -272,7 +276,8 @@ BAD = [
         f"to at most {SEQ - 10}", "max_tokens", "context_length_exceeded")),
     ("two prompts", {"prompt": ["a", "b"]}, _error(
         "'prompt' must be one string or one list of token ids: send one prompt per request", "prompt")),
-    ("unsupported", {"prompt": "a", "logprobs": 2}, _error("'logprobs' is not supported by this server", "logprobs")),
+    ("unsupported", {"prompt": "a", "echo": True}, _error("'echo' is not supported by this server", "echo")),
+    ("logprobs > 20", {"prompt": "a", "logprobs": 21}, _error("'logprobs' must be in [0, 20], got 21", "logprobs")),
     ("out of range", {"prompt": "a", "top_p": 0}, _error("'top_p' must be in (0, 1], got 0", "top_p")),
 ]
 
@@ -286,7 +291,8 @@ def test_bad_input_is_a_400_with_the_reason(server, body, want):
 
 def test_bad_chat_messages_and_unknown_model(server):
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": 3}]})
-    assert (r.status_code, r.json()) == (400, _error("'messages[0].content' must be a string", "messages"))
+    assert (r.status_code, r.json()) == (400, _error(
+        "'messages[0].content' must be a string or a list of text parts", "messages"))
     r = httpx.post(server.url + "/v1/completions", json={"model": "gpt-4", "prompt": "a"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 

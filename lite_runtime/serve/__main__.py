@@ -1,0 +1,5 @@
+import sys
+
+from lite_runtime.serve.cli import main
+
+sys.exit(main())

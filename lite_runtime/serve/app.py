@@ -1,0 +1,167 @@
+"""The HTTP router: FastAPI routes over a Service, server-sent events, the API key, one error shape.
+
+Request bodies are the protocol's pydantic models (so /openapi.json and /docs show the real API); every
+refusal, FastAPI's own included, leaves through one handler as OpenAI's {"error": {...}}. Plans (tokenizing,
+templates, grammar compiles) are made off the event loop, so running streams keep flowing meanwhile.
+"""
+# no `from __future__ import annotations`: FastAPI reads the handlers' annotations
+import asyncio
+import json
+from typing import Any, Dict
+
+from lite_runtime.serve.metrics import CONTENT_TYPE
+from lite_runtime.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                         TokenizeRequest, validation_error)
+from lite_runtime.serve.responses import Answer, TokenPieces
+from lite_runtime.serve.serving import Plan, Service
+
+_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+_OPEN = ("/health", "/docs", "/openapi.json", "/docs/oauth2-redirect")  # no API key needed
+
+
+def create_app(service: Service):
+    """The FastAPI application over a Service."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    app = FastAPI(title="mslite-llm", summary="An OpenAI-compatible server for an exported model folder",
+                  redoc_url=None)
+    pieces = TokenPieces(service.generator.tokenizer)
+    open_paths = _OPEN + (("/metrics",) if service.metrics_public else ())
+
+    def refused(request: Request, exc: APIError) -> JSONResponse:
+        if 400 <= exc.status < 500 and exc.status != 401:
+            path = request.url.path
+            service.metrics.invalid.labels(path if path in _MODELS else "other").inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.middleware("http")
+    async def api_key(request: Request, call_next):
+        if request.method == "POST" and "json" not in request.headers.get("content-type", ""):
+            # every body is JSON (what `curl -d` sends as a form is read as JSON, as OpenAI's server does)
+            request.scope["headers"] = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"] + [
+                (b"content-type", b"application/json")]
+        if request.url.path not in open_paths:
+            try:
+                service.check_key(request.headers.get("authorization"))
+            except APIError as exc:
+                return refused(request, exc)
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return refused(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        return refused(request, validation_error(list(exc.errors()), _MODELS.get(request.url.path)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return refused(request, APIError(exc.status_code, str(exc.detail)))
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    @app.get("/health")
+    async def health():
+        busy, waiting = service.engine.load()
+        return {"status": "ok", "model": service.model_name, "backend": service.generator.backend_name,
+                "rows": service.engine.rows, "rows_busy": busy, "waiting": waiting}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics():
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": service.created,
+                                            "owned_by": "mslite-llm", "max_model_len": service.generator.seq_length}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await off_loop(service.tokenize, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await off_loop(service.detokenize, body)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await answer(request, await off_loop(service.completion_plan, body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await answer(request, await off_loop(service.chat_plan, body))
+
+    async def answer(request: Request, plan: Plan):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(index: int, event) -> None:  # called from the engine thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (index, event))
+            except RuntimeError:  # the event loop has closed (shutdown)
+                pass
+
+        result = Answer(plan, service.model_name, pieces)
+        result.requests = service.submit(plan, emit)
+
+        def cancel() -> None:
+            for job in result.requests:
+                job.cancelled = True  # a no-op once it has ended; frees the row if the client has gone
+
+        if not plan.stream:
+            left = len(result.choices)
+            try:
+                while left:
+                    try:
+                        index, event = await asyncio.wait_for(events.get(), timeout=0.5)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return JSONResponse({})  # nobody reads it
+                        continue
+                    if event[0] == "text":
+                        result.choices[index].add(event[1], event[2])
+                    elif event[0] == "error":
+                        raise APIError(500, str(event[1]), kind="server_error")
+                    else:
+                        result.choices[index].end(event[1])
+                        left -= 1
+                return result.response()
+            finally:
+                cancel()
+
+        def data(payload: Dict[str, Any]) -> str:
+            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        async def sse():
+            try:
+                for chunk in result.opening():
+                    yield data(chunk)
+                left = len(result.choices)
+                while left:
+                    index, event = await events.get()
+                    if event[0] == "text":
+                        chunks = result.text_chunks(index, event[1], event[2])
+                    elif event[0] == "error":
+                        yield data(APIError(500, str(event[1]), kind="server_error").body())
+                        break
+                    else:
+                        chunks, left = result.end_chunks(index, event[1]), left - 1
+                    for chunk in chunks:
+                        yield data(chunk)
+                else:
+                    if plan.include_usage:
+                        yield data(result.usage_chunk())
+                yield "data: [DONE]\n\n"
+            finally:
+                cancel()  # the client went away mid-stream: the engine frees the rows at its next step
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return app

@@ -1,0 +1,113 @@
+"""Loading a folder for serving, and the command line (`python -m lite_runtime.serve`)."""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from typing import Any, List, Optional
+
+from lite_runtime.errors import InferError
+from lite_runtime.folder import graph_key
+
+API_KEY_ENV = "MSLITE_LLM_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] = None, max_queue: int = 64,
+                 model_name: Optional[str] = None, metrics_public: bool = False, **config: Any):
+    """Load the folder, compile what the first request needs, start the engine."""
+    from lite_runtime import pipeline
+    from lite_runtime.batching import BatchEngine
+    from lite_runtime.folder import load_folder
+    from lite_runtime.serve.serving import Service
+
+    tp = load_folder(model_dir, verify=False).tp_size
+    if tp > 1:
+        raise InferError(f"{model_dir}: a tensor-parallel folder ({tp} ranks) cannot be served yet: every rank has to "
+                         "take every step, and the server drives one process; run it with pipeline() or "
+                         "scripts/run_infer_main.py under msrun (README, \"Two cards\")")
+    generator = pipeline("text_generation", model=model_dir, backend=backend, warm_up="none", slot_graphs=True,
+                         **config)
+    if not generator.slot_sizes:
+        generator.slot_key(1)  # raises the "re-export" error
+    # what every request needs: the smallest slot graph and inc; on mslite every graph (GE compiles for
+    # minutes on a graph's first run, which must not happen inside a request)
+    slot_role = "prefill" if generator.batch_size == 1 else "slot"
+    keys = [graph_key(slot_role, n) for n in generator.slot_sizes]
+    for key in (keys if generator.backend_name == "mslite" else keys[:1]) + ["inc"]:
+        generator._warm(key)
+    generator.tokenizer  # noqa: B018  (load it now, not in the first request)
+    name = model_name or (generator.config.folder.name if generator.config.folder else os.path.basename(model_dir))
+    return Service(generator, BatchEngine(generator, max_queue=max_queue), name, api_key,
+                   metrics_public=metrics_public)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lite_runtime.backends import CHOICES
+
+    p = argparse.ArgumentParser(prog="python -m lite_runtime.serve",
+                                description="An OpenAI-compatible HTTP server for a model folder")
+    p.add_argument("--model_dir", required=True, help="model folder written by python -m export")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--backend", choices=CHOICES, default="auto",
+                   help="mslite (Atlas, GE), ms (MindSpore, CPU) or auto: mslite when importable (default)")
+    p.add_argument("--api_key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health and /docs "
+                        f"(or set {API_KEY_ENV})")
+    p.add_argument("--metrics_public", action="store_true",
+                   help="serve GET /metrics without the API key (for a Prometheus scraper without one)")
+    p.add_argument("--max_queue", type=int, default=64,
+                   help="requests that may wait for a free row; past it, 503 with Retry-After (default: 64)")
+    p.add_argument("--model_name", default=None, help="the model id clients send (default: the folder's name)")
+    p.add_argument("--device_id", type=int, default=0)
+    p.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn
+    except ImportError:
+        print('error: the server needs FastAPI, uvicorn and prometheus-client: pip install -e ".[serve]"',
+              file=sys.stderr)
+        return 2
+    from lite_runtime.serve.app import create_app
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if not is_loopback(args.host) and not api_key:
+        print(f"warning: listening on {args.host} without an API key: anyone who can reach this port can use the "
+              f"model. Pass --api_key or set {API_KEY_ENV}.", file=sys.stderr, flush=True)
+    if args.max_queue < 0:
+        print("error: --max_queue must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        service = load_service(args.model_dir, backend=args.backend, api_key=api_key, max_queue=args.max_queue,
+                               model_name=args.model_name, metrics_public=args.metrics_public,
+                               device_id=args.device_id)
+    except InferError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    g = service.generator
+    print(f"serving {service.model_name} on http://{args.host}:{args.port}/v1 (backend {g.backend_name}, "
+          f"{g.batch_size} row(s) of {g.seq_length} tokens{', API key required' if api_key else ''})",
+          file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        service.engine.stop()
+    return 0

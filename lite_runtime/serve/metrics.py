@@ -1,0 +1,69 @@
+"""GET /metrics: the server's Prometheus metrics (prometheus-client), named after vLLM's under our own prefix.
+
+Every metric lives in the Service's own registry (not the process-global one), so two servers in one
+process do not mix. Recorded when a request ends, from the times the engine keeps on it (SlotRequest:
+submitted, started, token_times, ended): nothing is added to the decode loop but a clock read per token.
+
+The names, types and meanings are the README's table ("Metrics"); where vLLM has the metric, ours has its
+name under the prefix `mslite_llm:` (vllm:time_to_first_token_seconds -> mslite_llm:time_to_first_token_seconds).
+
+A request with `n` choices counts each choice in the latency histograms and the running/waiting gauges, and
+once in requests_total (with the first choice's finish reason) and prompt_tokens_total.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+PREFIX = "mslite_llm:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# seconds: from a tiny model's millisecond steps to a 72B's long prompts (vLLM's buckets, trimmed)
+_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class Metrics:
+    def __init__(self, engine) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(PREFIX + "requests", "Requests ended, by endpoint and finish reason",
+                                ["endpoint", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of ended requests", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens, every choice", registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Submitted to first token", buckets=_TTFT,
+                              registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Between two tokens of one choice",
+                             buckets=_ITL, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Submitted to ended", buckets=_E2E, registry=r)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Submitted to its row's prefill",
+                                    buckets=_TTFT, registry=r)
+        self.rejections = Counter(PREFIX + "queue_rejections", "Requests refused with 503: queue full", registry=r)
+        self.invalid = Counter(PREFIX + "invalid_requests", "Requests refused with a 4xx", ["endpoint"], registry=r)
+        Gauge(PREFIX + "num_requests_running", "Choices holding a cache row", registry=r).set_function(
+            lambda: engine.load()[0])
+        Gauge(PREFIX + "num_requests_waiting", "Choices waiting for a cache row", registry=r).set_function(
+            lambda: engine.load()[1])
+        Gauge(PREFIX + "rows", "Cache rows (the folder's batch size)", registry=r).set(engine.rows)
+
+    def ended(self, endpoint: str, requests: Sequence, finish_reason: str) -> None:
+        """One request's choices have all ended (engine thread or event loop: prometheus-client is thread-safe)."""
+        self.requests.labels(endpoint, finish_reason).inc()
+        self.prompt_tokens.inc(len(requests[0].prompt))
+        for request in requests:
+            times = request.token_times
+            self.generation_tokens.inc(len(request.generated))
+            if times:
+                self.ttft.observe(times[0] - request.submitted)
+            for a, b in zip(times, times[1:]):
+                self.itl.observe(b - a)
+            if request.started is not None:
+                self.queue_time.observe(request.started - request.submitted)
+            if request.ended is not None:
+                self.e2e.observe(request.ended - request.submitted)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)

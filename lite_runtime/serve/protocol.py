@@ -1,0 +1,320 @@
+"""The OpenAI API's request bodies as pydantic models, and its error shape: what /docs shows is what is checked.
+
+Types are strict (a string is not an integer, `true` is not a number) and numbers finite (`NaN` and `Infinity`,
+which Python's json reads, are refused). Fields this server implements only at their no-op value (`echo`,
+`best_of`, `suffix`, the OpenAI penalties, `logit_bias`) are accepted at it and refused otherwise, naming the
+field; other unknown fields are ignored, as OpenAI's own server does. Every refusal becomes one OpenAI-shaped
+400 through `validation_error` (the app's one handler), in the words of the field: "'top_p' must be in (0, 1],
+got 0". Checks that need the model (the prompt against seq_length, token ids against the vocabulary) are the
+serving layer's (serving.py).
+"""
+# no `from __future__ import annotations`: pydantic reads the annotations at class creation
+import json
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+MAX_STOP = 4  # stop strings per request, as OpenAI
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API
+
+
+class APIError(Exception):
+    """An error response in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 kind: str = "invalid_request_error", headers: Optional[Dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> Dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def refuse(param: str, message: str) -> PydanticCustomError:
+    """A refusal raised inside a validator: validation_error turns it into a 400 naming `param`."""
+    return PydanticCustomError("api_error", "{message}", {"param": param, "message": message})
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+
+# --- parts ------------------------------------------------------------------------------------------------------
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class JSONSchemaFormat(Body):
+    name: str = "response"
+    description: Optional[str] = None
+    schema_: Dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise refuse("response_format", "'response_format' of type json_schema needs 'json_schema': "
+                                            "{\"name\", \"schema\", \"strict\"}")
+        return self
+
+
+class FunctionDefinition(Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: Optional[bool] = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Body):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, List[TextPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value):
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                           and isinstance(p.get("text"), str) for p in value):
+            return value
+        raise PydanticCustomError("content", "must be a string or a list of text parts")
+
+    def text(self) -> Optional[str]:
+        return "".join(p.text for p in self.content) if isinstance(self.content, list) else self.content
+
+
+# --- the requests -------------------------------------------------------------------------------------------
+class Sampling(Body):
+    """What completions and chat share."""
+
+    model: Optional[str] = Field(None, description="the served model's id (GET /v1/models); any other is a 404")
+    max_tokens: Optional[int] = Field(None, ge=1)
+    n: int = Field(1, ge=1, description="choices, each its own cache row; at most the folder's batch size")
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Union[str, List[str], None] = Field(None, description=f"up to {MAX_STOP} non-empty strings")
+    temperature: Optional[float] = Field(None, ge=0, le=2, description="0: greedy; absent: generation_config.json")
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1, description="extension (vLLM's): -1 or 0 disables it")
+    repetition_penalty: Optional[float] = Field(None, gt=0, description="extension (vLLM's, HF's meaning)")
+    seed: Optional[int] = Field(None, description="choice i samples with seed + i")
+    response_format: Optional[ResponseFormat] = None
+    user: Optional[str] = None
+    # accepted at their no-op value only
+    presence_penalty: Optional[float] = Field(None, description="0 only (use repetition_penalty)")
+    frequency_penalty: Optional[float] = Field(None, description="0 only (use repetition_penalty)")
+    logit_bias: Optional[Dict[str, float]] = Field(None, description="empty only")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value):
+        if value is None or isinstance(value, str) and value:
+            return value
+        if isinstance(value, list) and len(value) <= MAX_STOP and all(isinstance(s, str) and s for s in value):
+            return value
+        raise refuse("stop", f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings")
+
+    @model_validator(mode="after")
+    def _noops(self):
+        for name, noop in (("presence_penalty", (0,)), ("frequency_penalty", (0,)), ("logit_bias", ({},))):
+            value = getattr(self, name)
+            if value is not None and value not in noop:
+                hint = " (use repetition_penalty)" if name.endswith("_penalty") else ""
+                raise refuse(name, f"'{name}' is not supported by this server{hint}")
+        return self
+
+    def stops(self) -> List[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(Sampling):
+    prompt: Union[str, List[StrictInt], List[str], List[List[StrictInt]]] = Field(
+        description="one prompt: a string or a list of token ids (a list of one of those is that one)")
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS,
+                                    description="each token's log-probability and this many alternatives")
+    echo: Optional[bool] = Field(None, description="false only")
+    best_of: Optional[int] = Field(None, description="1 only")
+    suffix: Optional[str] = Field(None, description="empty only")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+            value = value[0]  # a batch of one
+        if isinstance(value, str) or isinstance(value, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return value
+        if isinstance(value, list):
+            raise refuse("prompt", "'prompt' must be one string or one list of token ids: send one prompt per request")
+        raise refuse("prompt", "'prompt' is required: a string or a list of token ids")
+
+    @model_validator(mode="after")
+    def _completion_noops(self):
+        for name, noop in (("echo", (False,)), ("best_of", (1,)), ("suffix", ("",))):
+            value = getattr(self, name)
+            if value is not None and value not in noop:
+                raise refuse(name, f"'{name}' is not supported by this server")
+        return self
+
+
+class ChatCompletionRequest(Sampling):
+    messages: List[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, description="the same as max_tokens; wins over it")
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
+    tools: Optional[List[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _chat_rules(self):
+        if self.top_logprobs and not self.logprobs:
+            raise refuse("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
+            names = [t.function.name for t in self.tools or []]
+            if not names:
+                raise refuse("tool_choice", "'tool_choice' asks for a tool call but 'tools' is empty")
+            if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+                raise refuse("tool_choice", f"'tool_choice' names the function '{self.tool_choice.function.name}', "
+                                            f"which is not in 'tools' ({', '.join(names)})")
+        return self
+
+
+class TokenizeRequest(Body):
+    """vLLM's /tokenize: `prompt`, or `messages` through the chat template."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[List[ChatMessage]] = Field(None, min_length=1)
+    add_special_tokens: Optional[bool] = Field(None, description="default: true for prompt, false for messages")
+    add_generation_prompt: bool = True
+    tools: Optional[List[Tool]] = None
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if self.prompt is None and self.messages is None:
+            raise refuse("prompt", "'prompt' (a string) or 'messages' is required")
+        return self
+
+
+class DetokenizeRequest(Body):
+    model: Optional[str] = None
+    tokens: List[StrictInt]
+
+
+# --- one handler for every refusal ------------------------------------------------------------------------------
+_KINDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean", "string_type": "a string",
+          "list_type": "an array", "dict_type": "an object", "model_type": "an object", "int_from_float": "an integer",
+          "model_attributes_type": "an object"}
+
+
+_UNION_TAGS = ("str", "int", "bool", "float", "none", "NamedToolChoice", "dict")
+
+
+def _field(loc) -> str:
+    """("body", "messages", 0, "content") -> messages[0].content"""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part != "body" and part not in _UNION_TAGS and not any(c in str(part) for c in "[-"):
+            out += ("." if out else "") + str(part)  # union members' tags ('str', 'list[int]', ...) are not fields
+    return out
+
+
+def _shown(value: Any) -> str:
+    try:
+        return json.dumps(value)[:40]
+    except (TypeError, ValueError):
+        return str(value)[:40]
+
+
+def _bounds(model, name: str) -> Optional[str]:
+    """'[0, 2]' / '(0, 1]' / '[1, inf]' from a top-level field's ge/gt/le constraints."""
+    info = getattr(model, "model_fields", {}).get(name) if model is not None else None
+    if info is None:
+        return None
+    low = high = None
+    low_open = False
+    for m in info.metadata:
+        if getattr(m, "ge", None) is not None:
+            low = m.ge
+        if getattr(m, "gt", None) is not None:
+            low, low_open = m.gt, True
+        if getattr(m, "le", None) is not None:
+            high = m.le
+    if low is None and high is None:
+        return None
+    return f"{'(' if low_open else '['}{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+
+
+def validation_error(errors: List[Dict[str, Any]], model=None) -> APIError:
+    """The first of pydantic's (or FastAPI's) errors as OpenAI's 400, naming the field."""
+    e = errors[0]
+    kind, loc, ctx = e.get("type"), tuple(e.get("loc", ())), e.get("ctx") or {}
+    if kind == "json_invalid":
+        where = f" (char {loc[1]})" if len(loc) > 1 and isinstance(loc[1], int) else ""
+        return APIError(400, f"the body is not valid JSON: {ctx.get('error', 'JSON decode error')}{where}")
+    if kind == "api_error":
+        return APIError(400, ctx["message"], param=ctx["param"])
+    name = _field(loc)
+    param = next((p for p in loc if p != "body"), None)
+    param = param if isinstance(param, str) else None
+    if not name:
+        return APIError(400, "the body must be a JSON object")
+    value = e.get("input")
+    if kind == "missing":
+        return APIError(400, f"'{name}' is required", param=param)
+    if kind in _KINDS:
+        return APIError(400, f"'{name}' must be {_KINDS[kind]}, got {_shown(value)}", param=param)
+    if kind == "finite_number":
+        return APIError(400, f"'{name}' must be a finite number", param=param)
+    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        bounds = _bounds(model, name) or e.get("msg", "")
+        return APIError(400, f"'{name}' must be in {bounds}, got {_shown(value)}", param=param)
+    if kind == "literal_error":
+        return APIError(400, f"'{name}' must be {ctx.get('expected')}, got {_shown(value)}", param=param)
+    if kind == "too_short":
+        return APIError(400, f"'{name}' must not be empty", param=param)
+    return APIError(400, f"'{name}' {e.get('msg', 'is invalid')}", param=param)

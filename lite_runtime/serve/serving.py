@@ -1,0 +1,233 @@
+"""Serving: a validated request (protocol.py) becomes engine requests, one per choice; no HTTP here (app.py).
+
+What needs the model is checked here: the prompt and max_tokens against the graphs' seq_length, token ids
+against the vocabulary, `n` against the cache rows, tools against the chat template, schemas against the
+grammar library. Each refusal is an APIError naming the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from lite_runtime.batching import BatchEngine, QueueFull, SlotRequest
+from lite_runtime.errors import InferError
+from lite_runtime.serve.metrics import Metrics
+from lite_runtime.serve.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                         DetokenizeRequest, NamedToolChoice, Sampling, TokenizeRequest)
+from lite_runtime.serve.tools import ToolFormat, tool_format
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
+
+
+@dataclasses.dataclass
+class Plan:
+    """A validated request: what the engine runs for each choice and how to answer."""
+
+    endpoint: str  # "completions" | "chat"
+    prompt: List[int]
+    max_tokens: int
+    settings: List[Any]  # GenerationSettings, one per choice (seed + i)
+    stop: List[str]
+    stream: bool
+    include_usage: bool
+    logprobs: Optional[int] = None  # None: none; k: the chosen token's and k alternatives
+    grammar: Any = None  # a compiled grammar (grammar.py): each choice gets its own matcher
+    tools: Optional[ToolFormat] = None  # parse the answer's tool calls in this form
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint == "chat"
+
+
+class Service:
+    """Turns request bodies into engine requests; owns the generator, the engine and the metrics."""
+
+    def __init__(self, generator, engine: BatchEngine, model_name: str, api_key: Optional[str] = None,
+                 metrics_public: bool = False) -> None:
+        self.generator, self.engine, self.model_name, self.api_key = generator, engine, model_name, api_key
+        self.metrics_public = metrics_public
+        self.created = int(time.time())
+        self.metrics = Metrics(engine)
+        self._grammars = None
+
+    @property
+    def grammars(self):
+        """The grammar compiler over this model's vocabulary, built at the first structured request."""
+        if self._grammars is None:
+            from lite_runtime.serve.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.generator.tokenizer, self.generator.config.vocab_size)
+        return self._grammars
+
+    # --- checks -------------------------------------------------------------------------------------------
+    def check_key(self, authorization: Optional[str]) -> None:
+        if not self.api_key:
+            return
+        if not authorization or not authorization.startswith("Bearer "):
+            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        if not hmac.compare_digest(authorization[len("Bearer "):].strip().encode(), self.api_key.encode()):
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
+    def _check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def _in_vocabulary(self, ids: Sequence[int], field: str) -> List[int]:
+        """`ids` if every one is a token of this model, else a 400 naming `field` and the first outsider."""
+        vocab = self.generator.config.vocab_size
+        bad = next((t for t in ids if vocab and not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"'{field}' has the token id {bad}, outside this model's vocabulary [0, {vocab})",
+                           param=field)
+        return list(ids)
+
+    # --- plans --------------------------------------------------------------------------------------------
+    def _common(self, req: Sampling, prompt: List[int], endpoint: str, max_tokens: Optional[int],
+                max_name: str) -> Plan:
+        self._check_model(req.model)
+        field = "messages" if endpoint == "chat" else "prompt"
+        if not prompt:
+            raise APIError(400, "the prompt is empty; send at least one token", param=field)
+        if req.n > self.engine.rows:
+            raise APIError(400, f"'n' must be at most {self.engine.rows} (this model's cache rows: each choice takes "
+                                f"one), got {req.n}", param="n")
+        seq, room = self.generator.seq_length, self.generator.seq_length - len(prompt)
+        if room < 1:  # the largest graph holds seq_length tokens: the prompt leaves no room, or does not fit
+            raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's graphs hold {seq} tokens per "
+                                "request, prompt and completion together: shorten it", param=field,
+                           code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = room if endpoint == "chat" else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+        elif max_tokens > seq:
+            raise APIError(400, f"'{max_name}' {max_tokens} is beyond this model's seq_length {seq}", param=max_name)
+        elif max_tokens > room:
+            raise APIError(400, f"the prompt's {len(prompt)} tokens + '{max_name}' {max_tokens} exceed this model's "
+                                f"seq_length {seq}; lower '{max_name}' to at most {room}", param=max_name,
+                           code="context_length_exceeded")
+        sampling: Dict[str, Any] = {"top_p": req.top_p, "repetition_penalty": req.repetition_penalty,
+                                    "top_k": None if req.top_k is None else max(req.top_k, 0)}
+        if req.temperature is not None:  # absent: the folder's generation_config.json decides, as pipeline() does
+            sampling.update(do_sample=req.temperature > 0,
+                            temperature=req.temperature if req.temperature > 0 else None)
+        try:
+            settings = [self.generator.defaults.updated(
+                seed=None if req.seed is None else req.seed + i, **sampling) for i in range(req.n)]
+        except InferError as exc:
+            raise APIError(400, str(exc)) from None
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        plan = Plan(endpoint, prompt, max_tokens, settings, req.stops(), req.stream, include_usage)
+        if req.response_format is not None and req.response_format.type != "text":
+            plan.grammar = self.grammars.response_format(req.response_format)
+        return plan
+
+    def completion_plan(self, req: CompletionRequest) -> Plan:
+        prompt = req.prompt
+        ids = self.generator.encode(prompt) if isinstance(prompt, str) else self._in_vocabulary(prompt, "prompt")
+        plan = self._common(req, ids, "completions", req.max_tokens, "max_tokens")
+        plan.logprobs = req.logprobs
+        return plan
+
+    def chat_plan(self, req: ChatCompletionRequest) -> Plan:
+        fmt = self._tool_format(req.tools) if req.tools and req.tool_choice != "none" else None
+        text = self.chat_prompt(req.messages, req.tools if fmt else None)
+        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        plan = self._common(req, self.generator.encode(text), "chat", getattr(req, name), name)
+        plan.logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        plan.tools = fmt
+        forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
+        if fmt and forced:
+            if plan.grammar is not None:
+                raise APIError(400, "'response_format' and a forced 'tool_choice' ask for two shapes of answer: "
+                                    "send one", param="response_format")
+            only = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+            plan.grammar = self.grammars.tool_call(fmt, [t for t in req.tools if only in (None, t.function.name)])
+        return plan
+
+    def _tool_format(self, tools) -> ToolFormat:
+        fmt = tool_format(getattr(self.generator.tokenizer, "chat_template", None))
+        if fmt is None:
+            raise APIError(400, "'tools': this model's chat template does not render tools (it has no tool-call "
+                                "form: Qwen2.5/Qwen3's <tool_call> or Llama 3.1's JSON); send no tools",
+                           param="tools")
+        return fmt
+
+    def chat_prompt(self, messages: List[ChatMessage], tools=None, add_generation_prompt: bool = True) -> str:
+        """The chat template applied to the messages (text parts joined), with `tools` when given."""
+        clean = []
+        for i, m in enumerate(messages):
+            item: Dict[str, Any] = {"role": m.role, "content": m.text() or ""}
+            if m.tool_calls:
+                calls = []
+                for j, call in enumerate(m.tool_calls):
+                    try:
+                        arguments = json.loads(call.function.arguments)
+                    except ValueError:
+                        raise APIError(400, f"'messages[{i}].tool_calls[{j}].function.arguments' is not JSON",
+                                       param="messages") from None
+                    calls.append({"id": call.id, "type": "function",
+                                  "function": {"name": call.function.name, "arguments": arguments}})
+                item["tool_calls"] = calls
+            for key in ("name", "tool_call_id"):
+                if getattr(m, key) is not None:
+                    item[key] = getattr(m, key)
+            clean.append(item)
+        tokenizer = self.generator.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
+        extra = {"tools": [t.model_dump(by_alias=True, exclude_none=True) for t in tools]} if tools else {}
+        try:
+            return tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                 **extra)
+        except Exception as exc:  # noqa: BLE001  (a template's raise_exception, e.g. roles out of order)
+            raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
+
+    # --- /tokenize, /detokenize (vLLM's shape) ------------------------------------------------------------
+    def tokenize(self, req: TokenizeRequest) -> Dict[str, Any]:
+        """`prompt` (add_special_tokens default true) or `messages` through the chat template (add_generation_prompt
+        default true, add_special_tokens default false). `max_model_len`: the tokens the graphs hold per request,
+        prompt and completion together."""
+        self._check_model(req.model)
+        chat = req.messages is not None
+        text = self.chat_prompt(req.messages, req.tools, req.add_generation_prompt) if chat else req.prompt
+        special = (not chat) if req.add_special_tokens is None else req.add_special_tokens
+        tokens = self.generator.encode(text, add_special_tokens=special)
+        return {"count": len(tokens), "max_model_len": self.generator.seq_length, "tokens": tokens}
+
+    def detokenize(self, req: DetokenizeRequest) -> Dict[str, Any]:
+        self._check_model(req.model)
+        tokens = self._in_vocabulary(req.tokens, "tokens")
+        return {"prompt": self.generator.tokenizer.decode(tokens, skip_special_tokens=False)}
+
+    # --- running ------------------------------------------------------------------------------------------
+    def submit(self, plan: Plan, emit: Callable[[int, tuple], None]) -> List[SlotRequest]:
+        """Queue one engine request per choice (all or none); `emit(choice_index, event)` from the engine thread."""
+        eos = tuple(self.generator.defaults.eos_token_id or ())
+        left = [len(plan.settings)]
+        requests: List[SlotRequest] = []
+
+        def for_choice(i: int):
+            def choice_emit(event) -> None:
+                if event[0] in ("end", "error"):
+                    left[0] -= 1
+                    if not left[0]:
+                        self.metrics.ended(plan.endpoint, requests, requests[0].finish_reason or "error")
+                emit(i, event)
+            return choice_emit
+
+        for i, settings in enumerate(plan.settings):
+            requests.append(SlotRequest(prompt=plan.prompt, max_tokens=plan.max_tokens, settings=settings,
+                                        emit=for_choice(i), stop=plan.stop, eos=eos, logprobs=plan.logprobs,
+                                        constraint=plan.grammar.matcher() if plan.grammar is not None else None))
+        try:
+            self.engine.submit_many(requests)
+        except QueueFull:
+            self.metrics.rejections.inc()
+            raise APIError(503, f"the server is busy: its {self.engine.rows} rows are serving and its "
+                                f"{self.engine.max_queue} queue places (--max_queue) are taken; retry later",
+                           kind="server_error", code="server_busy", headers={"Retry-After": "1"}) from None
+        return requests
