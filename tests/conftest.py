@@ -50,6 +50,25 @@ def exported(tmp_path_factory, checkpoints):
 
 
 @pytest.fixture(scope="session")
+def serve_folder(tmp_path_factory, checkpoints):
+    """The server's folder: gqa_tied at batch 4, seq_length 64, buckets 16 / 32 / 64 (slot graphs of three sizes)."""
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+
+    out = str(tmp_path_factory.mktemp("serve") / "serve4")
+    run_export(ExportConfig(checkpoint=checkpoints["gqa_tied"], output=out, name="serve4", seq_length=64,
+                            batch_size=4, dtype="float32", device="cpu", prefill_buckets=(16, 32)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def serve_pipe(serve_folder):
+    from lite_runtime import pipeline
+
+    return pipeline("text_generation", model=serve_folder, backend="ms")
+
+
+@pytest.fixture(scope="session")
 def pipes(exported):
     """One loaded `ms` pipeline per exported folder, shared: loading compiles both graphs."""
     from lite_runtime import pipeline

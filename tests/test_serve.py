@@ -3,7 +3,6 @@ PyPI and httpx, against pipeline().generate on the same folder (batch 4, so four
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -13,59 +12,19 @@ import httpx
 import pytest
 
 from reference import prompts
-
-openai = pytest.importorskip("openai")  # the `serve` extra; the test extra installs it
-uvicorn = pytest.importorskip("uvicorn")
+from serving import SEQ, Running, _error, _free_port, complete, expected, openai
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SEQ = 64
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory, checkpoints):
-    """gqa_tied at batch 4, seq_length 64, buckets 16 / 32 / 64: slot graphs of three sizes."""
-    from export.config import ExportConfig
-    from export.pipeline import run_export
-
-    out = str(tmp_path_factory.mktemp("serve") / "serve4")
-    run_export(ExportConfig(checkpoint=checkpoints["gqa_tied"], output=out, name="serve4", seq_length=SEQ,
-                            batch_size=4, dtype="float32", device="cpu", prefill_buckets=(16, 32)))
-    return out
+def folder(serve_folder):
+    return serve_folder
 
 
 @pytest.fixture(scope="module")
-def pipe(folder):
-    from lite_runtime import pipeline
-
-    return pipeline("text_generation", model=folder, backend="ms")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Running:
-    def __init__(self, service) -> None:
-        from lite_runtime.serve import create_app
-
-        self.service = service
-        self.port = _free_port()
-        self.server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+def pipe(serve_pipe):
+    return serve_pipe
 
 
 @pytest.fixture(scope="module")
@@ -76,28 +35,6 @@ def server(folder):
     yield running
     running.stop()
     running.service.engine.stop()
-
-
-def complete(server, prompt, stream=False, **kwargs):
-    """(text, finish_reason, usage) of one /v1/completions request through the openai client."""
-    kwargs.setdefault("temperature", 0)
-    if not stream:
-        r = server.client.completions.create(model="serve4", prompt=prompt, **kwargs)
-        return r.choices[0].text, r.choices[0].finish_reason, r.usage
-    chunks = list(server.client.completions.create(model="serve4", prompt=prompt, stream=True,
-                                                   stream_options={"include_usage": True}, **kwargs))
-    text = "".join(c.choices[0].text for c in chunks if c.choices)
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert len(finish) == 1 and chunks[-1].usage is not None
-    return text, finish[0], chunks[-1].usage
-
-
-def expected(pipe, ids, max_tokens, **kwargs):
-    """pipeline().generate's text, finish reason (OpenAI's name) and token count for one prompt of ids."""
-    out = pipe.generate([ids], max_new_tokens=max_tokens, **kwargs)
-    new = out[0][len(ids):]
-    text = pipe.tokenizer.decode(new, skip_special_tokens=True)
-    return text, "stop" if out.finish_reasons[0] == "eos" else "length", len(new)
 
 
 # --- correctness against pipeline().generate -----------------------------------------------------------------
@@ -250,10 +187,6 @@ def test_past_the_queue_bound_503_with_retry_after(server, pipe):
 
 
 # --- bad input: 400 with the reason, and nothing else disturbed -------------------------------------------------
-def _error(message, param=None, code=None):
-    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
-
-
 BAD = [
     ("not json", b'{"prompt": "a",', _error(
         "the body is not valid JSON: Expecting property name enclosed in double quotes (char 15)")),
