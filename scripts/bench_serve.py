@@ -50,7 +50,7 @@ def percentile(values: List[float], q: float) -> float:
 
 
 class Server:
-    def __init__(self, folder: str, log_path: str) -> None:
+    def __init__(self, folder: str, log_path: str, root: str = ROOT) -> None:
         import httpx
 
         self.port = free_port()
@@ -58,7 +58,7 @@ class Server:
         self.log = open(log_path, "w")
         start = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, "-m", "lite_runtime.serve", "--model_dir", folder, "--port",
-                                      str(self.port), "--backend", "ms", "--log_level", "warning"], cwd=ROOT,
+                                      str(self.port), "--backend", "ms", "--log_level", "warning"], cwd=root,
                                      stdout=self.log, stderr=subprocess.STDOUT)
         while True:
             try:
@@ -173,14 +173,15 @@ def export(checkpoint: str, folder: str, batch: int, seq_length: int) -> None:
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
-def bench_folder(folder: str, args, prompts: List[List[int]], short: List[List[int]]) -> Dict[str, Any]:
-    server = Server(folder, os.path.join(args.work, os.path.basename(folder) + ".server.log"))
+def bench_folder(folder: str, args, prompts: List[List[int]], short: List[List[int]], root: str = ROOT,
+                 label: str = "") -> Dict[str, Any]:
+    server = Server(folder, os.path.join(args.work, os.path.basename(folder) + label + ".server.log"), root)
     try:
         out: Dict[str, Any] = {"ready_s": server.ready_s, "loads": []}
         one_request(server.url, prompts[0], 4)  # compiles what the first request needs beyond the warm-up
         for clients in args.clients:
             load = run_load(server.url, prompts, clients, args.max_tokens)
-            print(f"  {os.path.basename(folder)}: {clients:>2} clients  {load['tok_s']:6.1f} tok/s  ttft p50 "
+            print(f"  {os.path.basename(folder)}{label}: {clients:>2} clients  {load['tok_s']:6.1f} tok/s  ttft p50 "
                   f"{load['ttft_p50']:.2f} s p99 {load['ttft_p99']:.2f} s  latency p50 {load['latency_p50']:.2f} s "
                   f"p99 {load['latency_p99']:.2f} s  {load['completed']}/{load['requests']} completed", flush=True)
             out["loads"].append(load)
@@ -220,6 +221,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--sequential", type=int, default=500)
     p.add_argument("--short_max_tokens", type=int, default=4)
     p.add_argument("--output", help="write the figures as JSON here")
+    p.add_argument("--baseline_root", help="A/B: also serve each folder with the checkout in this directory (e.g. a "
+                                           "git worktree of the previous commit), alternating with this one")
+    p.add_argument("--rounds", type=int, default=1, help="with --baseline_root: baseline, this, baseline, ... rounds")
     args = p.parse_args(argv)
     args.clients = [int(c) for c in args.clients.split(",")]
     os.makedirs(args.work, exist_ok=True)
@@ -238,7 +242,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         folder = os.path.join(args.work, f"serve_b{batch}_s{args.seq_length}")
         export(checkpoint, folder, batch, args.seq_length)
-        report["folders"][batch] = bench_folder(folder, args, prompts, short)
+        if args.baseline_root:
+            report["ab"] = report.get("ab", {})
+            runs = report["ab"][batch] = {"baseline": [], "this": []}
+            for _ in range(args.rounds):
+                for label, root in (("baseline", os.path.abspath(args.baseline_root)), ("this", ROOT)):
+                    runs[label].append(bench_folder(folder, args, prompts, short, root, label=f" ({label})"))
+            report["folders"][batch] = runs["this"][-1]
+            print_ab(batch, runs)
+        else:
+            report["folders"][batch] = bench_folder(folder, args, prompts, short)
     # cross-talk: every load's texts equal the batch-1 folder's 1-client texts (the solo reference)
     base = min(report["folders"])
     reference = report["folders"][base]["loads"][0]["texts"]
@@ -253,6 +266,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(args.output, "w") as fh:
             json.dump(report, fh, indent=1)
     return 0
+
+
+def print_ab(batch: int, runs: Dict[str, List[Dict[str, Any]]]) -> None:
+    """Median tok/s per load of each checkout, the ratio, and the spread between rounds of the same checkout."""
+    import statistics
+
+    print(f"\nA/B, batch-{batch} folder: tok/s this / baseline (median of {len(runs['this'])} rounds each)")
+    for i, load in enumerate(runs["this"][0]["loads"]):
+        a = [r["loads"][i]["tok_s"] for r in runs["baseline"]]
+        b = [r["loads"][i]["tok_s"] for r in runs["this"]]
+        spread = max((max(x) - min(x)) / statistics.median(x) for x in (a, b)) if len(a) > 1 else float("nan")
+        print(f"  {load['clients']:>2} clients: baseline {statistics.median(a):.1f}, this {statistics.median(b):.1f}, "
+              f"ratio {statistics.median(b) / statistics.median(a):.3f} (spread between rounds {100 * spread:.1f} %)")
 
 
 def print_table(report: Dict[str, Any], args) -> None:

@@ -59,7 +59,8 @@ class Service:
         if self._grammars is None:
             from lite_runtime.serve.grammar import GrammarCompiler
 
-            self._grammars = GrammarCompiler(self.generator.tokenizer, self.generator.config.vocab_size)
+            self._grammars = GrammarCompiler(self.generator.tokenizer, self.generator.config.vocab_size,
+                                             list(self.generator.defaults.eos_token_id or ()))
         return self._grammars
 
     # --- checks -------------------------------------------------------------------------------------------
@@ -133,19 +134,24 @@ class Service:
         return plan
 
     def chat_plan(self, req: ChatCompletionRequest) -> Plan:
-        fmt = self._tool_format(req.tools) if req.tools and req.tool_choice != "none" else None
+        # tools are rendered whenever given (with "none" too, as vLLM: the model still knows them; a template
+        # without tools then just leaves them out), and the answer is read for calls unless tool_choice is "none"
+        none = req.tool_choice == "none"
+        fmt = tool_format(getattr(self.generator.tokenizer, "chat_template", None)) if none else \
+            self._tool_format(req.tools) if req.tools else None
         text = self.chat_prompt(req.messages, req.tools if fmt else None)
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         plan = self._common(req, self.generator.encode(text), "chat", getattr(req, name), name)
         plan.logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        plan.tools = fmt
+        plan.tools = None if none else fmt
         forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
         if fmt and forced:
             if plan.grammar is not None:
                 raise APIError(400, "'response_format' and a forced 'tool_choice' ask for two shapes of answer: "
                                     "send one", param="response_format")
             only = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
-            plan.grammar = self.grammars.tool_call(fmt, [t for t in req.tools if only in (None, t.function.name)])
+            plan.grammar = self.grammars.tool_call(fmt, [t for t in req.tools if only in (None, t.function.name)],
+                                                   several=only is None and req.parallel_tool_calls)
         return plan
 
     def _tool_format(self, tools) -> ToolFormat:
