@@ -19,7 +19,9 @@ gives, as OpenAI and vLLM's default report).
 
 A request may carry a `constraint` (lite_runtime.serve.grammar: a grammar's token mask): its `mask(scores)`
 is applied to the logits before the sampling transforms, `accept(token)` follows the chosen token, and
-`finished()` ends the request (finish reason "stop") when the grammar can take nothing more.
+`finished()` ends the request (finish reason "stop") when the grammar can take nothing more. Greedy asks
+`allows(token)` of the unmasked argmax first and masks only when it is refused (the masked argmax is the same
+token whenever it is allowed; the mask costs ~0.1 ms at 152K tokens, the question 0.5 us).
 
 No HTTP here (lite_runtime.serve) and no MindSpore or torch: the generator's backend does the work.
 """
@@ -208,11 +210,13 @@ class BatchEngine:
         """Choose the request's next token from its logits, send the text it completes, end it if it is done."""
         seen = request.prompt + request.generated
         constraint = request.constraint
-        scores = process(logits if constraint is None else constraint.mask(logits), seen, request.settings)
         if request.settings.do_sample:
+            scores = process(logits if constraint is None else constraint.mask(logits), seen, request.settings)
             token, _ = choose(scores, True, request.rng)
         else:  # what choose() picks, without the softmax over the vocabulary it does for the probability
-            token = int(np.argmax(scores))
+            token = int(np.argmax(process(logits, seen, request.settings)))
+            if constraint is not None and not constraint.allows(token):  # else the masked argmax is the same token
+                token = int(np.argmax(process(constraint.mask(logits), seen, request.settings)))
         request.generated.append(token)
         request.token_times.append(time.monotonic())
         if request.logprobs is not None and token not in request.eos:

@@ -223,7 +223,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--output", help="write the figures as JSON here")
     p.add_argument("--baseline_root", help="A/B: also serve each folder with the checkout in this directory (e.g. a "
                                            "git worktree of the previous commit), alternating with this one")
-    p.add_argument("--rounds", type=int, default=1, help="with --baseline_root: baseline, this, baseline, ... rounds")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --baseline_root: rounds of both, the order alternating (baseline first in the first)")
     args = p.parse_args(argv)
     args.clients = [int(c) for c in args.clients.split(",")]
     os.makedirs(args.work, exist_ok=True)
@@ -245,8 +246,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.baseline_root:
             report["ab"] = report.get("ab", {})
             runs = report["ab"][batch] = {"baseline": [], "this": []}
-            for _ in range(args.rounds):
-                for label, root in (("baseline", os.path.abspath(args.baseline_root)), ("this", ROOT)):
+            pair = [("baseline", os.path.abspath(args.baseline_root)), ("this", ROOT)]
+            for round_ in range(args.rounds):  # the order alternates: neither checkout always runs first
+                for label, root in (pair if round_ % 2 == 0 else pair[::-1]):
                     runs[label].append(bench_folder(folder, args, prompts, short, root, label=f" ({label})"))
             report["folders"][batch] = runs["this"][-1]
             print_ab(batch, runs)

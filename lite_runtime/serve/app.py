@@ -32,36 +32,48 @@ def create_app(service: Service):
     pieces = TokenPieces(service.generator.tokenizer)
     open_paths = _OPEN + (("/metrics",) if service.metrics_public else ())
 
-    def refused(request: Request, exc: APIError) -> JSONResponse:
+    def refused(path: str, exc: APIError) -> JSONResponse:
         if 400 <= exc.status < 500 and exc.status != 401:
-            path = request.url.path
             service.metrics.invalid.labels(path if path in _MODELS else "other").inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    @app.middleware("http")
-    async def api_key(request: Request, call_next):
-        if request.method == "POST" and "json" not in request.headers.get("content-type", ""):
-            # every body is JSON (what `curl -d` sends as a form is read as JSON, as OpenAI's server does)
-            request.scope["headers"] = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"] + [
-                (b"content-type", b"application/json")]
-        if request.url.path not in open_paths:
-            try:
-                service.check_key(request.headers.get("authorization"))
-            except APIError as exc:
-                return refused(request, exc)
-        return await call_next(request)
+    class Gate:
+        """Plain ASGI (not BaseHTTPMiddleware, which relays every streamed chunk through another task): the API key,
+        and every POST body read as JSON whatever its content type (what `curl -d` sends as a form, as OpenAI's
+        server does)."""
+
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send) -> None:
+            if scope["type"] == "http":
+                headers = scope["headers"]
+                if scope["method"] == "POST" and not any(k == b"content-type" and b"json" in v for k, v in headers):
+                    headers = [(k, v) for k, v in headers if k != b"content-type"] + [
+                        (b"content-type", b"application/json")]
+                    scope = dict(scope, headers=headers)
+                if scope["path"] not in open_paths:
+                    try:
+                        service.check_key(next((v.decode("latin-1") for k, v in headers if k == b"authorization"),
+                                               None))
+                    except APIError as exc:
+                        await refused(scope["path"], exc)(scope, receive, send)
+                        return
+            await self.inner(scope, receive, send)
+
+    app.add_middleware(Gate)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return refused(request, exc)
+        return refused(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
-        return refused(request, validation_error(list(exc.errors()), _MODELS.get(request.url.path)))
+        return refused(request.url.path, validation_error(list(exc.errors()), _MODELS.get(request.url.path)))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return refused(request, APIError(exc.status_code, str(exc.detail)))
+        return refused(request.url.path, APIError(exc.status_code, str(exc.detail)))
 
     async def off_loop(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
