@@ -9,7 +9,8 @@ numbers do not depend on what the other rows hold.
 
 One thread (the engine) makes every graph call; callers submit a `SlotRequest` (or several at once:
 `submit_many`, all or none) and receive its events through the request's `emit` callback, called from the
-engine thread: ("text", str, logprobs), then one ("end", finish_reason) or ("error", message). Text is
+engine thread: ("text", str, logprobs), then one ("end", finish_reason) or ("error", message, code): code
+`timeout` (past its deadline), `server_shutdown` (abort() or stop()) or `engine_error`. Text is
 decoded from the generated ids as a whole each step, so multi-byte characters and stop strings split across
 tokens come out right: text that could still be the start of a stop string is held back until it cannot.
 `logprobs` is None unless the request asked for them (`SlotRequest.logprobs` = how many alternatives): then
@@ -62,6 +63,7 @@ class SlotRequest:
     logprobs: Optional[int] = None  # None: none; k: each token's log-probability and the k most likely
     constraint: Any = None  # mask(scores) -> scores, accept(token), finished() -> bool
     cancelled: bool = False  # set by the caller (client gone); the engine frees the row at its next step
+    deadline: Optional[float] = None  # time.monotonic() past which the engine ends it ("timeout" error)
     # filled in by the engine
     generated: List[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
@@ -118,6 +120,7 @@ class BatchEngine:
         self.waiting: Deque[SlotRequest] = collections.deque()
         self._cond = threading.Condition()
         self._stopped = False
+        self._abort: Optional[Tuple[str, str]] = None  # (message, code): end everything at the next step
         self.steps = 0  # decode steps run
         self.inflight = 0  # requests submitted and not ended: at most rows + max_queue
         self.peak_busy = 0  # most rows busy at once
@@ -145,6 +148,16 @@ class BatchEngine:
         with self._cond:
             return sum(s is not None for s in self.slots), self.inflight - sum(s is not None for s in self.slots)
 
+    def abort(self, message: str, code: str = "server_shutdown") -> None:
+        """End every running and waiting request at the next step with ("error", message, code)."""
+        with self._cond:
+            self._abort = (message, code)
+            self._cond.notify()
+
+    def idle(self) -> bool:
+        with self._cond:
+            return self.inflight == 0
+
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
@@ -159,10 +172,22 @@ class BatchEngine:
                     self._cond.wait()
                 if self._stopped:
                     break
+                abort, self._abort = self._abort, None
+                if abort:
+                    waiting, self.waiting = list(self.waiting), collections.deque()
                 admit = []
                 for row in range(self.rows):
                     if self.slots[row] is None and self.waiting:
                         admit.append((row, self.waiting.popleft()))
+            if abort:
+                for row, request in enumerate(self.slots):
+                    if request is not None:
+                        self._end(row, request, error=abort[0], code=abort[1])
+                for request in waiting:
+                    self._done()
+                    request.finish_reason, request.ended = "error", time.monotonic()
+                    request.emit(("error", abort[0], abort[1]))
+                continue
             try:
                 for row, request in admit:
                     self._start(row, request)
@@ -171,12 +196,12 @@ class BatchEngine:
                 log.exception("the engine's graph call failed")
                 for row, request in enumerate(self.slots):
                     if request is not None:
-                        self._end(row, request, error=f"inference failed: {exc}")
+                        self._end(row, request, error=f"inference failed: {exc}", code="engine_error")
         for row, request in enumerate(self.slots):
             if request is not None:
-                self._end(row, request, error="the server is shutting down")
+                self._end(row, request, error="the server is shutting down", code="server_shutdown")
         for request in self.waiting:
-            request.emit(("error", "the server is shutting down"))
+            request.emit(("error", "the server is shutting down", "server_shutdown"))
 
     def _start(self, row: int, request: SlotRequest) -> None:
         if request.cancelled:  # its client left while it waited
@@ -184,15 +209,23 @@ class BatchEngine:
             request.finish_reason, request.ended = "cancelled", time.monotonic()
             request.emit(("end", "cancelled"))
             return
+        if request.deadline is not None and time.monotonic() > request.deadline:  # it waited past its deadline
+            self._done()
+            request.finish_reason, request.ended = "error", time.monotonic()
+            request.emit(("error", "the request waited past the server's --request_timeout", "timeout"))
+            return
         request.slot, request.started = row, time.monotonic()
         self.slots[row] = request
         self.peak_busy = max(self.peak_busy, sum(s is not None for s in self.slots))
         self._advance(row, request, self.generator.prefill_slot(row, request.prompt))
 
     def _step(self) -> None:
+        now = time.monotonic()
         for row, request in enumerate(self.slots):
             if request is not None and request.cancelled:
                 self._end(row, request, reason="cancelled")
+            elif request is not None and request.deadline is not None and now > request.deadline:
+                self._end(row, request, error="the request ran past the server's --request_timeout", code="timeout")
         busy = [row for row, r in enumerate(self.slots) if r is not None]
         if not busy:
             return
@@ -254,11 +287,11 @@ class BatchEngine:
             request.text = text[:max(end, len(request.text))]
         return hit is not None
 
-    def _end(self, row: int, request: SlotRequest, reason: str = "", error: str = "") -> None:
+    def _end(self, row: int, request: SlotRequest, reason: str = "", error: str = "", code: str = "") -> None:
         self.slots[row] = None
         self._done()
         request.finish_reason, request.ended = reason or "error", time.monotonic()
-        request.emit(("error", error) if error else ("end", reason))
+        request.emit(("error", error, code or "engine_error") if error else ("end", reason))
 
     def _done(self) -> None:
         with self._cond:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, List, Type
+from typing import Any, Dict, List, Optional, Type
 
 from lite_runtime.backends import CHOICES
 from lite_runtime.config import InferConfig
@@ -29,16 +29,20 @@ class InferTask:
         return cls.task_mapping[task](config, **kwargs)
 
 
-def pipeline(task: str = "text_generation", model=None, tokenizer=None, backend: str = "mslite", **kwargs: Any):
+def pipeline(task: str = "text_generation", model=None, tokenizer=None, backend: Optional[str] = None,
+             **kwargs: Any):
     """Load a model for `task`.
 
     model: a model folder (the usual case), a (prefill_path, increment_path) pair, or an InferConfig.
-    backend: "mslite" (Atlas, GE), "ms" (MindSpore, any CPU) or "auto" (mslite when importable).
+    backend: "mslite" (Atlas, GE), "ms" (MindSpore, any CPU) or "auto" (mslite when importable); None: an
+        InferConfig's own, else "auto", as every command defaults.
     kwargs: InferConfig fields (device_id, rank_id, ge_config_path, verify_checksums, ...).
     Bad combinations are refused before anything is loaded.
     """
     if not InferTask.check_task_valid(task):
         raise InferError(f"task {task!r} is not supported; supported: {', '.join(InferTask.support_list())}")
+    if backend is None:
+        backend = model.backend if isinstance(model, InferConfig) else "auto"
     if backend not in CHOICES:
         raise InferError(f"backend {backend!r} is not one of {', '.join(CHOICES)}")
     if isinstance(model, InferConfig):

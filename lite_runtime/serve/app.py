@@ -48,10 +48,20 @@ def create_app(service: Service):
         async def __call__(self, scope, receive, send) -> None:
             if scope["type"] == "http":
                 headers = scope["headers"]
+                if scope["method"] == "POST":
+                    receive = await self.bounded(scope, receive, send, headers)
+                    if receive is None:
+                        return
                 if scope["method"] == "POST" and not any(k == b"content-type" and b"json" in v for k, v in headers):
                     headers = [(k, v) for k, v in headers if k != b"content-type"] + [
                         (b"content-type", b"application/json")]
                     scope = dict(scope, headers=headers)
+                if service.draining and scope["method"] == "POST":
+                    await refused(scope["path"], APIError(
+                        503, "the server is shutting down: it finishes the requests it has and takes no new ones; "
+                             "retry on another replica", kind="server_error", code="server_draining",
+                        headers={"Retry-After": "5"}))(scope, receive, send)
+                    return
                 if scope["path"] not in open_paths:
                     try:
                         service.check_key(next((v.decode("latin-1") for k, v in headers if k == b"authorization"),
@@ -60,6 +70,43 @@ def create_app(service: Service):
                         await refused(scope["path"], exc)(scope, receive, send)
                         return
             await self.inner(scope, receive, send)
+
+        async def bounded(self, scope, receive, send, headers):
+            """`receive` when the body is within --max_body_bytes (a body without Content-Length is read here, up to
+            the limit, and replayed); else None, after a 413 (the bytes past the limit are never read or parsed)."""
+            limit = service.max_body_bytes
+
+            async def too_large(size: str) -> None:
+                await refused(scope["path"], APIError(
+                    413, f"the request body is {size} bytes, past this server's limit of {limit} (--max_body_bytes)",
+                    code="request_too_large"))(scope, receive, send)
+
+            length = next((v for k, v in headers if k == b"content-length"), None)
+            if length is not None:
+                if length.isdigit() and int(length) > limit:
+                    await too_large(length.decode())
+                    return None
+                return receive
+            chunks, size = [], 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return None  # the client went away
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                if size > limit:
+                    await too_large(f"over {limit}")
+                    return None
+                if not message.get("more_body"):
+                    break
+            body, sent = b"".join(chunks), [False]
+
+            async def replay():
+                if not sent[0]:
+                    sent[0] = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
+            return replay
 
     app.add_middleware(Gate)
 
@@ -81,8 +128,10 @@ def create_app(service: Service):
     @app.get("/health")
     async def health():
         busy, waiting = service.engine.load()
-        return {"status": "ok", "model": service.model_name, "backend": service.generator.backend_name,
-                "rows": service.engine.rows, "rows_busy": busy, "waiting": waiting}
+        body = {"status": "draining" if service.draining else "ok", "model": service.model_name,
+                "backend": service.generator.backend_name, "rows": service.engine.rows, "rows_busy": busy,
+                "waiting": waiting}
+        return JSONResponse(body, status_code=503 if service.draining else 200)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics():
@@ -108,6 +157,12 @@ def create_app(service: Service):
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await answer(request, await off_loop(service.chat_plan, body))
+
+    def engine_error(event) -> APIError:
+        """("error", message, code) from the engine: 504 past --request_timeout, 503 shutting down, else 500."""
+        code = event[2] if len(event) > 2 else "engine_error"
+        status = {"timeout": 504, "server_shutdown": 503}.get(code, 500)
+        return APIError(status, str(event[1]), kind="server_error", code=code)
 
     async def answer(request: Request, plan: Plan):
         loop = asyncio.get_running_loop()
@@ -139,7 +194,7 @@ def create_app(service: Service):
                     if event[0] == "text":
                         result.choices[index].add(event[1], event[2])
                     elif event[0] == "error":
-                        raise APIError(500, str(event[1]), kind="server_error")
+                        raise engine_error(event)
                     else:
                         result.choices[index].end(event[1])
                         left -= 1
@@ -160,7 +215,7 @@ def create_app(service: Service):
                     if event[0] == "text":
                         chunks = result.text_chunks(index, event[1], event[2])
                     elif event[0] == "error":
-                        yield data(APIError(500, str(event[1]), kind="server_error").body())
+                        yield data(engine_error(event).body())
                         break
                     else:
                         chunks, left = result.end_chunks(index, event[1]), left - 1

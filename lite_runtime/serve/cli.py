@@ -12,6 +12,7 @@ from lite_runtime.errors import InferError
 from lite_runtime.folder import graph_key
 
 API_KEY_ENV = "MSLITE_LLM_API_KEY"
+log = logging.getLogger("lite_runtime.serve")
 
 
 def is_loopback(host: str) -> bool:
@@ -24,7 +25,8 @@ def is_loopback(host: str) -> bool:
 
 
 def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] = None, max_queue: int = 64,
-                 model_name: Optional[str] = None, metrics_public: bool = False, **config: Any):
+                 model_name: Optional[str] = None, metrics_public: bool = False, max_body_bytes: Optional[int] = None,
+                 request_timeout: Optional[float] = None, **config: Any):
     """Load the folder, compile what the first request needs, start the engine."""
     from lite_runtime import pipeline
     from lite_runtime.batching import BatchEngine
@@ -48,8 +50,36 @@ def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] =
         generator._warm(key)
     generator.tokenizer  # noqa: B018  (load it now, not in the first request)
     name = model_name or (generator.config.folder.name if generator.config.folder else os.path.basename(model_dir))
+    from lite_runtime.serve.serving import MAX_BODY_BYTES
+
     return Service(generator, BatchEngine(generator, max_queue=max_queue), name, api_key,
-                   metrics_public=metrics_public)
+                   metrics_public=metrics_public, max_body_bytes=max_body_bytes or MAX_BODY_BYTES,
+                   request_timeout=request_timeout)
+
+
+def draining_server(uvicorn, config, service, drain_timeout: float):
+    """A uvicorn.Server whose first SIGTERM / SIGINT drains (Service.drain, in a thread: the event loop keeps
+    answering, with 503s for new requests) and then exits; a second signal exits at once. The process exits 0:
+    the signal is not raised again after the drain, as uvicorn otherwise does."""
+    import threading
+
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if service.draining:  # the second signal: now
+                self.should_exit = self.force_exit = True
+                return
+            log.warning("signal %s: draining (up to %g s for the %d request(s) in flight), then exiting", sig,
+                        drain_timeout, service.engine.inflight)
+            service.draining = True
+
+            def drain() -> None:
+                cut = not service.drain(drain_timeout)
+                log.warning("drained%s; exiting", ": requests past the timeout were ended" if cut else "")
+                self.should_exit = True
+
+            threading.Thread(target=drain, name="mslite-llm-drain", daemon=True).start()
+
+    return Draining(config)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(or set {API_KEY_ENV})")
     p.add_argument("--metrics_public", action="store_true",
                    help="serve GET /metrics without the API key (for a Prometheus scraper without one)")
+    p.add_argument("--max_body_bytes", type=int, default=8 << 20,
+                   help="a request body larger than this is a 413, never read (default: 8 MiB)")
+    p.add_argument("--request_timeout", type=float, default=None,
+                   help="seconds a request may take from its submission to the engine, waiting for a row included; "
+                        "past it, 504 (or an error event in a stream) and its row is freed (default: no limit)")
+    p.add_argument("--drain_timeout", type=float, default=30.0,
+                   help="on SIGTERM / SIGINT: seconds the running requests may still take; new ones get 503 "
+                        "meanwhile, the rest are then ended with an error their clients see; exit 0 (default: 30)")
     p.add_argument("--max_queue", type=int, default=64,
                    help="requests that may wait for a free row; past it, 503 with Retry-After (default: 64)")
     p.add_argument("--model_name", default=None, help="the model id clients send (default: the folder's name)")
@@ -98,6 +136,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         service = load_service(args.model_dir, backend=args.backend, api_key=api_key, max_queue=args.max_queue,
                                model_name=args.model_name, metrics_public=args.metrics_public,
+                               max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
                                device_id=args.device_id)
     except InferError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -107,7 +146,9 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{g.batch_size} row(s) of {g.seq_length} tokens{', API key required' if api_key else ''})",
           file=sys.stderr, flush=True)
     try:
-        uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level)
+        config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=10)
+        draining_server(uvicorn, config, service, args.drain_timeout).run()
     finally:
         service.engine.stop()
     return 0

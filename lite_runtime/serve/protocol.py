@@ -41,6 +41,39 @@ class Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, populate_by_name=True)
 
 
+def _surrogate(value: Any, path: str):
+    """(field path, index) of the first string in `value` holding a lone UTF-16 surrogate (JSON's "\\ud800"
+    decodes to one; no tokenizer can take it), else None."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return path, exc.start
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _surrogate(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+class Request(Body):
+    """A top-level body: every string in it must be valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        found = _surrogate(data, "")
+        if found:
+            path, at = found
+            message = f"'{path}' has a lone surrogate at character {at} (a \\ud800-\\udfff escape without its pair): " \
+                      "send valid Unicode"
+            raise refuse(path.split("[")[0].split(".")[0], message)
+        return data
+
+
 # --- parts ------------------------------------------------------------------------------------------------------
 class StreamOptions(Body):
     include_usage: bool = False
@@ -125,7 +158,7 @@ class ChatMessage(Body):
 
 
 # --- the requests -------------------------------------------------------------------------------------------
-class Sampling(Body):
+class Sampling(Request):
     """What completions and chat share."""
 
     model: Optional[str] = Field(None, description="the served model's id (GET /v1/models); any other is a 404")
@@ -221,7 +254,7 @@ class ChatCompletionRequest(Sampling):
         return self
 
 
-class TokenizeRequest(Body):
+class TokenizeRequest(Request):
     """vLLM's /tokenize: `prompt`, or `messages` through the chat template."""
 
     model: Optional[str] = None
@@ -238,7 +271,7 @@ class TokenizeRequest(Body):
         return self
 
 
-class DetokenizeRequest(Body):
+class DetokenizeRequest(Request):
     model: Optional[str] = None
     tokens: List[StrictInt]
 

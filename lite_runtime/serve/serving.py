@@ -20,6 +20,7 @@ from lite_runtime.serve.protocol import (APIError, ChatCompletionRequest, ChatMe
 from lite_runtime.serve.tools import ToolFormat, tool_format
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
+MAX_BODY_BYTES = 8 << 20  # a request body past this is a 413 before it is read (--max_body_bytes)
 
 
 @dataclasses.dataclass
@@ -46,9 +47,12 @@ class Service:
     """Turns request bodies into engine requests; owns the generator, the engine and the metrics."""
 
     def __init__(self, generator, engine: BatchEngine, model_name: str, api_key: Optional[str] = None,
-                 metrics_public: bool = False) -> None:
+                 metrics_public: bool = False, max_body_bytes: int = MAX_BODY_BYTES,
+                 request_timeout: Optional[float] = None) -> None:
         self.generator, self.engine, self.model_name, self.api_key = generator, engine, model_name, api_key
-        self.metrics_public = metrics_public
+        self.metrics_public, self.max_body_bytes = metrics_public, max_body_bytes
+        self.request_timeout = request_timeout  # seconds from submission; None: no limit
+        self.draining = False  # set at SIGTERM / SIGINT: new requests get a 503 (cli.py)
         self.created = int(time.time())
         self.metrics = Metrics(engine)
         self._grammars = None
@@ -209,6 +213,21 @@ class Service:
         tokens = self._in_vocabulary(req.tokens, "tokens")
         return {"prompt": self.generator.tokenizer.decode(tokens, skip_special_tokens=False)}
 
+    # --- shutting down --------------------------------------------------------------------------------------
+    def drain(self, timeout: float) -> bool:
+        """Stop taking requests (503 with Retry-After; /health says draining), let the running ones finish for up to
+        `timeout` seconds, then end the rest with a server_shutdown error their clients see. True if none was cut."""
+        self.draining = True
+        deadline = time.monotonic() + max(0.0, timeout)
+        while not self.engine.idle() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.engine.idle():
+            return True
+        self.engine.abort(f"the server is shutting down: this request ran past the drain timeout ({timeout:g} s)")
+        while not self.engine.idle() and time.monotonic() < deadline + 10:
+            time.sleep(0.02)
+        return False
+
     # --- running ------------------------------------------------------------------------------------------
     def submit(self, plan: Plan, emit: Callable[[int, tuple], None]) -> List[SlotRequest]:
         """Queue one engine request per choice (all or none); `emit(choice_index, event)` from the engine thread."""
@@ -225,9 +244,11 @@ class Service:
                 emit(i, event)
             return choice_emit
 
+        deadline = None if not self.request_timeout else time.monotonic() + self.request_timeout
         for i, settings in enumerate(plan.settings):
             requests.append(SlotRequest(prompt=plan.prompt, max_tokens=plan.max_tokens, settings=settings,
-                                        emit=for_choice(i), stop=plan.stop, eos=eos, logprobs=plan.logprobs,
+                                        deadline=deadline, emit=for_choice(i), stop=plan.stop, eos=eos,
+                                        logprobs=plan.logprobs,
                                         constraint=plan.grammar.matcher() if plan.grammar is not None else None))
         try:
             self.engine.submit_many(requests)
