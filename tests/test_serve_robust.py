@@ -203,3 +203,52 @@ def test_pipeline_defaults_to_auto_like_every_command(serve_folder, serve_pipe):
     assert pipe.backend_name == "ms"
     ids = prompts(1, [5], seed=2)[0]
     assert pipe.generate([ids], max_new_tokens=6)[0] == serve_pipe.generate([ids], max_new_tokens=6)[0]
+
+
+# --- fuzzing: no body makes a 500 ----------------------------------------------------------------------------------
+def _bodies():
+    """JSON values shaped like the API's bodies: the real field names with any values (nested, wrong types, huge
+    and non-finite numbers, odd strings), plus unknown fields and non-objects."""
+    from hypothesis import strategies as st
+
+    fields = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options",
+              "stop", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "logprobs", "top_logprobs",
+              "response_format", "tools", "tool_choice", "echo", "best_of", "suffix", "logit_bias", "tokens",
+              "add_special_tokens", "role", "content", "type", "json_schema", "schema", "function", "name",
+              "parameters", "include_usage", "tool_calls", "arguments", "x"]
+    scalars = (st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats(allow_nan=True)
+               | st.text(max_size=12) | st.sampled_from(["user", "assistant", "tool", "function", "json_object",
+                                                         "json_schema", "text", "required", "auto", "none"]))
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                          | st.dictionaries(st.sampled_from(fields), inner, max_size=5), max_leaves=12)
+    valid = st.fixed_dictionaries({  # a body that works, then up to two fields replaced by anything
+        "prompt": st.text(max_size=20) | st.lists(st.integers(0, 511), min_size=1, max_size=8),
+        "messages": st.just([{"role": "user", "content": "hi"}]), "tokens": st.just([1, 2, 3]),
+        "max_tokens": st.integers(1, 4)})
+    mutated = st.tuples(valid, st.dictionaries(st.sampled_from(fields), values, max_size=2)).map(
+        lambda pair: {**pair[0], **pair[1]})
+    return mutated | st.dictionaries(st.sampled_from(fields), values, max_size=7) | values
+
+
+def test_fuzzed_bodies_never_make_a_500(server):
+    from hypothesis import HealthCheck, given, settings
+
+    client = httpx.Client(base_url=server.url, timeout=30)
+    seen = {}
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(body=_bodies(), path=__import__("hypothesis").strategies.sampled_from(
+        ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]))
+    def post(body, path):
+        if isinstance(body, dict) and body.get("stream") is True:
+            body["stream"] = False  # a stream's errors come as events; its status is 200 by then
+        if isinstance(body, dict) and isinstance(body.get("max_tokens"), int):
+            body["max_tokens"] = max(1, min(body["max_tokens"], 4))  # keep successful calls short
+        r = client.post(path, content=json.dumps(body, allow_nan=True))
+        assert r.status_code < 500, (path, body, r.text[:300])
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+
+    post()
+    assert seen.get(400, 0) > 0 and seen.get(200, 0) > 0 and set(seen) <= {200, 400, 404, 413}, seen
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"  # and it still answers
+    assert server.service.engine.idle()
