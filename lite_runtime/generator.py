@@ -156,11 +156,12 @@ class TextGenerator:
             return
         start = time.perf_counter()
         for key in keys:
-            self._warm(key)
+            self.warm(key)
         log.info("%s backend: %d graph(s) warmed up in %.2f s", self.backend_name, len(keys),
                  time.perf_counter() - start)
 
-    def _warm(self, key: str) -> None:
+    def warm(self, key: str) -> None:
+        """Compile graph `key` now (the server does this for what every request needs, before it listens)."""
         self._check_engine_specs(key)
         self._checked.add(key)
         if hasattr(self.backend, "prepare"):  # compiles without running: the KV cache is untouched
@@ -188,7 +189,7 @@ class TextGenerator:
             try:
                 if self._requests == 0 and key not in self._checked:
                     start = time.perf_counter()
-                    self._warm(key)
+                    self.warm(key)
                     log.info("%s backend: %s compiled while idle in %.2f s", self.backend_name, key,
                              time.perf_counter() - start)
             except Exception as exc:  # noqa: BLE001  (the request that needs the graph reports it properly)

@@ -47,7 +47,7 @@ def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] =
     slot_role = "prefill" if generator.batch_size == 1 else "slot"
     keys = [graph_key(slot_role, n) for n in generator.slot_sizes]
     for key in (keys if generator.backend_name == "mslite" else keys[:1]) + ["inc"]:
-        generator._warm(key)
+        generator.warm(key)
     generator.tokenizer  # noqa: B018  (load it now, not in the first request)
     name = model_name or (generator.config.folder.name if generator.config.folder else os.path.basename(model_dir))
     from lite_runtime.serve.serving import MAX_BODY_BYTES
