@@ -95,6 +95,7 @@ class TextGenerator:
         self.backend_name = resolve_backend(config.backend, config.target)
         self.inputs = InputOfInfer.get(config.model_name)
         self.backend = load_backend(self.backend_name, config)
+        self.config = config = getattr(self.backend, "config", config)  # the rank resolved; the caller's untouched
         self.batch_size, self.seq_length = int(config.batch_size), int(config.infer_seq_length)
         # prompt-length buckets: a batch prefills on the smallest full graph its longest prompt fits
         paths = config.graph_paths()

@@ -196,6 +196,7 @@ def test_mslite_plan_loads_the_ranks_graphs_with_the_rank_table(tp_folder, tmp_p
     assert context_plan(config) == {"ascend.device_id": 1, "ascend.rank_id": 1, "ascend.provider": "ge",
                                     "target": ["ascend"]}
     plan = build_plan(config)
+    assert config.rank_id == 0  # the rank is resolved in the plan's own copy: the caller's config is not changed
     builds = [step for step in plan if step[0] == "build_from_file"]
     assert [os.path.basename(step[2]) for step in builds] == [
         "tp2_rank1_prefill_graph.mindir", "tp2_rank1_prefill_16_graph.mindir", "tp2_rank1_inc_graph.mindir"]

@@ -17,6 +17,7 @@ stand-in (backends/standins.py), which proves the graph's wiring, not Ascend's k
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from typing import Dict, Tuple
@@ -215,7 +216,8 @@ class MsBackend:
         self._ms, self._nn = ms, nn
         self._tp = config.tp_size > 1
         if self._tp:  # a tensor-parallel folder: this process runs its rank's graphs (every rank steps together)
-            config.rank_id = _join_ranks(config.folder)
+            config = dataclasses.replace(config, rank_id=_join_ranks(config.folder))
+        self.config = config  # the caller's, with the rank resolved: a copy (the caller's is not changed)
         if config.folder is not None:  # a float16 folder too big for MindSpore's float32 copies: say so now
             from lite_runtime.memory import refuse_if_too_big
 

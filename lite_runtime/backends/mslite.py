@@ -20,6 +20,7 @@ about (lite_runtime/versions.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -94,8 +95,8 @@ def build_plan(config, cache: Optional[Dict[str, Any]] = None) -> List[Tuple]:
         raise InferError("backend 'mslite' needs ge_config_path (the folder's config.ini); pass a model folder "
                          "or ge_config_path")
     read_ge_config(config.ge_config_path)
-    if config.tp_size > 1:  # this process's rank's graphs
-        config.rank_id = rank_and_device(config)[0]
+    if config.tp_size > 1:  # this process's rank's graphs (a copy: the caller's config is not changed)
+        config = dataclasses.replace(config, rank_id=rank_and_device(config)[0])
     paths = config.graph_paths()
     table = rank_table(config)
 
@@ -126,6 +127,9 @@ class MsLiteBackend:  # pragma: no cover - needs mindspore_lite and an Ascend de
 
     def __init__(self, config) -> None:
         self.standins: Dict[str, int] = {}  # Lite runs the graphs as written: nothing is substituted (backends/ms.py)
+        if config.tp_size > 1:  # the caller's config with this process's rank resolved, as a copy
+            config = dataclasses.replace(config, rank_id=rank_and_device(config)[0])
+        self.config = config
         settings = context_plan(config)
         build_plan(config)  # every refusal happens before mindspore_lite is imported
         try:
