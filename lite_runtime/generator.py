@@ -115,7 +115,7 @@ class TextGenerator:
         self._count_lock = threading.Lock()
         self._requests = 0  # infer/generate calls under way or waiting (the idle warm-up gives way to them)
         self._last_request = time.monotonic()
-        self.last_output: Optional[GenerateOutput] = None  # of the last text call, for its timing
+        self._local = threading.local()  # last_output: per calling thread, so concurrent callers do not race
         self._check_graph_specs()
         self._warm_up()
 
@@ -374,6 +374,15 @@ class TextGenerator:
                  for seq, n in zip(out.sequences, out.prompt_lengths)]
         self.last_output = out
         return texts[0] if single else texts
+
+    @property
+    def last_output(self) -> Optional[GenerateOutput]:
+        """The GenerateOutput (sequences, timing) of this thread's last text call, None before one."""
+        return getattr(self._local, "last_output", None)
+
+    @last_output.setter
+    def last_output(self, out: Optional[GenerateOutput]) -> None:
+        self._local.last_output = out
 
     def infer(self, input_ids: Sequence[Sequence[int]], **kwargs) -> InferOutput:
         """One step for callers that drive the loop: the next token of each row and its probability."""

@@ -148,3 +148,22 @@ def test_an_export_beside_the_idle_warm_up_in_one_process(exported, checkpoints,
     assert pipe.generate([row], max_new_tokens=3).sequences[0] == expected
     assert again.generate([row], max_new_tokens=3).sequences[0] == expected
     assert int(first.argmax()) == expected[len(row)]
+
+
+def test_last_output_is_the_calling_threads_own(pipes):
+    """Two threads calling the same pipeline each read the timing and sequences of their own call."""
+    import threading
+
+    pipe = pipes["gqa_tied"]
+    got = {}
+
+    def run(name, text, n):
+        pipe(text, max_new_tokens=n)
+        got[name] = len(pipe.last_output.sequences[0]) - pipe.last_output.prompt_lengths[0]
+
+    threads = [threading.Thread(target=run, args=("a", "hello", 3)), threading.Thread(target=run, args=("b", "the", 7))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == {"a": 3, "b": 7}
