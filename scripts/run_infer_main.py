@@ -117,10 +117,12 @@ def answer(pipe, args: argparse.Namespace, text: str) -> None:
     if args.stream:
         streamer = TextIteratorStreamer(pipe.tokenizer, skip_prompt=True, skip_special_tokens=True)
         errors: List[BaseException] = []
+        results: list = []
 
         def work() -> None:
             try:
                 pipe(text, streamer=streamer, **kwargs)
+                results.append(pipe.last_output)  # this thread's call (last_output is per thread)
             except BaseException as exc:  # reported in the main thread
                 errors.append(exc)
                 streamer.end()
@@ -135,11 +137,12 @@ def answer(pipe, args: argparse.Namespace, text: str) -> None:
             print()
         if errors:
             raise errors[0]
+        result = results[0]
     else:
         outputs = pipe(rows, **kwargs)
         for i, out in enumerate(outputs if show else []):
             print(out if len(outputs) == 1 else f"[{i}] {out}")
-    result = pipe.last_output
+        result = pipe.last_output
     rank = "" if tp_rank is None else f", rank {tp_rank} of {tp}"
     print(f"[timing] prefill {result.prefill_seconds * 1000:.1f} ms, decode "
           f"{result.decode_tokens_per_second:.1f} tok/s ({result.new_tokens} new tokens, "
