@@ -264,3 +264,88 @@ def test_a_short_soak_loses_nothing(serve_folder, tmp_path):
     assert report["problems"] == [] and report["ok"], report
     assert report["completed"] > 50 and report["disconnected"] > 0 and report["malformed_refused"] > 0
     assert report["queue_full_503"] > 0  # 6 clients, 4 rows, a queue of 2
+
+
+# --- the engine's own failure, cancel and shutdown paths (lite_runtime.batching, no HTTP) --------------------------
+@pytest.fixture(scope="module")
+def engine_pipe(serve_folder):
+    from lite_runtime import pipeline
+
+    return pipeline("text_generation", model=serve_folder, backend="ms", slot_graphs=True)
+
+
+def _request(prompt, max_tokens, events):
+    from lite_runtime.batching import SlotRequest
+    from lite_runtime.sampling import GenerationSettings
+
+    return SlotRequest(prompt=list(prompt), max_tokens=max_tokens, settings=GenerationSettings(),
+                       emit=events.append)
+
+
+def _wait(predicate, timeout=30.0):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline
+        time.sleep(0.01)
+
+
+def test_engine_a_failed_graph_call_ends_its_requests_and_the_engine_goes_on(engine_pipe):
+    from lite_runtime.batching import BatchEngine
+
+    engine = BatchEngine(engine_pipe, max_queue=4)
+    try:
+        bad, good = [], []
+        engine.submit(_request(list(range(1, 80)), 4, bad))  # longer than the graphs: prefill_slot raises
+        _wait(lambda: bad)
+        assert bad[0][0] == "error" and bad[0][2] == "engine_error"
+        assert bad[0][1].startswith("inference failed: a prompt of 79 tokens is longer than the graphs")
+        engine.submit(_request([1, 2, 3], 4, good))
+        _wait(lambda: good and good[-1][0] == "end")
+        assert good[-1] == ("end", "length") and engine.idle()
+    finally:
+        engine.stop()
+
+
+def test_engine_a_request_cancelled_while_waiting_never_takes_a_row(engine_pipe):
+    from lite_runtime.batching import BatchEngine
+    from lite_runtime.mindspore_lock import MINDSPORE_LOCK
+
+    engine = BatchEngine(engine_pipe, max_queue=4)
+    try:
+        running = [[] for _ in range(4)]
+        cancelled, after = [], []
+        with MINDSPORE_LOCK:  # the engine's first graph call waits: nothing ends meanwhile
+            for events in running:
+                engine.submit(_request([1, 2, 3], 2, events))
+            late = _request([4, 5], 8, cancelled)
+            engine.submit(late)
+            engine.submit(_request([6, 7], 3, after))
+            late.cancelled = True  # its client left while it waited for a row
+            _wait(lambda: engine.inflight == 6)
+        _wait(engine.idle)
+        assert [events[-1] for events in running] == [("end", "length")] * 4
+        assert cancelled == [("end", "cancelled")] and late.generated == [] and late.slot is None
+        assert after[-1] == ("end", "length")
+    finally:
+        engine.stop()
+
+
+def test_engine_stop_ends_running_and_waiting_requests_with_a_shutdown_error(engine_pipe):
+    from lite_runtime.batching import BatchEngine
+    from lite_runtime.mindspore_lock import MINDSPORE_LOCK
+
+    engine = BatchEngine(engine_pipe, max_queue=4)
+    running = [[] for _ in range(4)]
+    waiting = []
+    with MINDSPORE_LOCK:  # held throughout: the engine admits four and waits in the first prefill
+        for events in running:
+            engine.submit(_request([1, 2, 3], 40, events))
+        engine.submit(_request([6, 7], 40, waiting))
+        _wait(lambda: engine.inflight == 5 and engine.slots[0] is not None)
+        stopper = threading.Thread(target=engine.stop)  # lands after this iteration: four rows busy, one waiting
+        stopper.start()
+        time.sleep(0.2)
+    stopper.join(timeout=30)
+    shutdown = ("error", "the server is shutting down", "server_shutdown")
+    assert [events[-1] for events in running] == [shutdown] * 4
+    assert waiting == [shutdown]
