@@ -10,6 +10,8 @@ server process:
 - 1, 4 and 16 concurrent clients, each sending its share of the same set of greedy streaming requests
   (random-token prompts of 16-96 tokens, max_tokens 48): aggregate completion tok/s, time to first token and
   latency at p50 and p99;
+- with --itl: 3 running streams while a prompt of seq_length - 64 tokens arrives: their steady inter-token gap
+  against the largest while it is prefilled (issue 21: at most 2x), and its time to first token;
 - every request's text is compared with the text the 1-client load got for the same prompt (no request lost,
   no cross-talk between rows);
 - 500 sequential short requests: the server's RSS after the first 20 and after all 500 (growth), and its peak.
@@ -103,6 +105,49 @@ def one_request(url: str, prompt: List[int], max_tokens: int) -> Dict[str, Any]:
             "latency": time.perf_counter() - start, "finish": finish}
 
 
+def stream_times(url: str, prompt: List[int], max_tokens: int, out: Dict[str, Any]) -> None:
+    """A greedy streaming completion; out["times"]: the arrival time (perf_counter) of every text chunk."""
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    out["start"], out["times"] = time.perf_counter(), []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                out["times"].append(time.perf_counter())
+
+
+def itl_while_a_long_prompt_arrives(url: str, seq_length: int, rng) -> Dict[str, Any]:
+    """Issue 21's measure: 3 running streams, then a prompt of seq_length - 64 tokens. The streams' inter-token
+    gaps: their median before it arrives (steady), and the largest while it is prefilled (from its submission to its
+    first token, plus one step); the long prompt's time to first token."""
+    import statistics
+
+    streams = [dict() for _ in range(3)]
+    threads = [threading.Thread(target=stream_times, args=(url, [int(t) for t in rng.integers(100, 20000, 24)],
+                                                          100, out)) for out in streams]
+    for t in threads:
+        t.start()
+    while min(len(s.get("times", [])) for s in streams) < 24:  # steady: every stream decoding
+        time.sleep(0.01)
+    long = {}
+    submitted = time.perf_counter()
+    stream_times(url, [int(t) for t in rng.integers(100, 20000, seq_length - 64)], 4, long)
+    first = long["times"][0]
+    for t in threads:
+        t.join()
+    steady, during = [], []
+    for s in streams:
+        for a, b in zip(s["times"], s["times"][1:]):
+            if b < submitted:
+                steady.append(b - a)
+            elif a < first + (statistics.median(steady) if steady else 0):
+                during.append(b - a)
+    p50 = statistics.median(steady)
+    return {"long_prompt_tokens": seq_length - 64, "steady_itl_p50_s": p50, "itl_max_during_prefill_s": max(during),
+            "ratio": max(during) / p50, "long_prompt_ttft_s": first - submitted}
+
+
 def run_load(url: str, prompts: List[List[int]], clients: int, max_tokens: int) -> Dict[str, Any]:
     results: List[Optional[Dict[str, Any]]] = [None] * len(prompts)
     next_index = iter(range(len(prompts)))
@@ -175,6 +220,8 @@ def export(checkpoint: str, folder: str, batch: int, seq_length: int) -> None:
 
 def bench_folder(folder: str, args, prompts: List[List[int]], short: List[List[int]], root: str = ROOT,
                  label: str = "") -> Dict[str, Any]:
+    import numpy as np
+
     server = Server(folder, os.path.join(args.work, os.path.basename(folder) + label + ".server.log"), root)
     try:
         out: Dict[str, Any] = {"ready_s": server.ready_s, "loads": []}
@@ -185,6 +232,14 @@ def bench_folder(folder: str, args, prompts: List[List[int]], short: List[List[i
                   f"{load['ttft_p50']:.2f} s p99 {load['ttft_p99']:.2f} s  latency p50 {load['latency_p50']:.2f} s "
                   f"p99 {load['latency_p99']:.2f} s  {load['completed']}/{load['requests']} completed", flush=True)
             out["loads"].append(load)
+        if args.itl:
+            for repeat in range(3):
+                itl = itl_while_a_long_prompt_arrives(server.url, args.seq_length, np.random.default_rng(repeat))
+                out.setdefault("itl_long_prompt", []).append(itl)
+                print(f"  {os.path.basename(folder)}{label}: 3 streams while a {itl['long_prompt_tokens']}-token "
+                      f"prompt arrives: steady ITL p50 {itl['steady_itl_p50_s'] * 1000:.0f} ms, largest gap "
+                      f"{itl['itl_max_during_prefill_s'] * 1000:.0f} ms ({itl['ratio']:.1f}x; goal <= 2x), long "
+                      f"prompt TTFT {itl['long_prompt_ttft_s']:.2f} s", flush=True)
         # sequential: RSS growth after the first 20 requests
         rss = []
         seq_start = time.perf_counter()
@@ -223,6 +278,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--output", help="write the figures as JSON here")
     p.add_argument("--baseline_root", help="A/B: also serve each folder with the checkout in this directory (e.g. a "
                                            "git worktree of the previous commit), alternating with this one")
+    p.add_argument("--itl", action="store_true",
+                   help="also: 3 running streams while a prompt of seq_length - 64 tokens arrives (issue 21's "
+                        "measure of the prefill pause), 3 times per folder")
     p.add_argument("--rounds", type=int, default=1,
                    help="with --baseline_root: rounds of both, the order alternating (baseline first in the first)")
     args = p.parse_args(argv)
