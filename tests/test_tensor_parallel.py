@@ -268,3 +268,15 @@ def test_qwen3_and_llama_with_biases_split_over_two_ranks_equal_hf(tokenizer, tm
                                           pad_token_id=0)[0].tolist()
         got = r0[name]["tokens"][0]
         assert got == ref[:len(got)], name
+
+
+def test_the_server_refuses_a_tensor_parallel_folder_before_loading(tp_folder):
+    pytest.importorskip("fastapi")
+    from lite_runtime.errors import InferError
+    from lite_runtime.serve import load_service
+
+    with pytest.raises(InferError) as err:
+        load_service(tp_folder, backend="ms")
+    assert str(err.value) == (f"{tp_folder}: a tensor-parallel folder (2 ranks) cannot be served yet: every rank has "
+                              "to take every step, and the server drives one process; run it with pipeline() or "
+                              "scripts/run_infer_main.py under msrun (README, \"Two cards\")")

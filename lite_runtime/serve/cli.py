@@ -28,18 +28,18 @@ def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] =
                  model_name: Optional[str] = None, metrics_public: bool = False, max_body_bytes: Optional[int] = None,
                  request_timeout: Optional[float] = None, **config: Any):
     """Load the folder, compile what the first request needs, start the engine."""
-    from lite_runtime import pipeline
+    from lite_runtime import InferConfig, pipeline
     from lite_runtime.batching import BatchEngine
-    from lite_runtime.folder import load_folder
     from lite_runtime.serve.serving import Service
 
-    tp = load_folder(model_dir, verify=False).tp_size
-    if tp > 1:
-        raise InferError(f"{model_dir}: a tensor-parallel folder ({tp} ranks) cannot be served yet: every rank has to "
-                         "take every step, and the server drives one process; run it with pipeline() or "
-                         "scripts/run_infer_main.py under msrun (README, \"Two cards\")")
-    generator = pipeline("text_generation", model=model_dir, backend=backend, warm_up="none", slot_graphs=True,
-                         **config)
+    if not os.path.isdir(model_dir):
+        raise InferError(f"{model_dir}: not a model folder; pass a folder written by python -m export")
+    settings = InferConfig.from_folder(model_dir, backend=backend, warm_up="none", slot_graphs=True, **config)
+    if settings.tp_size > 1:  # refused before anything is loaded (the folder's manifest is read once, here)
+        raise InferError(f"{model_dir}: a tensor-parallel folder ({settings.tp_size} ranks) cannot be served yet: "
+                         "every rank has to take every step, and the server drives one process; run it with "
+                         "pipeline() or scripts/run_infer_main.py under msrun (README, \"Two cards\")")
+    generator = pipeline("text_generation", model=settings)
     if not generator.slot_sizes:
         generator.slot_key(1)  # raises the "re-export" error
     # what every request needs: the smallest slot graph and inc; on mslite every graph (GE compiles for
