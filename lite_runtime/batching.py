@@ -184,9 +184,7 @@ class BatchEngine:
                     if request is not None:
                         self._end(row, request, error=abort[0], code=abort[1])
                 for request in waiting:
-                    self._done()
-                    request.finish_reason, request.ended = "error", time.monotonic()
-                    request.emit(("error", abort[0], abort[1]))
+                    self._finish(request, "error", ("error", abort[0], abort[1]))
                 continue
             try:
                 for row, request in admit:
@@ -205,14 +203,11 @@ class BatchEngine:
 
     def _start(self, row: int, request: SlotRequest) -> None:
         if request.cancelled:  # its client left while it waited
-            self._done()
-            request.finish_reason, request.ended = "cancelled", time.monotonic()
-            request.emit(("end", "cancelled"))
+            self._finish(request, "cancelled", ("end", "cancelled"))
             return
         if request.deadline is not None and time.monotonic() > request.deadline:  # it waited past its deadline
-            self._done()
-            request.finish_reason, request.ended = "error", time.monotonic()
-            request.emit(("error", "the request waited past the server's --request_timeout", "timeout"))
+            self._finish(request, "error", ("error", "the request waited past the server's --request_timeout",
+                                            "timeout"))
             return
         request.slot, request.started = row, time.monotonic()
         self.slots[row] = request
@@ -289,9 +284,13 @@ class BatchEngine:
 
     def _end(self, row: int, request: SlotRequest, reason: str = "", error: str = "", code: str = "") -> None:
         self.slots[row] = None
+        self._finish(request, reason or "error", ("error", error, code or "engine_error") if error else ("end", reason))
+
+    def _finish(self, request: SlotRequest, reason: str, event: Tuple[Any, ...]) -> None:
+        """A request ends (from a row or from the queue): counted, stamped, its last event sent."""
         self._done()
-        request.finish_reason, request.ended = reason or "error", time.monotonic()
-        request.emit(("error", error, code or "engine_error") if error else ("end", reason))
+        request.finish_reason, request.ended = reason, time.monotonic()
+        request.emit(event)
 
     def _done(self) -> None:
         with self._cond:

@@ -111,9 +111,10 @@ class FolderTokenizer:
                 text = text.replace(before, after)
         return text
 
-    def id_to_token(self, token: int) -> Optional[str]:
-        """The token as the vocabulary spells it (byte-level BPE: GPT-2's byte alphabet), None when unknown."""
-        return self._tok.id_to_token(int(token))
+    @property
+    def backend_tokenizer(self):
+        """The tokenizers.Tokenizer underneath, under transformers' name for it (its JSON, its vocabulary)."""
+        return self._tok
 
     def batch_decode(self, rows: Sequence[Sequence[int]], skip_special_tokens: bool = False, **kw: Any) -> List[str]:
         return [self.decode(r, skip_special_tokens=skip_special_tokens, **kw) for r in rows]

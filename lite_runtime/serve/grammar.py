@@ -30,7 +30,7 @@ _NEG_INF = np.float32(-np.inf)
 
 def _tokenizer_json(tokenizer) -> str:
     """The tokenizers library's JSON of the folder's tokenizer (FolderTokenizer, or a transformers fast one)."""
-    raw = getattr(tokenizer, "_tok", None) or getattr(tokenizer, "backend_tokenizer", None)
+    raw = getattr(tokenizer, "backend_tokenizer", None)
     if raw is None:
         raise APIError(400, "structured output needs the folder's tokenizer.json (a fast tokenizer)",
                        param="response_format")

@@ -44,7 +44,8 @@ class TokenPieces:
         return piece
 
     def _piece(self, token: int) -> Tuple[str, List[int]]:
-        raw = self.tokenizer.id_to_token(token) if hasattr(self.tokenizer, "id_to_token") else None
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)  # FolderTokenizer's or transformers' fast one
+        raw = backend.id_to_token(int(token)) if backend is not None else None
         decoder = _byte_decoder()
         if raw is not None and all(c in decoder for c in raw):
             data = bytes(decoder[c] for c in raw)
@@ -61,28 +62,23 @@ class Choice:
     def __init__(self, index: int, answer: "Answer") -> None:
         self.index, self.answer = index, answer
         self.text = ""
-        self.content = ""
         self.logprobs: List[Any] = []  # TokenLogprob, every token sent
         self.offsets: List[int] = []  # completions' text_offset: characters of the tokens before
         self._chars = 0
         self.finish: Optional[str] = None
         self.parser = ToolCallParser(answer.plan.tools) if answer.plan.tools else None
-        self.tool_events: List[tuple] = []
 
-    def add(self, text: str, logprobs) -> Tuple[List[tuple], Optional[list]]:
-        """(tool-parser events or [("content", text)], the new logprob entries)."""
+    def add(self, text: str, logprobs) -> List[tuple]:
+        """The tool parser's events of the new text, or [("content", text)]; the logprob entries are kept."""
         for entry in logprobs or ():
             self.offsets.append(self._chars)
             self._chars += len(self.answer.pieces(entry.token)[0])
             self.logprobs.append(entry)
         self.text += text
-        events = self.parser.feed(text) if self.parser else ([("content", text)] if text else [])
-        self.tool_events += events
-        return events, logprobs
+        return self.parser.feed(text) if self.parser else ([("content", text)] if text else [])
 
     def end(self, reason: str) -> List[tuple]:
         events = self.parser.finish() if self.parser else []
-        self.tool_events += events
         calls = self.parser.calls if self.parser else []
         self.finish = "tool_calls" if calls and reason == "stop" else reason
         return events
@@ -148,7 +144,7 @@ class Answer:
     def text_chunks(self, index: int, text: str, entries) -> List[Dict[str, Any]]:
         choice = self.choices[index]
         start = len(choice.logprobs)
-        events, entries = choice.add(text, entries)
+        events = choice.add(text, entries)
         logprobs = self._logprobs(choice, entries, start) if entries else None
         if not self.plan.chat:
             if not text and not entries:
@@ -200,11 +196,10 @@ class Answer:
                 continue
             message: Dict[str, Any] = {"role": "assistant", "content": c.text}
             if c.parser is not None:
-                calls = c.parser.calls
-                message["content"] = (c.parser.content.strip() or None) if calls else c.parser.content
-                if calls:
+                message["content"] = c.parser.message_content()
+                if c.parser.calls:
                     message["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
-                                             for i, n, a in calls]
+                                             for i, n, a in c.parser.calls]
             choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": c.finish})
         return {"id": self.id, "object": "chat.completion" if self.plan.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}

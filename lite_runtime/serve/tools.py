@@ -63,6 +63,10 @@ class ToolCallParser:
     _state: str = "text"  # text | header | arguments
     _started: bool = False  # any non-space text seen (llama3_json decides on the first character)
 
+    def message_content(self) -> Optional[str]:
+        """The answer's content as OpenAI gives it: the text, or with calls the text around them (None if blank)."""
+        return (self.content.strip() or None) if self.calls else self.content
+
     def feed(self, text: str) -> List[Event]:
         self._buffer += text
         return self._run(final=False)
@@ -162,12 +166,3 @@ class ToolCallParser:
         if text:
             self.content += text
             out.append(("content", text))
-
-
-def parse_answer(fmt: ToolFormat, text: str) -> Tuple[Optional[str], List[List[str]]]:
-    """(content or None, [[id, name, arguments]]) of a whole answer."""
-    parser = ToolCallParser(fmt)
-    parser.feed(text)
-    parser.finish()
-    content = parser.content.strip() if parser.calls else parser.content
-    return (content or None) if parser.calls else parser.content, parser.calls
