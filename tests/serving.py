@@ -1,9 +1,15 @@
 """The server's test helpers: a real uvicorn server in a thread, the openai client, pipeline().generate as reference."""
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+
+import httpx
 
 import pytest
 
@@ -11,6 +17,7 @@ openai = pytest.importorskip("openai")  # the `serve` extra; the test extra inst
 uvicorn = pytest.importorskip("uvicorn")
 
 SEQ = 64  # the serve folder's seq_length (conftest.serve_folder)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _free_port() -> int:
@@ -43,6 +50,39 @@ class Running:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def served(folder: str, **kwargs):
+    """A Running server over load_service(folder, backend="ms", **kwargs); stopped, engine too, on leaving."""
+    from lite_runtime.serve import load_service
+
+    running = Running(load_service(folder, backend="ms", **kwargs))
+    try:
+        yield running
+    finally:
+        running.stop()
+        running.service.engine.stop()
+
+
+def server_process(folder: str, *args: str, env=None):
+    """(process, port) of `python -m lite_runtime.serve` on `folder` (ms backend, log level warning, stderr piped),
+    once its /health answers 200."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lite_runtime.serve", "--model_dir", folder, "--port", str(port),
+                             "--backend", "ms", "--log_level", "warning", *args], cwd=ROOT, env=env,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc, port
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError("the server did not come up")
+        time.sleep(0.2)
 
 
 def complete(server, prompt, stream=False, **kwargs):

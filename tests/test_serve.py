@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from reference import prompts
-from serving import SEQ, Running, _error, _free_port, complete, expected, openai
+from serving import SEQ, Running, _error, complete, expected, openai, served, server_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,12 +29,8 @@ def pipe(serve_pipe):
 
 @pytest.fixture(scope="module")
 def server(folder):
-    from lite_runtime.serve import load_service
-
-    running = Running(load_service(folder, backend="ms"))
-    yield running
-    running.stop()
-    running.service.engine.stop()
+    with served(folder) as running:
+        yield running
 
 
 # --- correctness against pipeline().generate -----------------------------------------------------------------
@@ -261,21 +257,8 @@ def test_the_command_serves_and_warns_off_loopback_without_a_key(folder, tmp_pat
     assert proc.stderr.splitlines()[0] == (
         "warning: listening on 0.0.0.0 without an API key: anyone who can reach this port can use the model. "
         "Pass --api_key or set MSLITE_LLM_API_KEY.")
-    port = _free_port()
-    env = dict(os.environ, MSLITE_LLM_API_KEY="k1")
-    server = subprocess.Popen([sys.executable, "-m", "lite_runtime.serve", "--model_dir", folder, "--port", str(port),
-                               "--backend", "ms", "--log_level", "warning"], cwd=ROOT, env=env,
-                              stderr=subprocess.PIPE, text=True)
+    server, port = server_process(folder, env=dict(os.environ, MSLITE_LLM_API_KEY="k1"))
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.time() < deadline, "the server did not come up"
-            time.sleep(0.2)
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k1", max_retries=0)
         r = client.completions.create(model="serve4", prompt=[1, 2, 3], max_tokens=3, temperature=0)

@@ -7,17 +7,13 @@ import numpy as np
 import pytest
 
 from reference import hf_model, prompts
-from serving import SEQ, Running, _error, complete, expected
+from serving import SEQ, Running, _error, complete, expected, served
 
 
 @pytest.fixture(scope="module")
 def server(serve_folder):
-    from lite_runtime.serve import load_service
-
-    running = Running(load_service(serve_folder, backend="ms"))
-    yield running
-    running.stop()
-    running.service.engine.stop()
+    with served(serve_folder) as running:
+        yield running
 
 
 def hf_log_softmax(checkpoint: str, prompt, generated) -> np.ndarray:

