@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -52,7 +52,11 @@ def percentile(values: List[float], q: float) -> float:
 
 
 class Server:
-    def __init__(self, folder: str, log_path: str, root: str = ROOT) -> None:
+    """`python -m lite_runtime.serve` on `folder` from the checkout `root` (ms backend, `extra` arguments), its log in
+    `log_path`; ready once /health answers (SystemExit if it exits first, or takes more than `timeout` seconds)."""
+
+    def __init__(self, folder: str, log_path: str, root: str = ROOT, extra: Sequence[str] = (),
+                 timeout: Optional[float] = None) -> None:
         import httpx
 
         self.port = free_port()
@@ -60,7 +64,7 @@ class Server:
         self.log = open(log_path, "w")
         start = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, "-m", "lite_runtime.serve", "--model_dir", folder, "--port",
-                                      str(self.port), "--backend", "ms", "--log_level", "warning"], cwd=root,
+                                      str(self.port), "--backend", "ms", "--log_level", "warning", *extra], cwd=root,
                                      stdout=self.log, stderr=subprocess.STDOUT)
         while True:
             try:
@@ -70,6 +74,8 @@ class Server:
                 pass
             if self.proc.poll() is not None:
                 raise SystemExit(f"the server for {folder} exited; see {log_path}")
+            if timeout is not None and time.perf_counter() - start > timeout:
+                raise SystemExit(f"the server for {folder} did not come up in {timeout:g} s; see {log_path}")
             time.sleep(0.2)
         self.ready_s = time.perf_counter() - start
 

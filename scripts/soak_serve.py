@@ -25,14 +25,15 @@ import os
 import platform
 import random
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from bench_serve import Server, rss_kib  # noqa: E402  (scripts/ is not a package)
 
 MALFORMED = [  # (body bytes, expected status)
     (b'{"prompt": "a",', 400),
@@ -42,17 +43,6 @@ MALFORMED = [  # (body bytes, expected status)
     (b'{"messages": []}', 400),
     (b'{"prompt": "' + b"x" * 70000 + b'"}', 413),
 ]
-
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_specs(rng: random.Random, count: int) -> List[Dict[str, Any]]:
@@ -117,29 +107,6 @@ def call(url: str, spec: Dict[str, Any], stream: Optional[bool] = None, disconne
     return dict(out, choices=choices)
 
 
-class Server:
-    def __init__(self, folder: str, log_path: str) -> None:
-        import httpx
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "lite_runtime.serve", "--model_dir", folder, "--port",
-                                      str(self.port), "--backend", "ms", "--log_level", "warning", "--max_queue", "2",
-                                      "--max_body_bytes", "65536", "--drain_timeout", "60"], cwd=ROOT,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 300
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.time() > deadline:
-                raise SystemExit(f"the server did not come up; see {log_path}")
-            time.sleep(0.2)
-
-
 def soak(folder: str, clients: int, seconds: float, seed: int, work: str, specs_count: int = 24,
          rss_tolerance: float = 2.0) -> Dict[str, Any]:
     import httpx
@@ -147,7 +114,8 @@ def soak(folder: str, clients: int, seconds: float, seed: int, work: str, specs_
     rng = random.Random(seed)
     specs = make_specs(rng, specs_count)
     os.makedirs(work, exist_ok=True)
-    server = Server(folder, os.path.join(work, "soak.server.log"))
+    server = Server(folder, os.path.join(work, "soak.server.log"), extra=(
+        "--max_queue", "2", "--max_body_bytes", "65536", "--drain_timeout", "60"), timeout=300)
     report: Dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, "
                               f"{os.cpu_count()} cores", "folder": folder, "clients": clients, "seconds": seconds,
                               "specs": len(specs)}
