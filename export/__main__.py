@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "a prompt runs on the smallest that fits, so prefill cost follows the prompt. All graphs "
                         "share one weights file and the KV cache. auto (default): on cpu 16, 32, 64, ... and on "
                         "Atlas 128, 512, 2048, ... below --seq_length; none: only the --seq_length graph")
+    p.add_argument("--chunk_size", default="auto",
+                   help="tokens of the chunk graph, through which the server (python -m lite_runtime.serve) prefills "
+                        "each prompt piece by piece between the running requests' decode steps, and after the prefix "
+                        "a cache row kept from the previous turn. auto (default): 32 on cpu, 256 on Atlas (about one "
+                        "decode step's cost each), at most --seq_length; 0: none (a folder the server refuses)")
     p.add_argument("--cpu_kernels", choices=("auto", "on", "off"), default="auto",
                    help="--device cpu, float32: run the decode step's matmuls with mslite-llm's own multi-threaded "
                         "GEMV kernel (built at pip install) instead of MindSpore's MatMul: about 1.2x the decode "
@@ -67,6 +72,16 @@ def parse_buckets(text: str) -> Optional[Tuple[int, ...]]:
         return tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
     except ValueError:
         raise ExportError(f"--prefill_buckets {text!r} must be auto, none or comma-separated integers, e.g. 128,512") from None
+
+
+def parse_chunk(text: str) -> Optional[int]:
+    """None for auto (the device's rule), else the size (0: no chunk graph)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ExportError(f"--chunk_size {text!r} must be auto or an integer, e.g. 256") from None
 
 
 def default_dtype(profile, checkpoint: str) -> str:
@@ -104,7 +119,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = ExportConfig(checkpoint=args.checkpoint, output=args.output, name=name, seq_length=args.seq_length,
                            batch_size=args.batch_size, dtype=dtype, device=args.device, overwrite=args.overwrite,
                            prefill_buckets=parse_buckets(args.prefill_buckets), cpu_kernels=args.cpu_kernels,
-                           tp_size=args.tp_size, graph=None if args.graph == "auto" else args.graph)
+                           tp_size=args.tp_size, graph=None if args.graph == "auto" else args.graph,
+                           chunk_size=parse_chunk(args.chunk_size))
         summary = run_export(cfg, show_progress=not args.quiet)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -98,14 +98,25 @@ class FusedDecoderLayer(DecoderLayer):
         a = self.self_attn
         return a.o_proj(out.transpose(0, 2, 1, 3).reshape(b * n, a.h * a.d))
 
-    def prefill(self, x, cos, sin, lengths, mask, b, n, slot=None):
-        """x [B*n, E]; lengths int64 [B] the prompt lengths; mask the compressed causal mask; slot as DecoderLayer."""
+    def prefill(self, x, cos, sin, lengths, mask, b, n):
+        """x [B*n, E]; lengths int64 [B] the prompt lengths; mask the compressed causal mask."""
         a = self.self_attn
         q, k, v = self._qkv(self.input_layernorm(x), cos, sin, b, n)
-        k_done, v_done = a.write_prompt(k, v, b, n, slot)
+        k_done, v_done = a.write_prompt(k, v, b, n)
         out = self.prompt_attention(q, k, v, mask, lengths, lengths, None, None, None, None, None, None)
         attn = self._out(ops.depend(ops.depend(out, k_done), v_done), b, n)
         normed, h = self.post_attention_layernorm.add_norm(x, attn)
+        return ew_add(h, self.mlp(normed))
+
+    def chunk(self, x, cos, sin, lengths, kv_lengths, mask, index, pick, slot, n):
+        """One row's chunk (the chunk graph): x [n, E]; lengths int64 [1] its valid tokens, kv_lengths int64 [1] = start
+        + lengths; sparse_mode 3 (rightDownCausal) aligns the chunk's last token with the last valid key, so token i
+        sees the row's positions up to start + i; index and pick as Attention.write_chunk."""
+        a = self.self_attn
+        q, k, v = self._qkv(self.input_layernorm(x), cos, sin, 1, n)
+        keys, values = a.write_chunk(k, v, index, pick, slot)
+        out = self.prompt_attention(q, keys, values, mask, lengths, kv_lengths, None, None, None, None, None, None)
+        normed, h = self.post_attention_layernorm.add_norm(x, self._out(out, 1, n))
         return ew_add(h, self.mlp(normed))
 
     def decode(self, x, cos, sin, lengths, index, b):
@@ -135,6 +146,10 @@ class FusedSteps(nn.Cell):
     def prompt(self, n):  # cos/sin [1, 1, n, D]: every row's positions are 0..n-1
         d = self.cos.shape[-1]
         return self.cos[:n].reshape(1, 1, n, d), self.sin[:n].reshape(1, 1, n, d)
+
+    def chunk(self, pos, n):  # pos [n] -> cos/sin [1, 1, n, D]: one row's positions
+        d = self.cos.shape[-1]
+        return ops.gather(self.cos, pos, 0).reshape(1, 1, n, d), ops.gather(self.sin, pos, 0).reshape(1, 1, n, d)
 
     def step(self, pos, b):  # pos [B] -> cos/sin [B, 1, 1, D]
         d = self.cos.shape[-1]

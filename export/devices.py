@@ -27,6 +27,9 @@ class DeviceProfile:
     # whether its SoC runs every fused operator of `--graph fused` (export/atlas_layers.py) as we call it:
     # ge_configs/README.md says which SoC runs which and why
     fused: bool = False
+    # tokens of the chunk graph (default_chunk): a server prefills a prompt this many tokens per step between the
+    # running rows' decode steps, so one piece should cost about what a decode step costs
+    chunk: int = 256
 
     @property
     def default_dtype(self) -> str:
@@ -46,7 +49,8 @@ PROFILES: Dict[str, DeviceProfile] = {
     # 310P: PromptFlashAttention/IncreFlashAttention take no actual lengths and no GQA there (ge_configs/README.md)
     "atlas_300i_duo": DeviceProfile("atlas_300i_duo", "Atlas 300I Duo", "Ascend310P", ("float16",)),
     # CPU folders compute in float32; float16 and bfloat16 store the matrices in 16 bits (ExportConfig.compute_dtype)
-    "cpu": DeviceProfile("cpu", "CPU", "", ("float32", "bfloat16", "float16"), bucket_first=16, bucket_factor=2),
+    "cpu": DeviceProfile("cpu", "CPU", "", ("float32", "bfloat16", "float16"), bucket_first=16, bucket_factor=2,
+                         chunk=32),
 }
 DEFAULT_PROFILE = "atlas_800i_a2"
 
@@ -79,6 +83,23 @@ def default_buckets(profile: DeviceProfile, seq_length: int) -> Tuple[int, ...]:
         sizes.append(size)
         size *= profile.bucket_factor
     return tuple(sizes)
+
+
+def default_chunk(profile: DeviceProfile, seq_length: int) -> int:
+    """Tokens of the chunk graph an export gets without --chunk_size: the profile's, at most seq_length.
+
+    One size per folder, chosen so that a piece of a prompt costs about one decode step, which is what the running
+    streams then wait for (the server's goal: their gaps stay within twice the steady one). A decode step reads every
+    weight once; a piece of c tokens does c tokens of arithmetic on them, so c is about the device's arithmetic per
+    byte of memory read (bytes per weight x FLOP/s / (2 x bytes/s)):
+    - CPU: 32. Measured on the 0.5B shape (float32, 2 cores, AVX-512): a 32-token piece ~0.1 s, a batch-4 decode step
+      ~0.11 s in the server (scripts/PERFORMANCE.md, chunked prefill). Our kernels skip a piece's padding rows, so a
+      shorter last piece costs its length.
+    - Atlas: 256 (a multiple of the cube unit's 16): the NPU's 16-bit arithmetic per byte read is some 100, and a
+      step has a fixed launch cost besides, so 256 tokens cost about a decode step of a 7B; a 2048-token prompt takes
+      8 pieces. One graph, because GE compiles each graph for minutes at load.
+    """
+    return min(profile.chunk, seq_length)
 
 
 def graph_form(profile: DeviceProfile, dtype: str, asked: Optional[str], head_dim: int, kv_groups: int) -> str:

@@ -30,12 +30,12 @@ class CompiledGraph:
 
 
 def graph_plan(cfg: ExportConfig) -> List[Tuple[str, int]]:
-    """(role, tokens) of every graph of one rank: a prefill graph per bucket and seq_length, the inc graph, and
-    for batch_size > 1 a slot graph per prefill graph (one prompt into one cache row, for lite_runtime.serve)."""
+    """(role, tokens) of every graph of one rank: a prefill graph per bucket and seq_length, the inc graph, and the
+    chunk graph of cfg.chunk_size tokens (one row's prompt piece at an offset, for lite_runtime.serve)."""
     buckets = sorted(set(cfg.prefill_buckets or ()) | {cfg.seq_length})
     plan = [("prefill", n) for n in buckets] + [("inc", 1)]
-    if cfg.batch_size > 1:
-        plan += [("slot", n) for n in buckets]
+    if cfg.chunk_size:
+        plan.append(("chunk", cfg.chunk_size))
     return plan
 
 
@@ -71,7 +71,7 @@ class Network:
         import numpy as np
 
         import mindspore as ms
-        from export.model import DecodeGraph, PrefillGraph, SlotPrefillGraph
+        from export.model import ChunkGraph, DecodeGraph, PrefillGraph
 
         try:
             from mindspore.train.serialization import _cell_info
@@ -81,12 +81,12 @@ class Network:
                               "pip install 'mindspore>=2.7,<2.11'") from None
         from mindspore.train import mind_ir_pb2
 
-        cell = {"prefill": PrefillGraph, "inc": DecodeGraph, "slot": SlotPrefillGraph}[role](self.net)
-        rows = 1 if role == "slot" else self.cfg.batch_size
+        cell = {"prefill": PrefillGraph, "inc": DecodeGraph, "chunk": ChunkGraph}[role](self.net)
+        rows = 1 if role == "chunk" else self.cfg.batch_size
         args = [ms.Tensor(np.zeros((rows, tokens), np.int32)),
                 ms.Tensor(np.full((rows,), 2 if role == "inc" else 1, np.int32))]
-        if role == "slot":
-            args.append(ms.Tensor(np.zeros((1,), np.int32)))
+        if role == "chunk":  # start, slot
+            args += [ms.Tensor(np.zeros((1,), np.int32)), ms.Tensor(np.zeros((1,), np.int32))]
         level = ms.get_context("jit_syntax_level")
         ms.set_context(jit_syntax_level=ms.STRICT)  # as mindspore.export compiles
         try:

@@ -280,17 +280,28 @@ class Attention(nn.Cell):
         out = self.bmm_pv(probs, v).reshape(b, self.kh, self.g, n, self.d)
         return out.transpose(0, 3, 1, 2, 4).reshape(b * n, self.h * self.d)
 
-    def write_prompt(self, k, v, b, n, slot=None):
-        """The full graph's cache write: k, v [B, KH, n, D] into positions [0, n) of every row, or of row `slot` [1]
-        (the slot graph, b == 1, the other rows untouched). Returns the writes, for ops.depend."""
+    def write_prompt(self, k, v, b, n):
+        """The full graph's cache write: k, v [B, KH, n, D] into positions [0, n) of every row. Returns the writes,
+        for ops.depend."""
         seq = self.key_cache.shape[2]
         if n < seq:  # a shorter bucket: the tail of the cache is masked until decode writes it
             pad = ops.zeros((b, self.kh, seq - n, self.d), k.dtype)
             k, v = ops.cat((k, pad), axis=2), ops.cat((v, pad), axis=2)
-        if slot is None:
-            return ops.assign(self.key_cache, k), ops.assign(self.value_cache, v)
-        row = slot.reshape(1, 1)
-        return ops.scatter_nd_update(self.key_cache, row, k), ops.scatter_nd_update(self.value_cache, row, v)
+        return ops.assign(self.key_cache, k), ops.assign(self.value_cache, v)
+
+    def write_chunk(self, k, v, index, pick, slot):
+        """The chunk graph's cache write: k, v [1, KH, n, D] of one row's chunk at index [KH, n, 3] = (slot, head,
+        position). Padding tokens (past the chunk's valid length) write the last valid token's values at its own
+        position (`pick` [n] = min(i, valid_length - 1)): every write stays inside [start, start + valid_length), and
+        duplicate indices carry equal values, so the order ScatterNdUpdate applies them in does not matter. Returns
+        that row of the caches as read after the write, [1, KH, S, D] each."""
+        kh, n, d = self.kh, index.shape[1], self.d
+        k = ops.gather(k, pick, 2).reshape(kh, n, d)
+        v = ops.gather(v, pick, 2).reshape(kh, n, d)
+        k_done = ops.scatter_nd_update(self.key_cache, index, k)
+        v_done = ops.scatter_nd_update(self.value_cache, index, v)
+        return ops.gather(ops.depend(self.key_cache, k_done), slot, 0), \
+            ops.gather(ops.depend(self.value_cache, v_done), slot, 0)
 
     def write_step(self, k, v, index, b):
         """The decode step's cache write: k, v (B * KH * D values each, any shape) at index [B, KH, 3] = (row, head,
@@ -299,12 +310,18 @@ class Attention(nn.Cell):
         v_done = ops.scatter_nd_update(self.value_cache, index, v.reshape(b, self.kh, self.d))
         return ops.depend(self.key_cache, k_done), ops.depend(self.value_cache, v_done)
 
-    def prefill(self, x, cos, sin, mask, b, n, valid_length, slot=None):
-        """slot [1] int32: the slot graph (b == 1), which writes that row of the cache and leaves the others."""
+    def prefill(self, x, cos, sin, mask, b, n, valid_length):
         q, k, v = self._project(x, cos, sin, b, n, valid_length)
-        k_done, v_done = self.write_prompt(k, v, b, n, slot)
+        k_done, v_done = self.write_prompt(k, v, b, n)
         out = self._attend(q, k, v, mask, b, n)
         return self.o_proj(ops.depend(ops.depend(out, k_done), v_done), valid_length)
+
+    def chunk(self, x, cos, sin, mask, index, pick, slot, n, valid_length):
+        """One row's chunk of n tokens at an offset (the chunk graph): written at index (write_chunk), attending over
+        that row of the cache with `mask` [1, n, S] (each token sees the positions up to its own)."""
+        q, k, v = self._project(x, cos, sin, 1, n, valid_length)
+        keys, values = self.write_chunk(k, v, index, pick, slot)
+        return self.o_proj(self._attend(q, keys, values, mask, 1, n), valid_length)
 
     def decode(self, x, cos, sin, mask, index, b, valid_length):
         """One token per row; index [B, KH, 3] = (row, head, position) to write in the cache."""
@@ -341,8 +358,12 @@ class DecoderLayer(nn.Cell):
         else:
             self.project_add = None
 
-    def prefill(self, x, cos, sin, mask, b, n, valid_length, slot=None):  # x [B*n, E]
-        h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n, valid_length, slot))
+    def prefill(self, x, cos, sin, mask, b, n, valid_length):  # x [B*n, E]
+        h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n, valid_length))
+        return ew_add(h, self.mlp(self.post_attention_layernorm(h), valid_length))
+
+    def chunk(self, x, cos, sin, mask, index, pick, slot, n, valid_length):  # x [n, E], one row's chunk
+        h = ew_add(x, self.self_attn.chunk(self.input_layernorm(x), cos, sin, mask, index, pick, slot, n, valid_length))
         return ew_add(h, self.mlp(self.post_attention_layernorm(h), valid_length))
 
     def _project_add(self, linear, x, residual):

@@ -49,10 +49,13 @@ class CausalLM(nn.Cell):
     """The network with both steps. Inputs are the graph inputs the manifest records:
 
     prefill(input_ids [B, L] int32 right-padded, valid_length [B] int32 = prompt lengths)
-    prefill(input_ids [1, L], valid_length [1], slot [1] int32): the slot graph, one row of the cache
     decode(input_ids [B, 1] int32, valid_length [B] int32 = tokens in the cache after this step)
-    Both return float32 logits [B, V] of each row's last valid token. Positions come from
-    valid_length inside the graph.
+    chunk(input_ids [1, C] int32, valid_length [1] = its valid tokens, start [1] = the position of its first token,
+          slot [1] = the cache row): one row's tokens written at [start, start + valid_length), attending over the
+          row's cache up to each token's own position; the other rows untouched (continuous batching, chunked
+          prefill, prefix reuse: lite_runtime/batching.py). A one-row prefill is the chunk at start 0.
+    Each returns float32 logits [rows, V] of each row's last valid token. Positions come from the lengths inside
+    the graph.
 
     `dtype` is the compute dtype (activations, KV cache, norms and biases). CPU folders may use our
     kernels (cpu_kernels): gemv=True for every matmul of the decode step, gemm=True for those of the
@@ -103,6 +106,7 @@ class CausalLM(nn.Cell):
         # (row, kv head) part of the cache write index, the position is added per call
         grid = np.stack(np.meshgrid(np.arange(batch_size), np.arange(cfg.num_key_value_heads), indexing="ij"), -1)
         self.index_base = Tensor(grid.astype(np.int32))  # [B, KH, 2]
+        self.heads = Tensor(np.arange(cfg.num_key_value_heads, dtype=np.int32).reshape(-1, 1, 1))  # [KH, 1, 1]
         self.positions = Tensor(np.arange(seq_length, dtype=np.int32))
 
     def _logits(self, hidden, decode: bool = False):  # [B, E] -> [B, V] float32
@@ -117,14 +121,14 @@ class CausalLM(nn.Cell):
         gathered = self.gather_logits(logits).reshape(self.vocab_shards, b, -1)
         return gathered.transpose(1, 0, 2).reshape(b, -1)
 
-    def prefill(self, input_ids, valid_length, slot=None):
+    def prefill(self, input_ids, valid_length):
         b, n = input_ids.shape
         x = self.model.embed_tokens(input_ids.reshape(-1))  # [B*n, E]
         if self.fused is not None:
             cos, sin = self.fused.prompt(n)
             lengths = lengths_int64(valid_length)
             for layer in self.model.layers:
-                x = layer.prefill(x, cos, sin, lengths, self.fused.mask, b, n, slot)
+                x = layer.prefill(x, cos, sin, lengths, self.fused.mask, b, n)
             return self._logits(ops.gather(x, self.rows[:b] * n + valid_length - 1, 0))
         pos = self.positions[:n]
         cos = ops.tile(self.cos[:n].reshape(1, n, -1), (b, 1, 1))  # [B, n, D]
@@ -133,9 +137,35 @@ class CausalLM(nn.Cell):
         valid = pos.reshape(1, 1, n) < valid_length.reshape(b, 1, 1)  # [B, 1, n]
         mask = _additive(ops.logical_and(causal, valid))  # [B, n, n]
         for layer in self.model.layers:
-            x = layer.prefill(x, cos, sin, mask, b, n, valid_length, slot)
+            x = layer.prefill(x, cos, sin, mask, b, n, valid_length)
         last = ops.gather(x, self.rows[:b] * n + valid_length - 1, 0)  # [B, E]
         return self._logits(last)
+
+    def chunk(self, input_ids, valid_length, start, slot):
+        n = input_ids.shape[1]
+        x = self.model.embed_tokens(input_ids.reshape(-1))  # [n, E]
+        # each token's position; padding tokens take the last valid one's (their writes repeat its values)
+        pick = ops.minimum(self.positions[:n], ops.broadcast_to(valid_length - 1, (n,)))  # [n]
+        pos = pick + ops.broadcast_to(start, (n,))
+        kh = self.index_base.shape[1]
+        shape = (kh, n, 1)  # the cache write's index [KH, n, 3] = (slot, head, position)
+        index = ops.cat((ops.broadcast_to(slot.reshape(1, 1, 1), shape), ops.broadcast_to(self.heads, shape),
+                         ops.broadcast_to(pos.reshape(1, n, 1), shape)), axis=-1)
+        last = valid_length - 1  # [1]: the chunk's last valid token, whose logits are returned
+        if self.fused is not None:
+            cos, sin = self.fused.chunk(pos, n)
+            lengths, kv_lengths = lengths_int64(valid_length), lengths_int64(valid_length + start)
+            for layer in self.model.layers:
+                x = layer.chunk(x, cos, sin, lengths, kv_lengths, self.fused.mask, index, pick, slot, n)
+            return self._logits(ops.gather(x, last, 0))
+        cos = ops.gather(self.cos, pos, 0).reshape(1, n, -1)  # [1, n, D]
+        sin = ops.gather(self.sin, pos, 0).reshape(1, n, -1)
+        s = self.positions.shape[0]
+        keep = ops.broadcast_to(self.positions.reshape(1, s), (n, s)) <= ops.broadcast_to(pos.reshape(n, 1), (n, s))
+        mask = _additive(keep).reshape(1, n, s)  # [1, n, S]: token i sees the row's positions up to its own
+        for layer in self.model.layers:
+            x = layer.chunk(x, cos, sin, mask, index, pick, slot, n, valid_length)
+        return self._logits(ops.gather(x, last, 0))
 
     def decode(self, input_ids, valid_length):
         b = input_ids.shape[0]
@@ -175,17 +205,18 @@ class PrefillGraph(nn.Cell):
         return self.net.prefill(input_ids, valid_length)
 
 
-class SlotPrefillGraph(nn.Cell):
-    """The slot graph of a folder with batch_size > 1: one prompt (input_ids [1, L], valid_length [1]) prefilled
-    into one row of the cache (slot [1] int32), the other rows untouched, so a server can start a request while
-    the others keep decoding (continuous batching). Same parameters; logits [1, V]."""
+class ChunkGraph(nn.Cell):
+    """The chunk graph: C tokens of one cache row (input_ids [1, C], valid_length [1] of them valid) written from
+    position start [1] into row slot [1], the other rows untouched, so a server prefills a prompt piece by piece
+    between the decode steps of the other rows, and from the end of a prefix the row already holds. Same
+    parameters; logits [1, V] of the last valid token."""
 
     def __init__(self, net: CausalLM) -> None:
         super().__init__(auto_prefix=False)
         self.net = net
 
-    def construct(self, input_ids, valid_length, slot):
-        return self.net.prefill(input_ids, valid_length, slot)
+    def construct(self, input_ids, valid_length, start, slot):
+        return self.net.chunk(input_ids, valid_length, start, slot)
 
 
 class DecodeGraph(nn.Cell):

@@ -22,7 +22,9 @@ GOLDEN = "golden.json"
 # (byte 0 is 1 on little-endian machines), then each tensor at an offset that is a multiple of DATA_ALIGN.
 DATA_HEADER = 64
 DATA_ALIGN = 64
-ROLES = ("prefill", "inc", "slot")  # every folder has prefill and inc graphs; batch_size > 1 folders slot graphs too
+# every folder has prefill and inc graphs, and one chunk graph unless tensor-parallel; folders exported before the
+# chunk graph (2026-11-24) may have slot graphs, which nothing runs any more (a one-row prefill is a chunk at 0)
+ROLES = ("prefill", "inc", "chunk", "slot")
 REQUIRED_ROLES = ("prefill", "inc")
 
 
@@ -99,7 +101,7 @@ def rank_name(name: str, rank: int, tp_size: int) -> str:
 
 def graph_file(name: str, role: str, tokens: int, seq_length: int) -> str:
     """`<name>_prefill_graph.mindir` (the seq_length graph), `<name>_prefill_<tokens>_graph.mindir` (a bucket),
-    `<name>_inc_graph.mindir`; the slot graphs of batch_size > 1 folders likewise `<name>_slot[_<tokens>]...`."""
+    `<name>_inc_graph.mindir`; the chunk graph likewise `<name>_chunk[_<tokens>]_graph.mindir`."""
     prefix = f"{name}_{role}" if role == "inc" or tokens == seq_length else f"{name}_{role}_{tokens}"
     return prefix + "_graph.mindir"
 
@@ -111,12 +113,12 @@ def data_location(name: str) -> str:
 
 def graph_key(role: str, tokens: int) -> str:
     """`prefill_<tokens>` for each full graph (one per prompt-length bucket), `inc` for the incremental one,
-    `slot_<tokens>` for the slot graphs (one prompt into one cache row: continuous batching)."""
+    `chunk_<tokens>` for the chunk graph (one row's prompt piece at an offset: continuous batching)."""
     return "inc" if role == "inc" else f"{role}_{tokens}"
 
 
 def graph_role(key: str) -> str:
-    """`prefill`, `inc` or `slot` (the inverse of graph_key's role)."""
+    """`prefill`, `inc` or `chunk` (the inverse of graph_key's role)."""
     return key.split("_", 1)[0]
 
 
@@ -286,9 +288,9 @@ def _check_specs_against_yaml(folder: ModelFolder) -> None:
                                f"{MANIFEST} family {family!r}; re-export the folder")
     b, s, vocab = folder.batch_size, folder.seq_length, int(infer["vocab_size"])
     for key, spec in folder.graphs.items():
-        rows = 1 if spec.role == "slot" else b  # a slot graph prefills one prompt into one row of the cache
+        rows = 1 if spec.role in ("chunk", "slot") else b  # one row of the cache
         for t in spec.inputs:
-            want = {"input_ids": (rows, spec.tokens), "valid_length": (rows,), "slot": (1,)}.get(t.name)
+            want = {"input_ids": (rows, spec.tokens), "valid_length": (rows,), "slot": (1,), "start": (1,)}.get(t.name)
             if want is not None and t.shape != want:
                 raise ModelFolderError(f"{folder.yaml_path}: batch_size {b} / seq_length {s} disagree with the "
                                        f"{spec.role} graph's {t.name} shape {list(t.shape)} "

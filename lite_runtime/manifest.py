@@ -18,7 +18,7 @@ from lite_runtime.folder import FORMAT, FORMAT_VERSION, GE_CONFIG, GOLDEN, MANIF
 class GraphEntry:
     """One graph of the manifest's `graphs` list."""
 
-    role: str  # prefill, inc or slot
+    role: str  # prefill, inc or chunk
     file: str  # relative to the folder
     variables: str  # the weights file it refers to (folder.data_location)
     tokens: int
@@ -57,6 +57,7 @@ class InferSection:
     cpu_kernels: bool
     ge_config_path: str = GE_CONFIG
     graph: str = "plain"  # the graph form: plain, or fused (Ascend's fused operators; CPU stand-ins on the ms backend)
+    chunk_size: int = 0  # tokens of the chunk graph (the server's prefill pieces); 0: none
 
 
 def write_yaml(folder: str, name: str, model: Dict[str, Any], export: Dict[str, Any], infer: InferSection) -> str:

@@ -77,7 +77,7 @@ def test_folder_contents_and_manifest(exported):
     folder = exported["gqa_tied"]
     files = sorted(os.path.relpath(os.path.join(r, f), folder) for r, _, fs in os.walk(folder) for f in fs)
     assert files == sorted([
-        "gqa_tied.yaml", "gqa_tied_prefill_graph.mindir", "gqa_tied_inc_graph.mindir", "gqa_tied_slot_graph.mindir",
+        "gqa_tied.yaml", "gqa_tied_prefill_graph.mindir", "gqa_tied_inc_graph.mindir", "gqa_tied_chunk_graph.mindir",
         "gqa_tied_variables/data_0",
         "config.ini", "manifest.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
         "generation_config.json", "golden.json"])
@@ -94,11 +94,12 @@ def test_folder_contents_and_manifest(exported):
     assert specs["prefill"] == ([{"name": "input_ids", "dtype": "int32", "shape": [2, 32]},
                                  {"name": "valid_length", "dtype": "int32", "shape": [2]}],
                                 [{"name": "logits", "dtype": "float32", "shape": [2, 512]}])
-    # batch 2: a slot graph (one prompt into one cache row, for lite_runtime.serve)
-    assert specs["slot"] == ([{"name": "input_ids", "dtype": "int32", "shape": [1, 32]},
-                              {"name": "valid_length", "dtype": "int32", "shape": [1]},
-                              {"name": "slot", "dtype": "int32", "shape": [1]}],
-                             [{"name": "logits", "dtype": "float32", "shape": [1, 512]}])
+    # the chunk graph (one row's prompt piece at an offset, for lite_runtime.serve): cpu's 32 tokens, at most seq_length
+    assert specs["chunk"] == ([{"name": "input_ids", "dtype": "int32", "shape": [1, 32]},
+                               {"name": "valid_length", "dtype": "int32", "shape": [1]},
+                               {"name": "start", "dtype": "int32", "shape": [1]},
+                               {"name": "slot", "dtype": "int32", "shape": [1]}],
+                              [{"name": "logits", "dtype": "float32", "shape": [1, 512]}])
     assert specs["inc"] == ([{"name": "input_ids", "dtype": "int32", "shape": [2, 1]},
                              {"name": "valid_length", "dtype": "int32", "shape": [2]}],
                             [{"name": "logits", "dtype": "float32", "shape": [2, 512]}])
@@ -172,7 +173,7 @@ def test_summary_line_and_overwrite(tmp_path, checkpoints, capsys):
     args = ["--checkpoint", checkpoints["gqa_tied"], "--output", str(out), "--device", "cpu", "--seq_length", "8"]
     code, out_text, _ = export_cli(capsys, *args)
     line, stages = out_text.splitlines()
-    assert code == 0 and line.startswith(f"exported {out}: 11 files, ") and "peak anonymous memory" in line
+    assert code == 0 and line.startswith(f"exported {out}: 12 files, ") and "peak anonymous memory" in line
     assert re.fullmatch(r"time: check \S+ s, golden \S+ s, compile \S+ s, weights \S+ s \(read\+convert \S+ s, "
                         r"hash \S+ s, write \S+ s busy\), files \S+ s", stages), stages
     code, _, err = export_cli(capsys, *args)
@@ -202,7 +203,16 @@ def test_default_prompt_buckets_follow_the_device_rule(tmp_path, checkpoints, ca
             infer = yaml.safe_load(fh)["infer"]
         assert infer["prefill_buckets"] == expected
         graphs = sorted(f for f in os.listdir(out) if f.endswith(".mindir"))
-        assert len(graphs) == len(expected) + 1  # one per prompt length, plus the incremental graph
+        assert len(graphs) == len(expected) + 2  # one per prompt length, the incremental graph and the chunk graph
+        assert f"{out.name}_chunk_32_graph.mindir" in graphs and infer["chunk_size"] == 32  # cpu's, below seq_length
+    for chunk, files in (("8", ["m_chunk_8_chunk_8_graph.mindir"]), ("0", [])):  # --chunk_size: a size, or none
+        out = tmp_path / f"m_chunk_{chunk}"
+        code, _, err = export_cli(capsys, *base, "--output", str(out), "--chunk_size", chunk)
+        assert code == 0, err
+        assert sorted(f for f in os.listdir(out) if "_chunk" in f[len(out.name):]) == files
+    code, _, err = export_cli(capsys, *base, "--output", str(tmp_path / "m_chunk_bad"), "--chunk_size", "41")
+    assert code == 2 and err == ("error: --chunk_size 41 must be between 1 and --seq_length 40 (or 0: no chunk graph, "
+                                 "a folder that cannot be served)")
 
 
 def test_leftovers_of_killed_exports_are_removed(tmp_path, checkpoints, caplog):

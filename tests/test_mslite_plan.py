@@ -43,9 +43,11 @@ def test_build_plan_groups_before_building(tmp_path, exported):
         [("Model", k) for k in keys] + [("ModelGroup", "SHARE_WEIGHT"), ("add_model", keys)]
         + [("build_from_file", k, paths[k], "MINDIR", ini, {}) for k in keys])
     assert paths["prefill_32"] == config.prefill_model_path and paths["inc"] == config.increment_model_path
-    # the server (slot_graphs=True): the slot graphs join the same group, after inc, so they share weights and cache
-    served = InferConfig.from_folder(str(folder), target="Ascend", ge_config_path=ini, slot_graphs=True)
-    keys = keys + ("slot_32", "slot_16", "slot_8")
+    # the server's set (chunk_graphs=True, prefill_graphs=False): inc and the chunk graph, in one group, so they share
+    # weights and cache; GE compiles no prefill graph for a server, which never runs one
+    served = InferConfig.from_folder(str(folder), target="Ascend", ge_config_path=ini, chunk_graphs=True,
+                                     prefill_graphs=False)
+    keys = ("inc", "chunk_32")
     assert tuple(served.graph_paths()) == keys
     assert build_plan(served)[:len(keys) + 2] == [("Model", k) for k in keys] + [("ModelGroup", "SHARE_WEIGHT"),
                                                                                ("add_model", keys)]
@@ -213,8 +215,8 @@ def test_graph_boundary_is_int32_in_float32_out_in_every_dtype(atlas_exported, d
     folder = atlas_exported[dtype]
     with open(os.path.join(folder, "manifest.json")) as fh:
         graphs = json.load(fh)["graphs"]
-    assert sorted((g["role"], g["tokens"]) for g in graphs) == [("inc", 1), ("prefill", 8), ("prefill", 32),
-                                                                 ("slot", 8), ("slot", 32)]
+    assert sorted((g["role"], g["tokens"]) for g in graphs) == [("chunk", 32), ("inc", 1), ("prefill", 8),
+                                                                 ("prefill", 32)]
     for g in graphs:
         model = mind_ir_pb2.ModelProto()
         with open(os.path.join(folder, g["file"]), "rb") as fh:
@@ -222,9 +224,9 @@ def test_graph_boundary_is_int32_in_float32_out_in_every_dtype(atlas_exported, d
         inputs, outputs = mindir_specs(model)
         spec = {"inputs": [t.to_dict() for t in inputs], "outputs": [t.to_dict() for t in outputs]}
         assert spec == {"inputs": g["inputs"], "outputs": g["outputs"]}
-        slot = [("slot", "int32")] if g["role"] == "slot" else []
+        chunk = [("start", "int32"), ("slot", "int32")] if g["role"] == "chunk" else []
         assert [(t["name"], t["dtype"]) for t in spec["inputs"]] == [("input_ids", "int32"), ("valid_length", "int32"),
-                                                                   *slot]
+                                                                   *chunk]
         assert [(t["name"], t["dtype"]) for t in spec["outputs"]] == [("logits", "float32")]
         types = {mind_ir_pb2.TensorProto.DataType.Name(p.data_type) for p in model.graph.parameter}
         assert types == {"FLOAT16" if dtype == "float16" else "BFLOAT16"}
@@ -271,7 +273,7 @@ def test_ge_compile_cache_is_keyed_by_the_folders_content(tmp_path, exported):
 
 
 def test_warm_up_compiles_every_graph_at_load_on_atlas_and_the_short_ones_on_the_cpu():
-    from lite_runtime.generator import warm_up_keys
+    from lite_runtime.runner import warm_up_keys
 
     keys = ["prefill_32", "prefill_16", "prefill_8", "inc"]
     assert warm_up_keys("auto", "mslite", keys) == keys  # GE compiles for minutes: never inside a request
