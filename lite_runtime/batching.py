@@ -1,30 +1,30 @@
 """Continuous batching over a folder's static graphs: each request holds one row ("slot") of the KV cache.
 
-A request waits in a bounded queue until a row is free; then the slot graph prefills its prompt into
-that row alone (TextGenerator.prefill_slot) and it joins the decode batch at the next step. Every step
-runs the incremental graph once for all rows (step_slots); a request leaves as soon as it ends (eos,
-a stop string, max_tokens) or its client has gone, and its row is free for the next one. The other rows
-are never written by another request's calls, so a request cannot see another's tokens, and a row's
-numbers do not depend on what the other rows hold.
+A request waits in a bounded queue until a row is free. Its prompt goes into that row piece by piece through the
+chunk graph (ModelRunner.chunk): one piece of at most `prefill_chunk` tokens per engine step, between the decode
+steps of the rows already generating, so a long prompt never stalls them for longer than a piece (chunked prefill);
+with no row generating, pieces run back to back. When its last piece is in, it chooses its first token and joins
+the decode batch: every step runs the incremental graph once for all rows (ModelRunner.step). A request leaves as
+soon as it ends (eos, a stop string, max_tokens) or its client has gone, and its row is free for the next one. The
+other rows are never written by another request's calls, so a request cannot see another's tokens, and a row's
+numbers do not depend on what the other rows hold. A piece's boundaries depend only on the prompt, the prefix reused
+and `prefill_chunk`, never on the load, so a request computes the same numbers alone or among others.
 
-One thread (the engine) makes every graph call; callers submit a `SlotRequest` (or several at once:
-`submit_many`, all or none) and receive its events through the request's `emit` callback, called from the
-engine thread: ("text", str, logprobs), then one ("end", finish_reason) or ("error", message, code): code
-`timeout` (past its deadline), `server_shutdown` (abort() or stop()) or `engine_error`. Text is
-decoded from the generated ids as a whole each step, so multi-byte characters and stop strings split across
-tokens come out right: text that could still be the start of a stop string is held back until it cannot.
-`logprobs` is None unless the request asked for them (`SlotRequest.logprobs` = how many alternatives): then
-the `TokenLogprob`s of the tokens whose text this event completes, log-softmax of the raw float32 logits of
-the graphs (before the repetition penalty, temperature, top-k/top-p and any grammar mask: what the model
-gives, as OpenAI and vLLM's default report).
+Prefix reuse: a free row keeps what its last request left (prompt and answer; the answer's last token is written
+at the row's next step). A new request takes the free row whose held tokens share the longest prefix with its
+prompt (ties, and no match: the least recently used row), keeps that prefix and prefills only the rest: the next
+turn of a chat pays for its new messages, not for the conversation again. `SlotRequest.cached` says how many
+prompt tokens were reused (usage's prompt_tokens_details.cached_tokens). At least the prompt's last token is always
+prefilled: its logits give the first token.
 
-A request may carry a `constraint` (lite_runtime.serve.grammar: a grammar's token mask): its `mask(scores)`
-is applied to the logits before the sampling transforms, `accept(token)` follows the chosen token, and
-`finished()` ends the request (finish reason "stop") when the grammar can take nothing more. Greedy asks
-`allows(token)` of the unmasked argmax first and masks only when it is refused (the masked argmax is the same
-token whenever it is allowed; the mask costs ~0.1 ms at 152K tokens, the question 0.5 us).
+A row that takes part in a step without a token of its own (free, or between pieces) writes a padding token just
+past what it holds, a scratch position that nothing reads before it is written again (ModelRunner.step `record`).
 
-No HTTP here (lite_runtime.serve) and no MindSpore or torch: the generator's backend does the work.
+One thread (the engine) makes every graph call; callers submit a `SlotRequest` (or several at once: `submit_many`,
+all or none) and receive its events through the request's `emit` callback, called from the engine thread:
+("text", str, logprobs), then one ("end", finish_reason) or ("error", message, code): code `timeout` (past its
+deadline), `server_shutdown` (abort() or stop()) or `engine_error`. What a request does at each token:
+lite_runtime/slot_request.py. No HTTP here (lite_runtime.serve) and no MindSpore or torch.
 """
 from __future__ import annotations
 
@@ -32,12 +32,10 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Deque, List, Optional, Sequence, Tuple
 
-import numpy as np
-
-from lite_runtime.sampling import GenerationSettings, choose, process
+from lite_runtime.errors import InferError
+from lite_runtime.slot_request import SlotRequest, TokenLogprob, held_back, next_token, token_logprob  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -46,85 +44,52 @@ class QueueFull(Exception):
     """Every row is busy and the queue is at its bound."""
 
 
-class TokenLogprob(NamedTuple):
-    token: int
-    logprob: float
-    top: List[Tuple[int, float]]  # the `logprobs` most likely tokens, most likely first
-
-
-@dataclass
-class SlotRequest:
-    prompt: List[int]
-    max_tokens: int
-    settings: GenerationSettings  # sampling (do_sample, temperature, top_k, top_p, repetition_penalty, seed)
-    emit: Callable[[Tuple[Any, ...]], None]
-    stop: Sequence[str] = ()
-    eos: Sequence[int] = ()
-    logprobs: Optional[int] = None  # None: none; k: each token's log-probability and the k most likely
-    constraint: Any = None  # mask(scores) -> scores, accept(token), finished() -> bool
-    cancelled: bool = False  # set by the caller (client gone); the engine frees the row at its next step
-    deadline: Optional[float] = None  # time.monotonic() past which the engine ends it ("timeout" error)
-    # filled in by the engine
-    generated: List[int] = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    text: str = ""  # sent so far
-    submitted: float = field(default_factory=time.monotonic)
-    started: Optional[float] = None  # when its row's prefill began
-    token_times: List[float] = field(default_factory=list)  # when each generated token was chosen (monotonic)
-    ended: Optional[float] = None
-    slot: Optional[int] = None
-    token_logprobs: List[TokenLogprob] = field(default_factory=list)
-    _sent_logprobs: int = 0  # token_logprobs already sent with text
-
-    def __post_init__(self) -> None:
-        self.rng = np.random.default_rng(self.settings.seed)
-
-
-def held_back(text: str, stops: Sequence[str]) -> int:
-    """How many characters at the end of `text` must wait: an incomplete character (U+FFFD from a split UTF-8
-    sequence) or the longest tail that is the start of a stop string."""
-    keep = 0
-    while keep < len(text) and text[len(text) - 1 - keep] == "\ufffd":
-        keep += 1
-    body = text[:len(text) - keep]
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(body)), 0, -1):
-            if body.endswith(stop[:n]):
-                keep = max(keep, len(text) - len(body) + n)
-                break
-    return keep
-
-
-def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
-    """The chosen token's log-probability under softmax(logits) and the `top` most likely tokens (float64 sums)."""
-    x = np.asarray(logits, np.float64)
-    peak = x.max()
-    lse = peak + np.log(np.exp(x - peak).sum())
-    best: List[Tuple[int, float]] = []
-    if top > 0:
-        part = np.argpartition(-x, top - 1)[:top]
-        part = part[np.lexsort((part, -x[part]))]  # most likely first; ties by id
-        best = [(int(i), float(x[i] - lse)) for i in part]
-    return TokenLogprob(int(token), float(x[token] - lse), best)
+def common_prefix(a: Optional[Sequence[int]], b: Sequence[int]) -> int:
+    if not a:
+        return 0
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class BatchEngine:
-    """The engine thread over a TextGenerator: `submit` requests; `stop()` ends the thread."""
+    """The engine thread over a TextGenerator's runner: `submit` requests; `stop()` ends the thread.
 
-    def __init__(self, generator, max_queue: int = 64) -> None:
+    `prefill_chunk`: prompt tokens per engine step while other rows decode (default and most: the folder's chunk
+    graph size, lite_runtime/runner.py). `prefix_reuse` False: every prompt is prefilled whole (rows are still handed
+    out least recently used first): for an operator who does not want one user's prompt to shorten another's time
+    to first token (a timing side channel), or to measure what reuse buys."""
+
+    def __init__(self, generator, max_queue: int = 64, prefill_chunk: Optional[int] = None,
+                 prefix_reuse: bool = True) -> None:
         self.generator = generator
-        self.rows = int(generator.batch_size)
-        self.seq_length = int(generator.seq_length)
+        self.runner = runner = generator.runner
+        self.rows, self.seq_length = runner.batch_size, runner.seq_length
+        if not runner.chunk_size:
+            runner.chunk(0, [runner.pad], 0)  # raises the error that says why and what to do
+        if prefill_chunk is not None and not 1 <= prefill_chunk <= runner.chunk_size:
+            raise InferError(f"prefill_chunk {prefill_chunk} must be between 1 and the folder's chunk graph size "
+                             f"{runner.chunk_size}")
+        self.prefill_chunk = prefill_chunk or runner.chunk_size
+        self.prefix_reuse = prefix_reuse
         self.max_queue = int(max_queue)
         self.slots: List[Optional[SlotRequest]] = [None] * self.rows
         self.waiting: Deque[SlotRequest] = collections.deque()
+        self.last_used = [0] * self.rows  # when each row was last handed out (the LRU order of free rows)
+        self._clock = 0
+        self.pending: List[Optional[int]] = [None] * self.rows  # an ended request's last token, not yet in its row
         self._cond = threading.Condition()
         self._stopped = False
         self._abort: Optional[Tuple[str, str]] = None  # (message, code): end everything at the next step
         self.steps = 0  # decode steps run
+        self.pieces = 0  # chunk graph calls run
         self.inflight = 0  # requests submitted and not ended: at most rows + max_queue
         self.peak_busy = 0  # most rows busy at once
         self.completed = 0  # requests ended, by any reason
+        self.prefix_queries = 0  # prompt tokens of requests that took a row
+        self.prefix_hits = 0  # of them, tokens found in the row (not prefilled again)
         self._thread = threading.Thread(target=self._loop, name="mslite-llm-engine", daemon=True)
         self._thread.start()
 
@@ -146,7 +111,8 @@ class BatchEngine:
     def load(self) -> Tuple[int, int]:
         """(rows busy, requests waiting for one)."""
         with self._cond:
-            return sum(s is not None for s in self.slots), self.inflight - sum(s is not None for s in self.slots)
+            busy = sum(s is not None for s in self.slots)
+            return busy, self.inflight - busy
 
     def abort(self, message: str, code: str = "server_shutdown") -> None:
         """End every running and waiting request at the next step with ("error", message, code)."""
@@ -175,10 +141,8 @@ class BatchEngine:
                 abort, self._abort = self._abort, None
                 if abort:
                     waiting, self.waiting = list(self.waiting), collections.deque()
-                admit = []
-                for row in range(self.rows):
-                    if self.slots[row] is None and self.waiting:
-                        admit.append((row, self.waiting.popleft()))
+                else:
+                    admit = self._admit()
             if abort:
                 for row, request in enumerate(self.slots):
                     if request is not None:
@@ -189,6 +153,8 @@ class BatchEngine:
             try:
                 for row, request in admit:
                     self._start(row, request)
+                self._expire()
+                self._prefill_piece()
                 self._step()
             except Exception as exc:  # noqa: BLE001  (a failed graph call ends the requests it served, not the server)
                 log.exception("the engine's graph call failed")
@@ -201,98 +167,102 @@ class BatchEngine:
         for request in self.waiting:
             request.emit(("error", "the server is shutting down", "server_shutdown"))
 
+    def _admit(self) -> List[Tuple[int, SlotRequest]]:
+        """Waiting requests onto free rows, oldest first (under the lock): each the row with the longest prefix of
+        its prompt, else the least recently used one."""
+        admit = []
+        while self.waiting:
+            free = [row for row in range(self.rows) if self.slots[row] is None]
+            if not free:
+                break
+            request = self.waiting.popleft()
+            row = max(free, key=lambda r: (self._reusable(r, request.prompt), -self.last_used[r]))
+            self.slots[row] = request  # taken now; _start fills it in
+            admit.append((row, request))
+        return admit
+
     def _start(self, row: int, request: SlotRequest) -> None:
         if request.cancelled:  # its client left while it waited
+            self.slots[row] = None
             self._finish(request, "cancelled", ("end", "cancelled"))
             return
         if request.deadline is not None and time.monotonic() > request.deadline:  # it waited past its deadline
+            self.slots[row] = None
             self._finish(request, "error", ("error", "the request waited past the server's --request_timeout",
                                             "timeout"))
             return
+        self._clock += 1
+        self.last_used[row] = self._clock
+        self.pending[row] = None
         request.slot, request.started = row, time.monotonic()
-        self.slots[row] = request
+        request.cached = request.prefilled = min(self._reusable(row, request.prompt), len(request.prompt) - 1)
+        self.prefix_queries += len(request.prompt)
+        self.prefix_hits += request.cached
         self.peak_busy = max(self.peak_busy, sum(s is not None for s in self.slots))
-        self._advance(row, request, self.generator.prefill_slot(row, request.prompt))
 
-    def _step(self) -> None:
+    def _reusable(self, row: int, prompt: Sequence[int]) -> int:
+        """Tokens at the start of `prompt` that row `row` holds already."""
+        return common_prefix(self.runner.held[row], prompt) if self.prefix_reuse else 0
+
+    def _expire(self) -> None:
         now = time.monotonic()
         for row, request in enumerate(self.slots):
             if request is not None and request.cancelled:
                 self._end(row, request, reason="cancelled")
             elif request is not None and request.deadline is not None and now > request.deadline:
                 self._end(row, request, error="the request ran past the server's --request_timeout", code="timeout")
-        busy = [row for row, r in enumerate(self.slots) if r is not None]
-        if not busy:
+
+    def _prefill_piece(self) -> None:
+        """The next piece of the oldest request still being prefilled; its first token when that was the last."""
+        waiting = [r for r in self.slots if r is not None and r.prefilled < len(r.prompt)]
+        if not waiting:
             return
-        tokens, lengths = [self.generator.pad] * self.rows, [1] * self.rows  # a free row writes position 0 of its own row
-        for row in busy:
-            request = self.slots[row]
-            tokens[row] = request.generated[-1]
-            lengths[row] = len(request.prompt) + len(request.generated)
-        logits = self.generator.step_slots(tokens, lengths)
+        request = min(waiting, key=lambda r: r.started)
+        start = request.prefilled
+        piece = request.prompt[start:start + self.prefill_chunk]
+        logits = self.runner.chunk(request.slot, piece, start)
+        self.pieces += 1
+        request.prefilled += len(piece)
+        if request.prefilled == len(request.prompt):
+            self._advance(request.slot, request, logits)
+
+    def _step(self) -> None:
+        """One decode step of the rows that have a token to feed; every other row writes scratch (module doc)."""
+        if not any(r is not None and r.decoding for r in self.slots):
+            return
+        tokens, lengths, record = [self.runner.pad] * self.rows, [1] * self.rows, [False] * self.rows
+        for row, request in enumerate(self.slots):
+            held = self.runner.held[row]
+            if request is not None and request.decoding:
+                tokens[row], lengths[row] = request.generated[-1], len(request.prompt) + len(request.generated)
+                record[row] = True
+            elif request is None and self.pending[row] is not None and held is not None and \
+                    len(held) < self.seq_length:  # a free row: the last answer's last token completes its prefix
+                tokens[row], lengths[row], record[row] = self.pending[row], len(held) + 1, True
+                self.pending[row] = None
+            else:
+                lengths[row] = min(len(held or ()), self.seq_length - 1) + 1
+        logits = self.runner.step(tokens, lengths, record)
         self.steps += 1
-        for row in busy:
-            self._advance(row, self.slots[row], logits[row])
+        for row, request in enumerate(self.slots):
+            if request is not None and record[row]:
+                self._advance(row, request, logits[row])
 
-    def _advance(self, row: int, request: SlotRequest, logits: np.ndarray) -> None:
-        """Choose the request's next token from its logits, send the text it completes, end it if it is done."""
-        seen = request.prompt + request.generated
-        constraint = request.constraint
-        if request.settings.do_sample:
-            scores = process(logits if constraint is None else constraint.mask(logits), seen, request.settings)
-            token, _ = choose(scores, True, request.rng)
-        else:  # what choose() picks, without the softmax over the vocabulary it does for the probability
-            token = int(np.argmax(process(logits, seen, request.settings)))
-            if constraint is not None and not constraint.allows(token):  # else the masked argmax is the same token
-                token = int(np.argmax(process(constraint.mask(logits), seen, request.settings)))
-        request.generated.append(token)
-        request.token_times.append(time.monotonic())
-        if request.logprobs is not None and token not in request.eos:
-            request.token_logprobs.append(token_logprob(logits, token, request.logprobs))
-        if constraint is not None:
-            constraint.accept(token)
-        if token in request.eos or constraint is not None and constraint.finished():
-            self._send_text(request, final=True)
-            self._end(row, request, reason="stop")
-            return
-        if self._send_text(request, final=False):
-            self._end(row, request, reason="stop")
-        elif len(request.generated) >= request.max_tokens:
-            self._send_text(request, final=True)
-            self._end(row, request, reason="length")
-
-    def _send_text(self, request: SlotRequest, final: bool) -> bool:
-        """Send the text the new token completed; True when a stop string was reached (the text ends before it)."""
-        ids = request.generated[:-1] if request.generated and request.generated[-1] in request.eos else request.generated
-        text = self.generator.tokenizer.decode(ids, skip_special_tokens=True)
-        hit = None
-        if request.stop:
-            since = max(0, len(request.text) - max(len(s) for s in request.stop))
-            found = [i for i in (text.find(s, since) for s in request.stop) if i >= 0]
-            hit = min(found) if found else None
-        end = hit if hit is not None else len(text) if final else len(text) - held_back(text, request.stop)
-        pending = request.logprobs is not None and (final or hit is not None) and \
-            request._sent_logprobs < len(request.token_logprobs)
-        if end > len(request.text) or pending:
-            logprobs = None
-            if request.logprobs is not None:
-                logprobs = request.token_logprobs[request._sent_logprobs:]
-                request._sent_logprobs = len(request.token_logprobs)
-            request.emit(("text", text[len(request.text):end], logprobs))
-            request.text = text[:max(end, len(request.text))]
-        return hit is not None
+    def _advance(self, row: int, request: SlotRequest, logits) -> None:
+        reason = next_token(request, logits, self.generator.tokenizer)
+        if reason is not None:
+            self._end(row, request, reason=reason)
 
     def _end(self, row: int, request: SlotRequest, reason: str = "", error: str = "", code: str = "") -> None:
         self.slots[row] = None
+        if request.generated and request.prefilled == len(request.prompt):
+            self.pending[row] = request.generated[-1]
         self._finish(request, reason or "error", ("error", error, code or "engine_error") if error else ("end", reason))
 
     def _finish(self, request: SlotRequest, reason: str, event: Tuple[Any, ...]) -> None:
         """A request ends (from a row or from the queue): counted, stamped, its last event sent."""
-        self._done()
-        request.finish_reason, request.ended = reason, time.monotonic()
-        request.emit(event)
-
-    def _done(self) -> None:
         with self._cond:
             self.inflight -= 1
             self.completed += 1
+        request.finish_reason, request.ended = reason, time.monotonic()
+        request.emit(event)

@@ -22,7 +22,7 @@ from lite_runtime.backends import CHOICES
 from lite_runtime.backends.standins import describe
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError
-from lite_runtime.golden import TOLERANCES, Reference, RowResult, Tolerance, load_golden, replay, replay_slots
+from lite_runtime.golden import TOLERANCES, Reference, RowResult, Tolerance, load_golden, replay, replay_chunks
 from lite_runtime.versions import environment
 
 SEND_BACK = ("rerun with --json report.json and send that file, with the folder's manifest.json and yaml, "
@@ -88,8 +88,8 @@ class Report:
         ties = sum(len(r.near_ties) for r in self.rows)
         tie_note = f"; {ties} near-tie step(s) reported, not failed" if ties else ""
         prompts = _count(len({r.prompt for r in self.rows}), "prompt")
-        slots = any(r.graph.startswith("slot_") for r in self.rows)  # replay_slots ran the prompts a second way
-        paths = " (each through the prefill graphs and through the slot graphs)" if slots else ""
+        slots = any(r.graph.startswith("chunk_") for r in self.rows)  # replay_chunks ran the prompts a second way
+        paths = " (each through the prefill graphs and through the chunk graph)" if slots else ""
         if self.passed:
             return (f"PASS {self.name} on backend {self.backend}: {prompts}{paths}, {steps} steps, greedy "
                     f"tokens identical, top-k logits within {worst:.1e} relative {limit}{tie_note}")
@@ -149,17 +149,17 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
         raise InferError(f"{folder.yaml_path}: dtype {config.compute_dtype!r} has no check limits; known: "
                          f"{', '.join(TOLERANCES)}")
     start = time.perf_counter()
-    slots = any(g.role == "slot" for g in config.folder.graphs.values())  # batch_size > 1 folders
-    if slots:  # the server's path too: its slot graphs, one prompt per cache row, joining a running batch
-        config = dataclasses.replace(config, slot_graphs=True)
+    slots = any(g.role == "chunk" for g in config.folder.graphs.values())  # every folder but tensor-parallel ones
+    if slots:  # the server's path too: its chunk graph, each prompt in pieces into its own row, joining a running batch
+        config = dataclasses.replace(config, chunk_graphs=True)
     generator = pipeline("text_generation", model=config, backend=backend)
     loaded = time.perf_counter() - start
     rows = replay(generator, reference, tolerance, progress=progress)
     if slots:
-        rows += replay_slots(generator, reference, tolerance, progress=progress)
+        rows += replay_chunks(generator.runner, reference, tolerance, progress=progress)
     info = {"environment": environment(generator.backend_name), "exported_with": folder.exported_with,
             "folder": {k: folder.infer.get(k) for k in ("device", "soc", "dtype", "seq_length", "batch_size",
-                                                        "prefill_buckets", "cpu_kernels", "tp_size", "graph")},
+                                                        "prefill_buckets", "chunk_size", "cpu_kernels", "tp_size", "graph")},
             "load_seconds": round(loaded, 2), "replay_seconds": round(time.perf_counter() - start - loaded, 2)}
     try:
         with open(folder.ge_config_path, encoding="utf-8", errors="replace") as fh:

@@ -49,9 +49,12 @@ class InferConfig:
     # the smallest prefill graph; longer buckets compile on the first prompt that needs them), "all", "none";
     # "auto": "all" on mslite (GE compiles for minutes per graph: never inside a request), "smallest" on ms
     warm_up: str = "auto"
-    # load the slot graphs of a batch_size > 1 folder (one prompt into one cache row: continuous batching, as
-    # lite_runtime.serve does). Off for pipeline(): on Atlas every loaded graph is compiled by GE for minutes
-    slot_graphs: bool = False
+    # load the folder's chunk graph (one row's prompt piece at an offset: continuous batching, chunked prefill and
+    # prefix reuse, as lite_runtime.serve does). Off for pipeline(): on Atlas GE compiles every loaded graph for minutes
+    chunk_graphs: bool = False
+    # load the prefill graphs (pipeline(), check); the server runs only the chunk and inc graphs, so on Atlas GE does
+    # not compile the prefill graphs for it (minutes each)
+    prefill_graphs: bool = True
     # mslite backend, tensor-parallel folders (python -m export --tp_size): the HCCL rank table GE reads; None: the
     # RANK_TABLE_FILE environment variable, else [ascend_context] rank_table_file of the ini
     rank_table_file: Optional[str] = None
@@ -95,8 +98,8 @@ class InferConfig:
         return self.folder.tp_size if self.folder is not None else 1
 
     def graph_paths(self) -> Dict[str, str]:
-        """Every graph to load, by key (`prefill_<tokens>`, `inc`, `slot_<tokens>`): the prefill graphs longest first,
-        inc, then (with slot_graphs) the slot graphs of a batch_size > 1 folder, longest first."""
+        """Every graph to load, by key (`prefill_<tokens>`, `inc`, `chunk_<tokens>`): the prefill graphs longest first
+        (unless prefill_graphs is off), inc, then (with chunk_graphs) the chunk graph."""
         if self.folder is not None:
             paths = self.folder.graph_paths(int(self.rank_id) if self.tp_size > 1 else 0)
         else:
@@ -106,8 +109,9 @@ class InferConfig:
         def longest_first(role):
             return sorted((k for k in paths if graph_role(k) == role), key=lambda k: -graph_tokens(k))
 
-        slots = longest_first("slot") if self.slot_graphs else []
-        return {k: paths[k] for k in longest_first("prefill") + ["inc"] + slots}
+        chunks = longest_first("chunk") if self.chunk_graphs else []
+        prefills = longest_first("prefill") if self.prefill_graphs else []
+        return {k: paths[k] for k in prefills + ["inc"] + chunks}
 
     def validate(self) -> None:
         if not self.compute_dtype:

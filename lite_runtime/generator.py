@@ -1,14 +1,13 @@
-"""TextGenerator: the `text_generation` task. Loads both graphs on a backend and generates token by token.
+"""TextGenerator: the `text_generation` task. Generates token by token through a ModelRunner (lite_runtime/runner.py).
 
-The KV cache lives in the graphs. This object records which tokens each cache row holds, so
+The KV cache lives in the graphs, and the runner records which tokens each cache row holds, so
 `infer` (one step) and `generate` (a whole request) can be called in any order and any number
 of times: a step that extends every cached row by one token runs the incremental graph, anything
-else runs prefill. A lock serialises callers, so a streaming thread cannot interleave with another
-request on the same cache.
+else runs prefill. The runner's lock serialises callers, so a streaming thread cannot interleave with
+another request on the same cache.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -17,17 +16,13 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from lite_runtime.backends import check_inputs, load_backend, resolve_backend
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError
-from lite_runtime.folder import graph_key, graph_role, graph_tokens
-from lite_runtime.inputs import InputOfInfer
+from lite_runtime.runner import ModelRunner
 from lite_runtime.sampling import GenerationSettings, choose, process
 from lite_runtime.tokenizer import FolderTokenizer, has_folder_tokenizer
 
 log = logging.getLogger(__name__)
-
-IDLE_SECONDS = 0.2  # how long no request must have run before the idle warm-up compiles a graph
 
 
 @dataclass
@@ -70,134 +65,26 @@ class GenerateOutput(list):
                 f"prompt_lengths={self.prompt_lengths!r})")
 
 
-def warm_up_keys(setting: str, backend: str, keys: List[str]) -> List[str]:
-    """The graphs to run once at load, of `keys` (prefill graphs and `inc`), for a warm_up setting.
-
-    "auto" is "all" on mslite: GE compiles a graph for minutes on its first run, which must never
-    happen inside a request (and GE's compile cache makes the next load fast). On ms it is
-    "smallest": the inc graph, which every request needs, and the smallest prefill graph, which
-    short prompts need. Longer buckets compile in seconds on the first prompt that needs them, so a
-    server that only sees short prompts never pays their compile time nor their activations' memory.
-    """
-    if setting == "auto":
-        setting = "all" if backend == "mslite" else "smallest"
-    if setting == "all":
-        return list(keys)
-    if setting == "smallest":
-        smallest = min((k for k in keys if graph_role(k) == "prefill"), key=graph_tokens)
-        return [smallest, "inc"]
-    return []
-
-
 class TextGenerator:
+    """The `text_generation` task over a ModelRunner (lite_runtime/runner.py), which it shares with the server's
+    engine: the HF-style API (text in and out, generate, infer), the generation settings and input checks."""
+
     def __init__(self, config: InferConfig, tokenizer=None) -> None:
-        self.config = config
-        self.backend_name = resolve_backend(config.backend, config.target)
-        self.inputs = InputOfInfer.get(config.model_name)
-        self.backend = load_backend(self.backend_name, config)
-        self.config = config = getattr(self.backend, "config", config)  # the rank resolved; the caller's untouched
-        self.batch_size, self.seq_length = int(config.batch_size), int(config.infer_seq_length)
-        # prompt-length buckets: a batch prefills on the smallest full graph its longest prompt fits
-        paths = config.graph_paths()
-        self.prefill_sizes = sorted(graph_tokens(k) for k in paths if graph_role(k) == "prefill")
-        # one prompt into one cache row (prefill_slot): the slot graphs, or at batch 1 the prefill graphs themselves
-        self.slot_sizes = sorted(graph_tokens(k) for k in paths if graph_role(k) == "slot") or (
-            self.prefill_sizes if self.batch_size == 1 else [])
+        self.runner = runner = ModelRunner(config)
+        self.config, self.backend, self.backend_name = runner.config, runner.backend, runner.backend_name
+        self.batch_size, self.seq_length, self.prefill_sizes = runner.batch_size, runner.seq_length, runner.prefill_sizes
         self._tokenizer = tokenizer
-        self.defaults = GenerationSettings.from_generation_config(config.model_dir).updated(
-            eos_token_id=config.eos_token_id or None, pad_token_id=config.pad_token_id)
-        self.pad = int(self.defaults.pad_token_id or 0)  # what padding positions and free rows are given
-        self._cache: Optional[List[List[int]]] = None  # tokens held by each cache row (padding rows too)
-        self._cache_rows = 0  # how many of them are real rows
-        self._checked = set()  # graphs whose engine specs were checked (and compiled, or about to be)
-        self._inputs_checked = set()  # graphs whose first inputs were checked against their specs
-        self._lock = threading.RLock()
-        self._count_lock = threading.Lock()
-        self._requests = 0  # infer/generate calls under way or waiting (the idle warm-up gives way to them)
-        self._last_request = time.monotonic()
+        self.defaults = GenerationSettings.from_generation_config(self.config.model_dir).updated(
+            eos_token_id=self.config.eos_token_id or None, pad_token_id=self.config.pad_token_id)
+        self.pad = runner.pad
         self._local = threading.local()  # last_output: per calling thread, so concurrent callers do not race
-        self._check_graph_specs()
-        self._warm_up()
-
-    # --- loading ----------------------------------------------------------------------------------
-    def _check_graph_specs(self) -> None:
-        """Graphs loaded without a folder: their shapes against the config, from the engine, before any call.
-
-        A folder's manifest was checked against its yaml when it was read; what the engine reports is
-        checked against the manifest when each graph is first used (_check_engine_specs), so loading
-        reads no graph that no request needs.
-        """
-        if self.config.folder is not None:
-            return
-        for key, path in self.config.graph_paths().items():
-            got = tuple(self.backend.input_specs(key))
-            ids = next((s for s in got if s.name == "input_ids"), None)
-            want = (self.batch_size, graph_tokens(key))
-            if ids is None or tuple(ids.shape) != want:
-                raise InferError(f"{path}: input_ids shape {list(ids.shape) if ids else None} does not match "
-                                 f"batch_size {self.batch_size} and seq_length {self.seq_length}")
-
-    def _check_engine_specs(self, key: str) -> None:
-        folder = self.config.folder
-        if folder is None:
-            return
-        got = tuple(self.backend.input_specs(key))
-        if got != folder.graphs[key].inputs:
-            raise InferError(f"{folder.graphs[key].path}: the graph's inputs "
-                             f"{[(s.name, s.dtype, list(s.shape)) for s in got]} disagree with manifest.json "
-                             f"{[(s.name, s.dtype, list(s.shape)) for s in folder.graphs[key].inputs]}; re-export")
-
-    def _warm_up(self) -> None:
-        """Compile graphs so a request does not pay for it (warm_up_keys): at load, or while idle (`auto` on ms)."""
-        keys = warm_up_keys(self.config.warm_up, self.backend_name, list(self.config.graph_paths()))
-        if self.config.warm_up == "auto" and hasattr(self.backend, "prepare"):
-            # inc first: every request needs it, and a short prompt's prefill compiles as fast as it would wait
-            order = [k for k in keys if k == "inc"] + [k for k in keys if k != "inc"]
-            threading.Thread(target=self._warm_up_when_idle, args=(order,), name="mslite-llm-warm-up").start()
-            return
-        start = time.perf_counter()
-        for key in keys:
-            self.warm(key)
-        log.info("%s backend: %d graph(s) warmed up in %.2f s", self.backend_name, len(keys),
-                 time.perf_counter() - start)
 
     def warm(self, key: str) -> None:
-        """Compile graph `key` now (the server does this for what every request needs, before it listens)."""
-        self._check_engine_specs(key)
-        self._checked.add(key)
-        if hasattr(self.backend, "prepare"):  # compiles without running: the KV cache is untouched
-            self.backend.prepare(key)
-        else:  # mslite: GE compiles on the first run, which writes the cache
-            self.backend.run(key, {s.name: np.ones(s.shape, s.dtype) for s in self.backend.input_specs(key)})
-            self._cache = None
+        """Compile graph `key` now (ModelRunner.warm)."""
+        self.runner.warm(key)
 
-    def _warm_up_when_idle(self, keys: List[str]) -> None:
-        """Compile `keys` one at a time, each only once no request has run for IDLE_SECONDS.
-
-        A request that arrives during a compile waits for that one graph (under a second for the 0.5B
-        shape). The thread is not a daemon (a compile must not be cut off at interpreter exit); it
-        stops as soon as the main thread has ended.
-        """
-        main = threading.main_thread()
-        for key in keys:
-            while True:
-                if not main.is_alive():
-                    return
-                idle = self._requests == 0 and time.monotonic() - self._last_request >= IDLE_SECONDS
-                if idle and self._lock.acquire(timeout=0.05):
-                    break
-                time.sleep(0.05)
-            try:
-                if self._requests == 0 and key not in self._checked:
-                    start = time.perf_counter()
-                    self.warm(key)
-                    log.info("%s backend: %s compiled while idle in %.2f s", self.backend_name, key,
-                             time.perf_counter() - start)
-            except Exception as exc:  # noqa: BLE001  (the request that needs the graph reports it properly)
-                log.warning("warming up %s while idle failed: %s", key, exc)
-                return
-            finally:
-                self._lock.release()
+    def prefill_size(self, longest: int) -> int:
+        return self.runner.prefill_size(longest)
 
     @property
     def tokenizer(self):
@@ -217,88 +104,24 @@ class TextGenerator:
             self._tokenizer = AutoTokenizer.from_pretrained(path)
         return self._tokenizer
 
-    @contextlib.contextmanager
-    def _request(self):
-        """The lock, for a request: counted, so the idle warm-up does not start a compile while one waits."""
-        with self._count_lock:
-            self._requests += 1
-        try:
-            with self._lock:
-                yield
-        finally:
-            with self._count_lock:
-                self._requests -= 1
-                self._last_request = time.monotonic()
-
-    # --- graph calls ------------------------------------------------------------------------------
-    def _run(self, key: str, arrays: Dict[str, np.ndarray]) -> np.ndarray:
-        if key not in self._checked:
-            self._check_engine_specs(key)
-        if key not in self._inputs_checked:
-            check_inputs(key, arrays, self.backend.input_specs(key))
-            self._inputs_checked.add(key)
-        self._checked.add(key)
-        return self.backend.run(key, arrays)
-
-    def prefill_size(self, longest: int) -> int:
-        """The smallest prefill graph that holds a prompt of `longest` tokens."""
-        return next(n for n in self.prefill_sizes if n >= longest)
-
-    def _prefill(self, rows: List[List[int]]) -> np.ndarray:
-        full = [list(r) for r in rows] + [[self.pad]] * (self.batch_size - len(rows))
-        tokens = self.prefill_size(max(len(r) for r in rows))
-        self._cache = None  # unknown until the graph call succeeds: a failed call leaves a prefill to do
-        logits = self._run(graph_key("prefill", tokens), self.inputs.prefill(full, tokens, self.pad))
-        self._cache, self._cache_rows = full, len(rows)
-        return logits[:len(rows)]
-
+    # --- the cache: rows 0..n-1 of a batch --------------------------------------------------------------
     def _step(self, advance: Dict[int, int]) -> np.ndarray:
-        """Append advance[row] to those rows; the other rows rewrite their last token (cache unchanged)."""
-        rows = [row + [int(advance[i])] if i in advance else row for i, row in enumerate(self._cache)]
-        self._cache = None  # as in _prefill: recorded only once the graph has run
-        logits = self._run("inc", self.inputs.increment([r[-1] for r in rows], [len(r) for r in rows]))
-        self._cache = rows
-        return logits[:self._cache_rows]
+        """Append advance[row] to those rows; every other row rewrites its last token (what it holds is unchanged)."""
+        tokens, lengths = [self.pad] * self.batch_size, [1] * self.batch_size
+        for i, held in enumerate(self.runner.held):
+            if i in advance:
+                tokens[i], lengths[i] = int(advance[i]), len(held) + 1
+            elif held:
+                tokens[i], lengths[i] = held[-1], len(held)
+        return self.runner.step(tokens, lengths)
 
     def _forward(self, rows: List[List[int]]) -> np.ndarray:
-        """Logits after each row's last token, reusing the cache when every row extends it by one."""
-        cache = self._cache
-        if (cache is not None and len(rows) == self._cache_rows
-                and all(len(r) == len(c) + 1 and r[:-1] == c for r, c in zip(rows, cache))):
-            return self._step({i: r[-1] for i, r in enumerate(rows)})
-        return self._prefill(rows)
-
-    # --- slots: each cache row its own request (continuous batching, lite_runtime.batching) -----------------
-    def slot_key(self, tokens: int) -> str:
-        """The graph that prefills a prompt of `tokens` tokens into one cache row."""
-        if not self.slot_sizes:
-            if not self.config.slot_graphs:
-                raise InferError("the slot graphs were not loaded: pass slot_graphs=True to pipeline()")
-            raise InferError(f"{self.config.prefill_model_path}: this batch_size {self.batch_size} folder has no slot "
-                             "graphs (exported before them); re-export it to serve requests one row at a time")
-        if tokens > self.slot_sizes[-1]:
-            raise InferError(f"a prompt of {tokens} tokens is longer than the graphs ({self.slot_sizes[-1]})")
-        n = next(n for n in self.slot_sizes if n >= tokens)
-        return graph_key("prefill" if self.batch_size == 1 else "slot", n)
-
-    def prefill_slot(self, slot: int, row: Sequence[int]) -> np.ndarray:
-        """Prefill one prompt into cache row `slot`, leaving the other rows as they are: float32 logits [V]."""
-        key = self.slot_key(len(row))
-        arrays = self.inputs.prefill([list(row)], graph_tokens(key), self.pad)
-        if self.batch_size > 1:
-            arrays = self.inputs.slot(arrays, slot)
-        with self._request():
-            self._cache = None  # the rows no longer hold what generate/infer recorded
-            return self._run(key, arrays)[0]
-
-    def step_slots(self, tokens: Sequence[int], lengths: Sequence[int]) -> np.ndarray:
-        """One decode step of every row: tokens[i] at position lengths[i] - 1 of row i. float32 logits [B, V].
-        A free row is given any token at length 1: it writes only position 0 of its own row. So a row that holds
-        a request takes part in every step from its prefill on (as lite_runtime.batching does), or its position 0
-        is overwritten."""
-        with self._request():
-            self._cache = None
-            return self._run("inc", self.inputs.increment(tokens, lengths))
+        """Logits after each row's last token, reusing the cache when every row extends what its cache row holds
+        by one token."""
+        held = self.runner.held
+        if all(held[i] is not None and r[:-1] == held[i] for i, r in enumerate(rows)):
+            return self._step({i: r[-1] for i, r in enumerate(rows)})[:len(rows)]
+        return self.runner.prefill(rows)
 
     # --- checks -----------------------------------------------------------------------------------
     def _check_rows(self, rows: Sequence[Sequence[int]]) -> List[List[int]]:
@@ -389,7 +212,7 @@ class TextGenerator:
         s = self.defaults.updated(**kwargs)
         rows = self._check_rows(input_ids)
         rng = np.random.default_rng(s.seed)
-        with self._request():
+        with self.runner.request():
             logits = self._forward(rows)
         picks = [choose(process(logits[i], rows[i], s), s.do_sample, rng) for i in range(len(rows))]
         return InferOutput([t for t, _ in picks], [p for _, p in picks], logits)
@@ -404,11 +227,11 @@ class TextGenerator:
         seqs = [list(r) for r in rows]
         reasons: List[Optional[str]] = [None] * len(rows)
         out = GenerateOutput(seqs, [], [len(r) for r in rows])
-        with self._request():
+        with self.runner.request():
             if streamer is not None:
                 streamer.put(np.array(rows) if len(rows) == 1 else [np.array(r) for r in rows])
             start = time.perf_counter()
-            logits = self._prefill(rows)
+            logits = self.runner.prefill(rows)
             out.prefill_seconds = time.perf_counter() - start
             start = time.perf_counter()
             while True:
@@ -427,7 +250,7 @@ class TextGenerator:
                     streamer.put(np.array([new.get(i, -1) for i in range(len(rows))]))
                 if all(reasons):
                     break
-                logits = self._step({i: t for i, t in new.items() if reasons[i] is None})
+                logits = self._step({i: t for i, t in new.items() if reasons[i] is None})[:len(rows)]
                 out.decode_steps += 1
             out.decode_seconds = time.perf_counter() - start
             if streamer is not None:

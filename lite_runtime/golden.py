@@ -220,19 +220,22 @@ def replay(generator, reference: Reference, tol: Tolerance, progress=None) -> Li
     return results
 
 
-def replay_slots(generator, reference: Reference, tol: Tolerance, progress=None) -> List[RowResult]:
-    """The reference rows again, the way the server runs them (lite_runtime.batching): each row prefilled alone into
-    its own cache row by the slot graph (row i into slot B-1-i), joining at step i while the rows before it decode,
-    then all stepped together by the inc graph, teacher-forced. One RowResult per row; graph `slot_<N>`."""
+def replay_chunks(runner, reference: Reference, tol: Tolerance, progress=None) -> List[RowResult]:
+    """The reference rows again, the way the server runs them (lite_runtime.batching): each row written into its own
+    cache row by the chunk graph (row i into row B-1-i), joining at step i while the rows before it decode, then all
+    stepped together by the inc graph, teacher-forced; rows without a token of their own write scratch, as the
+    engine's do. Each prompt goes in as two parts, each in pieces of at most the chunk size: its first half from
+    position 0, then the rest from the middle, as the new turn of a chat goes in after the prefix its row kept
+    (prefix reuse) whatever the chunk size. One RowResult per row; graph `chunk_<C>`."""
     results: List[RowResult] = []
-    b = generator.batch_size
+    b, size, seq = runner.batch_size, runner.chunk_size, runner.seq_length
+    graph = graph_key("chunk", size)
     for batch in reference.batches:
         refs = batch.rows
         slots = [b - 1 - i for i in range(len(refs))]
         rows = [list(r.prompt) for r in refs]
         done = [0] * len(refs)  # steps judged per row
-        mine = [RowResult(len(results) + i, generator.slot_key(len(r.prompt)), len(r.prompt))
-                for i, r in enumerate(refs)]
+        mine = [RowResult(len(results) + i, graph, len(r.prompt)) for i, r in enumerate(refs)]
 
         def judge(i: int, logits) -> None:
             mine[i].judge(done[i], logits, refs[i], tol)
@@ -243,17 +246,25 @@ def replay_slots(generator, reference: Reference, tol: Tolerance, progress=None)
 
         for t in range(len(refs) + max(len(r.tokens) for r in refs)):
             if t < len(refs):
-                judge(t, generator.prefill_slot(slots[t], rows[t]))
-            # the rows prefilled so far, this step's joiner too, as the engine steps them (step_slots)
-            live = [i for i in range(min(t + 1, len(refs))) if 0 < done[i] < len(refs[i].tokens)]
+                prompt, half = rows[t], max(1, len(rows[t]) // 2)
+                for begin, end in ((0, half), (half, len(prompt))):
+                    for start in range(begin, end, size):
+                        logits = runner.chunk(slots[t], prompt[start:min(start + size, end)], start)
+                judge(t, logits)
+            # the rows prefilled so far, this step's joiner too, as the engine steps them
+            live = {slots[i]: i for i in range(min(t + 1, len(refs))) if 0 < done[i] < len(refs[i].tokens)}
             if not live:
                 continue
-            tokens, lengths = [0] * b, [1] * b
-            for i in live:
-                tokens[slots[i]], lengths[slots[i]] = rows[i][-1], len(rows[i])
-            logits = generator.step_slots(tokens, lengths)
-            for i in live:
-                judge(i, logits[slots[i]])
+            tokens, lengths, record = [runner.pad] * b, [1] * b, [False] * b
+            for row in range(b):
+                if row in live:
+                    i = live[row]
+                    tokens[row], lengths[row], record[row] = rows[i][-1], len(rows[i]), True
+                else:
+                    lengths[row] = min(len(runner.held[row] or ()), seq - 1) + 1
+            logits = runner.step(tokens, lengths, record)
+            for row, i in live.items():
+                judge(i, logits[row])
         for r in mine:
             r.close(tol)
         results.extend(mine)

@@ -1,4 +1,4 @@
-"""InputOfInfer: per model family, token ids -> the named graph inputs of the prefill and inc graphs."""
+"""InputOfInfer: per model family, token ids -> the named graph inputs of the prefill, inc and chunk graphs."""
 from __future__ import annotations
 
 from typing import Dict, Sequence, Type
@@ -14,7 +14,8 @@ class DecoderInputs:
 
     prefill: input_ids [B, S] right-padded with pad_token_id, valid_length [B] = prompt lengths.
     inc:     input_ids [B, 1] = each row's newest token, valid_length [B] = tokens in the cache after it.
-    slot:    a one-row prefill (input_ids [1, S], valid_length [1]) and slot [1] = the cache row it writes.
+    chunk:   one row's piece: input_ids [1, C] right-padded, valid_length [1] = its tokens, start [1] = the position
+             of its first token, slot [1] = the cache row it writes.
     """
 
     def prefill(self, rows: Sequence[Sequence[int]], seq_length: int, pad_token_id: int) -> Dict[str, np.ndarray]:
@@ -23,9 +24,9 @@ class DecoderInputs:
             ids[i, :len(row)] = row
         return {"input_ids": ids, "valid_length": np.array([len(r) for r in rows], np.int32)}
 
-    def slot(self, prefill: Dict[str, np.ndarray], slot: int) -> Dict[str, np.ndarray]:
-        """The slot graph's inputs: a one-row prefill's and the cache row to write, slot [1] int32."""
-        return {**prefill, "slot": np.array([slot], np.int32)}
+    def chunk(self, tokens: Sequence[int], size: int, start: int, slot: int, pad_token_id: int) -> Dict[str, np.ndarray]:
+        return {**self.prefill([tokens], size, pad_token_id), "start": np.array([start], np.int32),
+                "slot": np.array([slot], np.int32)}
 
     def increment(self, tokens: Sequence[int], lengths: Sequence[int]) -> Dict[str, np.ndarray]:
         return {"input_ids": np.asarray(tokens, np.int32).reshape(-1, 1),

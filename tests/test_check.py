@@ -16,8 +16,9 @@ from lite_runtime.check import main as check_main
 from lite_runtime.golden import TOLERANCES, ReferenceRow, RowResult
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# batch_size > 1 folders: the prompts run twice, through the prefill graphs and through the slot graphs (the server's)
-SLOTS = " (each through the prefill graphs and through the slot graphs)"
+# folders with a chunk graph (all but tensor-parallel ones): the prompts run twice, through the prefill graphs and
+# through the chunk graph (the server's)
+SLOTS = " (each through the prefill graphs and through the chunk graph)"
 PASS = re.compile(r"^PASS (\S+) on backend ms: (\d+) prompts" + re.escape(SLOTS) + r", (\d+) steps, greedy tokens "
                   r"identical, top-k logits within (\S+) relative \((\w+) limit (\S+)\)$")
 

@@ -26,35 +26,35 @@ def is_loopback(host: str) -> bool:
 
 def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] = None, max_queue: int = 64,
                  model_name: Optional[str] = None, metrics_public: bool = False, max_body_bytes: Optional[int] = None,
-                 request_timeout: Optional[float] = None, **config: Any):
-    """Load the folder, compile what the first request needs, start the engine."""
+                 request_timeout: Optional[float] = None, prefill_chunk: Optional[int] = None,
+                 prefix_reuse: bool = True, **config: Any):
+    """Load the folder's chunk and inc graphs (all the server runs), compile them, start the engine."""
     from lite_runtime import InferConfig, pipeline
     from lite_runtime.batching import BatchEngine
     from lite_runtime.serve.serving import Service
 
     if not os.path.isdir(model_dir):
         raise InferError(f"{model_dir}: not a model folder; pass a folder written by python -m export")
-    settings = InferConfig.from_folder(model_dir, backend=backend, warm_up="none", slot_graphs=True, **config)
+    settings = InferConfig.from_folder(model_dir, backend=backend, warm_up="none", chunk_graphs=True,
+                                       prefill_graphs=False, **config)
     if settings.tp_size > 1:  # refused before anything is loaded (the folder's manifest is read once, here)
         raise InferError(f"{model_dir}: a tensor-parallel folder ({settings.tp_size} ranks) cannot be served yet: "
                          "every rank has to take every step, and the server drives one process; run it with "
                          "pipeline() or scripts/run_infer_main.py under msrun (README, \"Two cards\")")
     generator = pipeline("text_generation", model=settings)
-    if not generator.slot_sizes:
-        generator.slot_key(1)  # raises the "re-export" error
-    # what every request needs: the smallest slot graph and inc; on mslite every graph (GE compiles for
-    # minutes on a graph's first run, which must not happen inside a request)
-    slot_role = "prefill" if generator.batch_size == 1 else "slot"
-    keys = [graph_key(slot_role, n) for n in generator.slot_sizes]
-    for key in (keys if generator.backend_name == "mslite" else keys[:1]) + ["inc"]:
-        generator.warm(key)
-    generator.tokenizer  # noqa: B018  (load it now, not in the first request)
+    engine = BatchEngine(generator, max_queue=max_queue, prefill_chunk=prefill_chunk, prefix_reuse=prefix_reuse)  # a folder without chunk graph:
+    try:                                                                                # refused, with what to do
+        for key in (graph_key("chunk", generator.runner.chunk_size), "inc"):  # compiled before it listens
+            generator.warm(key)
+        generator.tokenizer  # noqa: B018  (load it now, not in the first request)
+    except BaseException:
+        engine.stop()
+        raise
     name = model_name or (generator.config.folder.name if generator.config.folder else os.path.basename(model_dir))
     from lite_runtime.serve.serving import MAX_BODY_BYTES
 
-    return Service(generator, BatchEngine(generator, max_queue=max_queue), name, api_key,
-                   metrics_public=metrics_public, max_body_bytes=max_body_bytes or MAX_BODY_BYTES,
-                   request_timeout=request_timeout)
+    return Service(generator, engine, name, api_key, metrics_public=metrics_public,
+                   max_body_bytes=max_body_bytes or MAX_BODY_BYTES, request_timeout=request_timeout)
 
 
 def draining_server(uvicorn, config, service, drain_timeout: float):
@@ -107,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "meanwhile, the rest are then ended with an error their clients see; exit 0 (default: 30)")
     p.add_argument("--max_queue", type=int, default=64,
                    help="requests that may wait for a free row; past it, 503 with Retry-After (default: 64)")
+    p.add_argument("--prefill_chunk", type=int, default=None,
+                   help="prompt tokens prefilled per engine step while other requests generate: what a running stream "
+                        "may wait for between two tokens when a long prompt arrives (default and most: the folder's "
+                        "chunk graph size, python -m export --chunk_size)")
+    p.add_argument("--prefix_reuse", choices=("on", "off"), default="on",
+                   help="on (default): a request whose prompt begins with what a free cache row holds (the previous "
+                        "turn of a chat) keeps that row's cache and prefills only the rest; off: every prompt is "
+                        "prefilled whole (one user's prompt then never shortens another's time to first token)")
     p.add_argument("--model_name", default=None, help="the model id clients send (default: the folder's name)")
     p.add_argument("--device_id", type=int, default=0)
     p.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"))
@@ -137,6 +145,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         service = load_service(args.model_dir, backend=args.backend, api_key=api_key, max_queue=args.max_queue,
                                model_name=args.model_name, metrics_public=args.metrics_public,
                                max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
+                               prefill_chunk=args.prefill_chunk, prefix_reuse=args.prefix_reuse == "on",
                                device_id=args.device_id)
     except InferError as exc:
         print(f"error: {exc}", file=sys.stderr)

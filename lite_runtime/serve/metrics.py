@@ -39,6 +39,10 @@ class Metrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Submitted to ended", buckets=_E2E, registry=r)
         self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Submitted to its row's prefill",
                                     buckets=_TTFT, registry=r)
+        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in a cache row",
+                                      registry=r)
+        self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens found in the row (not prefilled again)",
+                                   registry=r)
         self.rejections = Counter(PREFIX + "queue_rejections", "Requests refused with 503: queue full", registry=r)
         self.invalid = Counter(PREFIX + "invalid_requests", "Requests refused with a 4xx", ["endpoint"], registry=r)
         Gauge(PREFIX + "num_requests_running", "Choices holding a cache row", registry=r).set_function(
@@ -60,6 +64,8 @@ class Metrics:
                 self.itl.observe(b - a)
             if request.started is not None:
                 self.queue_time.observe(request.started - request.submitted)
+                self.prefix_queries.inc(len(request.prompt))
+                self.prefix_hits.inc(request.cached)
             if request.ended is not None:
                 self.e2e.observe(request.ended - request.submitted)
 

@@ -185,7 +185,10 @@ class Answer:
     def usage(self) -> Dict[str, int]:
         generated = sum(len(r.generated) for r in self.requests)
         prompt = len(self.plan.prompt)
-        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+        # prompt tokens found in the cache row (prefix reuse: lite_runtime/batching.py), as OpenAI reports its cache
+        cached = self.requests[0].cached if self.requests else 0
+        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def response(self) -> Dict[str, Any]:
         choices = []
