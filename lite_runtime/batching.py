@@ -10,8 +10,8 @@ other rows are never written by another request's calls, so a request cannot see
 numbers do not depend on what the other rows hold. A piece's boundaries depend only on the prompt, the prefix reused
 and `prefill_chunk`, never on the load, so a request computes the same numbers alone or among others.
 
-Prefix reuse: a free row keeps what its last request left (prompt and answer; the answer's last token is written
-at the row's next step). A new request takes the free row whose held tokens share the longest prefix with its
+Prefix reuse: a free row keeps what its last request left (its prompt and answer, but the answer's last token,
+which no step fed back). A new request takes the free row whose held tokens share the longest prefix with its
 prompt (ties, and no match: the least recently used row), keeps that prefix and prefills only the rest: the next
 turn of a chat pays for its new messages, not for the conversation again. `SlotRequest.cached` says how many
 prompt tokens were reused (usage's prompt_tokens_details.cached_tokens). At least the prompt's last token is always
@@ -79,7 +79,6 @@ class BatchEngine:
         self.waiting: Deque[SlotRequest] = collections.deque()
         self.last_used = [0] * self.rows  # when each row was last handed out (the LRU order of free rows)
         self._clock = 0
-        self.pending: List[Optional[int]] = [None] * self.rows  # an ended request's last token, not yet in its row
         self._cond = threading.Condition()
         self._stopped = False
         self._abort: Optional[Tuple[str, str]] = None  # (message, code): end everything at the next step
@@ -193,7 +192,6 @@ class BatchEngine:
             return
         self._clock += 1
         self.last_used[row] = self._clock
-        self.pending[row] = None
         request.slot, request.started = row, time.monotonic()
         request.cached = request.prefilled = min(self._reusable(row, request.prompt), len(request.prompt) - 1)
         self.prefix_queries += len(request.prompt)
@@ -232,16 +230,11 @@ class BatchEngine:
             return
         tokens, lengths, record = [self.runner.pad] * self.rows, [1] * self.rows, [False] * self.rows
         for row, request in enumerate(self.slots):
-            held = self.runner.held[row]
             if request is not None and request.decoding:
                 tokens[row], lengths[row] = request.generated[-1], len(request.prompt) + len(request.generated)
                 record[row] = True
-            elif request is None and self.pending[row] is not None and held is not None and \
-                    len(held) < self.seq_length:  # a free row: the last answer's last token completes its prefix
-                tokens[row], lengths[row], record[row] = self.pending[row], len(held) + 1, True
-                self.pending[row] = None
             else:
-                lengths[row] = min(len(held or ()), self.seq_length - 1) + 1
+                lengths[row] = min(len(self.runner.held[row] or ()), self.seq_length - 1) + 1
         logits = self.runner.step(tokens, lengths, record)
         self.steps += 1
         for row, request in enumerate(self.slots):
@@ -255,8 +248,6 @@ class BatchEngine:
 
     def _end(self, row: int, request: SlotRequest, reason: str = "", error: str = "", code: str = "") -> None:
         self.slots[row] = None
-        if request.generated and request.prefilled == len(request.prompt):
-            self.pending[row] = request.generated[-1]
         self._finish(request, reason or "error", ("error", error, code or "engine_error") if error else ("end", reason))
 
     def _finish(self, request: SlotRequest, reason: str, event: Tuple[Any, ...]) -> None:

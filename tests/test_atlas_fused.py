@@ -223,6 +223,23 @@ def test_a_wrong_wiring_fails_check(miswire, checkpoints, tmp_path, monkeypatch)
     assert "greedy tokens diverge" in report.verdict()
 
 
+def test_a_chunk_that_forgets_its_offset_fails_check(checkpoints, tmp_path, monkeypatch):
+    """The chunk graph's attention told the row holds only the chunk (actual_seq_lengths_kv without `start`): the
+    prefill graphs pass and the chunk replay, which writes each prompt's second half from the middle, fails."""
+    import export.atlas_layers as layers
+    from lite_runtime.check import run_check
+
+    chunk = layers.FusedDecoderLayer.chunk
+
+    def without_start(self, x, cos, sin, lengths, kv_lengths, *rest):
+        return chunk(self, x, cos, sin, lengths, lengths, *rest)
+
+    monkeypatch.setattr(layers.FusedDecoderLayer, "chunk", without_start)
+    report = run_check(_export(checkpoints["gqa_tied"], str(tmp_path / "bad")), "ms")
+    assert {r.graph for r in report.rows if not r.passed} == {"chunk_32"}
+    assert {r.graph for r in report.rows if r.passed} == {"prefill_8", "prefill_32"}
+
+
 @pytest.mark.parametrize("device, dtype, why", [
     ("atlas_800", "float16", "device profile 'atlas_800' (Ascend910A) has no fused attention operators we can use"),
     ("atlas_300i_duo", "float16",
