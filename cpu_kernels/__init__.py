@@ -26,6 +26,8 @@ QKV_ROPE = "MsliteLlmQkvRope"  # x, Wq, bq, Wk, bk, Wv, bv, cos [N, D], sin [N, 
 GEMV_ADD = "MsliteLlmGemvAdd"  # x [N, I], W [O, I], r [N, O] -> x.W^T + r (a projection and the residual add)
 SWIGLU = "MsliteLlmSwiGlu"  # x [N, I], Wg, Wu [O, I] -> silu(x.Wg^T) * (x.Wu^T) [N, O]
 DECODE_ATTENTION = "MsliteLlmDecodeAttention"  # q [B, H*D], K, V caches [B, KH, S, D], valid_length [B] -> [B, H*D]
+#   (or q [N, H*D], valid_length [N] and rows [N] int32: query i reads cache row rows[i]; the chunk graph's step and
+#   piece in one call)
 FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION)
 BUILD_HINT = "reinstall with a C++ compiler present (apt install g++; pip install -e .)"
 

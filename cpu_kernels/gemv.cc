@@ -1057,7 +1057,8 @@ int swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char**
 struct AttentionJob : Job {
   const float *q, *k, *v;
   const int32_t* valid;
-  int64_t batch, heads, kv_heads, seq, d;
+  const int32_t* rows;  // the cache row of each query row; nullptr: query row b reads cache row b
+  int64_t batch, heads, kv_heads, seq, d, cache_rows;
   float* out;
 
   void work() override {
@@ -1069,9 +1070,10 @@ struct AttentionJob : Job {
       if (t >= batch * heads) return;
       const int64_t b = t / heads, h = t % heads, kvh = h / group;
       const int64_t n = std::max<int64_t>(0, std::min<int64_t>(seq, valid[b]));
+      const int64_t row = rows != nullptr ? std::min<int64_t>(std::max<int64_t>(rows[b], 0), cache_rows - 1) : b;
       const float* qh = q + (b * heads + h) * d;
-      const float* kh = k + (b * kv_heads + kvh) * seq * d;
-      const float* vh = v + (b * kv_heads + kvh) * seq * d;
+      const float* kh = k + (row * kv_heads + kvh) * seq * d;
+      const float* vh = v + (row * kv_heads + kvh) * seq * d;
       float* oh = out + (b * heads + h) * d;
       float best = -INFINITY;
       for (int64_t p = 0; p < n; ++p) {
@@ -1091,28 +1093,37 @@ struct AttentionJob : Job {
   }
 };
 
+// q [N, H*D] . the caches K, V [B, KH, S, D]: query row i attends to the first valid_length[i] positions of cache row
+// i, or (with `rows` [N] int32, nparam 6) of cache row rows[i]: the chunk graph's step rows and piece tokens in one call.
 int decode_attention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
-  if (nparam != 5) return 1;
+  if (nparam != 5 && nparam != 6) return 1;
+  const int out_index = nparam - 1;
   if (!is_f32(dtypes[0]) || !is_f32(dtypes[1]) || !is_f32(dtypes[2]) || std::strcmp(dtypes[3], "int32") != 0 ||
-      !is_f32(dtypes[4]))
+      !is_f32(dtypes[out_index]) || (nparam == 6 && std::strcmp(dtypes[4], "int32") != 0))
     return 2;
-  if (ndims[0] != 2 || ndims[1] != 4 || ndims[2] != 4 || ndims[3] != 1 || ndims[4] != 2) return 3;
-  const int64_t batch = shapes[1][0], kv_heads = shapes[1][1], seq = shapes[1][2], d = shapes[1][3];
+  if (ndims[0] != 2 || ndims[1] != 4 || ndims[2] != 4 || ndims[3] != 1 || ndims[out_index] != 2 ||
+      (nparam == 6 && ndims[4] != 1))
+    return 3;
+  const int64_t queries = shapes[0][0], cache_rows = shapes[1][0], kv_heads = shapes[1][1], seq = shapes[1][2],
+                d = shapes[1][3];
   for (int k = 0; k < 4; ++k)
     if (shapes[2][k] != shapes[1][k]) return 4;
-  if (d <= 0 || kv_heads <= 0 || shapes[0][0] != batch || shapes[0][1] % (kv_heads * d) || shapes[3][0] != batch ||
-      shapes[4][0] != batch || shapes[4][1] != shapes[0][1])
+  if (d <= 0 || kv_heads <= 0 || shapes[0][1] % (kv_heads * d) || shapes[3][0] != queries ||
+      shapes[out_index][0] != queries || shapes[out_index][1] != shapes[0][1] ||
+      (nparam == 5 && queries != cache_rows) || (nparam == 6 && shapes[4][0] != queries))
     return 4;
   AttentionJob job;
   job.q = static_cast<const float*>(params[0]);
   job.k = static_cast<const float*>(params[1]);
   job.v = static_cast<const float*>(params[2]);
   job.valid = static_cast<const int32_t*>(params[3]);
-  job.batch = batch, job.heads = shapes[0][1] / d, job.kv_heads = kv_heads, job.seq = seq, job.d = d;
-  job.out = static_cast<float*>(params[4]);
+  job.rows = nparam == 6 ? static_cast<const int32_t*>(params[4]) : nullptr;
+  job.batch = queries, job.heads = shapes[0][1] / d, job.kv_heads = kv_heads, job.seq = seq, job.d = d;
+  job.cache_rows = cache_rows;
+  job.out = static_cast<float*>(params[out_index]);
   int64_t longest = 0;
-  for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, job.valid[b]);
-  run(&job, batch * job.heads * longest * d >= (int64_t(1) << 16));
+  for (int64_t b = 0; b < queries; ++b) longest = std::max<int64_t>(longest, job.valid[b]);
+  run(&job, queries * job.heads * longest * d >= (int64_t(1) << 16));
   return 0;
 }
 

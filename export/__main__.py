@@ -36,11 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "a prompt runs on the smallest that fits, so prefill cost follows the prompt. All graphs "
                         "share one weights file and the KV cache. auto (default): on cpu 16, 32, 64, ... and on "
                         "Atlas 128, 512, 2048, ... below --seq_length; none: only the --seq_length graph")
-    p.add_argument("--chunk_size", default="auto",
-                   help="tokens of the chunk graph, through which the server (python -m lite_runtime.serve) prefills "
-                        "each prompt piece by piece between the running requests' decode steps, and after the prefix "
-                        "a cache row kept from the previous turn. auto (default): 32 on cpu, 256 on Atlas (about one "
-                        "decode step's cost each), at most --seq_length; 0: none (a folder the server refuses)")
+    p.add_argument("--chunk_sizes", default="auto",
+                   help="tokens of the chunk graphs, comma-separated; each runs the decode step of every row and a "
+                        "piece of one row's prompt in one call: the server (python -m lite_runtime.serve) prefills "
+                        "each prompt piece by piece inside the running requests' decode steps (pieces of the smallest "
+                        "size; the largest when nothing else runs), and after the prefix a cache row kept from the "
+                        "previous turn. auto (default): 16,128 on cpu, 256 on Atlas (GE compiles each graph for "
+                        "minutes), at most --seq_length; none: no chunk graph (a folder the server refuses)")
     p.add_argument("--cpu_kernels", choices=("auto", "on", "off"), default="auto",
                    help="--device cpu, float32: run the decode step's matmuls with mslite-llm's own multi-threaded "
                         "GEMV kernel (built at pip install) instead of MindSpore's MatMul: about 1.2x the decode "
@@ -62,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_buckets(text: str) -> Optional[Tuple[int, ...]]:
+def parse_sizes(text: str, option: str) -> Optional[Tuple[int, ...]]:
     """None for auto (the device's rule), () for none, else the sizes."""
     if text.strip().lower() == "auto":
         return None
@@ -71,17 +73,7 @@ def parse_buckets(text: str) -> Optional[Tuple[int, ...]]:
     try:
         return tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
     except ValueError:
-        raise ExportError(f"--prefill_buckets {text!r} must be auto, none or comma-separated integers, e.g. 128,512") from None
-
-
-def parse_chunk(text: str) -> Optional[int]:
-    """None for auto (the device's rule), else the size (0: no chunk graph)."""
-    if text.strip().lower() == "auto":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise ExportError(f"--chunk_size {text!r} must be auto or an integer, e.g. 256") from None
+        raise ExportError(f"{option} {text!r} must be auto, none or comma-separated integers, e.g. 128,512") from None
 
 
 def default_dtype(profile, checkpoint: str) -> str:
@@ -118,9 +110,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         name = args.name or os.path.basename(os.path.normpath(args.output))
         cfg = ExportConfig(checkpoint=args.checkpoint, output=args.output, name=name, seq_length=args.seq_length,
                            batch_size=args.batch_size, dtype=dtype, device=args.device, overwrite=args.overwrite,
-                           prefill_buckets=parse_buckets(args.prefill_buckets), cpu_kernels=args.cpu_kernels,
+                           prefill_buckets=parse_sizes(args.prefill_buckets, "--prefill_buckets"), cpu_kernels=args.cpu_kernels,
                            tp_size=args.tp_size, graph=None if args.graph == "auto" else args.graph,
-                           chunk_size=parse_chunk(args.chunk_size))
+                           chunk_sizes=parse_sizes(args.chunk_sizes, "--chunk_sizes"))
         summary = run_export(cfg, show_progress=not args.quiet)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)

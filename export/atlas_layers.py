@@ -108,15 +108,25 @@ class FusedDecoderLayer(DecoderLayer):
         normed, h = self.post_attention_layernorm.add_norm(x, attn)
         return ew_add(h, self.mlp(normed))
 
-    def chunk(self, x, cos, sin, lengths, kv_lengths, mask, index, pick, slot, n):
-        """One row's chunk (the chunk graph): x [n, E]; lengths int64 [1] its valid tokens, kv_lengths int64 [1] = start
-        + lengths; sparse_mode 3 (rightDownCausal) aligns the chunk's last token with the last valid key, so token i
-        sees the row's positions up to start + i; index and pick as Attention.write_chunk."""
+    def chunk(self, x, cos, sin, ctx, b, n):
+        """The chunk graph: x [b + n, E], the decode step's rows (a token per cache row) then a piece of one row, each
+        at its own position (cos/sin [1, 1, b + n, D]). ctx = (lengths int64 [B] = tokens in each row after the step,
+        piece_lengths int64 [1] = the piece's valid tokens, piece_kv int64 [1] = start + those, the compressed causal
+        mask, step_index, piece_index, pick, slot). The step's rows through IncreFlashAttention, the piece through
+        PromptFlashAttention over its row: sparse_mode 3 (rightDownCausal) aligns its last token with the last valid
+        key, so token i sees the row's positions up to start + i."""
+        lengths, piece_lengths, piece_kv, mask, step_index, piece_index, pick, slot = ctx
         a = self.self_attn
-        q, k, v = self._qkv(self.input_layernorm(x), cos, sin, 1, n)
-        keys, values = a.write_chunk(k, v, index, pick, slot)
-        out = self.prompt_attention(q, keys, values, mask, lengths, kv_lengths, None, None, None, None, None, None)
-        normed, h = self.post_attention_layernorm.add_norm(x, self._out(out, 1, n))
+        q, k, v = self._qkv(self.input_layernorm(x), cos, sin, 1, b + n)  # [1, H|KH, b + n, D]
+        rows = (b + n, a.kh, a.d)
+        k, v = k.transpose(0, 2, 1, 3).reshape(rows), v.transpose(0, 2, 1, 3).reshape(rows)
+        keys, values = a.write_step_and_piece(k, v, step_index, piece_index, pick, b)
+        out = self.step_attention(q[:, :, :b].transpose(2, 1, 0, 3), (keys,), (values,), None, lengths, None, None,
+                                  None, None, None, None, None, None, None, None)  # [B, H, 1, D]
+        piece = self.prompt_attention(q[:, :, b:], ops.gather(keys, slot, 0), ops.gather(values, slot, 0), mask,
+                                      piece_lengths, piece_kv, None, None, None, None, None, None)  # [1, H, n, D]
+        attn = a.o_proj(ops.cat((out.reshape(b, a.h * a.d), piece.transpose(0, 2, 1, 3).reshape(n, a.h * a.d)), 0))
+        normed, h = self.post_attention_layernorm.add_norm(x, attn)
         return ew_add(h, self.mlp(normed))
 
     def decode(self, x, cos, sin, lengths, index, b):
@@ -147,7 +157,7 @@ class FusedSteps(nn.Cell):
         d = self.cos.shape[-1]
         return self.cos[:n].reshape(1, 1, n, d), self.sin[:n].reshape(1, 1, n, d)
 
-    def chunk(self, pos, n):  # pos [n] -> cos/sin [1, 1, n, D]: one row's positions
+    def rows(self, pos, n):  # pos [n] -> cos/sin [1, 1, n, D]: a row per token, each at its own position
         d = self.cos.shape[-1]
         return ops.gather(self.cos, pos, 0).reshape(1, 1, n, d), ops.gather(self.sin, pos, 0).reshape(1, 1, n, d)
 

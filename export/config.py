@@ -249,9 +249,10 @@ class ExportConfig:
     tp_size: int = 1
     # the graph form (export/devices.py graph_form): fused (Ascend's fused operators), plain, or None: the profile's
     graph: Optional[str] = None
-    # tokens of the chunk graph (one row's prompt piece at an offset: the server's chunked prefill and prefix reuse);
-    # None: the profile's (export/devices.py default_chunk); 0: no chunk graph. Tensor-parallel folders have none
-    chunk_size: Optional[int] = None
+    # tokens of the chunk graphs (a decode step and one row's prompt piece at an offset: the server's chunked prefill
+    # and prefix reuse); None: the profile's (export/devices.py default_chunks); (): none. Tensor-parallel folders
+    # have none
+    chunk_sizes: Optional[Tuple[int, ...]] = None
 
     @property
     def compute_dtype(self) -> str:
@@ -299,9 +300,10 @@ class ExportConfig:
                 f"sliding_window {model.sliding_window}), which is not supported beyond the window; pass "
                 f"--seq_length {model.sliding_window} or less, where sliding changes nothing"
             )
-        if self.chunk_size is not None and not 0 <= self.chunk_size <= self.seq_length:
-            raise ExportError(f"--chunk_size {self.chunk_size} must be between 1 and --seq_length {self.seq_length} "
-                              "(or 0: no chunk graph, a folder that cannot be served)")
+        for size in self.chunk_sizes or ():
+            if not 1 <= size <= self.seq_length:
+                raise ExportError(f"--chunk_sizes: {size} must be between 1 and --seq_length {self.seq_length} (or "
+                                  "none: no chunk graph, a folder that cannot be served)")
         for bucket in self.prefill_buckets or ():
             if not 1 <= bucket < self.seq_length:
                 raise ExportError(f"--prefill_buckets: {bucket} must be between 1 and --seq_length - 1 "

@@ -27,9 +27,9 @@ class DeviceProfile:
     # whether its SoC runs every fused operator of `--graph fused` (export/atlas_layers.py) as we call it:
     # ge_configs/README.md says which SoC runs which and why
     fused: bool = False
-    # tokens of the chunk graph (default_chunk): a server prefills a prompt this many tokens per step between the
-    # running rows' decode steps, so one piece should cost about what a decode step costs
-    chunk: int = 256
+    # tokens of the chunk graphs (default_chunks): the smallest goes in with the running rows' decode steps, the
+    # largest runs when no row decodes
+    chunks: Tuple[int, ...] = (256,)
 
     @property
     def default_dtype(self) -> str:
@@ -50,7 +50,7 @@ PROFILES: Dict[str, DeviceProfile] = {
     "atlas_300i_duo": DeviceProfile("atlas_300i_duo", "Atlas 300I Duo", "Ascend310P", ("float16",)),
     # CPU folders compute in float32; float16 and bfloat16 store the matrices in 16 bits (ExportConfig.compute_dtype)
     "cpu": DeviceProfile("cpu", "CPU", "", ("float32", "bfloat16", "float16"), bucket_first=16, bucket_factor=2,
-                         chunk=32),
+                         chunks=(16, 128)),
 }
 DEFAULT_PROFILE = "atlas_800i_a2"
 
@@ -85,21 +85,24 @@ def default_buckets(profile: DeviceProfile, seq_length: int) -> Tuple[int, ...]:
     return tuple(sizes)
 
 
-def default_chunk(profile: DeviceProfile, seq_length: int) -> int:
-    """Tokens of the chunk graph an export gets without --chunk_size: the profile's, at most seq_length.
+def default_chunks(profile: DeviceProfile, seq_length: int) -> Tuple[int, ...]:
+    """Tokens of the chunk graphs an export gets without --chunk_sizes: the profile's, at most seq_length.
 
-    One size per folder, chosen so that a piece of a prompt costs about one decode step, which is what the running
-    streams then wait for (the server's goal: their gaps stay within twice the steady one). A decode step reads every
-    weight once; a piece of c tokens does c tokens of arithmetic on them, so c is about the device's arithmetic per
-    byte of memory read (bytes per weight x FLOP/s / (2 x bytes/s)):
-    - CPU: 32. Measured on the 0.5B shape (float32, 2 cores, AVX-512): a 32-token piece ~0.1 s, a batch-4 decode step
-      ~0.11 s in the server (scripts/PERFORMANCE.md, chunked prefill). Our kernels skip a piece's padding rows, so a
-      shorter last piece costs its length.
-    - Atlas: 256 (a multiple of the cube unit's 16): the NPU's 16-bit arithmetic per byte read is some 100, and a
-      step has a fixed launch cost besides, so 256 tokens cost about a decode step of a 7B; a 2048-token prompt takes
-      8 pieces. One graph, because GE compiles each graph for minutes at load.
+    A chunk graph runs the decode step of every row and a piece of one row's prompt in one call, so the weights are
+    read once for both; what the piece adds is its arithmetic on them. The server puts pieces of the smallest size
+    into the running rows' steps, so a step with a piece must cost well under two plain steps (its goal: the running
+    streams' gaps stay within twice the steady one while a long prompt goes in); with no row decoding it uses the
+    largest, so a long prompt alone is not slowed by small pieces.
+    - CPU: 16 and 128. Measured on the 0.5B shape (float32, batch 4, 2 cores, AVX-512; scripts/PERFORMANCE.md §24):
+      a step 0.11 s, a step with a piece of 16 0.17-0.19 s (1.6x), of 32 0.27 s (2.3x); a 448-token prompt alone
+      takes 6.5 s in pieces of 16 and 2.9 s in pieces of 128. Our kernels compute all C rows of a piece, so a shorter
+      piece costs as much as a full one of its graph.
+    - Atlas: 256 alone (a multiple of the cube unit's 16): the NPU does some 100 16-bit operations per byte of memory
+      it reads, and a step of a 7B reads 14 GB and pays a fixed launch cost besides, so 256 tokens of arithmetic fit
+      within about one step; a 2048-token prompt takes 8 pieces. Not measured (no device). One graph, because GE
+      compiles each graph for minutes at load.
     """
-    return min(profile.chunk, seq_length)
+    return tuple(sorted({min(c, seq_length) for c in profile.chunks}))
 
 
 def graph_form(profile: DeviceProfile, dtype: str, asked: Optional[str], head_dim: int, kv_groups: int) -> str:

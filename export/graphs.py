@@ -30,13 +30,10 @@ class CompiledGraph:
 
 
 def graph_plan(cfg: ExportConfig) -> List[Tuple[str, int]]:
-    """(role, tokens) of every graph of one rank: a prefill graph per bucket and seq_length, the inc graph, and the
-    chunk graph of cfg.chunk_size tokens (one row's prompt piece at an offset, for lite_runtime.serve)."""
+    """(role, tokens) of every graph of one rank: a prefill graph per bucket and seq_length, the inc graph, and a
+    chunk graph per chunk size (a decode step and one row's prompt piece at an offset, for lite_runtime.serve)."""
     buckets = sorted(set(cfg.prefill_buckets or ()) | {cfg.seq_length})
-    plan = [("prefill", n) for n in buckets] + [("inc", 1)]
-    if cfg.chunk_size:
-        plan.append(("chunk", cfg.chunk_size))
-    return plan
+    return [("prefill", n) for n in buckets] + [("inc", 1)] + [("chunk", n) for n in cfg.chunk_sizes or ()]
 
 
 class Network:
@@ -82,11 +79,12 @@ class Network:
         from mindspore.train import mind_ir_pb2
 
         cell = {"prefill": PrefillGraph, "inc": DecodeGraph, "chunk": ChunkGraph}[role](self.net)
-        rows = 1 if role == "chunk" else self.cfg.batch_size
-        args = [ms.Tensor(np.zeros((rows, tokens), np.int32)),
-                ms.Tensor(np.full((rows,), 2 if role == "inc" else 1, np.int32))]
-        if role == "chunk":  # start, slot
-            args += [ms.Tensor(np.zeros((1,), np.int32)), ms.Tensor(np.zeros((1,), np.int32))]
+        rows = self.cfg.batch_size
+        args = [ms.Tensor(np.zeros((rows, 1 if role == "chunk" else tokens), np.int32)),
+                ms.Tensor(np.full((rows,), 1 if role == "prefill" else 2, np.int32))]
+        if role == "chunk":  # the piece: chunk_ids, chunk_length, start, slot
+            args += [ms.Tensor(np.zeros((1, tokens), np.int32)), ms.Tensor(np.ones((1,), np.int32)),
+                     ms.Tensor(np.zeros((1,), np.int32)), ms.Tensor(np.zeros((1,), np.int32))]
         level = ms.get_context("jit_syntax_level")
         ms.set_context(jit_syntax_level=ms.STRICT)  # as mindspore.export compiles
         try:

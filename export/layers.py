@@ -244,8 +244,10 @@ class Attention(nn.Cell):
                                                 Tensor(np.zeros(self.kh * self.d, np.float32)))
             self.norm_eps = Tensor(np.array([cfg.rms_norm_eps], np.float32)) if cfg.qk_norm else None
             self.attention = kernel_op(cpu_kernels.DECODE_ATTENTION, lambda q, *_: q, lambda q, *_: q)
+            # the chunk graph: the step's rows and the piece's tokens, each query reading its own cache row
+            self.rows_attention = kernel_op(cpu_kernels.DECODE_ATTENTION, lambda q, *_: q, lambda q, *_: q)
         else:
-            self.qkv_rope = self.attention = None
+            self.qkv_rope = self.attention = self.rows_attention = None
         cache_shape = (batch_size, self.kh, seq_length, self.d)
         self.key_cache = _weight(cache_shape, dtype, "key_cache")  # zeros in the weights file
         self.value_cache = _weight(cache_shape, dtype, "value_cache")
@@ -289,19 +291,15 @@ class Attention(nn.Cell):
             k, v = ops.cat((k, pad), axis=2), ops.cat((v, pad), axis=2)
         return ops.assign(self.key_cache, k), ops.assign(self.value_cache, v)
 
-    def write_chunk(self, k, v, index, pick, slot):
-        """The chunk graph's cache write: k, v [1, KH, n, D] of one row's chunk at index [KH, n, 3] = (slot, head,
-        position). Padding tokens (past the chunk's valid length) write the last valid token's values at its own
-        position (`pick` [n] = min(i, valid_length - 1)): every write stays inside [start, start + valid_length), and
-        duplicate indices carry equal values, so the order ScatterNdUpdate applies them in does not matter. Returns
-        that row of the caches as read after the write, [1, KH, S, D] each."""
-        kh, n, d = self.kh, index.shape[1], self.d
-        k = ops.gather(k, pick, 2).reshape(kh, n, d)
-        v = ops.gather(v, pick, 2).reshape(kh, n, d)
-        k_done = ops.scatter_nd_update(self.key_cache, index, k)
-        v_done = ops.scatter_nd_update(self.value_cache, index, v)
-        return ops.gather(ops.depend(self.key_cache, k_done), slot, 0), \
-            ops.gather(ops.depend(self.value_cache, v_done), slot, 0)
+    def write_piece(self, k, v, index, pick):
+        """The piece's cache write: k, v [n, KH, D] (a row per token) of one row's piece at index [KH, n, 3] = (slot,
+        head, position). Padding tokens (past the piece's valid length) write the last valid token's values at its
+        own position (`pick` [n] = min(i, valid_length - 1)): every write stays inside [start, start + valid_length),
+        and duplicate indices carry equal values, so the order ScatterNdUpdate applies them in does not matter.
+        Returns the writes, for ops.depend."""
+        k = ops.gather(k, pick, 0).transpose(1, 0, 2)  # [KH, n, D]
+        v = ops.gather(v, pick, 0).transpose(1, 0, 2)
+        return ops.scatter_nd_update(self.key_cache, index, k), ops.scatter_nd_update(self.value_cache, index, v)
 
     def write_step(self, k, v, index, b):
         """The decode step's cache write: k, v (B * KH * D values each, any shape) at index [B, KH, 3] = (row, head,
@@ -316,12 +314,48 @@ class Attention(nn.Cell):
         out = self._attend(q, k, v, mask, b, n)
         return self.o_proj(ops.depend(ops.depend(out, k_done), v_done), valid_length)
 
-    def chunk(self, x, cos, sin, mask, index, pick, slot, n, valid_length):
-        """One row's chunk of n tokens at an offset (the chunk graph): written at index (write_chunk), attending over
-        that row of the cache with `mask` [1, n, S] (each token sees the positions up to its own)."""
-        q, k, v = self._project(x, cos, sin, 1, n, valid_length)
-        keys, values = self.write_chunk(k, v, index, pick, slot)
-        return self.o_proj(self._attend(q, keys, values, mask, 1, n), valid_length)
+    def _rows_qkv(self, x, cos, sin):
+        """x [N, E], a row per token at its own position (cos, sin [N, D]) -> q [N, H, D], k, v [N, KH, D], RoPE applied
+        (after Qwen3's per-head norms)."""
+        n = x.shape[0]
+        if self.qkv_rope is not None:
+            q, k, v = self._kernel_qkv(x, cos, sin)
+            return q.reshape(n, self.h, self.d), k.reshape(n, self.kh, self.d), v.reshape(n, self.kh, self.d)
+        q = self.q_proj(x).reshape(n, self.h, self.d)
+        k = self.k_proj(x).reshape(n, self.kh, self.d)
+        v = self.v_proj(x).reshape(n, self.kh, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos.reshape(n, 1, self.d), sin.reshape(n, 1, self.d)
+        q = ew_add(ew_mul(q, ops.broadcast_to(cos, q.shape)), ew_mul(rotate_half(q), ops.broadcast_to(sin, q.shape)))
+        k = ew_add(ew_mul(k, ops.broadcast_to(cos, k.shape)), ew_mul(rotate_half(k), ops.broadcast_to(sin, k.shape)))
+        return q, k, v
+
+    def chunk(self, x, cos, sin, ctx, b, n):
+        """The chunk graph's attention: rows 0..b-1 of x [b + n, E] are the decode step's (a token per cache row),
+        rows b.. a piece of one row. ctx: with cpu_kernels (step_index [B, KH, 3], piece_index [KH, n, 3], pick,
+        query_lengths [b + n], query_rows [b + n]: each query's cache row and how many of its positions it reads),
+        else (step_mask [B, S], piece_mask [1, n, S], step_index, piece_index, pick, slot). Returns [b + n, H*D]."""
+        q, k, v = self._rows_qkv(x, cos, sin)
+        if self.rows_attention is not None:  # cpu_kernels: every query over its row's positions up to its own
+            step_index, piece_index, pick, query_lengths, query_rows = ctx
+            keys, values = self.write_step_and_piece(k, v, step_index, piece_index, pick, b)
+            return self.rows_attention(q.reshape(b + n, self.h * self.d), keys, values, query_lengths, query_rows)
+        step_mask, piece_mask, step_index, piece_index, pick, slot = ctx
+        keys, values = self.write_step_and_piece(k, v, step_index, piece_index, pick, b)
+        out = self._attend(q[:b].reshape(b, self.kh, self.g, self.d), keys, values, step_mask, b, 1)
+        # query head h uses key head h // G: [n, KH, G, D] -> [1, KH, G*n, D]
+        qc = q[b:].reshape(n, self.kh, self.g, self.d).transpose(1, 2, 0, 3).reshape(1, self.kh, self.g * n, self.d)
+        piece = self._attend(qc, ops.gather(keys, slot, 0), ops.gather(values, slot, 0), piece_mask, 1, n)
+        return ops.cat((out, piece), 0)
+
+    def write_step_and_piece(self, k, v, step_index, piece_index, pick, b):
+        """The chunk graph's writes, k, v [b + n, KH, D]: the step's rows first, then the piece's, so a row being
+        prefilled, which takes part in the step with a scratch write where its piece goes, ends up holding its piece
+        (MindSpore keeps the writes to one Parameter in program order). Returns the caches as read after both."""
+        keys, values = self.write_step(k[:b], v[:b], step_index, b)
+        k_done, v_done = self.write_piece(k[b:], v[b:], piece_index, pick)
+        return ops.depend(keys, k_done), ops.depend(values, v_done)
 
     def decode(self, x, cos, sin, mask, index, b, valid_length):
         """One token per row; index [B, KH, 3] = (row, head, position) to write in the cache."""
@@ -329,16 +363,19 @@ class Attention(nn.Cell):
         keys, values = self.write_step(k, v, index, b)
         return self.o_proj.few_rows(self._attend(q, keys, values, mask, b, 1))
 
-    def fused_attend(self, x, cos, sin, index, b, valid_length):
-        """The decode step through cpu_kernels' ops, up to o_proj (which the layer folds into the residual add)."""
+    def _kernel_qkv(self, x, cos, sin):
+        """q, k, v [N, H*D], [N, KH*D] through cpu_kernels' one op (projections, bias, Qwen3's norms, RoPE)."""
         p = (self.q_proj, self.k_proj, self.v_proj)
         bq, bk, bv = (p[0].bias, p[1].bias, p[2].bias) if self.zero_bias is None else (
             self.zero_bias[0], self.zero_bias[1], self.zero_bias[1])
         if self.q_norm is None:
-            q, k, v = self.qkv_rope(x, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv, cos, sin)
-        else:
-            q, k, v = self.qkv_rope(x, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv, cos, sin, self.q_norm.weight,
-                                    self.k_norm.weight, self.norm_eps)
+            return self.qkv_rope(x, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv, cos, sin)
+        return self.qkv_rope(x, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv, cos, sin, self.q_norm.weight,
+                             self.k_norm.weight, self.norm_eps)
+
+    def fused_attend(self, x, cos, sin, index, b, valid_length):
+        """The decode step through cpu_kernels' ops, up to o_proj (which the layer folds into the residual add)."""
+        q, k, v = self._kernel_qkv(x, cos, sin)
         keys, values = self.write_step(k, v, index, b)
         return self.attention(q, keys, values, valid_length)
 
@@ -362,9 +399,21 @@ class DecoderLayer(nn.Cell):
         h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n, valid_length))
         return ew_add(h, self.mlp(self.post_attention_layernorm(h), valid_length))
 
-    def chunk(self, x, cos, sin, mask, index, pick, slot, n, valid_length):  # x [n, E], one row's chunk
-        h = ew_add(x, self.self_attn.chunk(self.input_layernorm(x), cos, sin, mask, index, pick, slot, n, valid_length))
-        return ew_add(h, self.mlp(self.post_attention_layernorm(h), valid_length))
+    def chunk(self, x, cos, sin, ctx, b, n):  # x [b + n, E]: the decode step's rows, then a piece of one row
+        if self.project_add is not None:  # cpu_kernels, as the decode step
+            return self._kernel_tail(x, self.self_attn.chunk(self.input_layernorm.few_rows(x), cos, sin, ctx, b, n))
+        h = ew_add(x, self.self_attn.o_proj(self.self_attn.chunk(self.input_layernorm(x), cos, sin, ctx, b, n)))
+        return ew_add(h, self.mlp(self.post_attention_layernorm(h)))
+
+    def _kernel_tail(self, x, attn):
+        """After the attention, through cpu_kernels: o_proj + residual, the norm, the MLP, down_proj + residual."""
+        h = self._project_add(self.self_attn.o_proj, attn, x)
+        normed = self.post_attention_layernorm.few_rows(h)
+        if self.mlp.swiglu is not None:
+            mlp = self.mlp.swiglu(normed, self.mlp.gate_proj.weight, self.mlp.up_proj.weight)
+        else:
+            mlp = ew_mul(ew_silu(self.mlp.gate_proj.few_rows(normed)), self.mlp.up_proj.few_rows(normed))
+        return self._project_add(self.mlp.down_proj, mlp, h)
 
     def _project_add(self, linear, x, residual):
         """residual + linear(x) in the decode step: one kernel, unless the projection has a bias (Llama's
@@ -376,13 +425,7 @@ class DecoderLayer(nn.Cell):
     def decode(self, x, cos, sin, mask, index, b, valid_length):  # x [B, E]
         if self.project_add is not None:  # cpu_kernels: 7 calls per layer (more where a family has o/MLP biases)
             attn = self.self_attn.fused_attend(self.input_layernorm.few_rows(x), cos, sin, index, b, valid_length)
-            h = self._project_add(self.self_attn.o_proj, attn, x)
-            normed = self.post_attention_layernorm.few_rows(h)
-            if self.mlp.swiglu is not None:
-                mlp = self.mlp.swiglu(normed, self.mlp.gate_proj.weight, self.mlp.up_proj.weight)
-            else:
-                mlp = ew_mul(ew_silu(self.mlp.gate_proj.few_rows(normed)), self.mlp.up_proj.few_rows(normed))
-            return self._project_add(self.mlp.down_proj, mlp, h)
+            return self._kernel_tail(x, attn)
         h = ew_add(x, self.self_attn.decode(self.input_layernorm.few_rows(x), cos, sin, mask, index, b, valid_length))
         return ew_add(h, self.mlp.few_rows(self.post_attention_layernorm.few_rows(h)))
 

@@ -50,12 +50,13 @@ class CausalLM(nn.Cell):
 
     prefill(input_ids [B, L] int32 right-padded, valid_length [B] int32 = prompt lengths)
     decode(input_ids [B, 1] int32, valid_length [B] int32 = tokens in the cache after this step)
-    chunk(input_ids [1, C] int32, valid_length [1] = its valid tokens, start [1] = the position of its first token,
-          slot [1] = the cache row): one row's tokens written at [start, start + valid_length), attending over the
-          row's cache up to each token's own position; the other rows untouched (continuous batching, chunked
-          prefill, prefix reuse: lite_runtime/batching.py). A one-row prefill is the chunk at start 0.
-    Each returns float32 logits [rows, V] of each row's last valid token. Positions come from the lengths inside
-    the graph.
+    chunk(input_ids [B, 1], valid_length [B]: the decode step, as decode; chunk_ids [1, C] int32 right-padded,
+          chunk_length [1] = its valid tokens, start [1] = the position of its first token, slot [1] = the cache row):
+          the step of every row and a piece of one row's prompt, written at [start, start + chunk_length) of that
+          row and attending over it up to each token's own position (continuous batching, chunked prefill, prefix
+          reuse: lite_runtime/batching.py). A one-row prefill is pieces from start 0 beside a step of scratch rows.
+    prefill and decode return float32 logits [B, V] of each row's last valid token, chunk [B + 1, V]: the step's rows
+    and the piece's last token. Positions come from the lengths inside the graph.
 
     `dtype` is the compute dtype (activations, KV cache, norms and biases). CPU folders may use our
     kernels (cpu_kernels): gemv=True for every matmul of the decode step, gemm=True for those of the
@@ -141,31 +142,43 @@ class CausalLM(nn.Cell):
         last = ops.gather(x, self.rows[:b] * n + valid_length - 1, 0)  # [B, E]
         return self._logits(last)
 
-    def chunk(self, input_ids, valid_length, start, slot):
-        n = input_ids.shape[1]
-        x = self.model.embed_tokens(input_ids.reshape(-1))  # [n, E]
-        # each token's position; padding tokens take the last valid one's (their writes repeat its values)
-        pick = ops.minimum(self.positions[:n], ops.broadcast_to(valid_length - 1, (n,)))  # [n]
-        pos = pick + ops.broadcast_to(start, (n,))
+    def chunk(self, input_ids, valid_length, chunk_ids, chunk_length, start, slot):
+        """The decode step of every row and a piece of one row's prompt in one call: the weights are read once for
+        both (on a device where a step is bound by reading them, a separate piece would cost the running rows a
+        whole second step). Rows 0..B-1 of the activations are the step's, then the piece's tokens."""
+        b, n = input_ids.shape[0], chunk_ids.shape[1]
+        x = self.model.embed_tokens(ops.cat((input_ids.reshape(-1), chunk_ids.reshape(-1))))  # [B + n, E]
         kh = self.index_base.shape[1]
-        shape = (kh, n, 1)  # the cache write's index [KH, n, 3] = (slot, head, position)
-        index = ops.cat((ops.broadcast_to(slot.reshape(1, 1, 1), shape), ops.broadcast_to(self.heads, shape),
-                         ops.broadcast_to(pos.reshape(1, n, 1), shape)), axis=-1)
-        last = valid_length - 1  # [1]: the chunk's last valid token, whose logits are returned
+        step_pos = valid_length - 1  # [B]
+        step_index = ops.cat((self.index_base, ops.tile(step_pos.reshape(b, 1, 1), (1, kh, 1))), axis=-1)  # [B, KH, 3]
+        # the piece's positions; its padding tokens take the last valid one's (their writes repeat its values)
+        pick = ops.minimum(self.positions[:n], ops.broadcast_to(chunk_length - 1, (n,)))  # [n]
+        piece_pos = pick + ops.broadcast_to(start, (n,))
+        shape = (kh, n, 1)  # the piece's write index [KH, n, 3] = (slot, head, position)
+        piece_index = ops.cat((ops.broadcast_to(slot.reshape(1, 1, 1), shape), ops.broadcast_to(self.heads, shape),
+                               ops.broadcast_to(piece_pos.reshape(1, n, 1), shape)), axis=-1)
+        pos = ops.cat((step_pos, piece_pos))  # [B + n]
+        last = ops.cat((self.rows[:b], chunk_length + (b - 1)))  # [B + 1]: each row's token, the piece's last
         if self.fused is not None:
-            cos, sin = self.fused.chunk(pos, n)
-            lengths, kv_lengths = lengths_int64(valid_length), lengths_int64(valid_length + start)
-            for layer in self.model.layers:
-                x = layer.chunk(x, cos, sin, lengths, kv_lengths, self.fused.mask, index, pick, slot, n)
-            return self._logits(ops.gather(x, last, 0))
-        cos = ops.gather(self.cos, pos, 0).reshape(1, n, -1)  # [1, n, D]
-        sin = ops.gather(self.sin, pos, 0).reshape(1, n, -1)
-        s = self.positions.shape[0]
-        keep = ops.broadcast_to(self.positions.reshape(1, s), (n, s)) <= ops.broadcast_to(pos.reshape(n, 1), (n, s))
-        mask = _additive(keep).reshape(1, n, s)  # [1, n, S]: token i sees the row's positions up to its own
+            cos, sin = self.fused.rows(pos, b + n)
+            ctx = (lengths_int64(valid_length), lengths_int64(chunk_length), lengths_int64(chunk_length + start),
+                   self.fused.mask, step_index, piece_index, pick, slot)
+        else:
+            cos, sin = ops.gather(self.cos, pos, 0), ops.gather(self.sin, pos, 0)  # [B + n, D]
+            if self.head_gemv:  # cpu_kernels' attention: each query's cache row and how many of its positions it reads
+                query_lengths = ops.cat((valid_length, piece_pos + 1))
+                query_rows = ops.cat((self.rows[:b], ops.broadcast_to(slot, (n,))))
+                ctx = (step_index, piece_index, pick, query_lengths, query_rows)
+            else:
+                s = self.positions.shape[0]
+                step_mask = _additive(self.positions.reshape(1, -1) < valid_length.reshape(b, 1))  # [B, S]
+                keep = ops.broadcast_to(self.positions.reshape(1, s), (n, s)) <= ops.broadcast_to(
+                    piece_pos.reshape(n, 1), (n, s))
+                piece_mask = _additive(keep).reshape(1, n, s)  # [1, n, S]: token i sees its row up to its own position
+                ctx = (step_mask, piece_mask, step_index, piece_index, pick, slot)
         for layer in self.model.layers:
-            x = layer.chunk(x, cos, sin, mask, index, pick, slot, n, valid_length)
-        return self._logits(ops.gather(x, last, 0))
+            x = layer.chunk(x, cos, sin, ctx, b, n)
+        return self._logits(ops.gather(x, last, 0), decode=True)  # [B + 1, V]
 
     def decode(self, input_ids, valid_length):
         b = input_ids.shape[0]
@@ -206,17 +219,17 @@ class PrefillGraph(nn.Cell):
 
 
 class ChunkGraph(nn.Cell):
-    """The chunk graph: C tokens of one cache row (input_ids [1, C], valid_length [1] of them valid) written from
-    position start [1] into row slot [1], the other rows untouched, so a server prefills a prompt piece by piece
-    between the decode steps of the other rows, and from the end of a prefix the row already holds. Same
-    parameters; logits [1, V] of the last valid token."""
+    """The chunk graph: the decode step of every row (input_ids [B, 1], valid_length [B], as the inc graph) and C
+    tokens of one row's prompt (chunk_ids [1, C], chunk_length [1] of them valid) written from position start [1]
+    into row slot [1], so a server prefills a prompt piece by piece inside the decode steps of the other rows, and
+    from the end of a prefix the row already holds. Same parameters; logits [B + 1, V]."""
 
     def __init__(self, net: CausalLM) -> None:
         super().__init__(auto_prefix=False)
         self.net = net
 
-    def construct(self, input_ids, valid_length, start, slot):
-        return self.net.chunk(input_ids, valid_length, start, slot)
+    def construct(self, input_ids, valid_length, chunk_ids, chunk_length, start, slot):
+        return self.net.chunk(input_ids, valid_length, chunk_ids, chunk_length, start, slot)
 
 
 class DecodeGraph(nn.Cell):

@@ -28,7 +28,7 @@ from typing import Any, Dict
 from tqdm import tqdm
 
 from export.config import ExportConfig, ModelConfig
-from export.devices import default_buckets, default_chunk, get_profile, graph_form
+from export.devices import default_buckets, default_chunks, get_profile, graph_form
 from export.errors import ExportError
 from export import folder as checkpoint_files
 from lite_runtime.memory import anon_bytes
@@ -121,12 +121,12 @@ def resolve(cfg: ExportConfig, model_cfg: ModelConfig) -> ExportConfig:
     if buckets is None:
         buckets = default_buckets(profile, cfg.seq_length)
     graph = graph_form(profile, cfg.dtype, cfg.graph, model_cfg.head_dim, model_cfg.kv_groups)
-    chunk = cfg.chunk_size
+    chunks = cfg.chunk_sizes
     if cfg.tp_size > 1:  # the server does not serve tensor-parallel folders (lite_runtime/serve/cli.py)
-        chunk = 0
-    elif chunk is None:
-        chunk = default_chunk(profile, cfg.seq_length)
-    return dataclasses.replace(cfg, prefill_buckets=buckets, graph=graph, chunk_size=chunk)
+        chunks = ()
+    elif chunks is None:
+        chunks = default_chunks(profile, cfg.seq_length)
+    return dataclasses.replace(cfg, prefill_buckets=buckets, graph=graph, chunk_sizes=chunks)
 
 
 def run_export(cfg: ExportConfig, show_progress: bool = False) -> ExportSummary:
@@ -271,7 +271,8 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
                          pad_token_id=ids["pad_token_id"], prefill_model_path=full.file,
                          increment_model_path=inc.file,
                          prefill_buckets=sorted(e.tokens for e in rank0 if e.role == "prefill"),
-                         tp_size=cfg.tp_size, cpu_kernels=kernels, graph=cfg.graph, chunk_size=cfg.chunk_size)
+                         tp_size=cfg.tp_size, cpu_kernels=kernels, graph=cfg.graph,
+                         chunk_sizes=list(cfg.chunk_sizes))
     export = {**dataclasses.asdict(cfg), "checkpoint": os.path.abspath(cfg.checkpoint),
               "output": os.path.abspath(cfg.output), "mindspore_version": ms.__version__,
               "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokenizer_files": tokenizer_files}

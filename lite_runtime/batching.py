@@ -1,14 +1,16 @@
 """Continuous batching over a folder's static graphs: each request holds one row ("slot") of the KV cache.
 
 A request waits in a bounded queue until a row is free. Its prompt goes into that row piece by piece through the
-chunk graph (ModelRunner.chunk): one piece of at most `prefill_chunk` tokens per engine step, between the decode
-steps of the rows already generating, so a long prompt never stalls them for longer than a piece (chunked prefill);
-with no row generating, pieces run back to back. When its last piece is in, it chooses its first token and joins
-the decode batch: every step runs the incremental graph once for all rows (ModelRunner.step). A request leaves as
+chunk graphs (ModelRunner.chunk): one piece of at most `prefill_chunk` tokens per engine step, in the same call as
+the decode step of the rows already generating, so the weights are read once for both and a long prompt costs
+the running streams a piece's arithmetic per token, not its whole prefill (chunked prefill); with no row
+generating, pieces of the largest chunk graph run back to back. When its last piece is in, it chooses its first
+token and joins the decode batch; a step without a piece runs the incremental graph (ModelRunner.step). A request leaves as
 soon as it ends (eos, a stop string, max_tokens) or its client has gone, and its row is free for the next one. The
 other rows are never written by another request's calls, so a request cannot see another's tokens, and a row's
-numbers do not depend on what the other rows hold. A piece's boundaries depend only on the prompt, the prefix reused
-and `prefill_chunk`, never on the load, so a request computes the same numbers alone or among others.
+numbers do not depend on what the other rows hold. Where a piece ends depends on the load (small pieces while
+others decode); on the CPU kernels' path a token's numbers do not (each row of a matmul is summed in the same
+order whatever the rows beside it), elsewhere they may differ in the last bits.
 
 Prefix reuse: a free row keeps what its last request left (its prompt and answer, but the answer's last token,
 which no step fed back). A new request takes the free row whose held tokens share the longest prefix with its
@@ -57,8 +59,8 @@ def common_prefix(a: Optional[Sequence[int]], b: Sequence[int]) -> int:
 class BatchEngine:
     """The engine thread over a TextGenerator's runner: `submit` requests; `stop()` ends the thread.
 
-    `prefill_chunk`: prompt tokens per engine step while other rows decode (default and most: the folder's chunk
-    graph size, lite_runtime/runner.py). `prefix_reuse` False: every prompt is prefilled whole (rows are still handed
+    `prefill_chunk`: prompt tokens per engine step while other rows decode (default: the folder's smallest chunk
+    graph, lite_runtime/runner.py; at most its largest, which pieces take when no row decodes). `prefix_reuse` False: every prompt is prefilled whole (rows are still handed
     out least recently used first): for an operator who does not want one user's prompt to shorten another's time
     to first token (a timing side channel), or to measure what reuse buys."""
 
@@ -67,12 +69,12 @@ class BatchEngine:
         self.generator = generator
         self.runner = runner = generator.runner
         self.rows, self.seq_length = runner.batch_size, runner.seq_length
-        if not runner.chunk_size:
-            runner.chunk(0, [runner.pad], 0)  # raises the error that says why and what to do
-        if prefill_chunk is not None and not 1 <= prefill_chunk <= runner.chunk_size:
-            raise InferError(f"prefill_chunk {prefill_chunk} must be between 1 and the folder's chunk graph size "
-                             f"{runner.chunk_size}")
-        self.prefill_chunk = prefill_chunk or runner.chunk_size
+        if not runner.chunk_sizes:
+            runner.chunk(0, [runner.pad], 0, [], [], [False])  # raises the error that says why and what to do
+        if prefill_chunk is not None and not 1 <= prefill_chunk <= runner.chunk_sizes[-1]:
+            raise InferError(f"prefill_chunk {prefill_chunk} must be between 1 and the folder's largest chunk graph "
+                             f"({runner.chunk_sizes[-1]} tokens)")
+        self.prefill_chunk = prefill_chunk or runner.chunk_sizes[0]
         self.prefix_reuse = prefix_reuse
         self.max_queue = int(max_queue)
         self.slots: List[Optional[SlotRequest]] = [None] * self.rows
@@ -153,8 +155,7 @@ class BatchEngine:
                 for row, request in admit:
                     self._start(row, request)
                 self._expire()
-                self._prefill_piece()
-                self._step()
+                self._run_step()
             except Exception as exc:  # noqa: BLE001  (a failed graph call ends the requests it served, not the server)
                 log.exception("the engine's graph call failed")
                 for row, request in enumerate(self.slots):
@@ -210,23 +211,13 @@ class BatchEngine:
             elif request is not None and request.deadline is not None and now > request.deadline:
                 self._end(row, request, error="the request ran past the server's --request_timeout", code="timeout")
 
-    def _prefill_piece(self) -> None:
-        """The next piece of the oldest request still being prefilled; its first token when that was the last."""
+    def _run_step(self) -> None:
+        """One engine step: the decode step of the rows that have a token to feed and, while a prompt is being
+        prefilled, the next piece of the oldest such one in the same call (the chunk graph: the weights are read once
+        for both); every other row writes scratch (module doc)."""
         waiting = [r for r in self.slots if r is not None and r.prefilled < len(r.prompt)]
-        if not waiting:
-            return
-        request = min(waiting, key=lambda r: r.started)
-        start = request.prefilled
-        piece = request.prompt[start:start + self.prefill_chunk]
-        logits = self.runner.chunk(request.slot, piece, start)
-        self.pieces += 1
-        request.prefilled += len(piece)
-        if request.prefilled == len(request.prompt):
-            self._advance(request.slot, request, logits)
-
-    def _step(self) -> None:
-        """One decode step of the rows that have a token to feed; every other row writes scratch (module doc)."""
-        if not any(r is not None and r.decoding for r in self.slots):
+        decoding = any(r is not None and r.decoding for r in self.slots)
+        if not waiting and not decoding:
             return
         tokens, lengths, record = [self.runner.pad] * self.rows, [1] * self.rows, [False] * self.rows
         for row, request in enumerate(self.slots):
@@ -235,11 +226,23 @@ class BatchEngine:
                 record[row] = True
             else:
                 lengths[row] = min(len(self.runner.held[row] or ()), self.seq_length - 1) + 1
-        logits = self.runner.step(tokens, lengths, record)
-        self.steps += 1
+        piece = None
+        if waiting:
+            piece = min(waiting, key=lambda r: r.started)
+            start = piece.prefilled
+            size = self.prefill_chunk if decoding else self.runner.chunk_sizes[-1]
+            tokens_in = piece.prompt[start:start + size]
+            logits, last = self.runner.chunk(piece.slot, tokens_in, start, tokens, lengths, record)
+            self.pieces += 1
+            piece.prefilled += len(tokens_in)
+        else:
+            logits = self.runner.step(tokens, lengths, record)
+        self.steps += decoding
         for row, request in enumerate(self.slots):
             if request is not None and record[row]:
                 self._advance(row, request, logits[row])
+        if piece is not None and piece.prefilled == len(piece.prompt):  # its first token: it decodes from the next
+            self._advance(piece.slot, piece, last)
 
     def _advance(self, row: int, request: SlotRequest, logits) -> None:
         reason = next_token(request, logits, self.generator.tokenizer)

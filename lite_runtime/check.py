@@ -89,7 +89,7 @@ class Report:
         tie_note = f"; {ties} near-tie step(s) reported, not failed" if ties else ""
         prompts = _count(len({r.prompt for r in self.rows}), "prompt")
         slots = any(r.graph.startswith("chunk_") for r in self.rows)  # replay_chunks ran the prompts a second way
-        paths = " (each through the prefill graphs and through the chunk graph)" if slots else ""
+        paths = " (each through the prefill graphs and through the chunk graphs)" if slots else ""
         if self.passed:
             return (f"PASS {self.name} on backend {self.backend}: {prompts}{paths}, {steps} steps, greedy "
                     f"tokens identical, top-k logits within {worst:.1e} relative {limit}{tie_note}")
@@ -159,7 +159,7 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
         rows += replay_chunks(generator.runner, reference, tolerance, progress=progress)
     info = {"environment": environment(generator.backend_name), "exported_with": folder.exported_with,
             "folder": {k: folder.infer.get(k) for k in ("device", "soc", "dtype", "seq_length", "batch_size",
-                                                        "prefill_buckets", "chunk_size", "cpu_kernels", "tp_size", "graph")},
+                                                        "prefill_buckets", "chunk_sizes", "cpu_kernels", "tp_size", "graph")},
             "load_seconds": round(loaded, 2), "replay_seconds": round(time.perf_counter() - start - loaded, 2)}
     try:
         with open(folder.ge_config_path, encoding="utf-8", errors="replace") as fh:

@@ -288,14 +288,16 @@ def _check_specs_against_yaml(folder: ModelFolder) -> None:
                                f"{MANIFEST} family {family!r}; re-export the folder")
     b, s, vocab = folder.batch_size, folder.seq_length, int(infer["vocab_size"])
     for key, spec in folder.graphs.items():
-        rows = 1 if spec.role in ("chunk", "slot") else b  # one row of the cache
+        rows = 1 if spec.role == "slot" else b  # a slot graph (older folders) prefilled one row of the cache
+        ids = (b, 1) if spec.role == "chunk" else (rows, spec.tokens)  # the chunk graph: a step, and a piece
         for t in spec.inputs:
-            want = {"input_ids": (rows, spec.tokens), "valid_length": (rows,), "slot": (1,), "start": (1,)}.get(t.name)
+            want = {"input_ids": ids, "valid_length": (rows,), "slot": (1,), "start": (1,), "chunk_length": (1,),
+                    "chunk_ids": (1, spec.tokens)}.get(t.name)
             if want is not None and t.shape != want:
                 raise ModelFolderError(f"{folder.yaml_path}: batch_size {b} / seq_length {s} disagree with the "
                                        f"{spec.role} graph's {t.name} shape {list(t.shape)} "
                                        f"({os.path.basename(spec.path)}); re-export the folder")
-        if spec.outputs[0].shape != (rows, vocab):
+        if spec.outputs[0].shape != (rows + (spec.role == "chunk"), vocab):
             raise ModelFolderError(f"{folder.yaml_path}: batch_size {b} / vocab_size {vocab} disagree with the "
                                    f"{spec.role} graph's logits shape {list(spec.outputs[0].shape)}; re-export")
     if graph_key("prefill", s) not in folder.graphs:

@@ -221,15 +221,16 @@ def replay(generator, reference: Reference, tol: Tolerance, progress=None) -> Li
 
 
 def replay_chunks(runner, reference: Reference, tol: Tolerance, progress=None) -> List[RowResult]:
-    """The reference rows again, the way the server runs them (lite_runtime.batching): each row written into its own
-    cache row by the chunk graph (row i into row B-1-i), joining at step i while the rows before it decode, then all
-    stepped together by the inc graph, teacher-forced; rows without a token of their own write scratch, as the
-    engine's do. Each prompt goes in as two parts, each in pieces of at most the chunk size: its first half from
-    position 0, then the rest from the middle, as the new turn of a chat goes in after the prefix its row kept
-    (prefix reuse) whatever the chunk size. One RowResult per row; graph `chunk_<C>`."""
+    """The reference rows again, the way the server runs them (lite_runtime.batching), teacher-forced: row i goes
+    into cache row B-1-i piece by piece through the chunk graphs, each piece in the same call as a decode step of
+    the rows already in (the other rows writing scratch, as the engine's do); once its last piece is in, it is
+    stepped with them, and the next row starts. Each prompt goes in as two parts: its first half from position 0 in
+    pieces of the largest chunk graph (as a prompt goes in while nothing else runs), then the rest from the middle
+    in pieces of the smallest (as the next turn of a chat goes in after the prefix its row kept, while others
+    decode), whatever the sizes. One RowResult per row; graph `chunk_<C>[+<C>]`."""
     results: List[RowResult] = []
-    b, size, seq = runner.batch_size, runner.chunk_size, runner.seq_length
-    graph = graph_key("chunk", size)
+    b, sizes, seq = runner.batch_size, runner.chunk_sizes, runner.seq_length
+    graph = "+".join(graph_key("chunk", n) if i == 0 else str(n) for i, n in enumerate(sizes))
     for batch in reference.batches:
         refs = batch.rows
         slots = [b - 1 - i for i in range(len(refs))]
@@ -244,27 +245,32 @@ def replay_chunks(runner, reference: Reference, tol: Tolerance, progress=None) -
             if progress is not None:
                 progress(1)
 
-        for t in range(len(refs) + max(len(r.tokens) for r in refs)):
-            if t < len(refs):
-                prompt, half = rows[t], max(1, len(rows[t]) // 2)
-                for begin, end in ((0, half), (half, len(prompt))):
-                    for start in range(begin, end, size):
-                        logits = runner.chunk(slots[t], prompt[start:min(start + size, end)], start)
-                judge(t, logits)
-            # the rows prefilled so far, this step's joiner too, as the engine steps them
-            live = {slots[i]: i for i in range(min(t + 1, len(refs))) if 0 < done[i] < len(refs[i].tokens)}
-            if not live:
-                continue
+        def pieces(prompt: List[int]) -> List[tuple]:
+            half = max(1, len(prompt) // 2)
+            return [(start, prompt[start:min(start + size, end)])
+                    for begin, end, size in ((0, half, sizes[-1]), (half, len(prompt), sizes[0]))
+                    for start in range(begin, end, size)]
+
+        joining, queue = 0, pieces(rows[0])
+        while joining < len(refs) or any(0 < d < len(r.tokens) for d, r in zip(done, refs)):
+            live = {slots[i]: i for i in range(joining) if done[i] < len(refs[i].tokens)}
             tokens, lengths, record = [runner.pad] * b, [1] * b, [False] * b
             for row in range(b):
                 if row in live:
-                    i = live[row]
-                    tokens[row], lengths[row], record[row] = rows[i][-1], len(rows[i]), True
+                    tokens[row], lengths[row], record[row] = rows[live[row]][-1], len(rows[live[row]]), True
                 else:
                     lengths[row] = min(len(runner.held[row] or ()), seq - 1) + 1
-            logits = runner.step(tokens, lengths, record)
+            if joining < len(refs):
+                start, piece = queue.pop(0)
+                logits, last = runner.chunk(slots[joining], piece, start, tokens, lengths, record)
+            else:
+                logits = runner.step(tokens, lengths, record)
             for row, i in live.items():
                 judge(i, logits[row])
+            if joining < len(refs) and not queue:  # its last piece: its first step is judged, it decodes from now
+                judge(joining, last)
+                joining += 1
+                queue = pieces(rows[joining]) if joining < len(refs) else []
         for r in mine:
             r.close(tol)
         results.extend(mine)

@@ -14,8 +14,8 @@ class DecoderInputs:
 
     prefill: input_ids [B, S] right-padded with pad_token_id, valid_length [B] = prompt lengths.
     inc:     input_ids [B, 1] = each row's newest token, valid_length [B] = tokens in the cache after it.
-    chunk:   one row's piece: input_ids [1, C] right-padded, valid_length [1] = its tokens, start [1] = the position
-             of its first token, slot [1] = the cache row it writes.
+    chunk:   inc's inputs (the step of every row) and one row's piece: chunk_ids [1, C] right-padded, chunk_length
+             [1] = its tokens, start [1] = the position of its first token, slot [1] = the cache row it writes.
     """
 
     def prefill(self, rows: Sequence[Sequence[int]], seq_length: int, pad_token_id: int) -> Dict[str, np.ndarray]:
@@ -24,8 +24,11 @@ class DecoderInputs:
             ids[i, :len(row)] = row
         return {"input_ids": ids, "valid_length": np.array([len(r) for r in rows], np.int32)}
 
-    def chunk(self, tokens: Sequence[int], size: int, start: int, slot: int, pad_token_id: int) -> Dict[str, np.ndarray]:
-        return {**self.prefill([tokens], size, pad_token_id), "start": np.array([start], np.int32),
+    def chunk(self, step_tokens: Sequence[int], step_lengths: Sequence[int], tokens: Sequence[int], size: int,
+              start: int, slot: int, pad_token_id: int) -> Dict[str, np.ndarray]:
+        piece = self.prefill([tokens], size, pad_token_id)
+        return {**self.increment(step_tokens, step_lengths), "chunk_ids": piece["input_ids"],
+                "chunk_length": piece["valid_length"], "start": np.array([start], np.int32),
                 "slot": np.array([slot], np.int32)}
 
     def increment(self, tokens: Sequence[int], lengths: Sequence[int]) -> Dict[str, np.ndarray]:

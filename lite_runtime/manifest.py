@@ -57,7 +57,7 @@ class InferSection:
     cpu_kernels: bool
     ge_config_path: str = GE_CONFIG
     graph: str = "plain"  # the graph form: plain, or fused (Ascend's fused operators; CPU stand-ins on the ms backend)
-    chunk_size: int = 0  # tokens of the chunk graph (the server's prefill pieces); 0: none
+    chunk_sizes: List[int] = dataclasses.field(default_factory=list)  # of the chunk graphs (the server's prefill pieces)
 
 
 def write_yaml(folder: str, name: str, model: Dict[str, Any], export: Dict[str, Any], infer: InferSection) -> str:

@@ -6,7 +6,7 @@ decode steps of the others). Three graph calls, each returning the float32 logit
 
     prefill(rows)                   the prefill graph of the smallest bucket that fits: rows 0..n-1 (padding rows after)
     step(tokens, lengths)           the inc graph: row i's token at position lengths[i] - 1
-    chunk(slot, tokens, start)      the chunk graph: one row's tokens at positions [start, start + len(tokens))
+    chunk(slot, tokens, start, ...) the chunk graph: a step as `step`, and one row's tokens at [start, start + len)
 
 `held[row]` is the list of tokens whose keys and values sit at positions [0, len) of that row, or None when unknown.
 Every call keeps it true (a write at position p keeps what lies before p), so the generator reuses the cache when a
@@ -24,7 +24,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -69,7 +69,7 @@ class ModelRunner:
         paths = config.graph_paths()
         # prompt-length buckets: a batch prefills on the smallest full graph its longest prompt fits
         self.prefill_sizes = sorted(graph_tokens(k) for k in paths if graph_role(k) == "prefill")
-        self.chunk_size = max((graph_tokens(k) for k in paths if graph_role(k) == "chunk"), default=0)
+        self.chunk_sizes = sorted(graph_tokens(k) for k in paths if graph_role(k) == "chunk")
         self.held: List[Optional[List[int]]] = [None] * self.batch_size
         self._checked = set()  # graphs whose engine specs were checked (and compiled, or about to be)
         self._inputs_checked = set()  # graphs whose first inputs were checked against their specs
@@ -211,27 +211,38 @@ class ModelRunner:
         with self.request():
             before, self.held = self.held, [None] * self.batch_size
             logits = self._run("inc", self.inputs.increment(tokens, lengths))
-            self.held = [_written(h, int(p) - 1, [int(t)], record is None or record[i])
-                         for i, (h, t, p) in enumerate(zip(before, tokens, lengths))]
+            self.held = self._stepped(before, tokens, lengths, record)
         return logits
 
-    def chunk(self, slot: int, tokens: Sequence[int], start: int) -> np.ndarray:
-        """`tokens` (at most chunk_size) into cache row `slot` at positions [start, start + len), the other rows
-        untouched; positions before `start` must hold the prompt's first tokens. float32 logits [V] of the last."""
-        if not self.chunk_size:
+    def chunk(self, slot: int, tokens: Sequence[int], start: int, step_tokens: Sequence[int],
+              step_lengths: Sequence[int], record: Sequence[bool]) -> Tuple[np.ndarray, np.ndarray]:
+        """A decode step of every row (as `step`; row `slot`'s part must be scratch) and `tokens` into row `slot` at
+        positions [start, start + len), in one call of the smallest chunk graph that holds them; positions before
+        `start` must hold the prompt's first tokens. Returns the step's float32 logits [B, V] and the piece's last
+        token's [V]."""
+        if not self.chunk_sizes:
             raise InferError(f"{self.config.prefill_model_path}: this folder has no chunk graph (exported before "
-                             "them, or with --chunk_size 0), which serving needs; re-export it with python -m export"
-                             if self.config.chunk_graphs else
-                             "the chunk graph was not loaded: pass chunk_graphs=True to pipeline()")
-        if not 0 < len(tokens) <= self.chunk_size or not 0 <= start <= self.seq_length - len(tokens):
-            raise InferError(f"a piece of {len(tokens)} tokens at position {start} does not fit the chunk graph "
-                             f"({self.chunk_size} tokens) in rows of {self.seq_length}")
-        arrays = self.inputs.chunk(tokens, self.chunk_size, start, slot, self.pad)
+                             "them, or with --chunk_sizes none), which serving needs; re-export it with python -m "
+                             "export" if self.config.chunk_graphs else
+                             "the chunk graphs were not loaded: pass chunk_graphs=True to pipeline()")
+        size = next((n for n in self.chunk_sizes if n >= len(tokens)), None)
+        if not tokens or size is None or not 0 <= start <= self.seq_length - len(tokens):
+            raise InferError(f"a piece of {len(tokens)} tokens at position {start} does not fit the chunk graphs "
+                             f"({', '.join(map(str, self.chunk_sizes))} tokens) in rows of {self.seq_length}")
+        if record[slot]:
+            raise InferError(f"row {slot} takes a piece and a step token in one call; its step part must be scratch")
+        arrays = self.inputs.chunk(step_tokens, step_lengths, tokens, size, start, slot, self.pad)
         with self.request():
-            before, self.held[slot] = self.held[slot], None
-            logits = self._run(graph_key("chunk", self.chunk_size), arrays)[0]
-            self.held[slot] = _written(before, start, list(tokens), True)
-        return logits
+            before, self.held = self.held, [None] * self.batch_size
+            logits = self._run(graph_key("chunk", size), arrays)
+            held = self._stepped(before, step_tokens, step_lengths, record)  # the step's writes come first
+            held[slot] = _written(held[slot], start, list(tokens), True)
+            self.held = held
+        return logits[:self.batch_size], logits[self.batch_size]
+
+    def _stepped(self, before, tokens, lengths, record) -> List[Optional[List[int]]]:
+        return [_written(h, int(p) - 1, [int(t)], record is None or record[i])
+                for i, (h, t, p) in enumerate(zip(before, tokens, lengths))]
 
     def forget(self) -> None:
         """Every row unknown (something else wrote the cache)."""

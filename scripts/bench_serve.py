@@ -11,7 +11,9 @@ server process:
   (random-token prompts of 16-96 tokens, max_tokens 48): aggregate completion tok/s, time to first token and
   latency at p50 and p99;
 - with --itl: 3 running streams while a prompt of seq_length - 64 tokens arrives: their steady inter-token gap
-  against the largest while it is prefilled (issue 21: at most 2x), and its time to first token;
+  against the gaps while it is prefilled (p99 and largest; issue 21: at most 2x), and its time to first token;
+- with --turns: the second turn of a conversation (its first turn's prompt of seq_length / 2 words, the answer, 32
+  new words): its time to first token with prefix reuse and, on a second server, with --prefix_reuse off;
 - every request's text is compared with the text the 1-client load got for the same prompt (no request lost,
   no cross-talk between rows);
 - 500 sequential short requests: the server's RSS after the first 20 and after all 500 (growth), and its peak.
@@ -151,7 +153,55 @@ def itl_while_a_long_prompt_arrives(url: str, seq_length: int, rng) -> Dict[str,
                 during.append(b - a)
     p50 = statistics.median(steady)
     return {"long_prompt_tokens": seq_length - 64, "steady_itl_p50_s": p50, "itl_max_during_prefill_s": max(during),
-            "ratio": max(during) / p50, "long_prompt_ttft_s": first - submitted}
+            "itl_p99_during_prefill_s": percentile(during, 99), "gaps_during_prefill": len(during),
+            "ratio": max(during) / p50, "ratio_p99": percentile(during, 99) / p50, "long_prompt_ttft_s": first - submitted}
+
+
+def second_turn(url: str, seq_length: int, rng) -> Dict[str, Any]:
+    """A conversation's second turn: turn 1 is a prompt of seq_length / 2 words (the word-level tokenizer: a word a
+    token) answered with 16 tokens; turn 2 is turn 1, its answer and 32 new words. Its time to first token and the
+    prompt tokens the server reports cached."""
+    import httpx
+
+    first = " ".join(f"t{int(t)}" for t in rng.integers(100, 20000, seq_length // 2))
+    body = {"prompt": first, "max_tokens": 16, "temperature": 0}
+    answer = httpx.post(url + "/v1/completions", json=body, timeout=600).json()["choices"][0]["text"]
+    prompt = first + answer + " " + " ".join(f"t{int(t)}" for t in rng.integers(100, 20000, 32))
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start, ttft, usage = time.perf_counter(), None, None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and ttft is None:
+                ttft = time.perf_counter() - start
+            usage = chunk.get("usage") or usage
+    return {"prompt_tokens": usage["prompt_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+            "ttft_s": ttft}
+
+
+def bench_turns(folder: str, args) -> Dict[str, Any]:
+    """second_turn on a server with prefix reuse and on one without (--prefix_reuse off), 3 conversations each."""
+    import numpy as np
+    import statistics
+
+    out: Dict[str, Any] = {}
+    for label, extra in (("reuse", ()), ("no_reuse", ("--prefix_reuse", "off"))):
+        server = Server(folder, os.path.join(args.work, f"{os.path.basename(folder)}.turns-{label}.server.log"),
+                        extra=extra)
+        try:
+            second_turn(server.url, args.seq_length, np.random.default_rng(99))  # compiles what it needs
+            out[label] = [second_turn(server.url, args.seq_length, np.random.default_rng(i)) for i in range(3)]
+        finally:
+            server.stop()
+    a, b = (statistics.median(r["ttft_s"] for r in out[k]) for k in ("reuse", "no_reuse"))
+    out["ttft_ratio"] = a / b
+    t = out["reuse"][0]
+    print(f"  {os.path.basename(folder)}: second turn ({t['prompt_tokens']} prompt tokens, {t['cached_tokens']} "
+          f"cached) time to first token {a:.3f} s with prefix reuse, {b:.3f} s without ({a / b:.2f}x)", flush=True)
+    return out
 
 
 def run_load(url: str, prompts: List[List[int]], clients: int, max_tokens: int) -> Dict[str, Any]:
@@ -244,8 +294,10 @@ def bench_folder(folder: str, args, prompts: List[List[int]], short: List[List[i
                 out.setdefault("itl_long_prompt", []).append(itl)
                 print(f"  {os.path.basename(folder)}{label}: 3 streams while a {itl['long_prompt_tokens']}-token "
                       f"prompt arrives: steady ITL p50 {itl['steady_itl_p50_s'] * 1000:.0f} ms, largest gap "
-                      f"{itl['itl_max_during_prefill_s'] * 1000:.0f} ms ({itl['ratio']:.1f}x; goal <= 2x), long "
-                      f"prompt TTFT {itl['long_prompt_ttft_s']:.2f} s", flush=True)
+                      f"{itl['itl_max_during_prefill_s'] * 1000:.0f} ms ({itl['ratio']:.1f}x), p99 "
+                      f"{itl['itl_p99_during_prefill_s'] * 1000:.0f} ms ({itl['ratio_p99']:.1f}x; goal <= 2x) over "
+                      f"{itl['gaps_during_prefill']} gaps, long prompt TTFT {itl['long_prompt_ttft_s']:.2f} s",
+                      flush=True)
         # sequential: RSS growth after the first 20 requests
         rss = []
         seq_start = time.perf_counter()
@@ -287,6 +339,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--itl", action="store_true",
                    help="also: 3 running streams while a prompt of seq_length - 64 tokens arrives (issue 21's "
                         "measure of the prefill pause), 3 times per folder")
+    p.add_argument("--turns", action="store_true",
+                   help="also: a conversation's second turn, its time to first token with and without prefix reuse "
+                        "(two more servers per folder)")
     p.add_argument("--rounds", type=int, default=1,
                    help="with --baseline_root: rounds of both, the order alternating (baseline first in the first)")
     args = p.parse_args(argv)
@@ -318,6 +373,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print_ab(batch, runs)
         else:
             report["folders"][batch] = bench_folder(folder, args, prompts, short)
+        if args.turns:
+            report["folders"][batch]["second_turn"] = bench_turns(folder, args)
     # cross-talk: every load's texts equal the batch-1 folder's 1-client texts (the solo reference)
     base = min(report["folders"])
     reference = report["folders"][base]["loads"][0]["texts"]

@@ -77,7 +77,8 @@ def test_folder_contents_and_manifest(exported):
     folder = exported["gqa_tied"]
     files = sorted(os.path.relpath(os.path.join(r, f), folder) for r, _, fs in os.walk(folder) for f in fs)
     assert files == sorted([
-        "gqa_tied.yaml", "gqa_tied_prefill_graph.mindir", "gqa_tied_inc_graph.mindir", "gqa_tied_chunk_graph.mindir",
+        "gqa_tied.yaml", "gqa_tied_prefill_graph.mindir", "gqa_tied_inc_graph.mindir", "gqa_tied_chunk_16_graph.mindir",
+        "gqa_tied_chunk_graph.mindir",
         "gqa_tied_variables/data_0",
         "config.ini", "manifest.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
         "generation_config.json", "golden.json"])
@@ -90,17 +91,21 @@ def test_folder_contents_and_manifest(exported):
         with open(os.path.join(folder, rel), "rb") as fh:
             data = fh.read()
         assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}, rel
-    specs = {g["role"]: (g["inputs"], g["outputs"]) for g in manifest["graphs"]}
-    assert specs["prefill"] == ([{"name": "input_ids", "dtype": "int32", "shape": [2, 32]},
+    specs = {(g["role"], g["tokens"]): (g["inputs"], g["outputs"]) for g in manifest["graphs"]}
+    assert specs["prefill", 32] == ([{"name": "input_ids", "dtype": "int32", "shape": [2, 32]},
                                  {"name": "valid_length", "dtype": "int32", "shape": [2]}],
                                 [{"name": "logits", "dtype": "float32", "shape": [2, 512]}])
-    # the chunk graph (one row's prompt piece at an offset, for lite_runtime.serve): cpu's 32 tokens, at most seq_length
-    assert specs["chunk"] == ([{"name": "input_ids", "dtype": "int32", "shape": [1, 32]},
-                               {"name": "valid_length", "dtype": "int32", "shape": [1]},
+    # the chunk graphs (for lite_runtime.serve): the decode step of both rows and a piece of one row's prompt at an
+    # offset, cpu's 16 and 128 tokens, at most seq_length; logits of the two rows and of the piece's last token
+    assert specs["chunk", 32][0][2]["shape"] == [1, 32]
+    assert specs["chunk", 16] == ([{"name": "input_ids", "dtype": "int32", "shape": [2, 1]},
+                               {"name": "valid_length", "dtype": "int32", "shape": [2]},
+                               {"name": "chunk_ids", "dtype": "int32", "shape": [1, 16]},
+                               {"name": "chunk_length", "dtype": "int32", "shape": [1]},
                                {"name": "start", "dtype": "int32", "shape": [1]},
                                {"name": "slot", "dtype": "int32", "shape": [1]}],
-                              [{"name": "logits", "dtype": "float32", "shape": [1, 512]}])
-    assert specs["inc"] == ([{"name": "input_ids", "dtype": "int32", "shape": [2, 1]},
+                              [{"name": "logits", "dtype": "float32", "shape": [3, 512]}])
+    assert specs["inc", 1] == ([{"name": "input_ids", "dtype": "int32", "shape": [2, 1]},
                              {"name": "valid_length", "dtype": "int32", "shape": [2]}],
                             [{"name": "logits", "dtype": "float32", "shape": [2, 512]}])
 
@@ -203,16 +208,17 @@ def test_default_prompt_buckets_follow_the_device_rule(tmp_path, checkpoints, ca
             infer = yaml.safe_load(fh)["infer"]
         assert infer["prefill_buckets"] == expected
         graphs = sorted(f for f in os.listdir(out) if f.endswith(".mindir"))
-        assert len(graphs) == len(expected) + 2  # one per prompt length, the incremental graph and the chunk graph
-        assert f"{out.name}_chunk_32_graph.mindir" in graphs and infer["chunk_size"] == 32  # cpu's, below seq_length
-    for chunk, files in (("8", ["m_chunk_8_chunk_8_graph.mindir"]), ("0", [])):  # --chunk_size: a size, or none
-        out = tmp_path / f"m_chunk_{chunk}"
-        code, _, err = export_cli(capsys, *base, "--output", str(out), "--chunk_size", chunk)
+        assert len(graphs) == len(expected) + 3  # one per prompt length, the incremental graph, two chunk graphs
+        assert infer["chunk_sizes"] == [16, 40]  # cpu's 16 and 128, at most seq_length
+        assert {f"{out.name}_chunk_16_graph.mindir", f"{out.name}_chunk_graph.mindir"} <= set(graphs)
+    for chunks, files in (("8", ["m_chunk_8_chunk_8_graph.mindir"]), ("none", [])):  # --chunk_sizes: sizes, or none
+        out = tmp_path / f"m_chunk_{chunks}"
+        code, _, err = export_cli(capsys, *base, "--output", str(out), "--chunk_sizes", chunks)
         assert code == 0, err
         assert sorted(f for f in os.listdir(out) if "_chunk" in f[len(out.name):]) == files
-    code, _, err = export_cli(capsys, *base, "--output", str(tmp_path / "m_chunk_bad"), "--chunk_size", "41")
-    assert code == 2 and err == ("error: --chunk_size 41 must be between 1 and --seq_length 40 (or 0: no chunk graph, "
-                                 "a folder that cannot be served)")
+    code, _, err = export_cli(capsys, *base, "--output", str(tmp_path / "m_chunk_bad"), "--chunk_sizes", "8,41")
+    assert code == 2 and err == ("error: --chunk_sizes: 41 must be between 1 and --seq_length 40 (or none: no chunk "
+                                 "graph, a folder that cannot be served)")
 
 
 def test_leftovers_of_killed_exports_are_removed(tmp_path, checkpoints, caplog):

@@ -117,6 +117,30 @@ def test_decode_attention_reads_each_rows_valid_positions_with_gqa():
     assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, out) == 2  # valid_length must be int32
 
 
+def test_attention_rows_read_the_cache_row_each_query_names():
+    """The chunk graph's form (a rows input): query i reads cache row rows[i] up to valid_length[i]; the step's rows
+    and a piece's tokens, which all read one row at growing lengths, in one call."""
+    rng = np.random.default_rng(8)
+    b, h, kh, s, d = 3, 4, 2, 32, 8
+    k, v = (rng.standard_normal((b, kh, s, d), dtype=np.float32) for _ in range(2))
+    rows = np.array([0, 1, 2, 1, 1, 1], np.int32)  # three step rows, then three piece tokens of row 1
+    valid = np.array([4, 9, 1, 10, 11, 12], np.int32)
+    q = rng.standard_normal((len(rows), h * d), dtype=np.float32)
+    k[1, :, 12:] = v[1, :, 12:] = np.nan  # past the longest query of row 1: never read
+    out = np.full_like(q, np.nan)
+    int32 = [None, None, None, "int32", "int32", None]
+    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, rows, out, dtypes=int32) == 0
+    for i, (row, n) in enumerate(zip(rows, valid)):
+        for head in range(h):
+            kv = head // (h // kh)
+            qh = q[i, head * d:(head + 1) * d].astype(np.float64)
+            scores = k[row, kv, :n].astype(np.float64) @ qh / np.sqrt(d)
+            p = np.exp(scores - scores.max())
+            ref = (p / p.sum()) @ v[row, kv, :n].astype(np.float64)
+            assert close(out[i, head * d:(head + 1) * d], ref, np.nanmax(np.abs(v)))
+    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, rows[:5], out, dtypes=int32) == 4
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemm_over_the_prompt_rows_only(bias):
     """The full graph's matmul: rows of n tokens, right-padded; each row's first valid_length tokens are computed

@@ -47,7 +47,7 @@ def test_build_plan_groups_before_building(tmp_path, exported):
     # weights and cache; GE compiles no prefill graph for a server, which never runs one
     served = InferConfig.from_folder(str(folder), target="Ascend", ge_config_path=ini, chunk_graphs=True,
                                      prefill_graphs=False)
-    keys = ("inc", "chunk_32")
+    keys = ("inc", "chunk_32", "chunk_16")
     assert tuple(served.graph_paths()) == keys
     assert build_plan(served)[:len(keys) + 2] == [("Model", k) for k in keys] + [("ModelGroup", "SHARE_WEIGHT"),
                                                                                ("add_model", keys)]
@@ -224,7 +224,8 @@ def test_graph_boundary_is_int32_in_float32_out_in_every_dtype(atlas_exported, d
         inputs, outputs = mindir_specs(model)
         spec = {"inputs": [t.to_dict() for t in inputs], "outputs": [t.to_dict() for t in outputs]}
         assert spec == {"inputs": g["inputs"], "outputs": g["outputs"]}
-        chunk = [("start", "int32"), ("slot", "int32")] if g["role"] == "chunk" else []
+        chunk = [("chunk_ids", "int32"), ("chunk_length", "int32"), ("start", "int32"), ("slot", "int32")] \
+            if g["role"] == "chunk" else []
         assert [(t["name"], t["dtype"]) for t in spec["inputs"]] == [("input_ids", "int32"), ("valid_length", "int32"),
                                                                    *chunk]
         assert [(t["name"], t["dtype"]) for t in spec["outputs"]] == [("logits", "float32")]

@@ -269,11 +269,11 @@ def test_engine_a_failed_graph_call_ends_its_requests_and_the_engine_goes_on(eng
     engine = BatchEngine(engine_pipe, max_queue=4)
     try:
         bad, good = [], []
-        engine.submit(_request(list(range(1, 80)), 4, bad))  # longer than the rows: its third piece is refused
+        engine.submit(_request(list(range(1, 80)), 4, bad))  # longer than the rows: its second piece is refused
         _wait(lambda: bad)
         assert bad[0][0] == "error" and bad[0][2] == "engine_error"
-        assert bad[0][1] == ("inference failed: a piece of 15 tokens at position 64 does not fit the chunk graph (32 "
-                             "tokens) in rows of 64")
+        assert bad[0][1] == ("inference failed: a piece of 15 tokens at position 64 does not fit the chunk graphs "
+                             "(16, 64 tokens) in rows of 64")
         engine.submit(_request([1, 2, 3], 4, good))
         _wait(lambda: good and good[-1][0] == "end")
         assert good[-1] == ("end", "length") and engine.idle()

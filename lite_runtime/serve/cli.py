@@ -44,7 +44,7 @@ def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] =
     generator = pipeline("text_generation", model=settings)
     engine = BatchEngine(generator, max_queue=max_queue, prefill_chunk=prefill_chunk, prefix_reuse=prefix_reuse)  # a folder without chunk graph:
     try:                                                                                # refused, with what to do
-        for key in (graph_key("chunk", generator.runner.chunk_size), "inc"):  # compiled before it listens
+        for key in [graph_key("chunk", n) for n in generator.runner.chunk_sizes] + ["inc"]:  # compiled before it listens
             generator.warm(key)
         generator.tokenizer  # noqa: B018  (load it now, not in the first request)
     except BaseException:
@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a free row; past it, 503 with Retry-After (default: 64)")
     p.add_argument("--prefill_chunk", type=int, default=None,
                    help="prompt tokens prefilled per engine step while other requests generate: what a running stream "
-                        "may wait for between two tokens when a long prompt arrives (default and most: the folder's "
-                        "chunk graph size, python -m export --chunk_size)")
+                        "may wait for between two tokens when a long prompt arrives (default: the folder's smallest "
+                        "chunk graph, python -m export --chunk_sizes; at most its largest)")
     p.add_argument("--prefix_reuse", choices=("on", "off"), default="on",
                    help="on (default): a request whose prompt begins with what a free cache row holds (the previous "
                         "turn of a chat) keeps that row's cache and prefills only the rest; off: every prompt is "
