@@ -125,7 +125,7 @@ def resolve(cfg: ExportConfig, model_cfg: ModelConfig) -> ExportConfig:
     if cfg.tp_size > 1:  # the server does not serve tensor-parallel folders (lite_runtime/serve/cli.py)
         chunks = ()
     elif chunks is None:
-        chunks = default_chunks(profile, cfg.seq_length)
+        chunks = default_chunks(profile, cfg.seq_length, cfg.dtype)
     return dataclasses.replace(cfg, prefill_buckets=buckets, graph=graph, chunk_sizes=chunks)
 
 

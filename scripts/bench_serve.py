@@ -264,12 +264,12 @@ def full_vocab_checkpoint(checkpoint: str, work: str) -> str:
     return out
 
 
-def export(checkpoint: str, folder: str, batch: int, seq_length: int) -> None:
+def export(checkpoint: str, folder: str, batch: int, seq_length: int, dtype: Optional[str] = None) -> None:
     if os.path.isfile(os.path.join(folder, "manifest.json")):
         print(f"using {folder}", flush=True)
         return
     cmd = [sys.executable, "-m", "export", "--checkpoint", checkpoint, "--output", folder, "--device", "cpu",
-           "--seq_length", str(seq_length), "--batch_size", str(batch)]
+           "--seq_length", str(seq_length), "--batch_size", str(batch)] + (["--dtype", dtype] if dtype else [])
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
 
@@ -328,6 +328,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--work", required=True, help="folder for the checkpoint, the model folders and server logs")
     p.add_argument("--batch_sizes", default="4,1")
     p.add_argument("--seq_length", type=int, default=512)
+    p.add_argument("--dtype", default=None, help="python -m export --dtype (default: the export's own default)")
     p.add_argument("--clients", default="1,4,16")
     p.add_argument("--requests", type=int, default=32, help="requests per load (default 32)")
     p.add_argument("--max_tokens", type=int, default=48)
@@ -360,8 +361,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                               f"{os.cpu_count()} cores", "checkpoint": checkpoint, "seq_length": args.seq_length,
                               "max_tokens": args.max_tokens, "folders": {}}
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        folder = os.path.join(args.work, f"serve_b{batch}_s{args.seq_length}")
-        export(checkpoint, folder, batch, args.seq_length)
+        folder = os.path.join(args.work, f"serve_b{batch}_s{args.seq_length}" + (f"_{args.dtype}" if args.dtype else ""))
+        export(checkpoint, folder, batch, args.seq_length, args.dtype)
         if args.baseline_root:
             report["ab"] = report.get("ab", {})
             runs = report["ab"][batch] = {"baseline": [], "this": []}
