@@ -77,12 +77,28 @@ def retarget(model, target) -> int:
     return count
 
 
-def set_threads(threads: int) -> None:
-    """Threads the kernels use (the runtime passes its CPU thread count). Loads the library."""
+def _library():
     global _loaded
     if _loaded is None:
         path = library_path()
         if path is None:
-            return
+            return None
         _loaded = ctypes.CDLL(path)
-    _loaded.MsliteLlmSetThreads(ctypes.c_int(int(threads)))
+    return _loaded
+
+
+def set_threads(threads: int) -> None:
+    """Threads the kernels use (the runtime passes its CPU thread count). Loads the library."""
+    lib = _library()
+    if lib is not None:
+        lib.MsliteLlmSetThreads(ctypes.c_int(int(threads)))
+
+
+def isa() -> Optional[str]:
+    """The code path the kernels run on this machine ("avx512", "avx2", "neon" or "generic": chosen when the library
+    loads, from the CPU and MSLITE_LLM_CPU_KERNELS_ISA), or None when the library was not built."""
+    lib = _library()
+    if lib is None:
+        return None
+    lib.MsliteLlmIsa.restype = ctypes.c_char_p
+    return lib.MsliteLlmIsa().decode()

@@ -225,7 +225,7 @@ class BatchEngine:
                 tokens[row], lengths[row] = request.generated[-1], len(request.prompt) + len(request.generated)
                 record[row] = True
             else:
-                lengths[row] = min(len(self.runner.held[row] or ()), self.seq_length - 1) + 1
+                lengths[row] = self.runner.scratch_length(row)
         piece = None
         if waiting:
             piece = min(waiting, key=lambda r: r.started)

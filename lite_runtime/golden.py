@@ -229,7 +229,7 @@ def replay_chunks(runner, reference: Reference, tol: Tolerance, progress=None) -
     in pieces of the smallest (as the next turn of a chat goes in after the prefix its row kept, while others
     decode), whatever the sizes. One RowResult per row; graph `chunk_<C>[+<C>]`."""
     results: List[RowResult] = []
-    b, sizes, seq = runner.batch_size, runner.chunk_sizes, runner.seq_length
+    b, sizes = runner.batch_size, runner.chunk_sizes
     graph = "+".join(graph_key("chunk", n) if i == 0 else str(n) for i, n in enumerate(sizes))
     for batch in reference.batches:
         refs = batch.rows
@@ -259,7 +259,7 @@ def replay_chunks(runner, reference: Reference, tol: Tolerance, progress=None) -
                 if row in live:
                     tokens[row], lengths[row], record[row] = rows[live[row]][-1], len(rows[live[row]]), True
                 else:
-                    lengths[row] = min(len(runner.held[row] or ()), seq - 1) + 1
+                    lengths[row] = runner.scratch_length(row)
             if joining < len(refs):
                 start, piece = queue.pop(0)
                 logits, last = runner.chunk(slots[joining], piece, start, tokens, lengths, record)

@@ -244,6 +244,11 @@ class ModelRunner:
         return [_written(h, int(p) - 1, [int(t)], record is None or record[i])
                 for i, (h, t, p) in enumerate(zip(before, tokens, lengths))]
 
+    def scratch_length(self, row: int) -> int:
+        """The valid_length that makes a step's write to `row` scratch: just past what the row holds (at its last
+        position when it is full, which it then no longer holds)."""
+        return min(len(self.held[row] or ()), self.seq_length - 1) + 1
+
     def forget(self) -> None:
         """Every row unknown (something else wrote the cache)."""
         with self._lock:

@@ -53,7 +53,10 @@ def worker_ours(args) -> Dict[str, Any]:
     pipe = pipeline("text_generation", model=args.folder, backend="ms", verify_checksums=False)
     load = time.perf_counter() - start
     first = pipe.generate(prompt_rows(args.first_prompt, 1), max_new_tokens=1)
+    import cpu_kernels
+
     result: Dict[str, Any] = {"load_s": load, "load_to_first_token_s": time.perf_counter() - start,
+                              "kernels_isa": cpu_kernels.isa(),
                               "first_prefill_s": first.prefill_seconds, "prefill_s": {}, "buckets": pipe.prefill_sizes,
                               "peak_rss_first_token_gib": peak_rss_gib()}
     for n in args.prompt_lengths:
@@ -89,7 +92,8 @@ def worker_hf(args) -> Dict[str, Any]:
 
     gen(prompt_rows(args.first_prompt, 1), 1)
     result: Dict[str, Any] = {"load_s": load, "load_to_first_token_s": time.perf_counter() - start, "prefill_s": {},
-                              "peak_rss_first_token_gib": peak_rss_gib()}
+                              "peak_rss_first_token_gib": peak_rss_gib(),
+                              "torch_isa": torch.backends.cpu.get_cpu_capability()}
     for n in args.prompt_lengths:
         result["prefill_s"][str(n)] = min(gen(prompt_rows(n, 1), 1)[0] for _ in range(args.repeat))
     decode = {}
@@ -102,13 +106,20 @@ def worker_hf(args) -> Dict[str, Any]:
     return result
 
 
-def run_worker(kind: str, **kw) -> Dict[str, Any]:
+# --isa: how each engine is held to one x86 code path. Ours: the kernels' own switch. torch (the HF column): ATen's
+# ATEN_CPU_CAPABILITY. llama.cpp: a build with only those instructions (llama_cpp.ISA_FLAGS). MindSpore's own CPU
+# kernels (the float32 folders' prefill MatMul) choose by the CPU and have no switch: they may still use AVX-512.
+ISA_ENV = {"native": {}, "avx2": {"MSLITE_LLM_CPU_KERNELS_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2"},
+           "generic": {"MSLITE_LLM_CPU_KERNELS_ISA": "generic", "ATEN_CPU_CAPABILITY": "default"}}
+
+
+def run_worker(kind: str, isa: str = "native", **kw) -> Dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind]
     for key, value in kw.items():
         if value is None:
             continue
         cmd += [f"--{key}", ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ISA_ENV[isa]})
     if proc.returncode != 0:
         raise SystemExit(f"{kind} worker failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -169,6 +180,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--cpu_kernels", choices=("auto", "on", "off"), default="auto",
                    help="python -m export --cpu_kernels: off measures MindSpore's own MatMul in the decode step")
     p.add_argument("--llama_cpp", action="store_true", help="add llama.cpp (f32 and f16 GGUF) as columns")
+    p.add_argument("--isa", choices=tuple(ISA_ENV), default="native",
+                   help="the x86 code path every engine runs: native (each picks the best this CPU has), avx2 (our "
+                        "kernels' and torch's AVX2 path, llama.cpp built for AVX2: what an AVX2-only machine runs, "
+                        "measured on an AVX-512 one), generic (our kernels' plain C++, as on a CPU without either)")
     p.add_argument("--reexport", action="store_true", help="export again even if the folders exist")
     p.add_argument("--json", default=None, help="where to write the results (default: <work>/benchmark.json)")
     p.add_argument("--worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
@@ -191,15 +206,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"exporting {dtype} batch {batch} to {folder}", flush=True)
         report["exports"][key] = {**export(checkpoint, folder, args, batch, dtype), "folder_bytes": folder_bytes(folder)}
         print(f"measuring this project, {dtype} batch {batch}", flush=True)
-        report["ours"][key] = run_worker("ours", folder=folder, **common)
+        report["ours"][key] = run_worker("ours", args.isa, folder=folder, **common)
     print("measuring HF transformers", flush=True)
-    report["hf"] = run_worker("hf", checkpoint=checkpoint, batches=args.batches, threads=args.threads, **common)
+    report["hf"] = run_worker("hf", args.isa, checkpoint=checkpoint, batches=args.batches, threads=args.threads,
+                              **common)
     if args.llama_cpp:
         import llama_cpp
 
         print("measuring llama.cpp (the first run builds it and converts the checkpoint: minutes)", flush=True)
         report["llama_cpp"] = llama_cpp.measure(checkpoint, os.path.join(args.work, "llama_cpp"), args.threads,
-                                                prompt_tokens=args.prompt_lengths, dtypes=("f32", "f16"))
+                                                prompt_tokens=args.prompt_lengths, dtypes=("f32", "f16"),
+                                                isa="avx2" if args.isa == "avx2" else "native")
+    report["paths"] = paths_line(report, args)
     report["weight_bytes"] = sum(os.path.getsize(os.path.join(checkpoint, f)) for f in os.listdir(checkpoint)
                                  if f.endswith(".safetensors"))
     print_table(report)
@@ -208,6 +226,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         json.dump(report, fh, indent=1)
     print(f"wrote {path}")
     return 0
+
+
+def paths_line(report: Dict[str, Any], args) -> str:
+    """Which code path each engine ran: our kernels' (as the worker's library reported it), torch's, llama.cpp's."""
+    ours = sorted({r.get("kernels_isa") or "not built" for r in report["ours"].values()})
+    torch = report["hf"].get("torch_isa", "?")
+    llama = (report.get("llama_cpp") or {}).get("isa")
+    return (f"our kernels: {', '.join(ours)}; torch: {torch}; MindSpore's MatMul: its own choice"
+            + (f"; llama.cpp: {llama} build" if llama else ""))
 
 
 def machine() -> str:
@@ -250,6 +277,7 @@ def print_table(r: Dict[str, Any]) -> None:
     rows += [("greedy tokens = HF's", "same tokens"), ("peak RSS to first token (GiB)", "rss_first"),
              ("peak RSS, whole run (GiB)", "rss"), ("folder / GGUF / checkpoint (GiB)", "size_gib")]
     print(f"\n{r['date']}, {r['machine']}, {r['settings']['threads']} threads")
+    print(f"code paths: {r['paths']}")
     print("| | " + " | ".join(cols) + " |\n|" + " --- |" * (len(cols) + 1))
     for label, key in rows:
         cells = [c.get(key) for c in cols.values()]

@@ -139,9 +139,22 @@ def _build_with_progress(cmd: List[str], timeout: float) -> None:
         raise Skip(f"building llama-bench failed: {first_error or _last_line(chr(10).join(tail))}")
 
 
-def build_bench(src: str) -> str:
-    """Path of llama-bench, built once into <src>/build-bench (Release, native CPU flags, static)."""
-    build = os.path.join(src, "build-bench")
+# llama.cpp's x86 code paths by cmake options: "native" is what a user building on this machine gets; "avx2" the
+# AVX2 + FMA + F16C build (no AVX-512), to measure beside this project's AVX2 path on an AVX-512 machine
+ISA_FLAGS = {
+    "native": ["-DGGML_NATIVE=ON"],
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF",
+             "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+             "-DGGML_AMX_BF16=OFF"],
+}
+
+
+def build_bench(src: str, isa: str = "native") -> str:
+    """Path of llama-bench, built once into <src>/build-bench[-<isa>] (Release, static; ISA_FLAGS[isa])."""
+    if isa not in ISA_FLAGS:
+        raise Skip(f"no llama.cpp build for ISA {isa!r} (known: {', '.join(ISA_FLAGS)})")
+    build = os.path.join(src, "build-bench" if isa == "native" else f"build-bench-{isa}")
     binary = os.path.join(build, "bin", "llama-bench")
     if os.access(binary, os.X_OK):
         return binary
@@ -150,7 +163,7 @@ def build_bench(src: str) -> str:
             raise Skip(f"building llama.cpp needs {tool} (apt-get install cmake g++)")
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     _say("configuring llama.cpp with cmake")
-    _run(["cmake", "-S", src, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+    _run(["cmake", "-S", src, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release", *ISA_FLAGS[isa],
           "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
           "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], "cmake configure", 600)
     _say(f"building llama-bench on {os.cpu_count() or 2} cores (minutes)")
@@ -311,10 +324,10 @@ def bench(binary: str, gguf: str, threads: int, prompt_tokens: Sequence[int], re
 
 
 def measure(checkpoint: str, work_dir: str = DEFAULT_WORK, threads: int = 2, prompt_tokens=(16, 100),
-            dtypes=("f32", "f16"), repetitions: int = 3) -> Dict[str, Any]:
+            dtypes=("f32", "f16"), repetitions: int = 3, isa: str = "native") -> Dict[str, Any]:
     """llama.cpp's figures on `checkpoint` for each GGUF dtype, or {"skipped": reason}; never raises.
 
-    {"version": str, "threads": int, "repetitions": int, "decode_tokens": 32,
+    {"version": str, "isa": str, "threads": int, "repetitions": int, "decode_tokens": 32,
      "<dtype>": {"decode_tok_s": float, "decode_tok_s_stdev": float, "prefill_s": {n: seconds},
                  "peak_rss_gib": llama-bench's peak RSS, "gguf_bytes": int, "gguf": path,
                  "conversion_notes": [...]}, ...}
@@ -324,9 +337,9 @@ def measure(checkpoint: str, work_dir: str = DEFAULT_WORK, threads: int = 2, pro
             raise Skip(f"{checkpoint} is not a Hugging Face checkpoint (no config.json)")
         os.makedirs(work_dir, exist_ok=True)
         src = source_dir(work_dir)
-        binary = build_bench(src)
+        binary = build_bench(src, isa)
         installed = converter_dependencies()
-        result: Dict[str, Any] = {"version": version(binary, src), "threads": threads,
+        result: Dict[str, Any] = {"version": version(binary, src), "isa": isa, "threads": threads,
                                   "repetitions": repetitions, "decode_tokens": DECODE_TOKENS}
         if installed:
             result["pip_installed"] = installed
@@ -351,10 +364,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompt_tokens", default="16,100", help="comma-separated prompt lengths")
     p.add_argument("--dtypes", default="f32,f16", help="comma-separated GGUF types (f32, f16, bf16, q8_0)")
     p.add_argument("--repetitions", type=int, default=3)
+    p.add_argument("--isa", choices=tuple(ISA_FLAGS), default="native", help="the build's x86 code path")
     args = p.parse_args(argv)
     doc = measure(args.checkpoint, args.work_dir, args.threads,
                   tuple(int(n) for n in args.prompt_tokens.split(",")), tuple(args.dtypes.split(",")),
-                  args.repetitions)
+                  args.repetitions, args.isa)
     print(json.dumps(doc, indent=2))
     return 1 if "skipped" in doc else 0
 

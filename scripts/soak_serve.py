@@ -221,7 +221,7 @@ def soak(folder: str, clients: int, seconds: float, seed: int, work: str, specs_
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model_dir", required=True, help="a folder with slot graphs (--batch_size 4 or more)")
+    p.add_argument("--model_dir", required=True, help="a folder with chunk graphs (--batch_size 4 or more)")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--minutes", type=float, default=10)
     p.add_argument("--seed", type=int, default=0)

@@ -105,16 +105,23 @@ def test_decode_attention_reads_each_rows_valid_positions_with_gqa():
     out = np.full_like(q, np.nan)
     assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, out,
                        dtypes=[None, None, None, "int32", None]) == 0
-    for row in range(b):
-        n = valid[row]
+    check_attention(out, q, k, v, valid, range(b))
+    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, out) == 2  # valid_length must be int32
+
+
+def check_attention(out, q, k, v, valid, rows):
+    """Each query row i of `out` against float64 softmax attention over positions [0, valid[i]) of cache row
+    rows[i], query head h reading kv head h // (H / KH)."""
+    kh, d = k.shape[1], k.shape[3]
+    h = q.shape[1] // d
+    for i, (row, n) in enumerate(zip(rows, valid)):
         for head in range(h):
             kv = head // (h // kh)
-            qh = q[row, head * d:(head + 1) * d].astype(np.float64)
+            qh = q[i, head * d:(head + 1) * d].astype(np.float64)
             scores = k[row, kv, :n].astype(np.float64) @ qh / np.sqrt(d)
             p = np.exp(scores - scores.max())
             ref = (p / p.sum()) @ v[row, kv, :n].astype(np.float64)
-            assert close(out[row, head * d:(head + 1) * d], ref, np.nanmax(np.abs(v)))
-    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, out) == 2  # valid_length must be int32
+            assert close(out[i, head * d:(head + 1) * d], ref, np.nanmax(np.abs(v)))
 
 
 def test_attention_rows_read_the_cache_row_each_query_names():
@@ -130,14 +137,7 @@ def test_attention_rows_read_the_cache_row_each_query_names():
     out = np.full_like(q, np.nan)
     int32 = [None, None, None, "int32", "int32", None]
     assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, rows, out, dtypes=int32) == 0
-    for i, (row, n) in enumerate(zip(rows, valid)):
-        for head in range(h):
-            kv = head // (h // kh)
-            qh = q[i, head * d:(head + 1) * d].astype(np.float64)
-            scores = k[row, kv, :n].astype(np.float64) @ qh / np.sqrt(d)
-            p = np.exp(scores - scores.max())
-            ref = (p / p.sum()) @ v[row, kv, :n].astype(np.float64)
-            assert close(out[i, head * d:(head + 1) * d], ref, np.nanmax(np.abs(v)))
+    check_attention(out, q, k, v, valid, rows)
     assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, rows[:5], out, dtypes=int32) == 4
 
 
