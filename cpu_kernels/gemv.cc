@@ -8,8 +8,9 @@
 // and all arithmetic is float32 (FMA). x, b and y are always float32.
 //
 // Two forms, chosen by the rows of x (M):
-//   M <= GEMV_MAX_ROWS (decode): dot-product register tiles that read each weight once per call
-//     (4 weight rows against 1-2 rows of x, or 3 against 4 from M=4); threads split the output rows.
+//   M <= GEMV_MAX_ROWS (decode): dot products that read each weight once per call (M=1: one weight row
+//     at a time, a sequential stream per thread; 4 weight rows against 2 rows of x, or 3 against 4 from
+//     M=4, in register tiles); threads split the output rows.
 //   larger M (prefill): a cache-blocked GEMM. A block of W (KC inputs x NC outputs) is widened and
 //     packed into a per-thread buffer in 16-output panels, then a 6x16 microkernel (6 rows of x
 //     by 16 outputs, 12 ymm accumulators, x broadcast from its rows) runs over it; threads split
@@ -250,6 +251,33 @@ MSLLM_AVX2 inline void tile_avx2(const float* x, const T* w, const float* b, int
   }
 }
 
+// One row of x (the decode step at batch 1) against one weight row at a time, 32 inputs a step in four accumulators:
+// each thread reads its weights as one sequential stream. Tiles of four weight rows side by side (tile_avx2<T, 1, 4>,
+// which this replaced) read four short streams at once (896 inputs: 3.5 KB of float32), which the hardware
+// prefetcher follows worse: the 0.5B shape's step matrices took 0.84x (float32) and 0.89x (16-bit) of the time,
+// interleaved in one process on an AMD EPYC (scripts/PERFORMANCE.md §25); a plain read of rows side by side
+// measured 0.67x the bandwidth of one stream there.
+template <class T>
+MSLLM_AVX2 inline void seq_rows_avx2(const float* x, const T* w, const float* b, int64_t in, float* y, int64_t o0,
+                                     int64_t o1) {
+  const int64_t in32 = in & ~int64_t(31);
+  for (int64_t o = o0; o < o1; ++o) {
+    const T* wo = w + o * in;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i < in32; i += 32) {
+      a0 = _mm256_fmadd_ps(load8(wo + i), _mm256_loadu_ps(x + i), a0);
+      a1 = _mm256_fmadd_ps(load8(wo + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+      a2 = _mm256_fmadd_ps(load8(wo + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+      a3 = _mm256_fmadd_ps(load8(wo + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    for (; i + 8 <= in; i += 8) a0 = _mm256_fmadd_ps(load8(wo + i), _mm256_loadu_ps(x + i), a0);
+    float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < in; ++i) s += to_f32(wo[i]) * x[i];
+    y[o] = s + (b ? b[o] : 0.f);
+  }
+}
+
 // All rows of x against C weight rows: R rows of x at a time, again for the next R while the weight rows are in cache.
 template <class T, int R, int C>
 MSLLM_AVX2 inline void tiles_avx2(const float* x, int64_t rows, const T* w, const float* b, int64_t in, float* y,
@@ -265,9 +293,11 @@ MSLLM_AVX2 void rows_avx2(const float* x, int64_t rows, const void* wv, const fl
                           int64_t ldy, int64_t o0, int64_t o1) {
   const T* w = static_cast<const T*>(wv);
   int64_t o = o0;
-  if (rows == 1) {  // decode at batch 1: four weight streams per x load
-    for (; o + 4 <= o1; o += 4) tile_avx2<T, 1, 4>(x, w, b, in, y, ldy, o);
-  } else if (rows < GEMV_WIDE_ROWS) {  // 2x4 tiles: 8 accumulators
+  if (rows == 1) {  // decode at batch 1: one weight row at a time
+    seq_rows_avx2<T>(x, w, b, in, y, o0, o1);
+    return;
+  }
+  if (rows < GEMV_WIDE_ROWS) {  // 2x4 tiles: 8 accumulators
     for (; o + 4 <= o1; o += 4) tiles_avx2<T, 2, 4>(x, rows, w, b, in, y, ldy, o);
   } else {  // 4x3 tiles: 12 accumulators, each weight widened once per 4 rows of x
     for (; o + 3 <= o1; o += 3) tiles_avx2<T, 4, 3>(x, rows, w, b, in, y, ldy, o);
@@ -495,27 +525,27 @@ MSLLM_AVX512 inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-template <class T, int C>
-MSLLM_AVX512 inline void tile512(const float* x, const T* w, const float* b, int64_t in, float* y, int64_t o) {
-  const int64_t in16 = in & ~int64_t(15);
-  __m512 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
-  const T* wo = w + o * in;
-  const bool prefetch = sizeof(T) == 2;  // as in tile_avx2 at one row of x
-  constexpr int64_t PREFETCH_STEP = C * 16 * int64_t(sizeof(T));
-  const char* next = reinterpret_cast<const char*>(wo + C * in);
-  for (int64_t i = 0; i < in16; i += 16) {
-    if (prefetch) {
-      for (int64_t off = 0; off < PREFETCH_STEP; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
-      next += PREFETCH_STEP;
+// seq_rows_avx2 with 16 weights per load: half the instructions per byte read (tiles of four weight rows in this
+// width took 35-38 ms for the float32 step against 50-57 for AVX2 ones, scripts/PERFORMANCE.md §17; one sequential
+// row at a time took 0.89x (float32) to 0.78x (bfloat16) of those tiles, §25).
+template <class T>
+MSLLM_AVX512 inline void seq_rows512(const float* x, const T* w, const float* b, int64_t in, float* y, int64_t o0,
+                                     int64_t o1) {
+  const int64_t in64 = in & ~int64_t(63);
+  for (int64_t o = o0; o < o1; ++o) {
+    const T* wo = w + o * in;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i < in64; i += 64) {
+      a0 = _mm512_fmadd_ps(load16(wo + i), _mm512_loadu_ps(x + i), a0);
+      a1 = _mm512_fmadd_ps(load16(wo + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+      a2 = _mm512_fmadd_ps(load16(wo + i + 32), _mm512_loadu_ps(x + i + 32), a2);
+      a3 = _mm512_fmadd_ps(load16(wo + i + 48), _mm512_loadu_ps(x + i + 48), a3);
     }
-    const __m512 xv = _mm512_loadu_ps(x + i);
-    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(load16(wo + c * in + i), xv, acc[c]);
-  }
-  for (int c = 0; c < C; ++c) {
-    float s = _mm512_reduce_add_ps(acc[c]);
-    for (int64_t i = in16; i < in; ++i) s += to_f32(wo[c * in + i]) * x[i];
-    y[o + c] = s + (b ? b[o + c] : 0.f);
+    for (; i + 16 <= in; i += 16) a0 = _mm512_fmadd_ps(load16(wo + i), _mm512_loadu_ps(x + i), a0);
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    for (; i < in; ++i) s += to_f32(wo[i]) * x[i];
+    y[o] = s + (b ? b[o] : 0.f);
   }
 }
 
@@ -526,10 +556,7 @@ MSLLM_AVX512 void rows_avx512(const float* x, int64_t rows, const void* wv, cons
     rows_avx2<T>(x, rows, wv, b, in, y, ldy, o0, o1);
     return;
   }
-  const T* w = static_cast<const T*>(wv);
-  int64_t o = o0;
-  for (; o + 4 <= o1; o += 4) tile512<T, 4>(x, w, b, in, y, o);
-  for (; o < o1; ++o) tile512<T, 1>(x, w, b, in, y, o);
+  seq_rows512<T>(x, static_cast<const T*>(wv), b, in, y, o0, o1);
 }
 #endif
 
