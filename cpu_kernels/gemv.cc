@@ -22,9 +22,9 @@
 // libgomp (torch loads one) plays no part.
 //
 // ISA: AVX2+FMA+F16C code is compiled per function (target attributes, no global -mavx2) and
-// chosen at load with __builtin_cpu_supports; plain C++ runs everywhere else (also forced with
-// the environment variable MSLITE_LLM_CPU_KERNELS_ISA=generic, read at load; for tests).
-// MsliteLlmIsa() says which.
+// chosen at load with __builtin_cpu_supports (AVX-512 where the CPU has it, unless
+// MSLITE_LLM_CPU_KERNELS_ISA=avx2); on AArch64, NEON; plain C++ runs everywhere else (also forced with
+// MSLITE_LLM_CPU_KERNELS_ISA=generic, read at load; for tests and benchmarks). MsliteLlmIsa() says which.
 //
 // Interface (MindSpore aot CPU): int F(int nparam, void** params, int* ndims, int64_t** shapes,
 // const char** dtypes, void* stream, void* extra); 0 on success, else 1 wrong number of tensors,
@@ -53,6 +53,10 @@
 #define MSLLM_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define MSLLM_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 #endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define MSLLM_NEON 1  // every AArch64 CPU has NEON (Advanced SIMD), FMA and float16 conversion: no run-time check
+#endif
 
 namespace {
 
@@ -73,6 +77,8 @@ const int SPIN_US = std::getenv("MSLLM_SPIN_US") ? std::atoi(std::getenv("MSLLM_
 inline void cpu_relax() {
 #ifdef MSLLM_X86
   _mm_pause();
+#elif defined(MSLLM_NEON)
+  __asm__ __volatile__("yield");
 #else
   std::this_thread::yield();
 #endif
@@ -560,6 +566,93 @@ MSLLM_AVX512 void rows_avx512(const float* x, int64_t rows, const void* wv, cons
 }
 #endif
 
+// ---- NEON (AArch64: the Atlas hosts' Kunpeng 920, ARMv8.2) -------------------------------------------
+// The AVX2 forms' shapes in 128-bit registers: one row of x against one weight row at a time (a sequential stream
+// per thread), more rows of x in tiles of up to 4 that widen each weight once per tile. 16-bit weights are widened
+// in registers (float16: FCVTL; bfloat16: a 16-bit shift left), all arithmetic float32 FMA. No GEMM form (the rows
+// form takes every M, as the generic path does). Compile-tested with Debian's cross compiler and run under
+// qemu-user against float64 references (tests/test_neon_kernels.py); its speed on a Kunpeng has not been measured.
+#ifdef MSLLM_NEON
+inline float32x4_t load4(const float* p) { return vld1q_f32(p); }
+inline float32x4_t load4(const f16* p) {
+  return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))));
+}
+inline float32x4_t load4(const bf16* p) {
+  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16));
+}
+
+// R rows of x (R <= 4) against one weight row: two accumulators per row of x, 8 inputs a step
+template <class T, int R>
+inline void tile_neon(const float* x, const T* wo, int64_t in, float* out) {
+  const int64_t in8 = in & ~int64_t(7);
+  float32x4_t acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vdupq_n_f32(0.f);
+  for (int64_t i = 0; i < in8; i += 8) {
+    const float32x4_t w0 = load4(wo + i), w1 = load4(wo + i + 4);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = vfmaq_f32(acc[r][0], w0, vld1q_f32(x + r * in + i));
+      acc[r][1] = vfmaq_f32(acc[r][1], w1, vld1q_f32(x + r * in + i + 4));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float s = vaddvq_f32(vaddq_f32(acc[r][0], acc[r][1]));
+    for (int64_t i = in8; i < in; ++i) s += to_f32(wo[i]) * x[r * in + i];
+    out[r] = s;
+  }
+}
+
+// one row of x: four accumulators, 16 inputs a step
+template <class T>
+inline float dot_neon(const float* x, const T* wo, int64_t in) {
+  const int64_t in16 = in & ~int64_t(15);
+  float32x4_t a0 = vdupq_n_f32(0.f), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i < in16; i += 16) {
+    a0 = vfmaq_f32(a0, load4(wo + i), vld1q_f32(x + i));
+    a1 = vfmaq_f32(a1, load4(wo + i + 4), vld1q_f32(x + i + 4));
+    a2 = vfmaq_f32(a2, load4(wo + i + 8), vld1q_f32(x + i + 8));
+    a3 = vfmaq_f32(a3, load4(wo + i + 12), vld1q_f32(x + i + 12));
+  }
+  for (; i + 4 <= in; i += 4) a0 = vfmaq_f32(a0, load4(wo + i), vld1q_f32(x + i));
+  float s = vaddvq_f32(vaddq_f32(vaddq_f32(a0, a1), vaddq_f32(a2, a3)));
+  for (; i < in; ++i) s += to_f32(wo[i]) * x[i];
+  return s;
+}
+
+template <class T>
+void rows_neon(const float* x, int64_t rows, const void* wv, const float* b, int64_t in, float* y, int64_t ldy,
+               int64_t o0, int64_t o1) {
+  const T* w = static_cast<const T*>(wv);
+  float out[4];
+  for (int64_t o = o0; o < o1; ++o) {
+    const T* wo = w + o * in;
+    const float bias = b ? b[o] : 0.f;
+    if (rows == 1) {
+      y[o] = dot_neon(x, wo, in) + bias;
+      continue;
+    }
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      tile_neon<T, 4>(x + r * in, wo, in, out);
+      for (int k = 0; k < 4; ++k) y[(r + k) * ldy + o] = out[k] + bias;
+    }
+    for (; r + 2 <= rows; r += 2) {
+      tile_neon<T, 2>(x + r * in, wo, in, out);
+      for (int k = 0; k < 2; ++k) y[(r + k) * ldy + o] = out[k] + bias;
+    }
+    if (r < rows) y[r * ldy + o] = dot_neon(x + r * in, wo, in) + bias;
+  }
+}
+
+template <class T>
+void widen_rows_neon(const void* src, int64_t n, float* dst) {
+  const T* s = static_cast<const T*>(src);
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) vst1q_f32(dst + i, load4(s + i));
+  for (; i < n; ++i) dst[i] = to_f32(s[i]);
+}
+#endif
+
 // ---- the kernels this machine runs ---------------------------------------------------------------
 
 struct Kernels {
@@ -592,6 +685,12 @@ Kernels pick_kernels() {
             {gemm_block_avx2<float, k_micro>, gemm_block_avx2<f16, k_micro>, gemm_block_avx2<bf16, k_micro>},
             {widen_rows_avx2<float>, widen_rows_avx2<f16>, widen_rows_avx2<bf16>}};
   }
+#endif
+#ifdef MSLLM_NEON
+  return {"neon",
+          {rows_neon<float>, rows_neon<f16>, rows_neon<bf16>},
+          {nullptr, nullptr, nullptr},
+          {widen_rows_neon<float>, widen_rows_neon<f16>, widen_rows_neon<bf16>}};
 #endif
   return generic;
 }
@@ -1154,48 +1253,80 @@ int decode_attention(int nparam, void** params, int* ndims, int64_t** shapes, co
   return 0;
 }
 
+
+// ---- timing the kernels in a graph (scripts/bench_decode_step.py --in_graph) ---------------------------------
+// With MSLITE_LLM_CPU_KERNELS_PROFILE=1 (read at load) each exported op adds its calls and wall time to a counter:
+// what our kernels cost inside MindSpore's graph, against the step's whole time. Off: one predictable branch.
+enum Op { OP_GEMV, OP_GEMV_BIAS, OP_GEMM_VALID, OP_EMBED, OP_RMS_NORM, OP_QKV_ROPE, OP_GEMV_ADD, OP_SWIGLU,
+          OP_ATTENTION, OP_COUNT };
+const bool g_profile = std::getenv("MSLITE_LLM_CPU_KERNELS_PROFILE") != nullptr;
+std::atomic<int64_t> g_profile_ns[OP_COUNT], g_profile_calls[OP_COUNT];
+
+template <class F>
+int timed(Op op, F&& f) {
+  if (!g_profile) return f();
+  const auto t0 = std::chrono::steady_clock::now();
+  const int rc = f();
+  g_profile_ns[op] += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+                          .count();
+  g_profile_calls[op] += 1;
+  return rc;
+}
+
 }  // namespace
 
 extern "C" {
 
 int MsliteLlmGemv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
-  return gemv(nparam, params, ndims, shapes, dtypes, false);
+  return timed(OP_GEMV, [&] { return gemv(nparam, params, ndims, shapes, dtypes, false); });
 }
 
 int MsliteLlmGemvBias(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
-  return gemv(nparam, params, ndims, shapes, dtypes, true);
+  return timed(OP_GEMV_BIAS, [&] { return gemv(nparam, params, ndims, shapes, dtypes, true); });
 }
 
 int MsliteLlmGemmValid(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
-  return gemv(nparam, params, ndims, shapes, dtypes, nparam == 5, true);  // with the bias: 5 params
+  // with the bias: 5 params
+  return timed(OP_GEMM_VALID, [&] { return gemv(nparam, params, ndims, shapes, dtypes, nparam == 5, true); });
 }
 
 int MsliteLlmEmbed(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
-  return embed(nparam, params, ndims, shapes, dtypes);
+  return timed(OP_EMBED, [&] { return embed(nparam, params, ndims, shapes, dtypes); });
 }
 
 int MsliteLlmRmsNorm(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
-  return rms_norm(nparam, params, ndims, shapes, dtypes);
+  return timed(OP_RMS_NORM, [&] { return rms_norm(nparam, params, ndims, shapes, dtypes); });
 }
 
 int MsliteLlmQkvRope(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
-  return qkv_rope(nparam, params, ndims, shapes, dtypes);
+  return timed(OP_QKV_ROPE, [&] { return qkv_rope(nparam, params, ndims, shapes, dtypes); });
 }
 
 int MsliteLlmGemvAdd(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
-  return gemv_add(nparam, params, ndims, shapes, dtypes);
+  return timed(OP_GEMV_ADD, [&] { return gemv_add(nparam, params, ndims, shapes, dtypes); });
 }
 
 int MsliteLlmSwiGlu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
-  return swiglu(nparam, params, ndims, shapes, dtypes);
+  return timed(OP_SWIGLU, [&] { return swiglu(nparam, params, ndims, shapes, dtypes); });
 }
 
 int MsliteLlmDecodeAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
                              void*) {
-  return decode_attention(nparam, params, ndims, shapes, dtypes);
+  return timed(OP_ATTENTION, [&] { return decode_attention(nparam, params, ndims, shapes, dtypes); });
 }
 
-// The code path this machine runs: "avx2" (AVX2 + FMA + F16C) or "generic".
+// With MSLITE_LLM_CPU_KERNELS_PROFILE set: per op (in Op's order), calls and nanoseconds since the last reset into
+// calls[OP_COUNT] and ns[OP_COUNT]; returns OP_COUNT, or 0 when profiling is off. reset: zero the counters after.
+int MsliteLlmProfile(int64_t* calls, int64_t* ns, int reset) {
+  if (!g_profile) return 0;
+  for (int i = 0; i < OP_COUNT; ++i) {
+    calls[i] = reset ? g_profile_calls[i].exchange(0) : g_profile_calls[i].load();
+    ns[i] = reset ? g_profile_ns[i].exchange(0) : g_profile_ns[i].load();
+  }
+  return OP_COUNT;
+}
+
+// The code path this machine runs: "avx512", "avx2" (AVX2 + FMA + F16C), "neon" or "generic".
 const char* MsliteLlmIsa() { return g_kernels.isa; }
 
 // Threads the kernels use; 0 restores the default (the machine's cores). The runtime passes its CPU thread count.

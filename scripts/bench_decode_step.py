@@ -10,7 +10,9 @@ own process: the path is chosen when the library loads, MSLITE_LLM_CPU_KERNELS_I
 - `read`: the same bytes summed by numpy on as many threads (each thread a share of each matrix): what reading
   them costs on this machine, the floor a memory-bound GEMV can reach.
 Prints ms per step and GB/s for both, and the kernels' share of the read's pace. With --llama_cpp_json (the output
-of scripts/llama_cpp.py) it adds llama.cpp's whole token at equal bits beside it. Not a test.
+of scripts/llama_cpp.py) it adds llama.cpp's whole token at equal bits beside it. With --in_graph FOLDER, the same
+step through MindSpore (a batch-1 `--device cpu` folder), our kernels timing themselves inside it
+(MSLITE_LLM_CPU_KERNELS_PROFILE): what they take of the step, and what the rest of the graph takes. Not a test.
 """
 from __future__ import annotations
 
@@ -100,6 +102,37 @@ def measure(dtype: str, rows: int, threads: int, repeat: int) -> Dict[str, float
     return out
 
 
+OPS = ("GEMV", "GEMV+bias", "GEMM over prompt rows", "embed", "RMSNorm", "q/k/v+RoPE", "GEMV+residual", "SwiGLU",
+       "attention")
+
+
+def in_graph(folder: str, steps: int) -> Dict[str, object]:
+    """The folder's decode step through MindSpore (the `ms` backend, batch 1), with our kernels timing themselves
+    (MSLITE_LLM_CPU_KERNELS_PROFILE, set by the parent): ms per step, and how much of it each kernel took."""
+    import cpu_kernels
+    from lite_runtime import pipeline
+
+    pipe = pipeline("text_generation", model=folder, backend="ms", verify_checksums=False, warm_up="all")
+    runner = pipe.runner
+    prompt = [int(t) for t in np.random.default_rng(0).integers(1, 300, 128)]
+    lib = ctypes.CDLL(cpu_kernels.library_path())
+    calls, ns = (ctypes.c_int64 * len(OPS))(), (ctypes.c_int64 * len(OPS))()
+    best = None
+    for _ in range(3):
+        token = int(np.argmax(runner.prefill([prompt])[0]))
+        lib.MsliteLlmProfile(calls, ns, 1)  # the decode steps only
+        start = time.perf_counter()
+        for i in range(steps):
+            token = int(np.argmax(runner.step([token], [len(prompt) + 1 + i])[0]))
+        step_ms = (time.perf_counter() - start) / steps * 1000
+        lib.MsliteLlmProfile(calls, ns, 1)
+        per_op = {OPS[i]: {"calls": calls[i] / steps, "ms": ns[i] / 1e6 / steps} for i in range(len(OPS)) if calls[i]}
+        run = {"step_ms": step_ms, "kernels_ms": sum(v["ms"] for v in per_op.values()), "ops": per_op}
+        if best is None or step_ms < best["step_ms"]:
+            best = run
+    return {**best, "isa": cpu_kernels.isa(), "dtype": pipe.config.dtype}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--isa", default="native,avx2", help="our kernels' code paths, comma-separated: native (the "
@@ -110,10 +143,18 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--llama_cpp_json", help="scripts/llama_cpp.py's output, for llama.cpp's token at equal bits")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--in_graph", nargs="*", metavar="FOLDER",
+                   help="also time these folders' decode step through MindSpore (batch-1 --device cpu folders), "
+                        "with how much of it our kernels take")
+    p.add_argument("--steps", type=int, default=32, help="decode steps per --in_graph run (best of 3 runs)")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--child_graph", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(measure(args.child, args.rows, args.threads, args.repeat)))
+        return 0
+    if args.child_graph:
+        print(json.dumps(in_graph(args.child_graph, args.steps)))
         return 0
     llama = {}
     if args.llama_cpp_json:
@@ -141,10 +182,27 @@ def main(argv=None) -> int:
             theirs = f"{1000 / tok:.1f} ({gguf}, {llama.get('isa', '?')} build)" if tok else ""
             print(f"| {r['isa']} | {dtype} | {r['kernels_ms']:.1f} | {r['kernels_gbs']:.1f} | {r['read_ms']:.1f} | "
                   f"{r['read_gbs']:.1f} | {r['read_ms'] / r['kernels_ms']:.2f} | {theirs} |", flush=True)
+    graphs = []
+    if args.in_graph:
+        print("\n| path | folder | step ms | our kernels ms | the rest ms | by kernel (ms per step) |")
+        print("| --- | --- | --- | --- | --- | --- |")
+    for folder in args.in_graph or ():
+        for isa in args.isa.split(","):
+            env = {k: v for k, v in os.environ.items() if k != "MSLITE_LLM_CPU_KERNELS_ISA"}
+            env["MSLITE_LLM_CPU_KERNELS_PROFILE"] = "1"
+            if env_isa[isa]:
+                env["MSLITE_LLM_CPU_KERNELS_ISA"] = env_isa[isa]
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child_graph", folder, "--steps",
+                                   str(args.steps)], capture_output=True, text=True, env=env, check=True)
+            g = {**json.loads(proc.stdout.strip().splitlines()[-1]), "folder": folder}
+            graphs.append(g)
+            ops = ", ".join(f"{k} {v['ms']:.1f}" for k, v in sorted(g["ops"].items(), key=lambda kv: -kv[1]["ms"]))
+            print(f"| {g['isa']} | {os.path.basename(folder)} ({g['dtype']}) | {g['step_ms']:.1f} | "
+                  f"{g['kernels_ms']:.1f} | {g['step_ms'] - g['kernels_ms']:.1f} | {ops} |", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "rows": args.rows, "threads": args.threads,
-                       "results": results, "llama_cpp": llama}, fh, indent=1)
+                       "results": results, "llama_cpp": llama, "in_graph": graphs}, fh, indent=1)
     return 0
 
 

@@ -1,0 +1,91 @@
+"""Decode speed at batch 1, this project against llama.cpp at equal bits, alternating in fresh processes.
+
+    python scripts/bench_decode_ab.py --folder <batch-1 --device cpu folder> --gguf <llama.cpp GGUF> \
+        --llama_bench <path> [--isa avx2] [--rounds 5] [--tokens 64]
+
+Why alternating: this machine's memory bandwidth moves by up to +-40 % between minutes and between processes (a
+plain read measured 33-57 GB/s; scripts/PERFORMANCE.md §25), so one run of each engine, minutes apart, says little.
+Each round runs both (the order flips every round); the figure that counts is the median of the per-round ratios.
+Ours: the folder's decode step through the `ms` backend (the runner's inc graph, tokens fed back greedily, after a
+128-token prompt), tokens/s. llama.cpp: `llama-bench -p 0 -n <tokens> -r 1` (generation from an empty context).
+Not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def ours(folder: str, tokens: int) -> float:
+    import numpy as np
+
+    from lite_runtime import pipeline
+
+    runner = pipeline("text_generation", model=folder, backend="ms", verify_checksums=False, warm_up="all").runner
+    prompt = [int(t) for t in np.random.default_rng(0).integers(1, 300, 128)]
+    token = int(np.argmax(runner.prefill([prompt])[0]))
+    token = int(np.argmax(runner.step([token], [len(prompt) + 1])[0]))  # warm
+    start = time.perf_counter()
+    for i in range(tokens):
+        token = int(np.argmax(runner.step([token], [len(prompt) + 2 + i])[0]))
+    return tokens / (time.perf_counter() - start)
+
+
+def llama(binary: str, gguf: str, tokens: int, threads: int) -> float:
+    out = subprocess.run([binary, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", "1", "-o",
+                          "json"], capture_output=True, text=True, check=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--folder", required=True)
+    p.add_argument("--gguf", required=True)
+    p.add_argument("--llama_bench", required=True)
+    p.add_argument("--isa", choices=("native", "avx2", "generic"), default="native",
+                   help="our kernels' path (MSLITE_LLM_CPU_KERNELS_ISA); build llama.cpp to match (llama_cpp.py --isa)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        import cpu_kernels
+
+        print(json.dumps({"tok_s": ours(args.folder, args.tokens), "isa": cpu_kernels.isa()}))
+        return 0
+    env = {k: v for k, v in os.environ.items() if k != "MSLITE_LLM_CPU_KERNELS_ISA"}
+    if args.isa != "native":
+        env["MSLITE_LLM_CPU_KERNELS_ISA"] = args.isa
+    rows = []
+    for r in range(args.rounds):
+        result = {}
+        for who in (("ours", "llama") if r % 2 == 0 else ("llama", "ours")):
+            if who == "ours":
+                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--folder", args.folder,
+                                      "--gguf", args.gguf, "--llama_bench", args.llama_bench, "--tokens",
+                                      str(args.tokens)], capture_output=True, text=True, env=env, check=True)
+                result.update(json.loads(out.stdout.strip().splitlines()[-1]))
+            else:
+                result["llama_tok_s"] = llama(args.llama_bench, args.gguf, args.tokens, args.threads)
+        result["ratio"] = result["tok_s"] / result["llama_tok_s"]
+        rows.append(result)
+        print(f"round {r + 1}: ours ({result['isa']}) {result['tok_s']:.1f} tok/s, llama.cpp "
+              f"{result['llama_tok_s']:.1f} tok/s, ratio {result['ratio']:.2f}", flush=True)
+    print(f"median: ours {statistics.median(r['tok_s'] for r in rows):.1f} tok/s, llama.cpp "
+          f"{statistics.median(r['llama_tok_s'] for r in rows):.1f} tok/s; median of the per-round ratios "
+          f"{statistics.median(r['ratio'] for r in rows):.2f} ({os.path.basename(args.folder)} against "
+          f"{os.path.basename(args.gguf)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+// Test driver for cpu_kernels/gemv.cc built for another architecture (tests/test_neon_kernels.py): calls
+// MsliteLlmGemv / MsliteLlmGemvBias as MindSpore's aot CPU kernel does, on seeded random inputs, and writes each case
+// (its shapes, inputs and output) to the file named by argv[1], for Python to check against float64 references.
+// The first line of stdout is MsliteLlmIsa(): the code path the library chose.
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+extern "C" {
+int MsliteLlmGemv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                  void* extra);
+int MsliteLlmGemvBias(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                      void* extra);
+const char* MsliteLlmIsa();
+void MsliteLlmSetThreads(int threads);
+}
+
+static uint64_t state = 88172645463325252ull;
+static float uniform() {  // xorshift64: the same inputs on every machine
+  state ^= state << 13;
+  state ^= state >> 7;
+  state ^= state << 17;
+  return float((state >> 11) * (1.0 / 9007199254740992.0)) * 2.f - 1.f;
+}
+
+static uint16_t to_half(float f) {  // round to nearest even, finite normal values only (|f| < 1 here)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = (u >> 16) & 0x8000u, abs = u & 0x7fffffffu;
+  if (abs < 0x38800000u) return uint16_t(sign);  // below the smallest normal half: zero, fine for a test
+  const uint32_t rounded = abs + 0x0fffu + ((abs >> 13) & 1u);
+  return uint16_t(sign | ((rounded - 0x38000000u) >> 13));
+}
+
+static uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+int main(int argc, char** argv) {
+  if (argc != 2) return 2;
+  std::FILE* out = std::fopen(argv[1], "wb");
+  if (!out) return 2;
+  std::printf("%s\n", MsliteLlmIsa());
+  MsliteLlmSetThreads(2);
+  const int64_t rows_list[] = {1, 2, 3, 4, 5, 17};
+  const int64_t in_list[] = {7, 64, 899};
+  const int64_t outs = 37;
+  const char* dtypes[] = {"float32", "float16", "bfloat16"};
+  for (int d = 0; d < 3; ++d)
+    for (int64_t rows : rows_list)
+      for (int64_t in : in_list)
+        for (int bias = 0; bias < 2; ++bias) {
+          std::vector<float> x(rows * in), b(outs), y(rows * outs, -1.f), wf(outs * in);
+          for (float& v : x) v = uniform();
+          for (float& v : wf) v = uniform();
+          for (float& v : b) v = uniform();
+          std::vector<uint16_t> wh(outs * in);
+          for (int64_t i = 0; i < outs * in; ++i) wh[i] = d == 1 ? to_half(wf[i]) : to_bf16(wf[i]);
+          void* w = d == 0 ? static_cast<void*>(wf.data()) : static_cast<void*>(wh.data());
+          int64_t sx[2] = {rows, in}, sw[2] = {outs, in}, sb[1] = {outs}, sy[2] = {rows, outs};
+          void* params[4] = {x.data(), w, bias ? static_cast<void*>(b.data()) : y.data(), y.data()};
+          int64_t* shapes[4] = {sx, sw, bias ? sb : sy, sy};
+          int ndims[4] = {2, 2, bias ? 1 : 2, 2};
+          const char* types[4] = {"float32", dtypes[d], "float32", "float32"};
+          const int rc = bias ? MsliteLlmGemvBias(4, params, ndims, shapes, types, nullptr, nullptr)
+                              : MsliteLlmGemv(3, params, ndims, shapes, types, nullptr, nullptr);
+          const int64_t head[6] = {d, rows, in, outs, bias, rc};
+          std::fwrite(head, sizeof head, 1, out);
+          std::fwrite(x.data(), 4, x.size(), out);
+          std::fwrite(w, d == 0 ? 4 : 2, outs * in, out);
+          std::fwrite(b.data(), 4, b.size(), out);
+          std::fwrite(y.data(), 4, y.size(), out);
+        }
+  std::fclose(out);
+  return 0;
+}

@@ -1,0 +1,77 @@
+"""cpu_kernels/gemv.cc's NEON path (the Atlas hosts' AArch64 CPUs) on this x86 machine: built with Debian's cross compiler,
+run under qemu-user, against float64 references and against the plain C++ path of the same binary
+(MSLITE_LLM_CPU_KERNELS_ISA=generic). Skipped, with the reason, where the tools are missing:
+apt-get install g++-aarch64-linux-gnu qemu-user. Speed on an AArch64 CPU cannot be measured here."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CXX, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
+TOOLS = [t for t in (CXX, QEMU) if shutil.which(t) is None]
+pytestmark = pytest.mark.skipif(bool(TOOLS), reason=f"{' and '.join(TOOLS)} not found: apt-get install "
+                                                    "g++-aarch64-linux-gnu qemu-user")
+
+
+@pytest.fixture(scope="module")
+def binary(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("neon") / "gemv_driver")
+    subprocess.run([CXX, "-O2", "-std=c++14", "-static", "-pthread", os.path.join(ROOT, "tests", "data",
+                    "gemv_driver.cc"), os.path.join(ROOT, "cpu_kernels", "gemv.cc"), "-o", out], check=True,
+                   capture_output=True, text=True)
+    return out
+
+
+def run(binary, tmp_path, isa=None):
+    """(the path the library chose, every case the driver wrote)."""
+    path = str(tmp_path / f"cases-{isa or 'native'}.bin")
+    env = {k: v for k, v in os.environ.items() if k != "MSLITE_LLM_CPU_KERNELS_ISA"}
+    if isa:
+        env["MSLITE_LLM_CPU_KERNELS_ISA"] = isa
+    proc = subprocess.run([QEMU, binary, path], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()[0], parse(path)
+
+
+def parse(path):
+    data, cases, at = open(path, "rb").read(), [], 0
+
+    def take(n, dtype):
+        nonlocal at
+        a = np.frombuffer(data, dtype, n, at)
+        at += a.nbytes
+        return a
+
+    while at < len(data):
+        d, rows, inp, out, bias, rc = (int(v) for v in take(6, np.int64))
+        x = take(rows * inp, np.float32).reshape(rows, inp)
+        if d == 0:
+            w = take(out * inp, np.float32).astype(np.float64)
+        elif d == 1:
+            w = take(out * inp, np.float16).astype(np.float64)
+        else:
+            w = (take(out * inp, np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        b = take(out, np.float32)
+        y = take(rows * out, np.float32).reshape(rows, out)
+        cases.append(dict(dtype=("float32", "float16", "bfloat16")[d], rows=rows, inp=inp, bias=bias, rc=rc, x=x,
+                          w=w.reshape(out, inp), b=b, y=y))
+    return cases
+
+
+def test_neon_gemv_against_float64_and_the_plain_path(binary, tmp_path):
+    isa, neon = run(binary, tmp_path)
+    generic_isa, generic = run(binary, tmp_path, "generic")
+    assert (isa, generic_isa) == ("neon", "generic")
+    assert len(neon) == len(generic) == 3 * 6 * 3 * 2  # dtypes x rows x input sizes x bias
+    for a, g in zip(neon, generic):
+        where = f"{a['dtype']} rows {a['rows']} in {a['inp']} bias {a['bias']}"
+        assert a["rc"] == g["rc"] == 0, where
+        ref = a["x"].astype(np.float64) @ a["w"].T + (a["b"] if a["bias"] else 0)
+        scale = np.abs(a["x"]).sum(1, keepdims=True) * np.abs(a["w"]).max() + 1e-30  # the sum's magnitude
+        assert np.all(np.abs(a["y"] - ref) <= 1e-5 * scale), where  # float32 sums of up to 899 products
+        assert np.all(np.abs(a["y"] - g["y"]) <= 2e-5 * scale), where
