@@ -28,7 +28,12 @@ SWIGLU = "MsliteLlmSwiGlu"  # x [N, I], Wg, Wu [O, I] -> silu(x.Wg^T) * (x.Wu^T)
 DECODE_ATTENTION = "MsliteLlmDecodeAttention"  # q [B, H*D], K, V caches [B, KH, S, D], valid_length [B] -> [B, H*D]
 #   (or q [N, H*D], valid_length [N] and rows [N] int32: query i reads cache row rows[i]; the chunk graph's step and
 #   piece in one call)
-FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION)
+DECODE_QKV = "MsliteLlmDecodeQkv"  # x, ln_w, eps, Wq, bq, Wk, bk, Wv, bv, cos, sin [B, D], key_cache, value_cache
+#   [B, KH, S, D], valid_length [B] [, q_norm, k_norm] -> q [B, H*D]: the input norm, q/k/v, RoPE, and k, v written into
+#   the caches at valid_length - 1 in place (the decode step)
+NORM_SWIGLU = "MsliteLlmNormSwiGlu"  # h [B, E], ln_w [E], eps [1], Wg, Wu [O, E] -> SwiGLU of RMSNorm(h) [B, O]
+FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
+             NORM_SWIGLU)
 BUILD_HINT = "reinstall with a C++ compiler present (apt install g++; pip install -e .)"
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1034,6 +1034,16 @@ struct MultiGemvJob : Job {
 };
 
 // y = x * rsqrt(mean(x^2) + eps) * w, per row (HF Qwen2RMSNorm in float32; the sum in double).
+void norm_rows(const float* x, int64_t rows, int64_t e, const float* w, float eps, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * e;
+    double ss = 0.0;
+    for (int64_t i = 0; i < e; ++i) ss += double(xr[i]) * xr[i];
+    const float inv = 1.0f / std::sqrt(float(ss / double(e > 0 ? e : 1)) + eps);
+    for (int64_t i = 0; i < e; ++i) y[r * e + i] = w[i] * (xr[i] * inv);
+  }
+}
+
 int rms_norm(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam != 4) return 1;
   for (int k = 0; k < 4; ++k)
@@ -1043,17 +1053,8 @@ int rms_norm(int nparam, void** params, int* ndims, int64_t** shapes, const char
   if (shapes[1][0] != e || shapes[3][0] != rows || shapes[3][1] != e || ndims[2] > 1 ||
       (ndims[2] == 1 && shapes[2][0] != 1))
     return 4;
-  const float* x = static_cast<const float*>(params[0]);
-  const float* w = static_cast<const float*>(params[1]);
-  const float eps = *static_cast<const float*>(params[2]);
-  float* y = static_cast<float*>(params[3]);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * e;
-    double ss = 0.0;
-    for (int64_t i = 0; i < e; ++i) ss += double(xr[i]) * xr[i];
-    const float inv = 1.0f / std::sqrt(float(ss / double(e > 0 ? e : 1)) + eps);
-    for (int64_t i = 0; i < e; ++i) y[r * e + i] = w[i] * (xr[i] * inv);
-  }
+  norm_rows(static_cast<const float*>(params[0]), rows, e, static_cast<const float*>(params[1]),
+            *static_cast<const float*>(params[2]), static_cast<float*>(params[3]));
   return 0;
 }
 
@@ -1160,6 +1161,90 @@ int gemv_add(int nparam, void** params, int* ndims, int64_t** shapes, const char
 }
 
 // x [M, I]; Wg, Wu [O, I] -> y [M, O] = silu(x . Wg^T) * (x . Wu^T) (the MLP before down_proj).
+int swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
+
+// The decode step's first half of a layer in one op (MsliteLlmDecodeQkv): the input RMSNorm, q/k/v with their
+// biases, Qwen3's per-head norms, RoPE, and k and v written into the KV cache at each row's position, in place.
+// params: x [B, E], ln_w [E], eps [1], Wq, bq, Wk, bk, Wv, bv, cos [B, D], sin [B, D], key_cache, value_cache
+// [B, KH, S, D] float32, valid_length [B] int32 (the position written is valid_length - 1), [q_norm [D],
+// k_norm [D]], q [B, H*D] (the output). Writing the caches here saves the graph two ScatterNdUpdate per layer
+// (MindSpore's CPU kernel: ~60 us each, scripts/PERFORMANCE.md §17) and the separate norm's call.
+int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 15 && nparam != 17) return 1;
+  const bool norms = nparam == 17;
+  const int out = nparam - 1;
+  const WType wt = weight_type(dtypes[3]);
+  if (wt == W_NONE || weight_type(dtypes[5]) != wt || weight_type(dtypes[7]) != wt) return 2;
+  for (int k = 0; k < nparam; ++k)
+    if (k != 3 && k != 5 && k != 7 && k != 13 && !is_f32(dtypes[k])) return 2;
+  if (std::strcmp(dtypes[13], "int32") != 0) return 2;
+  if (ndims[0] != 2 || ndims[1] != 1 || ndims[2] > 1 || ndims[11] != 4 || ndims[12] != 4 || ndims[13] != 1 ||
+      ndims[out] != 2)
+    return 3;
+  const int64_t rows = shapes[0][0], e = shapes[0][1];
+  const int64_t kv_heads = shapes[11][1], seq = shapes[11][2], d = shapes[11][3];
+  for (int k = 0; k < 4; ++k)
+    if (shapes[12][k] != shapes[11][k]) return 4;
+  if (shapes[1][0] != e || shapes[11][0] < rows || shapes[13][0] != rows || d <= 0 || d % 2) return 4;
+  if (norms && (ndims[14] != 1 || ndims[15] != 1 || shapes[14][0] != d || shapes[15][0] != d)) return 4;
+  const int64_t outs[3] = {shapes[3][0], shapes[5][0], shapes[7][0]};
+  for (int m = 0; m < 3; ++m)
+    if (ndims[3 + 2 * m] != 2 || shapes[3 + 2 * m][1] != e || ndims[4 + 2 * m] != 1 || shapes[4 + 2 * m][0] != outs[m])
+      return 4;
+  if (outs[1] != kv_heads * d || outs[2] != outs[1] || outs[0] % d || shapes[out][0] != rows ||
+      shapes[out][1] != outs[0] || ndims[9] != 2 || ndims[10] != 2 || shapes[9][0] != rows || shapes[9][1] != d ||
+      shapes[10][0] != rows || shapes[10][1] != d)
+    return 4;
+  const int32_t* valid = static_cast<const int32_t*>(params[13]);
+  for (int64_t r = 0; r < rows; ++r)
+    if (valid[r] < 1 || valid[r] > seq) return 4;  // nothing is written for a bad call
+  const float eps = *static_cast<const float*>(params[2]);
+  std::vector<float> xn(rows * e), kv(2 * rows * outs[1]);
+  norm_rows(static_cast<const float*>(params[0]), rows, e, static_cast<const float*>(params[1]), eps, xn.data());
+  float* ys[3] = {static_cast<float*>(params[out]), kv.data(), kv.data() + rows * outs[1]};
+  MultiGemvJob job;
+  job.fn = g_kernels.rows[wt];
+  job.x = xn.data(), job.rows = rows, job.in = e;
+  for (int m = 0; m < 3; ++m) job.add(params[3 + 2 * m], static_cast<const float*>(params[4 + 2 * m]), outs[m], ys[m]);
+  run(&job, outs[0] + outs[1] + outs[2] >= MIN_PARALLEL_ROWS);
+  const float* cos = static_cast<const float*>(params[9]);
+  const float* sin = static_cast<const float*>(params[10]);
+  if (norms) {
+    head_rms_norm(ys[0], rows, outs[0] / d, d, static_cast<const float*>(params[14]), eps);
+    head_rms_norm(ys[1], rows, kv_heads, d, static_cast<const float*>(params[15]), eps);
+  }
+  rope(ys[0], rows, outs[0] / d, d, cos, sin);
+  rope(ys[1], rows, kv_heads, d, cos, sin);
+  for (int m = 1; m < 3; ++m) {
+    float* cache = static_cast<float*>(params[10 + m]);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t h = 0; h < kv_heads; ++h)
+        std::memcpy(cache + ((r * kv_heads + h) * seq + valid[r] - 1) * d, ys[m] + (r * kv_heads + h) * d,
+                    size_t(d) * sizeof(float));
+  }
+  return 0;
+}
+
+// The MLP's first half with its RMSNorm (MsliteLlmNormSwiGlu): h [B, E], ln_w [E], eps [1], Wg, Wu [O, E] ->
+// silu(n . Wg^T) * (n . Wu^T) [B, O] with n = RMSNorm(h): one call instead of two.
+int norm_swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 6) return 1;
+  for (int k : {0, 1, 2, 5})
+    if (!is_f32(dtypes[k])) return 2;
+  if (ndims[0] != 2 || ndims[1] != 1 || ndims[2] > 1) return 3;
+  const int64_t rows = shapes[0][0], e = shapes[0][1];
+  if (shapes[1][0] != e) return 4;
+  std::vector<float> xn(rows * e);
+  norm_rows(static_cast<const float*>(params[0]), rows, e, static_cast<const float*>(params[1]),
+            *static_cast<const float*>(params[2]), xn.data());
+  int64_t shape[2] = {rows, e};
+  void* inner[4] = {xn.data(), params[3], params[4], params[5]};
+  int inner_ndims[4] = {2, ndims[3], ndims[4], ndims[5]};
+  int64_t* inner_shapes[4] = {shape, shapes[3], shapes[4], shapes[5]};
+  const char* inner_dtypes[4] = {"float32", dtypes[3], dtypes[4], dtypes[5]};
+  return swiglu(4, inner, inner_ndims, inner_shapes, inner_dtypes);
+}
+
 int swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam != 4) return 1;
   const WType wt = weight_type(dtypes[1]);
@@ -1258,7 +1343,7 @@ int decode_attention(int nparam, void** params, int* ndims, int64_t** shapes, co
 // With MSLITE_LLM_CPU_KERNELS_PROFILE=1 (read at load) each exported op adds its calls and wall time to a counter:
 // what our kernels cost inside MindSpore's graph, against the step's whole time. Off: one predictable branch.
 enum Op { OP_GEMV, OP_GEMV_BIAS, OP_GEMM_VALID, OP_EMBED, OP_RMS_NORM, OP_QKV_ROPE, OP_GEMV_ADD, OP_SWIGLU,
-          OP_ATTENTION, OP_COUNT };
+          OP_ATTENTION, OP_DECODE_QKV, OP_NORM_SWIGLU, OP_COUNT };
 const bool g_profile = std::getenv("MSLITE_LLM_CPU_KERNELS_PROFILE") != nullptr;
 std::atomic<int64_t> g_profile_ns[OP_COUNT], g_profile_calls[OP_COUNT];
 
@@ -1313,6 +1398,14 @@ int MsliteLlmSwiGlu(int nparam, void** params, int* ndims, int64_t** shapes, con
 int MsliteLlmDecodeAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
                              void*) {
   return timed(OP_ATTENTION, [&] { return decode_attention(nparam, params, ndims, shapes, dtypes); });
+}
+
+int MsliteLlmDecodeQkv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return timed(OP_DECODE_QKV, [&] { return decode_qkv(nparam, params, ndims, shapes, dtypes); });
+}
+
+int MsliteLlmNormSwiGlu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return timed(OP_NORM_SWIGLU, [&] { return norm_swiglu(nparam, params, ndims, shapes, dtypes); });
 }
 
 // With MSLITE_LLM_CPU_KERNELS_PROFILE set: per op (in Op's order), calls and nanoseconds since the last reset into

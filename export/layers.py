@@ -246,8 +246,13 @@ class Attention(nn.Cell):
             self.attention = kernel_op(cpu_kernels.DECODE_ATTENTION, lambda q, *_: q, lambda q, *_: q)
             # the chunk graph: the step's rows and the piece's tokens, each query reading its own cache row
             self.rows_attention = kernel_op(cpu_kernels.DECODE_ATTENTION, lambda q, *_: q, lambda q, *_: q)
+            # the decode step: the input norm, q/k/v, RoPE and the cache writes in one op, which writes the cache
+            # Parameters it is given in place (marked so: MindSpore orders it before the attention's reads)
+            self.decode_qkv = kernel_op(cpu_kernels.DECODE_QKV, lambda x, ln, eps, wq, *_: [x[0], wq[0]],
+                                        lambda x, *_: x)
+            self.decode_qkv.add_prim_attr("side_effect_mem", True)
         else:
-            self.qkv_rope = self.attention = self.rows_attention = None
+            self.qkv_rope = self.attention = self.rows_attention = self.decode_qkv = None
         cache_shape = (batch_size, self.kh, seq_length, self.d)
         self.key_cache = _weight(cache_shape, dtype, "key_cache")  # zeros in the weights file
         self.value_cache = _weight(cache_shape, dtype, "value_cache")
@@ -363,21 +368,34 @@ class Attention(nn.Cell):
         keys, values = self.write_step(k, v, index, b)
         return self.o_proj.few_rows(self._attend(q, keys, values, mask, b, 1))
 
+    def _biases(self):
+        p = (self.q_proj, self.k_proj, self.v_proj)
+        return (p[0].bias, p[1].bias, p[2].bias) if self.zero_bias is None else (
+            self.zero_bias[0], self.zero_bias[1], self.zero_bias[1])
+
+    def decode_step(self, x, norm, cos, sin, valid_length):
+        """The decode step through cpu_kernels, up to o_proj: `norm` (the layer's input RMSNorm), q/k/v, RoPE and the
+        cache writes at valid_length - 1 in one op (MsliteLlmDecodeQkv, in place), then the attention over each row's
+        valid positions."""
+        p = (self.q_proj, self.k_proj, self.v_proj)
+        bq, bk, bv = self._biases()
+        if self.q_norm is None:
+            q = self.decode_qkv(x, norm.weight, norm.eps_tensor, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv,
+                                cos, sin, self.key_cache, self.value_cache, valid_length)
+        else:
+            q = self.decode_qkv(x, norm.weight, norm.eps_tensor, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv,
+                                cos, sin, self.key_cache, self.value_cache, valid_length, self.q_norm.weight,
+                                self.k_norm.weight)
+        return self.attention(q, self.key_cache, self.value_cache, valid_length)
+
     def _kernel_qkv(self, x, cos, sin):
         """q, k, v [N, H*D], [N, KH*D] through cpu_kernels' one op (projections, bias, Qwen3's norms, RoPE)."""
         p = (self.q_proj, self.k_proj, self.v_proj)
-        bq, bk, bv = (p[0].bias, p[1].bias, p[2].bias) if self.zero_bias is None else (
-            self.zero_bias[0], self.zero_bias[1], self.zero_bias[1])
+        bq, bk, bv = self._biases()
         if self.q_norm is None:
             return self.qkv_rope(x, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv, cos, sin)
         return self.qkv_rope(x, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv, cos, sin, self.q_norm.weight,
                              self.k_norm.weight, self.norm_eps)
-
-    def fused_attend(self, x, cos, sin, index, b, valid_length):
-        """The decode step through cpu_kernels' ops, up to o_proj (which the layer folds into the residual add)."""
-        q, k, v = self._kernel_qkv(x, cos, sin)
-        keys, values = self.write_step(k, v, index, b)
-        return self.attention(q, keys, values, valid_length)
 
 
 class DecoderLayer(nn.Cell):
@@ -392,8 +410,11 @@ class DecoderLayer(nn.Cell):
             import cpu_kernels
 
             self.project_add = kernel_op(cpu_kernels.GEMV_ADD, lambda x, w, r: r, lambda x, *_: x)
+            # post_attention_layernorm, gate, up, SiLU and the product in one kernel (no MLP bias)
+            self.norm_swiglu = None if self.mlp.swiglu is None else kernel_op(
+                cpu_kernels.NORM_SWIGLU, lambda h, w, e, wg, wu: (h[0], wg[0]), lambda h, *_: h)
         else:
-            self.project_add = None
+            self.project_add = self.norm_swiglu = None
 
     def prefill(self, x, cos, sin, mask, b, n, valid_length):  # x [B*n, E]
         h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n, valid_length))
@@ -406,12 +427,14 @@ class DecoderLayer(nn.Cell):
         return ew_add(h, self.mlp(self.post_attention_layernorm(h)))
 
     def _kernel_tail(self, x, attn):
-        """After the attention, through cpu_kernels: o_proj + residual, the norm, the MLP, down_proj + residual."""
+        """After the attention, through cpu_kernels: o_proj + residual, the norm and the MLP (one kernel without an MLP
+        bias), down_proj + residual."""
         h = self._project_add(self.self_attn.o_proj, attn, x)
-        normed = self.post_attention_layernorm.few_rows(h)
-        if self.mlp.swiglu is not None:
-            mlp = self.mlp.swiglu(normed, self.mlp.gate_proj.weight, self.mlp.up_proj.weight)
+        norm = self.post_attention_layernorm
+        if self.norm_swiglu is not None:
+            mlp = self.norm_swiglu(h, norm.weight, norm.eps_tensor, self.mlp.gate_proj.weight, self.mlp.up_proj.weight)
         else:
+            normed = norm.few_rows(h)
             mlp = ew_mul(ew_silu(self.mlp.gate_proj.few_rows(normed)), self.mlp.up_proj.few_rows(normed))
         return self._project_add(self.mlp.down_proj, mlp, h)
 
@@ -423,8 +446,8 @@ class DecoderLayer(nn.Cell):
         return ew_add(residual, linear.few_rows(x))
 
     def decode(self, x, cos, sin, mask, index, b, valid_length):  # x [B, E]
-        if self.project_add is not None:  # cpu_kernels: 7 calls per layer (more where a family has o/MLP biases)
-            attn = self.self_attn.fused_attend(self.input_layernorm.few_rows(x), cos, sin, index, b, valid_length)
+        if self.project_add is not None:  # cpu_kernels: 5 calls per layer (more where a family has o/MLP biases)
+            attn = self.self_attn.decode_step(x, self.input_layernorm, cos, sin, valid_length)
             return self._kernel_tail(x, attn)
         h = ew_add(x, self.self_attn.decode(self.input_layernorm.few_rows(x), cos, sin, mask, index, b, valid_length))
         return ew_add(h, self.mlp.few_rows(self.post_attention_layernorm.few_rows(h)))

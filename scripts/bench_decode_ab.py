@@ -55,6 +55,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--baseline_root", help="also: another checkout (e.g. a git worktree of an earlier commit, its kernels "
+                                           "built in place), with its own export of the model in --baseline_folder")
+    p.add_argument("--baseline_folder", help="the model exported by --baseline_root's code")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -65,25 +68,40 @@ def main(argv=None) -> int:
     env = {k: v for k, v in os.environ.items() if k != "MSLITE_LLM_CPU_KERNELS_ISA"}
     if args.isa != "native":
         env["MSLITE_LLM_CPU_KERNELS_ISA"] = args.isa
+    def ours_in(root: str, folder: str) -> dict:
+        run_env = dict(env, PYTHONPATH=root)
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_decode_ab.py"), "--child",
+                              "--folder", folder, "--gguf", args.gguf, "--llama_bench", args.llama_bench, "--tokens",
+                              str(args.tokens)], capture_output=True, text=True, env=run_env, check=True, cwd=root)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    engines = ["ours", "llama"] + (["baseline"] if args.baseline_root else [])
     rows = []
     for r in range(args.rounds):
         result = {}
-        for who in (("ours", "llama") if r % 2 == 0 else ("llama", "ours")):
+        for who in (engines if r % 2 == 0 else engines[::-1]):
             if who == "ours":
-                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--folder", args.folder,
-                                      "--gguf", args.gguf, "--llama_bench", args.llama_bench, "--tokens",
-                                      str(args.tokens)], capture_output=True, text=True, env=env, check=True)
-                result.update(json.loads(out.stdout.strip().splitlines()[-1]))
+                result.update(ours_in(ROOT, args.folder))
+            elif who == "baseline":
+                result["baseline_tok_s"] = ours_in(os.path.abspath(args.baseline_root), args.baseline_folder)["tok_s"]
             else:
                 result["llama_tok_s"] = llama(args.llama_bench, args.gguf, args.tokens, args.threads)
         result["ratio"] = result["tok_s"] / result["llama_tok_s"]
+        if args.baseline_root:
+            result["baseline_ratio"] = result["baseline_tok_s"] / result["llama_tok_s"]
         rows.append(result)
+        base = (f", baseline {result['baseline_tok_s']:.1f} tok/s (ratio {result['baseline_ratio']:.2f})"
+                if args.baseline_root else "")
         print(f"round {r + 1}: ours ({result['isa']}) {result['tok_s']:.1f} tok/s, llama.cpp "
-              f"{result['llama_tok_s']:.1f} tok/s, ratio {result['ratio']:.2f}", flush=True)
+              f"{result['llama_tok_s']:.1f} tok/s, ratio {result['ratio']:.2f}{base}", flush=True)
     print(f"median: ours {statistics.median(r['tok_s'] for r in rows):.1f} tok/s, llama.cpp "
           f"{statistics.median(r['llama_tok_s'] for r in rows):.1f} tok/s; median of the per-round ratios "
           f"{statistics.median(r['ratio'] for r in rows):.2f} ({os.path.basename(args.folder)} against "
           f"{os.path.basename(args.gguf)})")
+    if args.baseline_root:
+        print(f"baseline ({args.baseline_root}): median {statistics.median(r['baseline_tok_s'] for r in rows):.1f} "
+              f"tok/s, median of its per-round ratios to llama.cpp "
+              f"{statistics.median(r['baseline_ratio'] for r in rows):.2f}")
     return 0
 
 

@@ -250,13 +250,18 @@ def test_mindspore_graph_runs_our_kernels_on_bfloat16_parameters():
         assert np.abs(y - ref).max() <= 1e-5 * (np.abs(table64[ids]) @ np.abs(w64).T + np.abs(b)).max()
 
 
-def custom_funcs(graph_path: str):
-    """(Counter of Custom func names among primitives, number of graph nodes that call a Custom primitive)."""
+def graph_model(graph_path: str):
     from mindspore.train import mind_ir_pb2
 
     model = mind_ir_pb2.ModelProto()
     with open(graph_path, "rb") as fh:
         model.ParseFromString(fh.read())
+    return model
+
+
+def custom_funcs(graph_path: str):
+    """(Counter of Custom func names among primitives, number of graph nodes that call a Custom primitive)."""
+    model = graph_model(graph_path)
     funcs = collections.Counter(a.s.decode() for p in model.primitives for a in p.attribute if a.name == "func_name")
     calls = sum(1 for node in model.graph.node if node.op_type.startswith("REF::Custom"))
     return funcs, calls
@@ -269,11 +274,13 @@ def test_decode_graph_calls_our_kernels_and_prefill_only_for_few_rows(exported):
     funcs, calls = custom_funcs(os.path.join(folder, graphs["inc"]))
     # stored by library name only, never by the exporting machine's path
     assert set(funcs) == {f"mslite_llm_cpu_kernels.so:{f}" for f in (
-        cpu_kernels.GEMV, cpu_kernels.RMS_NORM, cpu_kernels.QKV_ROPE, cpu_kernels.GEMV_ADD, cpu_kernels.SWIGLU,
+        cpu_kernels.GEMV, cpu_kernels.RMS_NORM, cpu_kernels.DECODE_QKV, cpu_kernels.GEMV_ADD, cpu_kernels.NORM_SWIGLU,
         cpu_kernels.DECODE_ATTENTION)}
-    # per layer: 2 norms, q/k/v + RoPE, attention, o_proj + residual, gate/up + SiLU, down + residual; then the
-    # final norm and the lm_head
-    assert calls == 7 * 2 + 2
+    # per layer: norm + q/k/v + RoPE + the cache writes, attention, o_proj + residual, norm + gate/up + SiLU, down +
+    # residual; then the final norm and the lm_head. No ScatterNdUpdate: the first kernel writes the cache in place
+    assert calls == 5 * 2 + 2
+    assert not {p.op_type for p in graph_model(os.path.join(folder, graphs["inc"])).primitives} & {
+        "ScatterNdUpdate", "ScatterUpdate", "Assign"}
     # the full graph (2 rows x 32 tokens): MindSpore's MatMul, but for the lm_head on each row's last token
     assert custom_funcs(os.path.join(folder, graphs["prefill"])) == (
         collections.Counter({"mslite_llm_cpu_kernels.so:MsliteLlmGemv": 1}), 1)

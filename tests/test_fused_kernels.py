@@ -79,6 +79,69 @@ def test_qkv_rope_with_per_head_norms(rows):
                        *outs) == 4
 
 
+@pytest.mark.parametrize("rows, qk_norm", [(1, False), (3, True)])
+def test_decode_qkv_normalises_projects_rotates_and_writes_the_cache_in_place(rows, qk_norm):
+    """The decode step's first op: the input RMSNorm, q/k/v, Qwen3's head norms, RoPE, and k, v written into the
+    caches at each row's valid_length - 1 (nothing else of the caches changes); a position past the cache is
+    refused before anything is written."""
+    rng = np.random.default_rng(200 + rows)
+    e, h, kh, d, s, eps = 96, 4, 2, 16, 12, 1e-6
+    x = rng.standard_normal((rows, e), dtype=np.float32)
+    ln = (1 + 0.1 * rng.standard_normal(e)).astype(np.float32)
+    mats = [(rng.standard_normal((o, e), dtype=np.float32), rng.standard_normal(o, dtype=np.float32))
+            for o in (h * d, kh * d, kh * d)]
+    angle = rng.uniform(0, 6, (rows, d // 2)).astype(np.float32)
+    cos, sin = np.cos(np.tile(angle, 2)).astype(np.float32), np.sin(np.tile(angle, 2)).astype(np.float32)
+    caches = [rng.standard_normal((rows + 1, kh, s, d), dtype=np.float32) for _ in range(2)]  # a row more: untouched
+    before = [c.copy() for c in caches]
+    valid = np.array([3, 12, 1][:rows], np.int32)
+    norms = [(1 + 0.1 * rng.standard_normal(d)).astype(np.float32) for _ in range(2)] if qk_norm else []
+    q = np.full((rows, h * d), np.nan, np.float32)
+    eps_t = np.array([eps], np.float32)
+    args = [x, ln, eps_t, *[t for m in mats for t in m], cos, sin, *caches, valid, *norms, q]
+    types = [None] * 13 + ["int32"] + [None] * (len(norms) + 1)
+    assert call_kernel(cpu_kernels.DECODE_QKV, *args, dtypes=types) == 0
+
+    def head_norm(y, w):
+        heads = y.reshape(rows, -1, d)
+        return (w * heads / np.sqrt((heads ** 2).mean(-1, keepdims=True) + eps)).reshape(rows, -1)
+
+    x64 = x.astype(np.float64)
+    normed = ln * x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps)
+    plain = [normed @ w.T.astype(np.float64) + b for w, b in mats]
+    if qk_norm:
+        plain[0], plain[1] = head_norm(plain[0], norms[0]), head_norm(plain[1], norms[1])
+    q_ref, k_ref = rope64(plain[0], cos, sin, d), rope64(plain[1], cos, sin, d)
+    assert close(q, q_ref)
+    for cache, old, ref in zip(caches, before, (k_ref, plain[2])):
+        expect = old.astype(np.float64)
+        for r in range(rows):
+            expect[r, :, valid[r] - 1] = ref[r].reshape(kh, d)
+        assert close(cache, expect)
+        written = np.zeros(cache.shape, bool)
+        for r in range(rows):
+            written[r, :, valid[r] - 1] = True
+        assert np.array_equal(cache[~written], old[~written])  # nothing else moved
+    kept = [c.copy() for c in caches]
+    args[13] = np.array([13, 1, 1][:rows], np.int32)  # past the cache's 12 positions
+    assert call_kernel(cpu_kernels.DECODE_QKV, *args, dtypes=types) == 4
+    assert all(np.array_equal(c, k) for c, k in zip(caches, kept))
+
+
+def test_norm_swiglu_is_the_norm_then_swiglu():
+    rng = np.random.default_rng(9)
+    rows, e, o, eps = 2, 64, 40, 1e-6
+    hid = rng.standard_normal((rows, e), dtype=np.float32)
+    ln = (1 + 0.1 * rng.standard_normal(e)).astype(np.float32)
+    wg, wu = rng.standard_normal((o, e), dtype=np.float32), rng.standard_normal((o, e), dtype=np.float32)
+    y = np.full((rows, o), np.nan, np.float32)
+    assert call_kernel(cpu_kernels.NORM_SWIGLU, hid, ln, np.array([eps], np.float32), wg, wu, y) == 0
+    h64 = hid.astype(np.float64)
+    n = ln * h64 / np.sqrt((h64 ** 2).mean(-1, keepdims=True) + eps)
+    g, u = n @ wg.T, n @ wu.T
+    assert close(y, g / (1 + np.exp(-g)) * u, np.abs(g).max() * np.abs(u).max())
+
+
 @pytest.mark.parametrize("rows", [1, 3, 20])
 def test_swiglu_and_projection_with_residual(rows):
     rng = np.random.default_rng(10 + rows)
