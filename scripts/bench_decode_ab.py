@@ -58,22 +58,26 @@ def main(argv=None) -> int:
     p.add_argument("--baseline_root", help="also: another checkout (e.g. a git worktree of an earlier commit, its kernels "
                                            "built in place), with its own export of the model in --baseline_folder")
     p.add_argument("--baseline_folder", help="the model exported by --baseline_root's code")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--child", metavar="ROOT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.child:
+    if args.child:  # the checkout to measure: its lite_runtime and its kernels, ahead of this one's and the installed
+        sys.path.insert(0, os.path.abspath(args.child))
         import cpu_kernels
 
-        print(json.dumps({"tok_s": ours(args.folder, args.tokens), "isa": cpu_kernels.isa()}))
+        tok_s = ours(args.folder, args.tokens)
+        print(json.dumps({"tok_s": tok_s, "isa": cpu_kernels.isa(), "kernels": cpu_kernels.library_path()}))
         return 0
     env = {k: v for k, v in os.environ.items() if k != "MSLITE_LLM_CPU_KERNELS_ISA"}
     if args.isa != "native":
         env["MSLITE_LLM_CPU_KERNELS_ISA"] = args.isa
     def ours_in(root: str, folder: str) -> dict:
-        run_env = dict(env, PYTHONPATH=root)
-        out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_decode_ab.py"), "--child",
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_decode_ab.py"), "--child", root,
                               "--folder", folder, "--gguf", args.gguf, "--llama_bench", args.llama_bench, "--tokens",
-                              str(args.tokens)], capture_output=True, text=True, env=run_env, check=True, cwd=root)
-        return json.loads(out.stdout.strip().splitlines()[-1])
+                              str(args.tokens)], capture_output=True, text=True, env=env, check=True, cwd=root)
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        if not result["kernels"].startswith(os.path.abspath(root)):  # the baseline ran its own kernels, or says so
+            raise SystemExit(f"{root}: the child loaded kernels from {result['kernels']}")
+        return result
 
     engines = ["ours", "llama"] + (["baseline"] if args.baseline_root else [])
     rows = []
