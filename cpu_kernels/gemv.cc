@@ -720,7 +720,7 @@ struct Shares {
   int64_t end[MAX];
 
   void split(int64_t tasks, int threads) {
-    n = std::max(1, std::min(threads, MAX));
+    n = std::max(1, std::min(threads, int(MAX)));
     for (int k = 0; k < n; ++k) {
       cursor[k].store(tasks * k / n, std::memory_order_relaxed);
       end[k] = tasks * (k + 1) / n;
@@ -1305,6 +1305,35 @@ int swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char**
   return 0;
 }
 
+// The rest of a layer after the attention in one op (MsliteLlmDecodeTail): h = x + attn . Wo^T, then
+// h + down(SwiGLU(RMSNorm(h))). params: attn [N, A], Wo [E, A], x [N, E] (the residual), ln_w [E], eps [1],
+// Wg, Wu [I, E], Wd [E, I], y [N, E]. For families without o_proj or MLP biases; one MindSpore launch where the
+// graph made three (~10-15 us each on 2 cores, 48 per step of the 0.5B shape: scripts/PERFORMANCE.md section 26).
+int decode_tail(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 9) return 1;
+  const WType wo = weight_type(dtypes[1]), wg = weight_type(dtypes[5]), wd = weight_type(dtypes[7]);
+  if (wo == W_NONE || wg == W_NONE || weight_type(dtypes[6]) != wg || wd == W_NONE) return 2;
+  for (int k : {0, 2, 3, 4, 8})
+    if (!is_f32(dtypes[k])) return 2;
+  for (int k : {0, 1, 2, 5, 6, 7, 8})
+    if (ndims[k] != 2) return 3;
+  if (ndims[3] != 1 || ndims[4] > 1) return 3;
+  const int64_t rows = shapes[0][0], a = shapes[0][1], e = shapes[1][0], inter = shapes[5][0];
+  if (shapes[1][1] != a || shapes[2][0] != rows || shapes[2][1] != e || shapes[3][0] != e || shapes[5][1] != e ||
+      shapes[6][0] != inter || shapes[6][1] != e || shapes[7][0] != e || shapes[7][1] != inter ||
+      shapes[8][0] != rows || shapes[8][1] != e)
+    return 4;
+  if (rows <= 0 || e <= 0) return 0;
+  if (a <= 0 || inter <= 0) return 4;
+  std::vector<float> h(size_t(rows * e)), hn(size_t(rows * e)), m(size_t(rows * inter));
+  matmul(static_cast<const float*>(params[0]), rows, params[1], wo, nullptr, a, e, h.data(), nullptr,
+         static_cast<const float*>(params[2]));
+  norm_rows(h.data(), rows, e, static_cast<const float*>(params[3]), *static_cast<const float*>(params[4]), hn.data());
+  matmul(hn.data(), rows, params[5], wg, nullptr, e, inter, m.data(), params[6]);
+  matmul(m.data(), rows, params[7], wd, nullptr, inter, e, static_cast<float*>(params[8]), nullptr, h.data());
+  return 0;
+}
+
 // One new token per row against the KV cache: q [B, H*D]; K, V caches [B, KH, S, D]; valid_length [B] int32
 // (positions 0 .. valid_length-1, the new one included, as written by the graph's ScatterNdUpdate) ->
 // out [B, H*D]. Query head h reads key/value head h / (H / KH) (HF repeat_kv). Reads only the valid
@@ -1387,7 +1416,7 @@ int decode_attention(int nparam, void** params, int* ndims, int64_t** shapes, co
 // With MSLITE_LLM_CPU_KERNELS_PROFILE=1 (read at load) each exported op adds its calls and wall time to a counter:
 // what our kernels cost inside MindSpore's graph, against the step's whole time. Off: one predictable branch.
 enum Op { OP_GEMV, OP_GEMV_BIAS, OP_GEMM_VALID, OP_EMBED, OP_RMS_NORM, OP_QKV_ROPE, OP_GEMV_ADD, OP_SWIGLU,
-          OP_ATTENTION, OP_DECODE_QKV, OP_NORM_SWIGLU, OP_COUNT };
+          OP_ATTENTION, OP_DECODE_QKV, OP_NORM_SWIGLU, OP_DECODE_TAIL, OP_COUNT };
 const bool g_profile = std::getenv("MSLITE_LLM_CPU_KERNELS_PROFILE") != nullptr;
 std::atomic<int64_t> g_profile_ns[OP_COUNT], g_profile_calls[OP_COUNT];
 
@@ -1450,6 +1479,10 @@ int MsliteLlmDecodeQkv(int nparam, void** params, int* ndims, int64_t** shapes, 
 
 int MsliteLlmNormSwiGlu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
   return timed(OP_NORM_SWIGLU, [&] { return norm_swiglu(nparam, params, ndims, shapes, dtypes); });
+}
+
+int MsliteLlmDecodeTail(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return timed(OP_DECODE_TAIL, [&] { return decode_tail(nparam, params, ndims, shapes, dtypes); });
 }
 
 // With MSLITE_LLM_CPU_KERNELS_PROFILE set: per op (in Op's order), calls and nanoseconds since the last reset into
