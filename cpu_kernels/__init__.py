@@ -32,8 +32,10 @@ DECODE_QKV = "MsliteLlmDecodeQkv"  # x, ln_w, eps, Wq, bq, Wk, bk, Wv, bv, cos, 
 #   [B, KH, S, D], valid_length [B] [, q_norm, k_norm] -> q [B, H*D]: the input norm, q/k/v, RoPE, and k, v written into
 #   the caches at valid_length - 1 in place (the decode step)
 NORM_SWIGLU = "MsliteLlmNormSwiGlu"  # h [B, E], ln_w [E], eps [1], Wg, Wu [O, E] -> SwiGLU of RMSNorm(h) [B, O]
+DECODE_TAIL = "MsliteLlmDecodeTail"  # attn [N, A], Wo [E, A], x [N, E], ln_w [E], eps [1], Wg, Wu [I, E], Wd [E, I]
+#   -> h + down(SwiGLU(RMSNorm(h))) with h = x + attn . Wo^T [N, E]: the layer after the attention (no o/MLP biases)
 FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
-             NORM_SWIGLU)
+             NORM_SWIGLU, DECODE_TAIL)
 BUILD_HINT = "reinstall with a C++ compiler present (apt install g++; pip install -e .)"
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

@@ -413,8 +413,13 @@ class DecoderLayer(nn.Cell):
             # post_attention_layernorm, gate, up, SiLU and the product in one kernel (no MLP bias)
             self.norm_swiglu = None if self.mlp.swiglu is None else kernel_op(
                 cpu_kernels.NORM_SWIGLU, lambda h, w, e, wg, wu: (h[0], wg[0]), lambda h, *_: h)
+            # and all of it in one kernel where neither o_proj nor the MLP has a bias or an AllReduce
+            o, mlp = self.self_attn.o_proj, self.mlp
+            plain = all(lin.bias is None and lin.reduce is None for lin in (o, mlp.down_proj))
+            self.tail = kernel_op(cpu_kernels.DECODE_TAIL, lambda a, wo, x, *_: x, lambda a, *_: a) if (
+                plain and self.norm_swiglu is not None) else None
         else:
-            self.project_add = self.norm_swiglu = None
+            self.project_add = self.norm_swiglu = self.tail = None
 
     def prefill(self, x, cos, sin, mask, b, n, valid_length):  # x [B*n, E]
         h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n, valid_length))
@@ -427,10 +432,13 @@ class DecoderLayer(nn.Cell):
         return ew_add(h, self.mlp(self.post_attention_layernorm(h)))
 
     def _kernel_tail(self, x, attn):
-        """After the attention, through cpu_kernels: o_proj + residual, the norm and the MLP (one kernel without an MLP
-        bias), down_proj + residual."""
+        """After the attention, through cpu_kernels: o_proj + residual, the norm and the MLP, down_proj + residual (one
+        kernel where neither o_proj nor the MLP has a bias or a tensor-parallel AllReduce)."""
+        norm, mlp = self.post_attention_layernorm, self.mlp
+        if self.tail is not None:
+            return self.tail(attn, self.self_attn.o_proj.weight, x, norm.weight, norm.eps_tensor, mlp.gate_proj.weight,
+                             mlp.up_proj.weight, mlp.down_proj.weight)
         h = self._project_add(self.self_attn.o_proj, attn, x)
-        norm = self.post_attention_layernorm
         if self.norm_swiglu is not None:
             mlp = self.norm_swiglu(h, norm.weight, norm.eps_tensor, self.mlp.gate_proj.weight, self.mlp.up_proj.weight)
         else:
@@ -446,7 +454,7 @@ class DecoderLayer(nn.Cell):
         return ew_add(residual, linear.few_rows(x))
 
     def decode(self, x, cos, sin, mask, index, b, valid_length):  # x [B, E]
-        if self.project_add is not None:  # cpu_kernels: 5 calls per layer (more where a family has o/MLP biases)
+        if self.project_add is not None:  # cpu_kernels: 3 calls per layer (more where a family has o/MLP biases)
             attn = self.self_attn.decode_step(x, self.input_layernorm, cos, sin, valid_length)
             return self._kernel_tail(x, attn)
         h = ew_add(x, self.self_attn.decode(self.input_layernorm.few_rows(x), cos, sin, mask, index, b, valid_length))

@@ -142,6 +142,32 @@ def test_norm_swiglu_is_the_norm_then_swiglu():
     assert close(y, g / (1 + np.exp(-g)) * u, np.abs(g).max() * np.abs(u).max())
 
 
+@pytest.mark.parametrize("rows,wdtype", [(1, "float32"), (2, "bfloat16"), (20, "float16")])
+def test_decode_tail_is_o_proj_residual_norm_mlp_residual(rows, wdtype):
+    rng = np.random.default_rng(11 + rows)
+    a, e, inter, eps = 48, 64, 160, 1e-6
+    attn, x = rng.standard_normal((rows, a), dtype=np.float32), rng.standard_normal((rows, e), dtype=np.float32)
+    ln = (1 + 0.1 * rng.standard_normal(e)).astype(np.float32)
+    wo, wg, wu, wd = (0.1 * rng.standard_normal(s, dtype=np.float32) for s in ((e, a), (inter, e), (inter, e), (e, inter)))
+    if wdtype == "float16":  # the weights as the kernel reads them: 16-bit values, compared exactly widened
+        wo, wg, wu, wd = (w.astype(np.float16) for w in (wo, wg, wu, wd))
+    elif wdtype == "bfloat16":
+        wo, wg, wu, wd = ((w.view(np.uint32) >> 16).astype(np.uint16) for w in (wo, wg, wu, wd))
+    wide = [w.astype(np.float64) if w.dtype != np.uint16 else (w.astype(np.uint32) << 16).view(np.float32).astype(
+        np.float64) for w in (wo, wg, wu, wd)]
+    y = np.full((rows, e), np.nan, np.float32)
+    dtypes = [None, wdtype, None, None, None, wdtype, wdtype, wdtype, None]
+    assert call_kernel(cpu_kernels.DECODE_TAIL, attn, wo, x, ln, np.array([eps], np.float32), wg, wu, wd, y,
+                       dtypes=dtypes) == 0
+    h = x + attn.astype(np.float64) @ wide[0].T
+    n = ln * h / np.sqrt((h ** 2).mean(-1, keepdims=True) + eps)
+    g, u = n @ wide[1].T, n @ wide[2].T
+    want = h + (g / (1 + np.exp(-g)) * u) @ wide[3].T
+    assert close(y, want, np.abs(want).max())
+    assert call_kernel(cpu_kernels.DECODE_TAIL, attn, wo, x[:, :5], ln, np.array([eps], np.float32), wg, wu, wd, y,
+                       dtypes=dtypes) == 4  # a residual of the wrong width: refused, nothing computed
+
+
 @pytest.mark.parametrize("rows", [1, 3, 20])
 def test_swiglu_and_projection_with_residual(rows):
     rng = np.random.default_rng(10 + rows)
