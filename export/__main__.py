@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "piece of one row's prompt in one call: the server (python -m lite_runtime.serve) prefills "
                         "each prompt piece by piece inside the running requests' decode steps (pieces of the smallest "
                         "size; the largest when nothing else runs), and after the prefix a cache row kept from the "
-                        "previous turn. auto (default): 12,128 on cpu (4,128 for 16-bit weights), 256 on Atlas (GE "
+                        "previous turn. auto (default): 8,128 on cpu (2,128 for 16-bit weights), 256 on Atlas (GE "
                         "compiles each graph for "
                         "minutes), at most --seq_length; none: no chunk graph (a folder the server refuses)")
     p.add_argument("--cpu_kernels", choices=("auto", "on", "off"), default="auto",

@@ -50,7 +50,7 @@ PROFILES: Dict[str, DeviceProfile] = {
     "atlas_300i_duo": DeviceProfile("atlas_300i_duo", "Atlas 300I Duo", "Ascend310P", ("float16",)),
     # CPU folders compute in float32; float16 and bfloat16 store the matrices in 16 bits (ExportConfig.compute_dtype)
     "cpu": DeviceProfile("cpu", "CPU", "", ("float32", "bfloat16", "float16"), bucket_first=16, bucket_factor=2,
-                         chunks=(12, 128)),
+                         chunks=(8, 128)),
 }
 DEFAULT_PROFILE = "atlas_800i_a2"
 
@@ -95,11 +95,14 @@ def default_chunks(profile: DeviceProfile, seq_length: int, dtype: str) -> Tuple
     largest, so a long prompt alone is not slowed by small pieces. A step costs the weights' bytes over the memory's
     pace and a piece its tokens' arithmetic, both in proportion to the parameters, so the small size depends on the
     bytes per weight and the machine's balance, not on the model's size:
-    - CPU: 12 (float32 weights) or 4 (16-bit weights: a step reads half the bytes, a piece does the same float32
+    - CPU: 8 (float32 weights) or 2 (16-bit weights: a step reads half the bytes, a piece does the same float32
       arithmetic), and 128. Measured on the 0.5B shape (batch 4, 2 cores, AVX-512; scripts/PERFORMANCE.md §24):
       float32 step 0.11 s, with a piece of 8 / 12 / 16 tokens 1.0-1.3x / 1.1-1.6x / 1.2-2.1x of it; bfloat16 step
       0.06 s, with a piece of 8 1.8-1.9x, of 16 2.6-3.0x; a 448-token prompt alone takes 2.9 s in pieces of 128 and
-      6.5 s in pieces of 16. Our kernels compute all C rows of a piece, so a shorter piece costs as much as a full one.
+      6.5 s in pieces of 16. On a VM of twice that memory pace (2026-11-25, §26) the steps took 0.052 s (float32)
+      and 0.028 s (bfloat16) while a piece's arithmetic cost the same: pieces of 12 and 4 made the gaps 1.9x and
+      1.75x (median), their p99 2.2x and 2.3x; hence 8 and 2, with margin for faster memory. Our kernels compute all
+      C rows of a piece, so a shorter piece costs as much as a full one.
     - Atlas: 256 alone (a multiple of the cube unit's 16): the NPU does some 100 16-bit operations per byte of memory
       it reads, and a step of a 7B reads 14 GB and pays a fixed launch cost besides, so 256 tokens of arithmetic fit
       within about one step; a 2048-token prompt takes 8 pieces. Not measured (no device). One graph, because GE
@@ -107,7 +110,7 @@ def default_chunks(profile: DeviceProfile, seq_length: int, dtype: str) -> Tuple
     """
     sizes = profile.chunks
     if profile.name == "cpu" and dtype != "float32":
-        sizes = (4,) + sizes[1:]
+        sizes = (2,) + sizes[1:]
     return tuple(sorted({min(c, seq_length) for c in sizes}))
 
 

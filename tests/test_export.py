@@ -77,7 +77,7 @@ def test_folder_contents_and_manifest(exported):
     folder = exported["gqa_tied"]
     files = sorted(os.path.relpath(os.path.join(r, f), folder) for r, _, fs in os.walk(folder) for f in fs)
     assert files == sorted([
-        "gqa_tied.yaml", "gqa_tied_prefill_graph.mindir", "gqa_tied_inc_graph.mindir", "gqa_tied_chunk_12_graph.mindir",
+        "gqa_tied.yaml", "gqa_tied_prefill_graph.mindir", "gqa_tied_inc_graph.mindir", "gqa_tied_chunk_8_graph.mindir",
         "gqa_tied_chunk_graph.mindir",
         "gqa_tied_variables/data_0",
         "config.ini", "manifest.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -96,12 +96,12 @@ def test_folder_contents_and_manifest(exported):
                                  {"name": "valid_length", "dtype": "int32", "shape": [2]}],
                                 [{"name": "logits", "dtype": "float32", "shape": [2, 512]}])
     # the chunk graphs (for lite_runtime.serve): the decode step of both rows and a piece of one row's prompt at an
-    # offset, cpu's 12 and 128 tokens (float32 weights), at most seq_length; logits of the two rows and of the
+    # offset, cpu's 8 and 128 tokens (float32 weights), at most seq_length; logits of the two rows and of the
     # piece's last token
     assert specs["chunk", 32][0][2]["shape"] == [1, 32]
-    assert specs["chunk", 12] == ([{"name": "input_ids", "dtype": "int32", "shape": [2, 1]},
+    assert specs["chunk", 8] == ([{"name": "input_ids", "dtype": "int32", "shape": [2, 1]},
                                {"name": "valid_length", "dtype": "int32", "shape": [2]},
-                               {"name": "chunk_ids", "dtype": "int32", "shape": [1, 12]},
+                               {"name": "chunk_ids", "dtype": "int32", "shape": [1, 8]},
                                {"name": "chunk_length", "dtype": "int32", "shape": [1]},
                                {"name": "start", "dtype": "int32", "shape": [1]},
                                {"name": "slot", "dtype": "int32", "shape": [1]}],
@@ -210,8 +210,8 @@ def test_default_prompt_buckets_follow_the_device_rule(tmp_path, checkpoints, ca
         assert infer["prefill_buckets"] == expected
         graphs = sorted(f for f in os.listdir(out) if f.endswith(".mindir"))
         assert len(graphs) == len(expected) + 3  # one per prompt length, the incremental graph, two chunk graphs
-        assert infer["chunk_sizes"] == [12, 40]  # cpu's 12 and 128 (float32 weights), at most seq_length
-        assert {f"{out.name}_chunk_12_graph.mindir", f"{out.name}_chunk_graph.mindir"} <= set(graphs)
+        assert infer["chunk_sizes"] == [8, 40]  # cpu's 8 and 128 (float32 weights), at most seq_length
+        assert {f"{out.name}_chunk_8_graph.mindir", f"{out.name}_chunk_graph.mindir"} <= set(graphs)
     for chunks, files in (("8", ["m_chunk_8_chunk_8_graph.mindir"]), ("none", [])):  # --chunk_sizes: sizes, or none
         out = tmp_path / f"m_chunk_{chunks}"
         code, _, err = export_cli(capsys, *base, "--output", str(out), "--chunk_sizes", chunks)

@@ -47,7 +47,7 @@ def test_build_plan_groups_before_building(tmp_path, exported):
     # weights and cache; GE compiles no prefill graph for a server, which never runs one
     served = InferConfig.from_folder(str(folder), target="Ascend", ge_config_path=ini, chunk_graphs=True,
                                      prefill_graphs=False)
-    keys = ("inc", "chunk_32", "chunk_12")
+    keys = ("inc", "chunk_32", "chunk_8")
     assert tuple(served.graph_paths()) == keys
     assert build_plan(served)[:len(keys) + 2] == [("Model", k) for k in keys] + [("ModelGroup", "SHARE_WEIGHT"),
                                                                                ("add_model", keys)]

@@ -1,6 +1,6 @@
 """Chunked prefill and prefix reuse (lite_runtime/batching.py over the chunk graph): the engine driven directly, and the
 server through the openai client, against pipeline().generate on the same folder (the solo run) and HF transformers.
-Same folder as test_serve (gqa_tied, batch 4, seq_length 64, chunk graphs of 12 and 64 tokens, float32)."""
+Same folder as test_serve (gqa_tied, batch 4, seq_length 64, chunk graphs of 8 and 64 tokens, float32)."""
 from __future__ import annotations
 
 import threading

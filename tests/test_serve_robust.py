@@ -273,7 +273,7 @@ def test_engine_a_failed_graph_call_ends_its_requests_and_the_engine_goes_on(eng
         _wait(lambda: bad)
         assert bad[0][0] == "error" and bad[0][2] == "engine_error"
         assert bad[0][1] == ("inference failed: a piece of 15 tokens at position 64 does not fit the chunk graphs "
-                             "(12, 64 tokens) in rows of 64")
+                             "(8, 64 tokens) in rows of 64")
         engine.submit(_request([1, 2, 3], 4, good))
         _wait(lambda: good and good[-1][0] == "end")
         assert good[-1] == ("end", "length") and engine.idle()
