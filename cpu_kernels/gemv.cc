@@ -1133,6 +1133,29 @@ void head_rms_norm(float* x, int64_t rows, int64_t heads, int64_t d, const float
 // x [M, E]; Wq [H*D, E], bq; Wk [KH*D, E], bk; Wv, bv; cos, sin [M, D] [; q_norm, k_norm [D], eps [1]]
 // -> q [M, H*D], k, v [M, KH*D]: the three projections (one dispatch when M is small), the optional per-head
 // RMSNorm of q and k (Qwen3), and RoPE on q and k. 12 params without the norms, 15 with them.
+// q, k, v [rows, outs[m]] = x . W^T + b for the three (weights, bias) pairs in wb (W of type wt), then Qwen3's
+// per-head norms (qn, kn; null: none) and RoPE on q and k (head size d): the q/k/v ops' shared body. The GEMV
+// tasks of the three in one dispatch up to GEMV_MAX_ROWS rows, the GEMM form beyond.
+void project_qkv_rope(const float* x, int64_t rows, int64_t in, WType wt, void* const* wb, const int64_t outs[3],
+                      float* const ys[3], int64_t d, const float* cos, const float* sin, const float* qn,
+                      const float* kn, float eps) {
+  if (rows <= GEMV_MAX_ROWS || g_kernels.gemm[wt] == nullptr) {
+    MultiGemvJob job;
+    job.fn = g_kernels.rows[wt];
+    job.x = x, job.rows = rows, job.in = in;
+    for (int m = 0; m < 3; ++m) job.add(wb[2 * m], static_cast<const float*>(wb[2 * m + 1]), outs[m], ys[m]);
+    job.run_all();
+  } else {
+    for (int m = 0; m < 3; ++m) matmul(x, rows, wb[2 * m], wt, static_cast<const float*>(wb[2 * m + 1]), in, outs[m], ys[m]);
+  }
+  if (qn != nullptr) {
+    head_rms_norm(ys[0], rows, outs[0] / d, d, qn, eps);
+    head_rms_norm(ys[1], rows, outs[1] / d, d, kn, eps);
+  }
+  rope(ys[0], rows, outs[0] / d, d, cos, sin);
+  rope(ys[1], rows, outs[1] / d, d, cos, sin);
+}
+
 int qkv_rope(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam != 12 && nparam != 15) return 1;
   const int inputs = nparam - 3;  // the outputs are the last three params
@@ -1165,25 +1188,10 @@ int qkv_rope(int nparam, void** params, int* ndims, int64_t** shapes, const char
   float* ys[3] = {static_cast<float*>(params[inputs]), static_cast<float*>(params[inputs + 1]),
                   static_cast<float*>(params[inputs + 2])};
   if (rows <= 0 || in <= 0) return rows <= 0 ? 0 : 4;
-  if (rows <= GEMV_MAX_ROWS || g_kernels.gemm[wt] == nullptr) {
-    MultiGemvJob job;
-    job.fn = g_kernels.rows[wt];
-    job.x = x, job.rows = rows, job.in = in;
-    for (int m = 0; m < 3; ++m) job.add(params[1 + 2 * m], static_cast<const float*>(params[2 + 2 * m]), outs[m], ys[m]);
-    job.run_all();
-  } else {
-    for (int m = 0; m < 3; ++m)
-      matmul(x, rows, params[1 + 2 * m], wt, static_cast<const float*>(params[2 + 2 * m]), in, outs[m], ys[m]);
-  }
-  const float* cos = static_cast<const float*>(params[7]);
-  const float* sin = static_cast<const float*>(params[8]);
-  if (norms) {
-    const float eps = *static_cast<const float*>(params[11]);
-    head_rms_norm(ys[0], rows, outs[0] / d, d, static_cast<const float*>(params[9]), eps);
-    head_rms_norm(ys[1], rows, outs[1] / d, d, static_cast<const float*>(params[10]), eps);
-  }
-  rope(ys[0], rows, outs[0] / d, d, cos, sin);
-  rope(ys[1], rows, outs[1] / d, d, cos, sin);
+  project_qkv_rope(x, rows, in, wt, params + 1, outs, ys, d, static_cast<const float*>(params[7]),
+                   static_cast<const float*>(params[8]), norms ? static_cast<const float*>(params[9]) : nullptr,
+                   norms ? static_cast<const float*>(params[10]) : nullptr,
+                   norms ? *static_cast<const float*>(params[11]) : 0.f);
   return 0;
 }
 
@@ -1245,20 +1253,10 @@ int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const ch
   const float eps = *static_cast<const float*>(params[2]);
   std::vector<float> xn(rows * e), kv(2 * rows * outs[1]);
   norm_rows(static_cast<const float*>(params[0]), rows, e, static_cast<const float*>(params[1]), eps, xn.data());
-  float* ys[3] = {static_cast<float*>(params[out]), kv.data(), kv.data() + rows * outs[1]};
-  MultiGemvJob job;
-  job.fn = g_kernels.rows[wt];
-  job.x = xn.data(), job.rows = rows, job.in = e;
-  for (int m = 0; m < 3; ++m) job.add(params[3 + 2 * m], static_cast<const float*>(params[4 + 2 * m]), outs[m], ys[m]);
-  job.run_all();
-  const float* cos = static_cast<const float*>(params[9]);
-  const float* sin = static_cast<const float*>(params[10]);
-  if (norms) {
-    head_rms_norm(ys[0], rows, outs[0] / d, d, static_cast<const float*>(params[14]), eps);
-    head_rms_norm(ys[1], rows, kv_heads, d, static_cast<const float*>(params[15]), eps);
-  }
-  rope(ys[0], rows, outs[0] / d, d, cos, sin);
-  rope(ys[1], rows, kv_heads, d, cos, sin);
+  float* const ys[3] = {static_cast<float*>(params[out]), kv.data(), kv.data() + rows * outs[1]};
+  project_qkv_rope(xn.data(), rows, e, wt, params + 3, outs, ys, d, static_cast<const float*>(params[9]),
+                   static_cast<const float*>(params[10]), norms ? static_cast<const float*>(params[14]) : nullptr,
+                   norms ? static_cast<const float*>(params[15]) : nullptr, eps);
   for (int m = 1; m < 3; ++m) {
     float* cache = static_cast<float*>(params[10 + m]);
     for (int64_t r = 0; r < rows; ++r)
