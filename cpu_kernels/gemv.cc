@@ -1217,10 +1217,13 @@ int swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char**
 
 // The decode step's first half of a layer in one op (MsliteLlmDecodeQkv): the input RMSNorm, q/k/v with their
 // biases, Qwen3's per-head norms, RoPE, and k and v written into the KV cache at each row's position, in place.
-// params: x [B, E], ln_w [E], eps [1], Wq, bq, Wk, bk, Wv, bv, cos [B, D], sin [B, D], key_cache, value_cache
-// [B, KH, S, D] float32, valid_length [B] int32 (the position written is valid_length - 1), [q_norm [D],
-// k_norm [D]], q [B, H*D] (the output). Writing the caches here saves the graph two ScatterNdUpdate per layer
-// (MindSpore's CPU kernel: ~60 us each, scripts/PERFORMANCE.md §17) and the separate norm's call.
+// params: x [N, E], ln_w [E], eps [1], Wq, bq, Wk, bk, Wv, bv, cos [N, D], sin [N, D], key_cache, value_cache
+// [B, KH, S, D] float32, valid_length [N] int32 (the position written is valid_length - 1), [q_norm [D],
+// k_norm [D]], q [N, H*D] (the output). N <= B: row r of x is cache row r's token (the decode step); N = B x n: n
+// tokens of each cache row in turn (the CPU prefill graph: a prompt's tokens, valid_length their positions + 1).
+// Writing the caches here
+// saves the graph two ScatterNdUpdate per layer (MindSpore's CPU kernel: ~60 us each, scripts/PERFORMANCE.md §17)
+// and the separate norm's call.
 int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam != 15 && nparam != 17) return 1;
   const bool norms = nparam == 17;
@@ -1237,7 +1240,11 @@ int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const ch
   const int64_t kv_heads = shapes[11][1], seq = shapes[11][2], d = shapes[11][3];
   for (int k = 0; k < 4; ++k)
     if (shapes[12][k] != shapes[11][k]) return 4;
-  if (shapes[1][0] != e || shapes[11][0] < rows || shapes[13][0] != rows || d <= 0 || d % 2) return 4;
+  const int64_t cache_rows = shapes[11][0];
+  if (shapes[1][0] != e || cache_rows <= 0 || (rows > cache_rows && rows % cache_rows) || shapes[13][0] != rows ||
+      d <= 0 || d % 2)
+    return 4;
+  const int64_t per_row = rows > cache_rows ? rows / cache_rows : 1;  // tokens of each cache row
   if (norms && (ndims[14] != 1 || ndims[15] != 1 || shapes[14][0] != d || shapes[15][0] != d)) return 4;
   const int64_t outs[3] = {shapes[3][0], shapes[5][0], shapes[7][0]};
   for (int m = 0; m < 3; ++m)
@@ -1261,7 +1268,7 @@ int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const ch
     float* cache = static_cast<float*>(params[10 + m]);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t h = 0; h < kv_heads; ++h)
-        std::memcpy(cache + ((r * kv_heads + h) * seq + valid[r] - 1) * d, ys[m] + (r * kv_heads + h) * d,
+        std::memcpy(cache + ((r / per_row * kv_heads + h) * seq + valid[r] - 1) * d, ys[m] + (r * kv_heads + h) * d,
                     size_t(d) * sizeof(float));
   }
   return 0;

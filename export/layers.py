@@ -62,6 +62,12 @@ def ew_silu(x):
 # folders: there it runs its GEMV form, 1.6x faster than MindSpore's MatMul on a 16-token prompt of the 0.5B shape
 # (0.155 -> 0.098 s), while from 100 tokens on MatMul is 5-10 % ahead (scripts/PERFORMANCE.md section 17).
 KERNEL_PREFILL_MAX_ROWS = 16
+# CPU full graphs of prompts up to this many tokens run a layer's first half as the decode step does (norm, q/k/v,
+# RoPE and the cache write in one kernel, then the kernels' attention): ~20 graph nodes a layer instead of ~100, so
+# MindSpore compiles the 128-token graph of the 0.5B shape in 0.15 s instead of 0.48 s at the same run time
+# (0.29 s); the kernels' attention reads each query's keys one by one and falls behind BatchMatMul beyond it
+# (512 tokens: 1.33-1.63 s against 1.06-1.24 s). scripts/PERFORMANCE.md section 28.
+KERNEL_PREFILL_MAX_TOKENS = 256
 
 
 class Kernels(NamedTuple):
@@ -373,10 +379,11 @@ class Attention(nn.Cell):
         return (p[0].bias, p[1].bias, p[2].bias) if self.zero_bias is None else (
             self.zero_bias[0], self.zero_bias[1], self.zero_bias[1])
 
-    def decode_step(self, x, norm, cos, sin, valid_length):
+    def decode_step(self, x, norm, cos, sin, valid_length, rows=None):
         """The decode step through cpu_kernels, up to o_proj: `norm` (the layer's input RMSNorm), q/k/v, RoPE and the
         cache writes at valid_length - 1 in one op (MsliteLlmDecodeQkv, in place), then the attention over each row's
-        valid positions."""
+        valid positions. With `rows` [B*n] (each token's cache row), x is n tokens of each row and valid_length [B*n]
+        their positions + 1: the CPU prefill graph, causal by the lengths."""
         p = (self.q_proj, self.k_proj, self.v_proj)
         bq, bk, bv = self._biases()
         if self.q_norm is None:
@@ -386,6 +393,8 @@ class Attention(nn.Cell):
             q = self.decode_qkv(x, norm.weight, norm.eps_tensor, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv,
                                 cos, sin, self.key_cache, self.value_cache, valid_length, self.q_norm.weight,
                                 self.k_norm.weight)
+        if rows is not None:
+            return self.rows_attention(q, self.key_cache, self.value_cache, valid_length, rows)
         return self.attention(q, self.key_cache, self.value_cache, valid_length)
 
     def _kernel_qkv(self, x, cos, sin):
@@ -422,6 +431,13 @@ class DecoderLayer(nn.Cell):
             self.project_add = self.norm_swiglu = self.tail = None
 
     def prefill(self, x, cos, sin, mask, b, n, valid_length):  # x [B*n, E]
+        if isinstance(mask, tuple):  # cpu_kernels: mask = (each token's position + 1, its cache row), [B*n] each
+            lengths, rows = mask
+            attn = self.self_attn.decode_step(x, self.input_layernorm, cos, sin, lengths, rows)
+            # the rest as the full graph's (MatMul in float32 folders: MsliteLlmDecodeTail's tiles are 1.5x slower at
+            # 128 rows; GEMM_VALID, skipping the padding rows, in 16-bit ones)
+            h = ew_add(x, self.self_attn.o_proj(attn, valid_length))
+            return ew_add(h, self.mlp(self.post_attention_layernorm.few_rows(h), valid_length))
         h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n, valid_length))
         return ew_add(h, self.mlp(self.post_attention_layernorm(h), valid_length))
 

@@ -21,8 +21,8 @@ from mindspore import Tensor, nn, ops
 
 from export.atlas_layers import AtlasRMSNorm, FusedDecoderLayer, FusedSteps, lengths_int64
 from export.config import ModelConfig
-from export.layers import (KERNEL_PREFILL_MAX_ROWS, MS_DTYPES, DecoderLayer, Embedding, Kernels, Linear, RMSNorm,
-                           kernel_matmul)
+from export.layers import (KERNEL_PREFILL_MAX_ROWS, KERNEL_PREFILL_MAX_TOKENS, MS_DTYPES, DecoderLayer, Embedding,
+                           Kernels, Linear, RMSNorm, kernel_matmul)
 from export.rope import rope_tables
 
 
@@ -132,6 +132,14 @@ class CausalLM(nn.Cell):
                 x = layer.prefill(x, cos, sin, lengths, self.fused.mask, b, n)
             return self._logits(ops.gather(x, self.rows[:b] * n + valid_length - 1, 0))
         pos = self.positions[:n]
+        if self.head_gemv and n <= KERNEL_PREFILL_MAX_TOKENS:
+            # cpu_kernels: each token's position + 1 and cache row (causal by the attention's lengths)
+            lengths = ops.tile(pos + 1, (b,))  # [B*n]
+            rows = ops.broadcast_to(self.rows[:b].reshape(b, 1), (b, n)).reshape(-1)
+            cos, sin = ops.tile(self.cos[:n], (b, 1)), ops.tile(self.sin[:n], (b, 1))  # [B*n, D]
+            for layer in self.model.layers:
+                x = layer.prefill(x, cos, sin, (lengths, rows), b, n, valid_length)
+            return self._logits(ops.gather(x, self.rows[:b] * n + valid_length - 1, 0))
         cos = ops.tile(self.cos[:n].reshape(1, n, -1), (b, 1, 1))  # [B, n, D]
         sin = ops.tile(self.sin[:n].reshape(1, n, -1), (b, 1, 1))
         causal = pos.reshape(1, n, 1) >= pos.reshape(1, 1, n)  # [1, n(query), n(key)]

@@ -128,6 +128,44 @@ def test_decode_qkv_normalises_projects_rotates_and_writes_the_cache_in_place(ro
     assert all(np.array_equal(c, k) for c, k in zip(caches, kept))
 
 
+def test_decode_qkv_writes_a_prompt_of_each_cache_row():
+    """The CPU prefill graph's form: N = B x n rows of x, n tokens of each cache row in turn, each written at its
+    own valid_length - 1; the same q and cache values as the decode form row by row. N neither <= B nor a multiple
+    of B is refused before anything is written."""
+    rng = np.random.default_rng(7)
+    b, n, e, h, kh, d, s, eps = 2, 5, 64, 4, 2, 16, 8, 1e-6
+    x = rng.standard_normal((b * n, e), dtype=np.float32)
+    ln = (1 + 0.1 * rng.standard_normal(e)).astype(np.float32)
+    mats = [t for o in (h * d, kh * d, kh * d) for t in (rng.standard_normal((o, e), dtype=np.float32),
+                                                         rng.standard_normal(o, dtype=np.float32))]
+    angle = rng.uniform(0, 6, (b * n, d // 2)).astype(np.float32)
+    cos, sin = np.cos(np.tile(angle, 2)).astype(np.float32), np.sin(np.tile(angle, 2)).astype(np.float32)
+    eps_t = np.array([eps], np.float32)
+    types = [None] * 13 + ["int32", None]
+    caches = [rng.standard_normal((b, kh, s, d), dtype=np.float32) for _ in range(2)]
+    before = [c.copy() for c in caches]
+    lengths = np.tile(np.arange(1, n + 1, dtype=np.int32), b)
+    q = np.full((b * n, h * d), np.nan, np.float32)
+    assert call_kernel(cpu_kernels.DECODE_QKV, x, ln, eps_t, *mats, cos, sin, *caches, lengths, q, dtypes=types) == 0
+    # the reference: each token alone through the decode form (one row of x, a one-row cache)
+    for i in range(b * n):
+        row, pos = i // n, lengths[i] - 1
+        one = [c[row:row + 1].copy() for c in before]
+        q1 = np.full((1, h * d), np.nan, np.float32)
+        assert call_kernel(cpu_kernels.DECODE_QKV, x[i:i + 1], ln, eps_t, *mats, cos[i:i + 1], sin[i:i + 1], *one,
+                           lengths[i:i + 1], q1, dtypes=types) == 0
+        assert close(q[i:i + 1], q1.astype(np.float64))
+        for cache, ref in zip(caches, one):
+            assert close(cache[row, :, pos], ref[0, :, pos].astype(np.float64))
+    for cache, old in zip(caches, before):  # positions n.. untouched
+        assert np.array_equal(cache[:, :, n:], old[:, :, n:])
+    kept = [c.copy() for c in caches]
+    odd = np.ones(3, np.int32)  # 3 rows against a 2-row cache
+    assert call_kernel(cpu_kernels.DECODE_QKV, x[:3], ln, eps_t, *mats, cos[:3], sin[:3], *caches, odd,
+                       q[:3].copy(), dtypes=types) == 4
+    assert all(np.array_equal(c, k) for c, k in zip(caches, kept))
+
+
 def test_norm_swiglu_is_the_norm_then_swiglu():
     rng = np.random.default_rng(9)
     rows, e, o, eps = 2, 64, 40, 1e-6

@@ -17,7 +17,9 @@ stand-in (backends/standins.py), which proves the graph's wiring, not Ascend's k
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import os
 import tempfile
 from typing import Dict, Tuple
@@ -29,6 +31,21 @@ from lite_runtime.folder import TensorSpec, mindir_specs
 from lite_runtime.mindspore_lock import MINDSPORE_LOCK
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off for the duration, as it was after. Importing MindSpore and compiling a
+    graph create hundreds of thousands of Python objects that live on, and each collection they trigger walks all
+    of them: 0.11 s of the 0.76 s import on a 2-core VM (scripts/PERFORMANCE.md section 28), more in a compile."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _mindspore():
     # Import protobuf before MindSpore: `import mindspore` sets PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python
     # when it is unset (for its checkpoint files above 2 GB, which we never read), and protobuf's pure-Python
@@ -37,8 +54,9 @@ def _mindspore():
     from google.protobuf.internal import api_implementation  # noqa: F401  (this import makes the choice)
 
     try:
-        import mindspore
-        from mindspore import nn
+        with _collector_paused():
+            import mindspore
+            from mindspore import nn
     except ImportError:
         raise unavailable("ms", "MindSpore", "pip install mindspore==2.10.0 'numpy<2' "
                           "(or use backend 'mslite' on Atlas)") from None
@@ -297,13 +315,18 @@ class MsBackend:
         # what GraphCell.__call__ does before compile_and_run, then the compile half of it
         cell.phase = "graph_load_from_mindir"
         cell._add_attr("graph_load_from_mindir", cell.graph)
-        cell.compile(*args)
+        with _collector_paused():
+            cell.compile(*args)
         self._compiled.add(key)
 
     def run(self, key: str, inputs: Dict[str, np.ndarray]) -> np.ndarray:
         with MINDSPORE_LOCK:
             cell = self._cell(key)
             args = [self._tensor(a) for a in bind_inputs(key, [s.name for s in self.specs[key][0]], inputs)]
-            out = cell(*args).asnumpy()
+            if key in self._compiled:
+                out = cell(*args).asnumpy()
+            else:  # the first call compiles
+                with _collector_paused():
+                    out = cell(*args).asnumpy()
         self._compiled.add(key)
         return out
