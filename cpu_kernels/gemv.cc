@@ -69,6 +69,7 @@ constexpr int64_t PACK_PREFETCH = 128;  // GEMM: weights the pack prefetches ahe
 constexpr int64_t MR = 6, NR = 16;  // GEMM microkernel: rows of x by outputs
 constexpr int64_t KC = 1024;  // GEMM: at most this many inputs per packed block (blocks of equal size);
                               // 256..1024 measured within 3 %, 1024 reads W in longer runs
+constexpr int64_t ATTENTION_BLOCK = 8;  // attention: consecutive queries of one cache row per task (section 28)
 constexpr int64_t MC = 48;    // GEMM: rows of x per pass over a packed block (MC x KC floats, with it in L2)
 constexpr int64_t NC = 64;    // GEMM: outputs per task (its packed block, KC x NC floats, in L2)
 constexpr int64_t MIN_PARALLEL_WORK = int64_t(1) << 20;  // GEMM (MACs), embed (floats): less runs on the caller
@@ -653,6 +654,176 @@ void widen_rows_neon(const void* src, int64_t n, float* dst) {
 }
 #endif
 
+// ---- attention over the KV cache ----------------------------------------------------------------------------
+// Each task is a block of consecutive queries that read the same cache row (a prompt's tokens in the prefill and
+// chunk graphs; one query per row in the decode step) and one kv head: the G query heads of that kv head for every
+// query of the block are one matrix of rows, so each key and value row is read once per task, not once per query
+// head and token. Scores are the rows form of the GEMV kernels (K rows as the weight rows), then per query its
+// softmax over its own valid positions and the weighted sum of the value rows, in plain loops the compiler
+// vectorizes for each x86 path (the functions below are compiled once per target).
+
+// exp(x) for x <= 0 (scores minus their maximum): Cephes' expf polynomial after 2^n range reduction, no branch, so the
+// loop vectorizes; relative error ~2e-7. Below -87 it gives 0.
+__attribute__((always_inline)) inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float fx = x * 1.44269504088896341f + 0.5f;
+  int32_t n = int32_t(fx);
+  n -= (float(n) > fx);  // floor
+  const float fn = float(n);
+  float r = x - fn * 0.693359375f;
+  r -= fn * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x <= -87.0f ? 0.f : p * scale;
+}
+
+// s[p] = exp(s[p] * scale - best) for scores whose largest times scale is `best`: the plain loop (generic, NEON)
+__attribute__((always_inline)) inline void exp_rows_generic(float* s, int64_t n, float scale, float best) {
+  for (int64_t p = 0; p < n; ++p) s[p] = exp_nonpositive(s[p] * scale - best);
+}
+
+#ifdef MSLLM_X86
+// exp_nonpositive on 8 and 16 lanes (the compiler does not vectorize the scalar form's float selects)
+MSLLM_AVX2 inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 low = _mm256_set1_ps(-87.0f);
+  x = _mm256_max_ps(x, low);
+  const __m256 fn = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fn), _mm256_set1_epi32(127)), 23);
+  const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, low, _CMP_LE_OQ), y);
+}
+
+MSLLM_AVX2 inline void exp_rows_avx2(float* s, int64_t n, float scale, float best) {
+  const __m256 vs = _mm256_set1_ps(scale), vb = _mm256_set1_ps(best);
+  int64_t p = 0;
+  for (; p + 8 <= n; p += 8) _mm256_storeu_ps(s + p, exp_nonpositive8(_mm256_fmsub_ps(_mm256_loadu_ps(s + p), vs, vb)));
+  for (; p < n; ++p) s[p] = exp_nonpositive(s[p] * scale - best);
+}
+
+MSLLM_AVX512 inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 low = _mm512_set1_ps(-87.0f);
+  x = _mm512_max_ps(x, low);
+  const __m512 fn = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
+                                                         _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fn), _mm512_set1_epi32(127)), 23);
+  const __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, low, _CMP_GT_OQ), y);
+}
+
+MSLLM_AVX512 inline void exp_rows_avx512(float* s, int64_t n, float scale, float best) {
+  const __m512 vs = _mm512_set1_ps(scale), vb = _mm512_set1_ps(best);
+  int64_t p = 0;
+  for (; p + 16 <= n; p += 16)
+    _mm512_storeu_ps(s + p, exp_nonpositive16(_mm512_fmsub_ps(_mm512_loadu_ps(s + p), vs, vb)));
+  for (; p < n; ++p) s[p] = exp_nonpositive(s[p] * scale - best);
+}
+#endif
+
+// The softmax and the weighted sum of values of a task's query rows: scores [rows, ld] (row r's first lengths[r]
+// valid) -> out[r] [d] = softmax(scores_r * scale) . V over v rows [., d]. Each row's maximum and sum are kept in 8
+// lanes (the compiler does not reorder float reductions), its weights normalised in place; then the value rows are
+// read in blocks of PV_POSITIONS (in L1) for every query row, each row's output in blocks of PV_BLOCK values over
+// two positions at a time, in vector registers.
+constexpr int64_t PV_BLOCK = 32, PV_POSITIONS = 128;
+typedef void (*AttendRowsFn)(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
+                             const float* v, int64_t d, float* const* out);
+
+template <void (*ExpRows)(float*, int64_t, float, float)>
+__attribute__((always_inline)) inline void attend_rows_body(float* scores, int64_t rows, int64_t ld,
+                                                            const int64_t* lengths, float scale, const float* v,
+                                                            int64_t d, float* const* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * ld;
+    const int64_t n = lengths[r];
+    float lanes[8];
+    for (int j = 0; j < 8; ++j) lanes[j] = -INFINITY;
+    int64_t p = 0;
+    for (; p + 8 <= n; p += 8)
+      for (int j = 0; j < 8; ++j) lanes[j] = lanes[j] > s[p + j] ? lanes[j] : s[p + j];
+    float best = -INFINITY;
+    for (int j = 0; j < 8; ++j) best = std::max(best, lanes[j]);
+    for (; p < n; ++p) best = std::max(best, s[p]);
+    ExpRows(s, n, scale, best * scale);
+    for (int j = 0; j < 8; ++j) lanes[j] = 0.f;
+    for (p = 0; p + 8 <= n; p += 8)
+      for (int j = 0; j < 8; ++j) lanes[j] += s[p + j];
+    float total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for (; p < n; ++p) total += s[p];
+    const float norm = total > 0.f ? 1.f / total : 0.f;
+    for (p = 0; p < n; ++p) s[p] *= norm;
+    for (int64_t i = 0; i < d; ++i) out[r][i] = 0.f;
+  }
+  int64_t longest = 0;
+  for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, lengths[r]);
+  for (int64_t p0 = 0; p0 < longest; p0 += PV_POSITIONS)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t p1 = std::min(lengths[r], p0 + PV_POSITIONS);
+      if (p1 <= p0) continue;
+      const float* w = scores + r * ld;
+      int64_t i0 = 0;
+      for (; i0 + PV_BLOCK <= d; i0 += PV_BLOCK) {
+        float acc0[PV_BLOCK], acc1[PV_BLOCK];
+        for (int i = 0; i < PV_BLOCK; ++i) acc0[i] = out[r][i0 + i], acc1[i] = 0.f;
+        const float* vp = v + p0 * d + i0;
+        int64_t p = p0;
+        for (; p + 2 <= p1; p += 2, vp += 2 * d) {
+          const float w0 = w[p], w1 = w[p + 1];
+          for (int i = 0; i < PV_BLOCK; ++i) acc0[i] += w0 * vp[i];
+          for (int i = 0; i < PV_BLOCK; ++i) acc1[i] += w1 * vp[d + i];
+        }
+        if (p < p1)
+          for (int i = 0; i < PV_BLOCK; ++i) acc0[i] += w[p] * vp[i];
+        for (int i = 0; i < PV_BLOCK; ++i) out[r][i0 + i] = acc0[i] + acc1[i];
+      }
+      for (int64_t i = i0; i < d; ++i) {  // a head size not a multiple of the block
+        float acc = out[r][i];
+        for (int64_t p = p0; p < p1; ++p) acc += w[p] * v[p * d + i];
+        out[r][i] = acc;
+      }
+    }
+}
+
+void attend_rows_generic(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
+                         const float* v, int64_t d, float* const* out) {
+  attend_rows_body<exp_rows_generic>(scores, rows, ld, lengths, scale, v, d, out);
+}
+#ifdef MSLLM_X86
+MSLLM_AVX2 void attend_rows_avx2(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
+                                 const float* v, int64_t d, float* const* out) {
+  attend_rows_body<exp_rows_avx2>(scores, rows, ld, lengths, scale, v, d, out);
+}
+MSLLM_AVX512 void attend_rows_avx512(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
+                                     const float* v, int64_t d, float* const* out) {
+  attend_rows_body<exp_rows_avx512>(scores, rows, ld, lengths, scale, v, d, out);
+}
+#endif
+
 // ---- the kernels this machine runs ---------------------------------------------------------------
 
 struct Kernels {
@@ -660,13 +831,15 @@ struct Kernels {
   RowsFn rows[3];
   GemmFn gemm[3];  // null: no GEMM form, the rows form takes every M
   WidenFn widen[3];
+  AttendRowsFn attend_rows;  // the attention's softmax and weighted sum of values
 };
 
 Kernels pick_kernels() {
   const Kernels generic = {"generic",
                            {rows_generic<float>, rows_generic<f16>, rows_generic<bf16>},
                            {nullptr, nullptr, nullptr},
-                           {widen_rows_generic<float>, widen_rows_generic<f16>, widen_rows_generic<bf16>}};
+                           {widen_rows_generic<float>, widen_rows_generic<f16>, widen_rows_generic<bf16>},
+                           attend_rows_generic};
   const char* isa = std::getenv("MSLITE_LLM_CPU_KERNELS_ISA");
   if (isa != nullptr && std::strcmp(isa, "generic") == 0) return generic;
 #ifdef MSLLM_X86
@@ -679,18 +852,21 @@ Kernels pick_kernels() {
               {rows_avx512<float>, rows_avx512<f16>, rows_avx512<bf16>},
               {gemm_block_avx2<float, k_micro512>, gemm_block_avx2<f16, k_micro512>,
                gemm_block_avx2<bf16, k_micro512>},
-              {widen_rows_avx2<float>, widen_rows_avx2<f16>, widen_rows_avx2<bf16>}};
+              {widen_rows_avx2<float>, widen_rows_avx2<f16>, widen_rows_avx2<bf16>},
+              attend_rows_avx512};
     return {"avx2",
             {rows_avx2<float>, rows_avx2<f16>, rows_avx2<bf16>},
             {gemm_block_avx2<float, k_micro>, gemm_block_avx2<f16, k_micro>, gemm_block_avx2<bf16, k_micro>},
-            {widen_rows_avx2<float>, widen_rows_avx2<f16>, widen_rows_avx2<bf16>}};
+            {widen_rows_avx2<float>, widen_rows_avx2<f16>, widen_rows_avx2<bf16>},
+            attend_rows_avx2};
   }
 #endif
 #ifdef MSLLM_NEON
   return {"neon",
           {rows_neon<float>, rows_neon<f16>, rows_neon<bf16>},
           {nullptr, nullptr, nullptr},
-          {widen_rows_neon<float>, widen_rows_neon<f16>, widen_rows_neon<bf16>}};
+          {widen_rows_neon<float>, widen_rows_neon<f16>, widen_rows_neon<bf16>},
+          attend_rows_generic};
 #endif
   return generic;
 }
@@ -1349,35 +1525,52 @@ struct AttentionJob : Job {
   const int32_t* rows;  // the cache row of each query row; nullptr: query row b reads cache row b
   int64_t batch, heads, kv_heads, seq, d, cache_rows;
   float* out;
+  std::vector<int64_t> blocks;  // first query of each block, then `batch`
+  RowsFn scores_fn;
+  AttendRowsFn attend_rows;
+
+  int64_t row_of(int64_t b) const {
+    return rows != nullptr ? std::min<int64_t>(std::max<int64_t>(rows[b], 0), cache_rows - 1) : b;
+  }
+  int64_t length_of(int64_t b) const { return std::max<int64_t>(0, std::min<int64_t>(seq, valid[b])); }
+
+  // blocks of at most `most` consecutive queries reading one cache row
+  void split(int64_t most) {
+    blocks.clear();
+    for (int64_t b = 0; b < batch; ++b)
+      if (blocks.empty() || b - blocks.back() >= most || row_of(b) != row_of(blocks.back())) blocks.push_back(b);
+    blocks.push_back(batch);
+  }
 
   void work() override {
-    std::vector<float> scores(static_cast<size_t>(seq));
     const float scale = 1.0f / std::sqrt(float(d));
-    const int64_t group = heads / kv_heads;
+    const int64_t group = heads / kv_heads, nblocks = int64_t(blocks.size()) - 1;
+    std::vector<float> qs, scores;
+    std::vector<int64_t> lengths;
+    std::vector<float*> outs;
     for (;;) {
       const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
-      if (t >= batch * heads) return;
-      const int64_t b = t / heads, h = t % heads, kvh = h / group;
-      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(seq, valid[b]));
-      const int64_t row = rows != nullptr ? std::min<int64_t>(std::max<int64_t>(rows[b], 0), cache_rows - 1) : b;
-      const float* qh = q + (b * heads + h) * d;
+      if (t >= nblocks * kv_heads) return;
+      const int64_t blk = t / kv_heads, kvh = t % kv_heads, b0 = blocks[blk], b1 = blocks[blk + 1];
+      const int64_t row = row_of(b0), nrows = (b1 - b0) * group;
       const float* kh = k + (row * kv_heads + kvh) * seq * d;
       const float* vh = v + (row * kv_heads + kvh) * seq * d;
-      float* oh = out + (b * heads + h) * d;
-      float best = -INFINITY;
-      for (int64_t p = 0; p < n; ++p) {
-        scores[p] = dot_generic(qh, kh + p * d, d) * scale;
-        best = std::max(best, scores[p]);
+      qs.resize(size_t(nrows * d));
+      lengths.resize(size_t(nrows));
+      outs.resize(size_t(nrows));
+      int64_t longest = 0;
+      for (int64_t b = b0; b < b1; ++b) {  // the block's query heads of kv head kvh, a row each
+        std::memcpy(qs.data() + (b - b0) * group * d, q + (b * heads + kvh * group) * d,
+                    size_t(group * d) * sizeof(float));
+        for (int64_t g = 0; g < group; ++g) {
+          lengths[(b - b0) * group + g] = length_of(b);
+          outs[(b - b0) * group + g] = out + (b * heads + kvh * group + g) * d;
+        }
+        longest = std::max(longest, length_of(b));
       }
-      double total = 0.0;
-      for (int64_t p = 0; p < n; ++p) total += (scores[p] = std::exp(scores[p] - best));
-      for (int64_t i = 0; i < d; ++i) oh[i] = 0.f;
-      const float norm = total > 0.0 ? float(1.0 / total) : 0.f;
-      for (int64_t p = 0; p < n; ++p) {
-        const float wgt = scores[p] * norm;
-        const float* vp = vh + p * d;
-        for (int64_t i = 0; i < d; ++i) oh[i] += wgt * vp[i];
-      }
+      scores.resize(size_t(std::max<int64_t>(nrows * longest, 1)));
+      if (longest > 0) scores_fn(qs.data(), nrows, kh, nullptr, d, scores.data(), longest, 0, longest);
+      attend_rows(scores.data(), nrows, longest, lengths.data(), scale, vh, d, outs.data());
     }
   }
 };
@@ -1410,6 +1603,9 @@ int decode_attention(int nparam, void** params, int* ndims, int64_t** shapes, co
   job.batch = queries, job.heads = shapes[0][1] / d, job.kv_heads = kv_heads, job.seq = seq, job.d = d;
   job.cache_rows = cache_rows;
   job.out = static_cast<float*>(params[out_index]);
+  job.scores_fn = g_kernels.rows[W_F32];
+  job.attend_rows = g_kernels.attend_rows;
+  job.split(ATTENTION_BLOCK);
   int64_t longest = 0;
   for (int64_t b = 0; b < queries; ++b) longest = std::max<int64_t>(longest, job.valid[b]);
   run(&job, queries * job.heads * longest * d >= (int64_t(1) << 16));

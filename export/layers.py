@@ -62,12 +62,6 @@ def ew_silu(x):
 # folders: there it runs its GEMV form, 1.6x faster than MindSpore's MatMul on a 16-token prompt of the 0.5B shape
 # (0.155 -> 0.098 s), while from 100 tokens on MatMul is 5-10 % ahead (scripts/PERFORMANCE.md section 17).
 KERNEL_PREFILL_MAX_ROWS = 16
-# CPU full graphs of prompts up to this many tokens run a layer's first half as the decode step does (norm, q/k/v,
-# RoPE and the cache write in one kernel, then the kernels' attention): ~20 graph nodes a layer instead of ~100, so
-# MindSpore compiles the 128-token graph of the 0.5B shape in 0.15 s instead of 0.48 s at the same run time
-# (0.29 s); the kernels' attention reads each query's keys one by one and falls behind BatchMatMul beyond it
-# (512 tokens: 1.33-1.63 s against 1.06-1.24 s). scripts/PERFORMANCE.md section 28.
-KERNEL_PREFILL_MAX_TOKENS = 256
 
 
 class Kernels(NamedTuple):

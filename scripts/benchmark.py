@@ -107,10 +107,14 @@ def worker_hf(args) -> Dict[str, Any]:
 
 
 # --isa: how each engine is held to one x86 code path. Ours: the kernels' own switch. torch (the HF column): ATen's
-# ATEN_CPU_CAPABILITY. llama.cpp: a build with only those instructions (llama_cpp.ISA_FLAGS). MindSpore's own CPU
-# kernels (the float32 folders' prefill MatMul) choose by the CPU and have no switch: they may still use AVX-512.
-ISA_ENV = {"native": {}, "avx2": {"MSLITE_LLM_CPU_KERNELS_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2"},
-           "generic": {"MSLITE_LLM_CPU_KERNELS_ISA": "generic", "ATEN_CPU_CAPABILITY": "default"}}
+# ATEN_CPU_CAPABILITY and MKL's MKL_ENABLE_INSTRUCTIONS. llama.cpp: a build with only those instructions
+# (llama_cpp.ISA_FLAGS). oneDNN, under MindSpore's CPU MatMul (the float32 folders' prefill) and some of torch's
+# ops: ONEDNN_MAX_CPU_ISA (without it MatMul ran brg_matmul:avx512_core on the "avx2" path, ONEDNN_VERBOSE=1).
+ISA_ENV = {"native": {},
+           "avx2": {"MSLITE_LLM_CPU_KERNELS_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+                    "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+           "generic": {"MSLITE_LLM_CPU_KERNELS_ISA": "generic", "ATEN_CPU_CAPABILITY": "default",
+                       "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"}}
 
 
 def run_worker(kind: str, isa: str = "native", **kw) -> Dict[str, Any]:

@@ -206,6 +206,10 @@ def test_each_code_path_gives_the_same_answers(isa):
             t.check_matmul(dtype, True, t.ODD_ROWS, t.ODD_OUTS, t.ODD_INS)
             t.test_embed_copies_and_widens_the_rows_of_the_ids(dtype, "int64")
         t.test_embed_refuses_ids_outside_the_table_and_writes_nothing()
+        import test_fused_kernels as f
+        for d in (64, 80):
+            f.test_attention_of_prompts_at_real_head_sizes(d)
+        f.test_attention_rows_read_the_cache_row_each_query_names()
     """)
     env = dict(os.environ, MSLITE_LLM_CPU_KERNELS_ISA=isa,
                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
@@ -287,13 +291,10 @@ def test_decode_graph_calls_our_kernels_and_prefill_only_for_few_rows(exported):
     assert calls == 3 * 2 + 2
     assert not {p.op_type for p in graph_model(os.path.join(folder, graphs["inc"])).primitives} & {
         "ScatterNdUpdate", "ScatterUpdate", "Assign"}
-    # the full graph (2 rows x 32 tokens, at most KERNEL_PREFILL_MAX_TOKENS): per layer the decode step's first
-    # kernel (norm, q/k/v, RoPE, the cache write in place) over every token, the kernels' attention (causal by each
-    # token's length) and the post-attention norm; MindSpore's MatMul for o_proj and the MLP; the lm_head's GEMV on
-    # each row's last token. No cache write op and no mask: ~20 nodes a layer for MindSpore to compile, not ~100
-    from export.layers import KERNEL_PREFILL_MAX_TOKENS
-
-    assert 32 <= KERNEL_PREFILL_MAX_TOKENS
+    # the full graph (2 rows x 32 tokens): per layer the decode step's first kernel (norm, q/k/v, RoPE, the cache
+    # write in place) over every token, the kernels' attention (causal by each token's length) and the
+    # post-attention norm; MindSpore's MatMul for o_proj and the MLP; the lm_head's GEMV on each row's last token.
+    # No cache write op and no mask: ~20 nodes a layer for MindSpore to compile, not ~100
     prefill = os.path.join(folder, graphs["prefill"])
     assert custom_funcs(prefill) == (collections.Counter({f"mslite_llm_cpu_kernels.so:{f}": 1 for f in (
         cpu_kernels.DECODE_QKV, cpu_kernels.DECODE_ATTENTION, cpu_kernels.RMS_NORM, cpu_kernels.GEMV)}), 3 * 2 + 1)

@@ -268,6 +268,27 @@ def test_attention_rows_read_the_cache_row_each_query_names():
     assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, rows[:5], out, dtypes=int32) == 4
 
 
+@pytest.mark.parametrize("d", [64, 128, 80])
+def test_attention_of_prompts_at_real_head_sizes(d):
+    """The CPU prefill graph's form at Qwen's head sizes (64, 128; 80: a size not a multiple of the 32-value output
+    blocks): two rows' prompts, each token reading its own row up to its position (blocks of 8 queries of one row,
+    the value rows read in blocks of 128 positions), GQA 7:1 as the 0.5B shape's; scores large enough that most of
+    each softmax underflows to zero."""
+    rng = np.random.default_rng(d)
+    h, kh, s, lengths = 14, 2, 320, (300, 45)
+    k, v = (rng.standard_normal((2, kh, s, d), dtype=np.float32) for _ in range(2))
+    rows = np.concatenate([np.full(n, r, np.int32) for r, n in enumerate(lengths)])
+    valid = np.concatenate([np.arange(1, n + 1, dtype=np.int32) for n in lengths])
+    q = (rng.standard_normal((len(rows), h * d)) * np.where(np.arange(len(rows)) % 3 == 0, 8.0, 1.0)[:, None]
+         ).astype(np.float32)
+    for r, n in enumerate(lengths):
+        k[r, :, n:] = v[r, :, n:] = np.nan  # past each row's prompt: never read
+    out = np.full_like(q, np.nan)
+    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, rows, out,
+                       dtypes=[None, None, None, "int32", "int32", None]) == 0
+    check_attention(out, q, k, v, valid, rows)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemm_over_the_prompt_rows_only(bias):
     """The full graph's matmul: rows of n tokens, right-padded; each row's first valid_length tokens are computed
