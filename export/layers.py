@@ -60,7 +60,8 @@ def ew_silu(x):
 
 # Full graphs of at most this many rows (batch x prompt tokens) use our kernel for their matmuls even in float32
 # folders: there it runs its GEMV form, 1.6x faster than MindSpore's MatMul on a 16-token prompt of the 0.5B shape
-# (0.155 -> 0.098 s), while from 100 tokens on MatMul is 5-10 % ahead (scripts/PERFORMANCE.md section 17).
+# (0.155 -> 0.098 s), while from 100 tokens on MatMul is 5-10 % ahead (scripts/PERFORMANCE.md section 17; that is
+# oneDNN's AVX-512 path: on AVX2 our GEMM is ~20 % ahead at 100 tokens, section 28, not yet the default).
 KERNEL_PREFILL_MAX_ROWS = 16
 
 

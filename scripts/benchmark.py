@@ -117,7 +117,28 @@ ISA_ENV = {"native": {},
                        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"}}
 
 
+def warm_page_cache(path: str) -> None:
+    """Read every file under `path` once, so a worker's load is timed with its files in the page cache, as a reload
+    on the same machine is: otherwise whichever engine's files were evicted by the others' reads (GGUFs, checkpoint,
+    folders) times the disk instead (a float32 folder's first token 3.05 s in one run, 1.47 s in the next)."""
+    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for name in files:
+        with open(name, "rb") as fh:
+            while fh.read(16 << 20):
+                pass
+
+
+def warm_imports() -> None:
+    """Import each engine once in a throwaway process: its libraries (MindSpore's ~800 MB, torch's) then come from the
+    page cache for every timed worker, not only for those that follow another of the same engine (the float32 folder,
+    measured first, loaded in 1.13 s against 0.70 s for the 16-bit ones right after it)."""
+    for code in ("from lite_runtime.backends.ms import _mindspore; _mindspore(); import cpu_kernels",
+                 "import torch, transformers; from transformers import Qwen2ForCausalLM"):
+        subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, timeout=600)
+
+
 def run_worker(kind: str, isa: str = "native", **kw) -> Dict[str, Any]:
+    warm_page_cache(kw["folder"] if kind == "ours" else kw["checkpoint"])
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind]
     for key, value in kw.items():
         if value is None:
@@ -203,6 +224,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   decode_prompt=args.decode_prompt, new_tokens=args.new_tokens, repeat=args.repeat)
     report: Dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "checkpoint": checkpoint,
                               "settings": vars(args), "exports": {}, "ours": {}, "hf": None}
+    warm_imports()
     runs = [(d, b) for d in args.dtypes.split(",") for b in (args.batches if d == "float32" else args.batches[:1])]
     for dtype, batch in runs:
         key = f"{dtype}_b{batch}"
@@ -237,7 +259,9 @@ def paths_line(report: Dict[str, Any], args) -> str:
     ours = sorted({r.get("kernels_isa") or "not built" for r in report["ours"].values()})
     torch = report["hf"].get("torch_isa", "?")
     llama = (report.get("llama_cpp") or {}).get("isa")
-    return (f"our kernels: {', '.join(ours)}; torch: {torch}; MindSpore's MatMul: its own choice"
+    onednn = ISA_ENV[args.isa].get("ONEDNN_MAX_CPU_ISA")
+    return (f"our kernels: {', '.join(ours)}; torch: {torch}; oneDNN (MindSpore's MatMul): "
+            + (f"at most {onednn}" if onednn else "its own choice")
             + (f"; llama.cpp: {llama} build" if llama else ""))
 
 
