@@ -1,6 +1,7 @@
 """cpu_kernels/gemv.cc's NEON path (the Atlas hosts' AArch64 CPUs) on this x86 machine: built with Debian's cross compiler,
 run under qemu-user, against float64 references and against the plain C++ path of the same binary
-(MSLITE_LLM_CPU_KERNELS_ISA=generic). Skipped, with the reason, where the tools are missing:
+(MSLITE_LLM_CPU_KERNELS_ISA=generic): the GEMV kernels, and the attention (whose scores are the NEON rows form and
+whose softmax and values are the generic C++, compiled for AArch64). Skipped, with the reason, where the tools are missing:
 apt-get install g++-aarch64-linux-gnu qemu-user. Speed on an AArch64 CPU cannot be measured here."""
 from __future__ import annotations
 
@@ -27,15 +28,46 @@ def binary(tmp_path_factory):
     return out
 
 
-def run(binary, tmp_path, isa=None):
-    """(the path the library chose, every case the driver wrote)."""
+def run(binary, tmp_path, isa=None, attention=False):
+    """(the path the library chose, every case the driver wrote[, the attention cases])."""
     path = str(tmp_path / f"cases-{isa or 'native'}.bin")
+    att = str(tmp_path / f"attention-{isa or 'native'}.bin")
     env = {k: v for k, v in os.environ.items() if k != "MSLITE_LLM_CPU_KERNELS_ISA"}
     if isa:
         env["MSLITE_LLM_CPU_KERNELS_ISA"] = isa
-    proc = subprocess.run([QEMU, binary, path], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([QEMU, binary, path] + ([att] if attention else []), capture_output=True, text=True,
+                          env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
+    if attention:
+        return proc.stdout.split()[0], parse(path), parse_attention(att)
     return proc.stdout.split()[0], parse(path)
+
+
+def parse_attention(path):
+    data, cases, at = open(path, "rb").read(), [], 0
+    h, kh, s = 14, 2, 160
+    while at < len(data):
+        d, n, rc = (int(v) for v in np.frombuffer(data, np.int64, 3, at))
+        at += 24
+        arrays = []
+        for shape in ((n, h * d), (2, kh, s, d), (2, kh, s, d), (n, h * d)):
+            a = np.frombuffer(data, np.float32, int(np.prod(shape)), at).reshape(shape)
+            at += a.nbytes
+            arrays.append(a)
+        cases.append(dict(d=d, n=n, rc=rc, q=arrays[0], k=arrays[1], v=arrays[2], out=arrays[3]))
+    return cases
+
+
+def test_neon_attention_against_float64(binary, tmp_path):
+    """The kernels' attention as the CPU prefill graph calls it (150 queries of one cache row, lengths 1..150: blocks
+    of 8 queries, values in blocks of 128 positions; head sizes 64 and 80), built for AArch64 and run under qemu."""
+    from test_fused_kernels import check_attention
+
+    isa, _, cases = run(binary, tmp_path, attention=True)
+    assert isa == "neon" and [c["d"] for c in cases] == [64, 80]
+    for c in cases:
+        assert c["rc"] == 0
+        check_attention(c["out"], c["q"], c["k"], c["v"], np.arange(1, c["n"] + 1), [1] * c["n"])
 
 
 def parse(path):
