@@ -60,6 +60,30 @@ def is_ours(func: str) -> bool:
     return function in FUNCTIONS and (name == LIBRARY_FILE or name.startswith("_mslite_llm_cpu_kernels"))
 
 
+def names_our_library(func: str) -> bool:
+    """Whether a Custom op's func string points at our kernel library (as exported, or built anywhere), whatever
+    function it names: a graph exported by another version may call one this installation does not know."""
+    name = os.path.basename(func.rpartition(":")[0])
+    return name == LIBRARY_FILE or name.startswith("_mslite_llm_cpu_kernels")
+
+
+def unknown_functions(model) -> list:
+    """The functions of our library that a parsed MindIR ModelProto calls and this installation's library lacks
+    (not among FUNCTIONS, or not in the built library: a folder exported by a newer mslite-llm), sorted."""
+    lib = _library()
+    missing = set()
+    for prim in model.primitives:
+        for attr in prim.attribute:
+            if attr.name != "func_name":
+                continue
+            func = attr.s.decode("utf-8", "replace")
+            function = func.rpartition(":")[2]
+            if names_our_library(func) and (function not in FUNCTIONS or (lib is not None
+                                                                          and not hasattr(lib, function))):
+                missing.add(function)
+    return sorted(missing)
+
+
 def local_func(func: str) -> str:
     """`func` pointed at this machine's library. Raises FileNotFoundError when it was not built."""
     path = library_path()

@@ -367,3 +367,29 @@ def test_without_the_built_library(tmp_path, exported, checkpoints):
         f"the mslite-llm CPU kernel library is not built in {shadow}; {cpu_kernels.BUILD_HINT}",
     ]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_graph_calling_kernels_this_installation_lacks_is_refused_at_load(exported):
+    """A folder exported by another mslite-llm version may call a kernel this library does not have (or call one with
+    a contract it does not keep): loading names the graph and the functions, before MindSpore is handed a library
+    path it would fail to resolve at the first run."""
+    from lite_runtime import InferError
+    from lite_runtime.backends.ms import _relocate_kernels
+
+    folder = exported["gqa_tied"]
+    path = os.path.join(folder, "gqa_tied_inc_graph.mindir")
+    model = graph_model(path)
+    renamed = 0
+    for prim in model.primitives:
+        for attr in prim.attribute:
+            if attr.s and attr.s.decode().endswith(cpu_kernels.DECODE_TAIL):
+                attr.s = attr.s.decode().replace(cpu_kernels.DECODE_TAIL, "MsliteLlmFromAFutureVersion").encode()
+                renamed += 1
+    assert renamed == 2  # func_name and uniq_name
+    with pytest.raises(InferError) as err:
+        _relocate_kernels(model, path)
+    assert str(err.value) == (
+        f"{path}: the graph calls CPU kernels this installation of mslite-llm does not have "
+        "(MsliteLlmFromAFutureVersion): the folder was exported by another version; run it with that version, or "
+        "re-export it with this one")
+    _relocate_kernels(graph_model(path), path)  # the folder as exported loads

@@ -127,6 +127,11 @@ def _relocate_kernels(model, path: str) -> None:
         cpu_kernels.retarget(model, cpu_kernels.local_func)
     except FileNotFoundError as exc:
         raise InferError(f"{path}: the graph calls mslite-llm's CPU kernels, but {exc}") from None
+    unknown = cpu_kernels.unknown_functions(model)
+    if unknown:
+        raise InferError(f"{path}: the graph calls CPU kernels this installation of mslite-llm does not have "
+                         f"({', '.join(unknown)}): the folder was exported by another version; run it with that "
+                         "version, or re-export it with this one")
 
 
 def _substitute_standins(model, path: str, counts: Dict[str, int]) -> None:
