@@ -69,9 +69,9 @@ constexpr int64_t PACK_PREFETCH = 128;  // GEMM: weights the pack prefetches ahe
 constexpr int64_t MR = 6, NR = 16;  // GEMM microkernel: rows of x by outputs
 constexpr int64_t KC = 1024;  // GEMM: at most this many inputs per packed block (blocks of equal size);
                               // 256..1024 measured within 3 %, 1024 reads W in longer runs
-constexpr int64_t ATTENTION_BLOCK = 8;  // attention: consecutive queries of one cache row per task (section 28)
 constexpr int64_t MC = 48;    // GEMM: rows of x per pass over a packed block (MC x KC floats, with it in L2)
 constexpr int64_t NC = 64;    // GEMM: outputs per task (its packed block, KC x NC floats, in L2)
+constexpr int64_t ATTENTION_BLOCK = 8;  // attention: consecutive queries of one cache row per task (section 28)
 constexpr int64_t MIN_PARALLEL_WORK = int64_t(1) << 20;  // GEMM (MACs), embed (floats): less runs on the caller
 const int SPIN_US = std::getenv("MSLLM_SPIN_US") ? std::atoi(std::getenv("MSLLM_SPIN_US")) : 100;  // how long an idle worker polls for the next call before sleeping
 
@@ -659,30 +659,32 @@ void widen_rows_neon(const void* src, int64_t n, float* dst) {
 // chunk graphs; one query per row in the decode step) and one kv head: the G query heads of that kv head for every
 // query of the block are one matrix of rows, so each key and value row is read once per task, not once per query
 // head and token. Scores are the rows form of the GEMV kernels (K rows as the weight rows), then per query its
-// softmax over its own valid positions and the weighted sum of the value rows, in plain loops the compiler
-// vectorizes for each x86 path (the functions below are compiled once per target).
+// softmax over its own valid positions (the exp in intrinsics on x86) and the weighted sum of the value rows, in
+// plain loops the compiler vectorizes for each path (attend_rows_body is compiled once per target).
 
-// exp(x) for x <= 0 (scores minus their maximum): Cephes' expf polynomial after 2^n range reduction, no branch, so the
-// loop vectorizes; relative error ~2e-7. Below -87 it gives 0.
+// exp(x) for x <= 0 (scores minus their maximum): Cephes' expf polynomial after 2^n range reduction (x = n ln2 + r,
+// ln2 in a high and a low part); relative error ~2e-7. At or below EXP_LOW it gives 0. The scalar form, and the
+// 8- and 16-lane ones below with the same constants (GCC does not vectorize the scalar form's float selects).
+constexpr float EXP_LOW = -87.0f, EXP_LOG2E = 1.44269504088896341f, EXP_LN2_HI = 0.693359375f,
+                EXP_LN2_LO = -2.12194440e-4f;
+constexpr float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 __attribute__((always_inline)) inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float fx = x * 1.44269504088896341f + 0.5f;
+  x = x < EXP_LOW ? EXP_LOW : x;
+  const float fx = x * EXP_LOG2E + 0.5f;
   int32_t n = int32_t(fx);
   n -= (float(n) > fx);  // floor
   const float fn = float(n);
-  float r = x - fn * 0.693359375f;
-  r -= fn * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  float r = x - fn * EXP_LN2_HI;
+  r -= fn * EXP_LN2_LO;
+  float p = EXP_POLY[0];
+  for (int i = 1; i < 6; ++i) p = p * r + EXP_POLY[i];
   p = p * r * r + r + 1.0f;
   const int32_t bits = (n + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return x <= -87.0f ? 0.f : p * scale;
+  return x <= EXP_LOW ? 0.f : p * scale;
 }
 
 // s[p] = exp(s[p] * scale - best) for scores whose largest times scale is `best`: the plain loop (generic, NEON)
@@ -691,19 +693,14 @@ __attribute__((always_inline)) inline void exp_rows_generic(float* s, int64_t n,
 }
 
 #ifdef MSLLM_X86
-// exp_nonpositive on 8 and 16 lanes (the compiler does not vectorize the scalar form's float selects)
 MSLLM_AVX2 inline __m256 exp_nonpositive8(__m256 x) {
-  const __m256 low = _mm256_set1_ps(-87.0f);
+  const __m256 low = _mm256_set1_ps(EXP_LOW);
   x = _mm256_max_ps(x, low);
-  const __m256 fn = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 fn = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(EXP_LOG2E), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(EXP_LN2_HI), x);
+  r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(EXP_LN2_LO), r);
+  __m256 p = _mm256_set1_ps(EXP_POLY[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_POLY[i]));
   p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fn), _mm256_set1_epi32(127)), 23);
   const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
@@ -718,18 +715,14 @@ MSLLM_AVX2 inline void exp_rows_avx2(float* s, int64_t n, float scale, float bes
 }
 
 MSLLM_AVX512 inline __m512 exp_nonpositive16(__m512 x) {
-  const __m512 low = _mm512_set1_ps(-87.0f);
+  const __m512 low = _mm512_set1_ps(EXP_LOW);
   x = _mm512_max_ps(x, low);
-  const __m512 fn = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
-                                                         _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 fn = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f)),
+                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(EXP_LN2_HI), x);
+  r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(EXP_LN2_LO), r);
+  __m512 p = _mm512_set1_ps(EXP_POLY[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[i]));
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fn), _mm512_set1_epi32(127)), 23);
   const __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
@@ -1397,9 +1390,8 @@ int swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char**
 // [B, KH, S, D] float32, valid_length [N] int32 (the position written is valid_length - 1), [q_norm [D],
 // k_norm [D]], q [N, H*D] (the output). N <= B: row r of x is cache row r's token (the decode step); N = B x n: n
 // tokens of each cache row in turn (the CPU prefill graph: a prompt's tokens, valid_length their positions + 1).
-// Writing the caches here
-// saves the graph two ScatterNdUpdate per layer (MindSpore's CPU kernel: ~60 us each, scripts/PERFORMANCE.md §17)
-// and the separate norm's call.
+// Writing the caches here saves the graph two ScatterNdUpdate per layer (MindSpore's CPU kernel: ~60 us each,
+// scripts/PERFORMANCE.md §17) and the separate norm's call.
 int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam != 15 && nparam != 17) return 1;
   const bool norms = nparam == 17;
@@ -1526,8 +1518,6 @@ struct AttentionJob : Job {
   int64_t batch, heads, kv_heads, seq, d, cache_rows;
   float* out;
   std::vector<int64_t> blocks;  // first query of each block, then `batch`
-  RowsFn scores_fn;
-  AttendRowsFn attend_rows;
 
   int64_t row_of(int64_t b) const {
     return rows != nullptr ? std::min<int64_t>(std::max<int64_t>(rows[b], 0), cache_rows - 1) : b;
@@ -1569,8 +1559,8 @@ struct AttentionJob : Job {
         longest = std::max(longest, length_of(b));
       }
       scores.resize(size_t(std::max<int64_t>(nrows * longest, 1)));
-      if (longest > 0) scores_fn(qs.data(), nrows, kh, nullptr, d, scores.data(), longest, 0, longest);
-      attend_rows(scores.data(), nrows, longest, lengths.data(), scale, vh, d, outs.data());
+      if (longest > 0) g_kernels.rows[W_F32](qs.data(), nrows, kh, nullptr, d, scores.data(), longest, 0, longest);
+      g_kernels.attend_rows(scores.data(), nrows, longest, lengths.data(), scale, vh, d, outs.data());
     }
   }
 };
@@ -1603,8 +1593,6 @@ int decode_attention(int nparam, void** params, int* ndims, int64_t** shapes, co
   job.batch = queries, job.heads = shapes[0][1] / d, job.kv_heads = kv_heads, job.seq = seq, job.d = d;
   job.cache_rows = cache_rows;
   job.out = static_cast<float*>(params[out_index]);
-  job.scores_fn = g_kernels.rows[W_F32];
-  job.attend_rows = g_kernels.attend_rows;
   job.split(ATTENTION_BLOCK);
   int64_t longest = 0;
   for (int64_t b = 0; b < queries; ++b) longest = std::max<int64_t>(longest, job.valid[b]);
