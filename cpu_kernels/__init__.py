@@ -53,18 +53,16 @@ def graph_func(function: str) -> str:
     return f"{LIBRARY_FILE}:{function}"
 
 
-def is_ours(func: str) -> bool:
-    """Whether a Custom op's func string names one of our kernels (as exported, or built anywhere)."""
-    path, _, function = func.rpartition(":")
-    name = os.path.basename(path)
-    return function in FUNCTIONS and (name == LIBRARY_FILE or name.startswith("_mslite_llm_cpu_kernels"))
-
-
 def names_our_library(func: str) -> bool:
     """Whether a Custom op's func string points at our kernel library (as exported, or built anywhere), whatever
     function it names: a graph exported by another version may call one this installation does not know."""
     name = os.path.basename(func.rpartition(":")[0])
     return name == LIBRARY_FILE or name.startswith("_mslite_llm_cpu_kernels")
+
+
+def is_ours(func: str) -> bool:
+    """Whether a Custom op's func string names one of our kernels (as exported, or built anywhere)."""
+    return func.rpartition(":")[2] in FUNCTIONS and names_our_library(func)
 
 
 def unknown_functions(model) -> list:

@@ -426,7 +426,7 @@ class DecoderLayer(nn.Cell):
             self.project_add = self.norm_swiglu = self.tail = None
 
     def prefill(self, x, cos, sin, mask, b, n, valid_length):  # x [B*n, E]
-        if isinstance(mask, tuple):  # cpu_kernels: mask = (each token's position + 1, its cache row), [B*n] each
+        if self.project_add is not None:  # cpu_kernels: mask = (each token's position + 1, its cache row), [B*n] each
             lengths, rows = mask
             attn = self.self_attn.decode_step(x, self.input_layernorm, cos, sin, lengths, rows)
             # the rest as the full graph's (MatMul in float32 folders: MsliteLlmDecodeTail's tiles are 1.5x slower at

@@ -142,14 +142,13 @@ class CausalLM(nn.Cell):
             lengths = ops.tile(pos + 1, (b,))  # [B*n]
             rows = ops.broadcast_to(self.rows[:b].reshape(b, 1), (b, n)).reshape(-1)
             cos, sin = ops.tile(self.cos[:n], (b, 1)), ops.tile(self.sin[:n], (b, 1))  # [B*n, D]
-            for layer in self.model.layers:
-                x = layer.prefill(x, cos, sin, (lengths, rows), b, n, valid_length)
-            return self._logits(ops.gather(x, self.rows[:b] * n + valid_length - 1, 0))
-        cos = ops.tile(self.cos[:n].reshape(1, n, -1), (b, 1, 1))  # [B, n, D]
-        sin = ops.tile(self.sin[:n].reshape(1, n, -1), (b, 1, 1))
-        causal = pos.reshape(1, n, 1) >= pos.reshape(1, 1, n)  # [1, n(query), n(key)]
-        valid = pos.reshape(1, 1, n) < valid_length.reshape(b, 1, 1)  # [B, 1, n]
-        mask = _additive(ops.logical_and(causal, valid))  # [B, n, n]
+            mask = (lengths, rows)
+        else:
+            cos = ops.tile(self.cos[:n].reshape(1, n, -1), (b, 1, 1))  # [B, n, D]
+            sin = ops.tile(self.sin[:n].reshape(1, n, -1), (b, 1, 1))
+            causal = pos.reshape(1, n, 1) >= pos.reshape(1, 1, n)  # [1, n(query), n(key)]
+            valid = pos.reshape(1, 1, n) < valid_length.reshape(b, 1, 1)  # [B, 1, n]
+            mask = _additive(ops.logical_and(causal, valid))  # [B, n, n]
         for layer in self.model.layers:
             x = layer.prefill(x, cos, sin, mask, b, n, valid_length)
         last = ops.gather(x, self.rows[:b] * n + valid_length - 1, 0)  # [B, E]

@@ -36,14 +36,13 @@ def _collector_paused():
     """Python's cyclic garbage collector off for the duration, as it was after. Importing MindSpore and compiling a
     graph create hundreds of thousands of Python objects that live on, and each collection they trigger walks all
     of them: 0.11 s of the 0.76 s import on a 2-core VM (scripts/PERFORMANCE.md section 28), more in a compile."""
-    if not gc.isenabled():
-        yield
-        return
+    was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if was_enabled:
+            gc.enable()
 
 
 def _mindspore():
@@ -328,10 +327,7 @@ class MsBackend:
         with MINDSPORE_LOCK:
             cell = self._cell(key)
             args = [self._tensor(a) for a in bind_inputs(key, [s.name for s in self.specs[key][0]], inputs)]
-            if key in self._compiled:
+            with contextlib.nullcontext() if key in self._compiled else _collector_paused():  # the first call compiles
                 out = cell(*args).asnumpy()
-            else:  # the first call compiles
-                with _collector_paused():
-                    out = cell(*args).asnumpy()
         self._compiled.add(key)
         return out
