@@ -8,16 +8,16 @@ import os
 import sys
 from typing import List, Optional, Tuple
 
-from export.devices import DEFAULT_PROFILE, PROFILES
+from export.devices import DEFAULT_PROFILE, PROFILES, ascend_present
 from export.errors import ExportError
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m export",
-        description="Export a Hugging Face Qwen2 checkpoint as a model folder: a full (prefill) and an "
-                    "incremental MindIR graph with a KV cache, the GE config.ini of the target device, "
-                    "the tokenizer, one yaml and a manifest with checksums.")
+        description="Export a Hugging Face Qwen2/Qwen2.5, Qwen3 or Llama checkpoint as a model folder: prefill, "
+                    "incremental and chunk MindIR graphs sharing one weights file and a KV cache, the GE config.ini "
+                    "of the target device, the tokenizer, golden references, one yaml and a manifest with checksums.")
     p.add_argument("--checkpoint", required=True, help="HF model folder: config.json, *.safetensors, tokenizer files")
     p.add_argument("--output", required=True, help="model folder to write (refused if it exists, see --overwrite)")
     p.add_argument("--name", default=None, help="file name stem inside the folder (default: the folder's name)")
@@ -114,7 +114,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                            prefill_buckets=parse_sizes(args.prefill_buckets, "--prefill_buckets"), cpu_kernels=args.cpu_kernels,
                            tp_size=args.tp_size, graph=None if args.graph == "auto" else args.graph,
                            chunk_sizes=parse_sizes(args.chunk_sizes, "--chunk_sizes"))
-        summary = run_export(cfg, show_progress=not args.quiet)
+        # the bars are drawn on a terminal only; piped, each stage is one plain line instead (-v logs them already)
+        plain = not args.quiet and not args.verbose and not sys.stderr.isatty()
+        summary = run_export(cfg, show_progress=not args.quiet,
+                             on_stage=(lambda text: print(text, file=sys.stderr, flush=True)) if plain else None)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -123,6 +126,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
     print(summary.line())
     print(summary.stage_line())
+    for line in summary.usage_lines(ascend_present()):
+        print(line)
     return 0
 
 

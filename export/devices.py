@@ -133,3 +133,36 @@ def graph_form(profile: DeviceProfile, dtype: str, asked: Optional[str], head_di
     if asked == "fused" and why:
         raise ExportError(f"--graph fused: {why}; export --graph plain")
     return asked
+
+
+def ascend_present() -> bool:
+    """Whether this machine could run an Atlas folder: an Ascend device node, or mindspore_lite installed (looked up,
+    not imported: MindSpore and a Lite of another version cannot share a process)."""
+    import glob
+    import importlib.util
+
+    return bool(glob.glob("/dev/davinci[0-9]*")) or importlib.util.find_spec("mindspore_lite") is not None
+
+
+def usage_lines(profile: DeviceProfile, dtype: str, compute_dtype: str, graph: str, output: str,
+                ascend_here: bool) -> Tuple[str, ...]:
+    """What an exported folder is for and how to check or run it (the export's last lines). An Atlas folder exported
+    on a machine without Ascend also says what it does here: the CPU runs Ascend's fused operators as stand-ins."""
+    import shlex
+
+    folder = shlex.quote(output)
+    check = f"python -m lite_runtime.check {folder}"
+    if profile.name == "cpu":
+        kind = dtype if dtype == compute_dtype else f"{dtype} weights, {compute_dtype} compute"
+        return (f"for the CPU ({kind}): {check} checks it, python -m lite_runtime.serve --model_dir {folder} "
+                "serves it",)
+    first = f"for {profile.hardware} ({dtype}, {graph} graphs): run {check} on the device"
+    if ascend_here:
+        return (first,)
+    if dtype == "bfloat16":
+        here = "it cannot run on this CPU (MindSpore has no bfloat16 CPU kernels)"
+    elif graph == "fused":
+        here = f"on this CPU, {check} runs the fused ops as CPU stand-ins (slow, {dtype})"
+    else:
+        here = f"on this CPU, {check} runs it with MindSpore's CPU kernels (slow, {dtype})"
+    return first, f"no Ascend device here: {here}; or export with --device cpu for a folder to run here"

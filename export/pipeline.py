@@ -23,12 +23,12 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from tqdm import tqdm
 
 from export.config import ExportConfig, ModelConfig
-from export.devices import default_buckets, default_chunks, get_profile, graph_form
+from export.devices import default_buckets, default_chunks, get_profile, graph_form, usage_lines
 from export.errors import ExportError
 from export import folder as checkpoint_files
 from lite_runtime.memory import anon_bytes
@@ -50,12 +50,21 @@ class ExportSummary:
     golden_seconds: float = 0.0
     stages: Dict[str, float] = field(default_factory=dict)  # wall seconds per stage, in order
     weights: Dict[str, float] = field(default_factory=dict)  # busy seconds inside the weights stage
+    device: str = "cpu"  # the device profile's name, and the folder's dtypes and graph form (usage_lines)
+    dtype: str = "float32"
+    compute_dtype: str = "float32"
+    graph: str = "plain"
 
     def line(self) -> str:
         return (f"exported {self.output}: {self.files} files, {_size(self.total_bytes)} "
                 f"(weights {_size(self.weight_bytes)}), {self.seconds:.1f} s, peak anonymous memory "
                 f"{_size(self.peak_anon_bytes)}; golden references: {self.golden_prompts} "
                 f"prompt{'s' if self.golden_prompts != 1 else ''} in {self.golden_seconds:.2f} s")
+
+    def usage_lines(self, ascend_here: bool) -> Tuple[str, ...]:
+        """What the folder is for, and how to check it (here too, when this machine has no Ascend device)."""
+        return usage_lines(get_profile(self.device), self.dtype, self.compute_dtype, self.graph, self.output,
+                           ascend_here)
 
     def stage_line(self) -> str:
         """Where the time went; the weights stage's work overlaps in threads, so its parts are busy times."""
@@ -129,15 +138,25 @@ def resolve(cfg: ExportConfig, model_cfg: ModelConfig) -> ExportConfig:
     return dataclasses.replace(cfg, prefill_buckets=buckets, graph=graph, chunk_sizes=chunks)
 
 
-def run_export(cfg: ExportConfig, show_progress: bool = False) -> ExportSummary:
-    """Export `cfg.checkpoint` to `cfg.output`. Nothing is left behind if it fails."""
+# what each stage does, in order, for a person watching (run_export's on_stage)
+STAGES = {"check": "checking the checkpoint and the settings", "golden": "golden references (float32 numpy reference)",
+          "compile": "compiling the graphs", "weights": "writing the weights", "files": "writing the folder's files"}
+
+
+def run_export(cfg: ExportConfig, show_progress: bool = False,
+               on_stage: Optional[Callable[[str], None]] = None) -> ExportSummary:
+    """Export `cfg.checkpoint` to `cfg.output`. Nothing is left behind if it fails.
+
+    show_progress: tqdm bars, on a terminal only (tqdm's disable=None: piped to a file they would leave
+    `\r`-joined lines). on_stage: called with each stage's STAGES text as it starts (the CLI prints it when the bars
+    are off)."""
     with PeakAnon() as memory:
-        summary = _run_export(cfg, show_progress)
+        summary = _run_export(cfg, show_progress, on_stage or (lambda _: None))
     summary.peak_anon_bytes = memory.peak
     return summary
 
 
-def _run_export(cfg: ExportConfig, show_progress: bool) -> ExportSummary:
+def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str], None]) -> ExportSummary:
     from export.graphs import graph_plan
     from export.weights import open_checkpoint
 
@@ -151,6 +170,7 @@ def _run_export(cfg: ExportConfig, show_progress: bool) -> ExportSummary:
     os.makedirs(parent, exist_ok=True)
     _sweep_leftovers(parent)
     log.info("stage check")
+    on_stage(STAGES["check"])
     network, layouts, values = _plan(cfg, model_cfg, where)
     n_graphs = len(graph_plan(cfg)) * cfg.tp_size
     _check_space(parent, sum(layout.size for layout in layouts) + n_graphs * GRAPH_BYTES_ESTIMATE
@@ -162,10 +182,10 @@ def _run_export(cfg: ExportConfig, show_progress: bool) -> ExportSummary:
     try:
         # the golden before the graphs: its float32 working set and what MindSpore keeps after compiling (~0.35 GiB
         # at 7B) then never coexist, and damaged weights fail before minutes of compiling
-        doc = _timed(stages, "golden", _write_golden, cfg, model_cfg, tmp, show_progress)
-        graphs = _timed(stages, "compile", _compile, cfg, network, show_progress)
-        hashed, stats = _timed(stages, "weights", _write_weights, tmp, layouts, where, values, show_progress)
-        _timed(stages, "files", _write_folder_files, cfg, model_cfg, profile, tmp, graphs, layouts, hashed,
+        doc = _timed(stages, "golden", on_stage, _write_golden, cfg, model_cfg, tmp, show_progress)
+        graphs = _timed(stages, "compile", on_stage, _compile, cfg, network, show_progress)
+        hashed, stats = _timed(stages, "weights", on_stage, _write_weights, tmp, layouts, where, values, show_progress)
+        _timed(stages, "files", on_stage, _write_folder_files, cfg, model_cfg, profile, tmp, graphs, layouts, hashed,
                network.kernels, network.vocab_shards > 1)
         _replace(tmp, output)
     except OSError as exc:
@@ -180,11 +200,13 @@ def _run_export(cfg: ExportConfig, show_progress: bool) -> ExportSummary:
     return ExportSummary(cfg.output, files, total, stats.bytes_written, time.time() - start, 0,
                          golden_prompts=prompts, golden_seconds=doc["seconds"], stages=stages,
                          weights={"convert": stats.convert_seconds, "hash": stats.hash_seconds,
-                                  "write": stats.write_seconds})
+                                  "write": stats.write_seconds},
+                         device=profile.name, dtype=cfg.dtype, compute_dtype=cfg.compute_dtype, graph=cfg.graph)
 
 
-def _timed(stages: Dict[str, float], name: str, fn, *args):
+def _timed(stages: Dict[str, float], name: str, on_stage: Callable[[str], None], fn, *args):
     log.info("stage %s", name)
+    on_stage(STAGES[name])
     start = time.time()
     try:
         return fn(*args)
@@ -219,10 +241,15 @@ def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where):
     return network, plan_layouts([params] * tp, where, locations, splits, values), values
 
 
+def _bar(show_progress: bool, **kwargs) -> tqdm:
+    """A tqdm bar on a terminal; off when stderr is not one (disable=None) or without show_progress (-q)."""
+    return tqdm(disable=None if show_progress else True, **kwargs)
+
+
 def _compile(cfg: ExportConfig, network, show_progress: bool):
     from export.graphs import compile_graphs, graph_plan
 
-    with tqdm(total=len(graph_plan(cfg)), desc="graphs", unit="graph", disable=not show_progress) as bar:
+    with _bar(show_progress, total=len(graph_plan(cfg)), desc="graphs", unit="graph") as bar:
         return compile_graphs(cfg, network, progress=bar.update)
 
 
@@ -234,7 +261,7 @@ def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_prog
     sizes = sorted(set(cfg.prefill_buckets) | {cfg.seq_length})  # the prefill graphs of the folder
     log.info("computing golden references (float32 numpy reference)")
     total = golden.max_steps(sizes, cfg.seq_length, cfg.batch_size)
-    with tqdm(total=total, desc="golden", unit="step", disable=not show_progress) as bar:
+    with _bar(show_progress, total=total, desc="golden", unit="step") as bar:
         doc = golden.compute(model_cfg, cfg.checkpoint, sizes, cfg.seq_length, cfg.batch_size, progress=bar.update,
                              matrices_in=cfg.dtype if cfg.half_weights_on_cpu else "float32")
     write_golden(tmp, doc)
@@ -245,8 +272,7 @@ def _write_weights(tmp: str, layouts, where, values, show_progress: bool):
     from export.weights_file import write_files
 
     total = sum(layout.size for layout in layouts)
-    with tqdm(total=total, desc="weights", unit="B", unit_scale=True, unit_divisor=1024,
-              disable=not show_progress) as bar:
+    with _bar(show_progress, total=total, desc="weights", unit="B", unit_scale=True, unit_divisor=1024) as bar:
         return write_files(tmp, layouts, where, progress=bar.update, values=values)
 
 

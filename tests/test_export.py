@@ -178,8 +178,10 @@ def test_summary_line_and_overwrite(tmp_path, checkpoints, capsys):
     out = tmp_path / "m"
     args = ["--checkpoint", checkpoints["gqa_tied"], "--output", str(out), "--device", "cpu", "--seq_length", "8"]
     code, out_text, _ = export_cli(capsys, *args)
-    line, stages = out_text.splitlines()
+    line, stages, usage = out_text.splitlines()
     assert code == 0 and line.startswith(f"exported {out}: 12 files, ") and "peak anonymous memory" in line
+    assert usage == (f"for the CPU (float32): python -m lite_runtime.check {out} checks it, "
+                     f"python -m lite_runtime.serve --model_dir {out} serves it")
     assert re.fullmatch(r"time: check \S+ s, golden \S+ s, compile \S+ s, weights \S+ s \(read\+convert \S+ s, "
                         r"hash \S+ s, write \S+ s busy\), files \S+ s", stages), stages
     code, _, err = export_cli(capsys, *args)
@@ -188,6 +190,49 @@ def test_summary_line_and_overwrite(tmp_path, checkpoints, capsys):
     code, _, _ = export_cli(capsys, *args, "--overwrite")
     assert code == 0 and not (out / "stale.txt").exists()
     assert sorted(os.listdir(tmp_path)) == ["m"]  # no .partial or .old folders left
+
+
+def test_piped_export_prints_its_stages_as_plain_lines_and_no_bars(tmp_path, checkpoints, capsys):
+    """Without -q and with stderr not a terminal (here: captured), tqdm's bars are off (no `\r`) and each stage is
+    one plain line; -q keeps stderr empty."""
+    from export.pipeline import STAGES
+
+    out = tmp_path / "piped"
+    args = ["--checkpoint", checkpoints["gqa_tied"], "--output", str(out), "--device", "cpu", "--seq_length", "8"]
+    code = main(args)
+    _, err = capsys.readouterr()
+    assert code == 0 and err.splitlines() == list(STAGES.values()) == [
+        "checking the checkpoint and the settings", "golden references (float32 numpy reference)",
+        "compiling the graphs", "writing the weights", "writing the folder's files"]
+    assert "\r" not in err
+    code, _, err = export_cli(capsys, *args, "--overwrite")
+    assert (code, err) == (0, "")
+
+
+def test_atlas_export_says_what_the_folder_is_for_and_what_this_cpu_does_with_it(tmp_path, checkpoints):
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+
+    out = str(tmp_path / "atlas")
+    summary = run_export(ExportConfig(checkpoint=checkpoints["gqa_tied"], output=out, name="atlas", seq_length=16,
+                                      batch_size=1, dtype="float16", device="atlas_800i_a2", prefill_buckets=()))
+    check = f"python -m lite_runtime.check {out}"
+    assert summary.usage_lines(ascend_here=False) == (
+        f"for Atlas 800I A2 (float16, fused graphs): run {check} on the device",
+        f"no Ascend device here: on this CPU, {check} runs the fused ops as CPU stand-ins (slow, float16); or export "
+        "with --device cpu for a folder to run here")
+    assert summary.usage_lines(ascend_here=True) == (
+        f"for Atlas 800I A2 (float16, fused graphs): run {check} on the device",)
+
+
+def test_export_help_names_every_family():
+    from export.__main__ import build_parser
+    from export.families import FAMILIES
+
+    help_text = build_parser().format_help().lower()
+    assert set(FAMILIES) == {"qwen2", "qwen3", "llama"}
+    assert all(family in help_text for family in FAMILIES)
+    assert "Qwen2/Qwen2.5, Qwen3 or Llama checkpoint" in build_parser().description
 
 
 def test_default_prompt_buckets_follow_the_device_rule(tmp_path, checkpoints, capsys):
