@@ -10,6 +10,7 @@ Exit code 0 when every prompt passes, 1 when one fails, 2 when the folder cannot
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -18,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
-from lite_runtime.backends import CHOICES
+from lite_runtime.backends import CHOICES, mslite_importable
 from lite_runtime.backends.standins import describe
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError
@@ -180,24 +181,40 @@ def print_report(report: Report, out=None) -> None:
     print(report.verdict(), file=out)
 
 
+@contextlib.contextmanager
+def _progress_bar(quiet: bool):
+    """The replay's steps as a tqdm bar on a terminal (none when stderr is not one, or with -q, or without tqdm: an
+    Atlas box needs only Lite, numpy and pyyaml); yields the progress callback, or None."""
+    if quiet:
+        yield None
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield None
+        return
+    with tqdm(desc="replay", unit="step", disable=None, leave=False) as bar:
+        yield bar.update
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     overrides = {k: v for k, v in (("device_id", args.device_id), ("ge_cache_dir", args.ge_cache_dir),
                                    ("rank_id", args.rank_id), ("rank_table_file", args.rank_table_file)) if v is not None}
-    done = [0]
-
-    def progress(_: int) -> None:
-        done[0] += 1
-        if not args.quiet and done[0] % 16 == 0:
-            print(f"  {done[0]} steps replayed", file=sys.stderr, flush=True)
-
-    if not args.quiet:
-        print(f"loading {args.model_dir} (backend {args.backend}; on Atlas GE compiles each graph on first use, "
-              "minutes per graph)", file=sys.stderr, flush=True)
     try:
-        report = run_check(args.model_dir, args.backend, progress=progress, **overrides)
+        # the folder read and hashed first: nothing is said about loading a folder that is not one
+        config = InferConfig.from_folder(args.model_dir, backend=args.backend, verify_checksums="always",
+                                         **overrides)
+        if not args.quiet:
+            ge = args.backend == "mslite" or (args.backend == "auto" and config.target == "Ascend"
+                                              and mslite_importable())  # where GE will compile
+            print(f"loading {args.model_dir} (backend {args.backend}"
+                  f"{'; GE compiles each graph on first use, minutes per graph' if ge else ''})",
+                  file=sys.stderr, flush=True)
+        with _progress_bar(args.quiet) as bar:
+            report = check_config(config, progress=bar)
     except InferError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

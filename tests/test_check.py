@@ -88,6 +88,21 @@ def test_cpu_folder_passes_and_every_graph_runs(exported, capsys, tmp_path):
     assert doc["info"]["folder"]["prefill_buckets"] == [8, 16, 32] and "[" not in doc["info"]["ge_config"]
 
 
+def test_progress_lines_only_where_they_apply(exported, capsys, tmp_path):
+    """Piped (here: captured), check prints one loading line and its report: no per-step lines, no tqdm bar (off
+    when stderr is not a terminal), no note about GE on a CPU folder; nothing about loading a folder that is not one."""
+    folder = exported["gqa_tied"]
+    code, out, err = run_cli(check_main, capsys, folder, "--backend", "ms")
+    assert code == 0 and err == [f"loading {folder} (backend ms)"]
+    assert PASS.match(out[-1])
+    missing = str(tmp_path / "none")
+    code, out, err = run_cli(check_main, capsys, missing, "--backend", "ms")
+    assert (code, out, err) == (2, [], [f"error: {missing}: not a folder; pass a model folder written by python -m "
+                                        "export"])
+    code, _, err = run_cli(check_main, capsys, missing, "--backend", "mslite")
+    assert (code, err) == (2, [f"error: {missing}: not a folder; pass a model folder written by python -m export"])
+
+
 def test_float16_atlas_folder_passes_within_its_limits(atlas_exported, capsys):
     """The folder that ships to Atlas (float16), run here on MindSpore's CPU float16 kernels."""
     code, out, err = run_cli(check_main, capsys, atlas_exported["float16"], "--backend", "ms", "-q")
@@ -207,10 +222,9 @@ def test_check_on_an_atlas_box_needs_only_numpy_and_pyyaml_besides_lite(atlas_ex
 
 
 def test_launcher_check(exported, capsys):
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import run_infer_main
+    from lite_runtime import launcher
 
-    code, out, _ = run_cli(run_infer_main.main, capsys, "--model_dir", exported["mha_untied"], "--backend", "ms",
+    code, out, _ = run_cli(launcher.main, capsys, "--model_dir", exported["mha_untied"], "--backend", "ms",
                            "--check")
     assert code == 0 and out[-1].startswith(f"PASS mha_untied on backend ms: 2 prompts{SLOTS}, 64 steps")
 
