@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import logging
 import os
 import sys
@@ -59,6 +60,11 @@ class HFSteps:
         self.model = model
         self._rows: List[List[int]] = []
         self._past: list = []
+        # the KV cache's keyword in and attribute out: `cache` since transformers 5.x renamed it (the old
+        # `past_key_values` is deprecated, gone in 5.40: a FutureWarning), `past_key_values` before. The model makes
+        # its own DynamicCache at a row's first call (use_cache) and extends it at the next.
+        params = inspect.signature(model.forward).parameters
+        self._cache_name = "cache" if "cache" in params else "past_key_values"
 
     def prefill_size(self, longest: int) -> int:
         return longest
@@ -67,8 +73,8 @@ class HFSteps:
         import torch
 
         with torch.no_grad():
-            out = self.model(input_ids=torch.tensor([ids]), past_key_values=past, use_cache=True)
-        return out.logits[0, -1].float().numpy(), out.past_key_values
+            out = self.model(input_ids=torch.tensor([ids]), use_cache=True, **{self._cache_name: past})
+        return out.logits[0, -1].float().numpy(), getattr(out, self._cache_name)
 
     def infer(self, rows: Sequence[Sequence[int]]) -> "HFSteps.Output":
         logits, past = [], []
