@@ -1,4 +1,4 @@
-"""scripts/run_infer_main.py end to end, its text checked against HF greedy decoding."""
+"""scripts/run_infer_main.py end to end (lite_runtime/launcher.py), its text checked against HF greedy decoding."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,6 @@ from reference import hf_generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(ROOT, "scripts", "run_infer_main.py")
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +45,17 @@ def test_interactive_streaming_loop_until_exit(exported, want):
 
 
 def test_launcher_errors(exported, capsys):
-    import run_infer_main
+    from lite_runtime import launcher
 
     folder = exported["gqa_tied"]
-    assert run_infer_main.main(["--model_dir", folder, "--backend", "ms", "--prompt", "Hello " * 40]) == 2
+    assert launcher.main(["--model_dir", folder, "--backend", "ms", "--prompt", "Hello " * 40]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: row 0 has ") and err.endswith(
         "tokens, more than the graphs' seq_length 32; shorten the prompt or re-export with a larger --seq_length")
-    assert run_infer_main.main(["--model_dir", folder, "--backend", "mslite", "--prompt", "hi"]) == 2
+    assert launcher.main(["--model_dir", folder, "--backend", "mslite", "--prompt", "hi"]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: backend 'mslite' on the CPU cannot share the KV cache between the two graphs (weight sharing is "
         "GE-only); use backend 'ms' for a folder exported with --device cpu")
-    assert run_infer_main.main(["--backend", "ms", "--prompt", "hi"]) == 2
+    assert launcher.main(["--backend", "ms", "--prompt", "hi"]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: pass --model_dir, or both --prefill_model_path and --increment_model_path")

@@ -136,6 +136,7 @@ def test_lite_runtime_imports_with_mindspore_and_torch_hidden(exported):
 import lite_runtime
 from lite_runtime import pipeline, InferConfig, InferError
 from lite_runtime.backends.mslite import context_plan, build_plan
+from lite_runtime.launcher import build_parser
 config = InferConfig.from_folder({exported['gqa_tied']!r}, target="Ascend")
 assert context_plan(config)["ascend.provider"] == "ge"
 try:
