@@ -2,15 +2,12 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+from export import random_checkpoint
 
-import make_demo_checkpoint  # noqa: E402  (scripts/ is not a package)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> make_checkpoint settings; GQA and MHA, tied and untied heads
 CHECKPOINTS = {
@@ -21,13 +18,13 @@ CHECKPOINTS = {
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    return make_demo_checkpoint.build_tokenizer()
+    return random_checkpoint.build_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("checkpoints")
-    return {name: make_demo_checkpoint.make_checkpoint(str(root / name), tokenizer=tokenizer, **kw)
+    return {name: random_checkpoint.make_checkpoint(str(root / name), tokenizer=tokenizer, **kw)
             for name, kw in CHECKPOINTS.items()}
 
 

