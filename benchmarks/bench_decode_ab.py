@@ -1,10 +1,10 @@
 """Decode speed at batch 1, this project against llama.cpp at equal bits, alternating in fresh processes.
 
-    python scripts/bench_decode_ab.py --folder <batch-1 --device cpu folder> --gguf <llama.cpp GGUF> \
+    python benchmarks/bench_decode_ab.py --folder <batch-1 --device cpu folder> --gguf <llama.cpp GGUF> \
         --llama_bench <path> [--isa avx2] [--rounds 5] [--tokens 64]
 
 Why alternating: this machine's memory bandwidth moves by up to +-40 % between minutes and between processes (a
-plain read measured 33-57 GB/s; scripts/PERFORMANCE.md §25), so one run of each engine, minutes apart, says little.
+plain read measured 33-57 GB/s; docs/performance-log.md §25), so one run of each engine, minutes apart, says little.
 Each round runs both (the order flips every round); the figure that counts is the median of the per-round ratios.
 Ours: the folder's decode step through the `ms` backend (the runner's inc graph, tokens fed back greedily, after a
 128-token prompt), tokens/s. llama.cpp: `llama-bench -p 0 -n <tokens> -r 1` (generation from an empty context).
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     if args.isa != "native":
         env["MSLITE_LLM_CPU_KERNELS_ISA"] = args.isa
     def ours_in(root: str, folder: str) -> dict:
-        out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_decode_ab.py"), "--child", root,
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", root,
                               "--folder", folder, "--gguf", args.gguf, "--llama_bench", args.llama_bench, "--tokens",
                               str(args.tokens)], capture_output=True, text=True, env=env, check=True, cwd=root)
         result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,6 +1,6 @@
 """The decode step's matrices alone: our GEMV over every weight of a step, against the time to read those bytes.
 
-    python scripts/bench_decode_step.py [--isa native,avx2,generic] [--dtypes float32,bfloat16,float16] [--rows 1]
+    python benchmarks/bench_decode_step.py [--isa native,avx2,generic] [--dtypes float32,bfloat16,float16] [--rows 1]
 
 A step of the Qwen2-0.5B shape at batch 1 is a GEMV with each of its matrices (per layer q/k/v, o_proj, gate, up,
 down; then the lm_head): 1.98 GB in float32, read once. This times, for each code path of our kernels (each in its
@@ -10,7 +10,7 @@ own process: the path is chosen when the library loads, MSLITE_LLM_CPU_KERNELS_I
 - `read`: the same bytes summed by numpy on as many threads (each thread a share of each matrix): what reading
   them costs on this machine, the floor a memory-bound GEMV can reach.
 Prints ms per step and GB/s for both, and the kernels' share of the read's pace. With --llama_cpp_json (the output
-of scripts/llama_cpp.py) it adds llama.cpp's whole token at equal bits beside it. With --in_graph FOLDER, the same
+of benchmarks/llama_cpp.py) it adds llama.cpp's whole token at equal bits beside it. With --in_graph FOLDER, the same
 step through MindSpore (a batch-1 `--device cpu` folder), our kernels timing themselves inside it
 (MSLITE_LLM_CPU_KERNELS_PROFILE): what they take of the step, and what the rest of the graph takes. Not a test.
 """
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=1, help="rows of x (the batch)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--repeat", type=int, default=7)
-    p.add_argument("--llama_cpp_json", help="scripts/llama_cpp.py's output, for llama.cpp's token at equal bits")
+    p.add_argument("--llama_cpp_json", help="benchmarks/llama_cpp.py's output, for llama.cpp's token at equal bits")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--in_graph", nargs="*", metavar="FOLDER",
                    help="also time these folders' decode step through MindSpore (batch-1 --device cpu folders), "

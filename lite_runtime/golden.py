@@ -39,7 +39,7 @@ class Tolerance:
 
 
 # About 3x the worst error measured against the float32 reference on random checkpoints of five shapes
-# (scripts/measure_check_limits.py; figures in model_dirs/README.md, "golden.json and check"): float16
+# (benchmarks/measure_check_limits.py; figures in model_dirs/README.md, "golden.json and check"): float16
 # 3.4e-3 (MindSpore's CPU kernels and HF's alike), bfloat16 1.7e-2 (HF on the CPU), float32 1.4e-6.
 TOLERANCES: Dict[str, Tolerance] = {
     "float32": Tolerance("float32", 1e-4),
