@@ -1,0 +1,260 @@
+"""A GGUF file (llama.cpp's format) as a Hugging Face checkpoint folder: config.json, model.safetensors in float32,
+the tokenizer with its chat template, generation_config.json. Dequantized with the `gguf` package's own
+dequantizers; the tokenizer converted by transformers' GGUF tokenizer reader.
+
+This is the way in for a model that is at hand only as a GGUF (the README's demo model, SmolLM2-135M-Instruct, ships
+so): the folder it writes goes through `python -m export` like any checkpoint. It writes float32, so a quantized
+GGUF's values are kept exactly (a Q4_1 weight is d * q + m in float16 parts; its float32 value is exact) and the
+folder's golden references and HF's own GGUF loading see the same numbers. Tensors are dequantized and written
+one at a time: memory holds one tensor, whatever the model. The disk holds the float32 copy (4 bytes a parameter):
+meant for small models; quantized folders straight from a GGUF are issue 31's import.
+
+Architectures: `llama`, `qwen2`, `qwen3` (the families export/ has); anything else is refused by name. llama.cpp's
+converter permutes a Llama's q and k rows (its RoPE pairs neighbours, HF's pairs halves); they are put back here as
+transformers puts them back when it loads a GGUF.
+
+    python -m export.gguf_checkpoint --gguf SmolLM2-135M-Instruct.Q4_1.gguf --output demo/smollm2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from export.errors import ExportError
+
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+                 "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+
+# GGUF tensor name -> HF name ({} is the layer index); gguf-py's tensor_mapping.py names these for the three families
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+_LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+          "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+          "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+          "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+          "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+          "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+          "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+          "ffn_down.weight": "mlp.down_proj.weight", "ffn_gate.bias": "mlp.gate_proj.bias",
+          "ffn_up.bias": "mlp.up_proj.bias", "ffn_down.bias": "mlp.down_proj.bias"}
+SOURCE_FILE = "gguf_source.json"
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def _reader(path: str):
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ExportError("reading a GGUF file needs the gguf package: pip install gguf") from None
+    if not os.path.isfile(path):
+        raise ExportError(f"{path}: no such GGUF file")
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError) as exc:
+        raise ExportError(f"{path}: not a GGUF file the gguf package reads ({exc})") from None
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return value
+
+
+def hf_name(gguf_name: str) -> Optional[str]:
+    """The HF checkpoint name of a GGUF tensor, or None for one this converter does not know."""
+    if gguf_name in _GLOBAL:
+        return _GLOBAL[gguf_name]
+    match = _BLOCK.match(gguf_name)
+    if match and match.group(2) in _LAYER:
+        return f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}"
+    return None
+
+
+def gguf_config(reader, path: str) -> Dict[str, Any]:
+    """config.json for the file, from its metadata (HF's names, as mlx-lm and transformers read them)."""
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ExportError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+                          f"{', '.join(sorted(ARCHITECTURES))}")
+
+    def need(key: str) -> Any:
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ExportError(f"{path}: GGUF metadata {arch}.{key} is missing; the file cannot be converted")
+        return value
+
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ExportError(f"{path}: GGUF rope scaling {scaling!r} is not converted; supported: none")
+    heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    names = {t.name for t in reader.tensors}
+    head_dim = _field(reader, f"{arch}.attention.key_length") or _field(reader, f"{arch}.rope.dimension_count")
+    config: Dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch][0]], "model_type": ARCHITECTURES[arch][1],
+        "hidden_size": hidden, "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(head_dim) if head_dim else hidden // heads,
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(need("context_length")),
+        "vocab_size": len(tokens) if tokens is not None else int(need("vocab_size")),
+        "tie_word_embeddings": "output.weight" not in names, "hidden_act": "silu", "torch_dtype": "float32",
+    }
+    if arch == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in names
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in names
+    for key in ("bos_token_id", "eos_token_id"):
+        value = _field(reader, f"tokenizer.ggml.{key}")
+        if value is not None:
+            config[key] = int(value)
+    return config
+
+
+def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation (per head, rows [0, 2, 4, ..., 1, 3, ...] of HF's order become neighbours)."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _tensors(reader, path: str, config: Dict[str, Any]) -> List[Tuple[str, Tuple[int, ...], Callable[[], np.ndarray]]]:
+    """(HF name, shape, load) for every tensor: names and shapes are known before any data is read."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    permute = config["model_type"] == "llama"
+    out, unknown = [], []
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            unknown.append(tensor.name)
+            continue
+        shape = tuple(int(d) for d in reversed([int(x) for x in tensor.shape]))  # GGUF lists dimensions fastest first
+
+        def load(tensor=tensor, shape=shape, name=name) -> np.ndarray:
+            try:
+                values = dequantize(tensor.data, tensor.tensor_type)
+            except NotImplementedError:
+                raise ExportError(f"{path}: tensor {tensor.name} has type "
+                                  f"{GGMLQuantizationType(tensor.tensor_type).name}, which the gguf package cannot "
+                                  "dequantize") from None
+            values = np.asarray(values, dtype=np.float32).reshape(shape)
+            if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+                values = _unpermute(values, config["num_attention_heads"])
+            elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+                values = _unpermute(values, config["num_key_value_heads"])
+            return values
+
+        out.append((name, shape, load))
+    if unknown:
+        raise ExportError(f"{path}: tensors this converter does not know: {', '.join(unknown[:5])}"
+                          f"{' …' if len(unknown) > 5 else ''}; supported: the {config['model_type']} decoder's")
+    return out
+
+
+def write_safetensors(file: str, tensors: List[Tuple[str, Tuple[int, ...], Callable[[], np.ndarray]]]) -> None:
+    """A float32 safetensors file written one tensor at a time (the header first: every shape is known)."""
+    header: Dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, _ in tensors:
+        size = int(np.prod(shape, dtype=np.int64)) * 4
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(file, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little"))
+        fh.write(raw)
+        for name, shape, load in tensors:
+            values = load()
+            if values.shape != shape:
+                raise ExportError(f"{file}: tensor {name} came out {values.shape}, expected {shape}")
+            fh.write(np.ascontiguousarray(values, dtype="<f4").tobytes())
+
+
+def _write_tokenizer(path: str, output: str) -> None:
+    """tokenizer.json, tokenizer_config.json and the chat template, from the file's metadata (transformers' reader)."""
+    import logging
+
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its "PyTorch was not found" line is not ours
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                  gguf_file=os.path.basename(path))
+    except (ValueError, KeyError, OSError) as exc:
+        raise ExportError(f"{path}: its tokenizer cannot be converted by transformers ({exc})") from None
+    tokenizer.save_pretrained(output)
+
+
+def convert(path: str, output: str, overwrite: bool = False, source: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Write the HF checkpoint folder; returns its config. Nothing is left at `output` if it fails. `source`, if
+    given, is written into it as gguf_source.json (what it was made from)."""
+    if os.path.exists(output) and not overwrite:
+        raise ExportError(f"{output} already exists; delete it or pass --overwrite")
+    reader = _reader(path)
+    config = gguf_config(reader, path)
+    tensors = _tensors(reader, path, config)
+    partial = f"{output.rstrip(os.sep)}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    try:
+        write_safetensors(os.path.join(partial, "model.safetensors"), tensors)
+        with open(os.path.join(partial, "config.json"), "w", encoding="utf-8") as fh:
+            json.dump(config, fh, indent=2)
+        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+        pad = _field(reader, "tokenizer.ggml.padding_token_id")
+        if pad is not None:
+            generation["pad_token_id"] = int(pad)
+        with open(os.path.join(partial, "generation_config.json"), "w", encoding="utf-8") as fh:
+            json.dump(generation, fh, indent=2)
+        _write_tokenizer(path, partial)
+        if source is not None:
+            with open(os.path.join(partial, SOURCE_FILE), "w", encoding="utf-8") as fh:
+                json.dump(source, fh, indent=2)
+        if os.path.exists(output):
+            shutil.rmtree(output)
+        os.replace(partial, output)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m export.gguf_checkpoint",
+                                     description="Write a GGUF file (llama, qwen2, qwen3) as a float32 HF checkpoint "
+                                                 "folder that `python -m export` takes.")
+    parser.add_argument("--gguf", required=True, help="the .gguf file")
+    parser.add_argument("--output", required=True, help="the checkpoint folder to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = convert(args.gguf, args.output, overwrite=args.overwrite)
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.output}: {config['architectures'][0]}, {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
+          f"vocab {config['vocab_size']} (float32 from {os.path.basename(args.gguf)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
