@@ -70,6 +70,21 @@ class Metrics:
                 self.e2e.observe(request.ended - request.submitted)
 
     def render(self) -> bytes:
+        """The text exposition, without the `<counter>_created` / `<histogram>_created` series: prometheus-client adds
+        one per counter and histogram (a timestamp under the metric's help text, doubling the page); vLLM turns them
+        off. Dropped here, for this registry only: `prometheus_client.disable_created_metrics()` is process-wide."""
         from prometheus_client import generate_latest
 
-        return generate_latest(self.registry)
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated:
+    """A collector that yields a registry's metric families without their `_created` samples."""
+
+    def __init__(self, registry) -> None:
+        self.registry = registry
+
+    def collect(self):
+        for family in self.registry.collect():  # new family objects at each collect: editing them is safe
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
