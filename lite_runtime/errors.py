@@ -11,3 +11,8 @@ class ModelFolderError(InferError):
 
 class BackendUnavailableError(InferError):
     """The chosen backend cannot be loaded on this machine."""
+
+
+class MissingDependencyError(InferError):
+    """A package the asked feature needs cannot be imported here: this machine's setup, not the input, is at fault
+    (the server answers it with a 500, not a 400)."""

@@ -17,10 +17,10 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from lite_runtime.config import InferConfig
-from lite_runtime.errors import InferError
+from lite_runtime.errors import InferError, MissingDependencyError
 from lite_runtime.runner import ModelRunner
 from lite_runtime.sampling import GenerationSettings, choose, process
-from lite_runtime.tokenizer import FolderTokenizer, has_folder_tokenizer
+from lite_runtime.tokenizer import FolderTokenizer, chat_problem, has_folder_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +180,11 @@ class TextGenerator:
     # --- public -----------------------------------------------------------------------------------
     def encode(self, text: str, apply_chat_template: bool = False, add_special_tokens: bool = False) -> List[int]:
         if apply_chat_template:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise InferError("the tokenizer has no chat template; drop apply_chat_template / --chat")
+            problem = chat_problem(self.tokenizer)
+            if isinstance(problem, MissingDependencyError):
+                raise problem
+            if problem is not None:
+                raise InferError(f"{problem}; drop apply_chat_template / --chat")
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                       add_generation_prompt=True)
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

@@ -116,6 +116,8 @@ class ModelRunner:
             order = [k for k in keys if k == "inc"] + [k for k in keys if k != "inc"]
             threading.Thread(target=self._warm_up_when_idle, args=(order,), name="mslite-llm-warm-up").start()
             return
+        if not keys:  # "none": the caller warms what it needs (the server: lite_runtime/serve/cli.py), and says so
+            return
         start = time.perf_counter()
         for key in keys:
             self.warm(key)

@@ -16,7 +16,7 @@ import os
 from datetime import datetime
 from typing import Any, Dict, List, Optional, Sequence
 
-from lite_runtime.errors import InferError
+from lite_runtime.errors import InferError, MissingDependencyError
 
 # transformers' clean_up_tokenization, used only when tokenizer_config.json asks for it (Qwen2's does not)
 _CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
@@ -29,6 +29,23 @@ def _token_text(value: Any) -> Optional[str]:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
+
+
+JINJA2_MISSING = "rendering the chat template needs jinja2, which cannot be imported here: pip install jinja2"
+NO_CHAT_TEMPLATE = "the tokenizer has no chat template"
+
+
+def chat_problem(tokenizer) -> Optional[InferError]:
+    """Why `tokenizer` cannot render chat messages, or None: no chat template (the model has no chat format: an
+    InferError, the caller's to avoid), or jinja2 missing (a MissingDependencyError: this machine's to fix). Any
+    tokenizer: ours renders with jinja2, and so does transformers'."""
+    if not getattr(tokenizer, "chat_template", None):
+        return InferError(NO_CHAT_TEMPLATE)
+    try:
+        import jinja2  # noqa: F401
+    except ImportError:
+        return MissingDependencyError(JINJA2_MISSING)
+    return None
 
 
 def has_folder_tokenizer(path: Optional[str]) -> bool:
@@ -123,7 +140,7 @@ class FolderTokenizer:
                             add_generation_prompt: bool = False, **kwargs: Any):
         """The chat template rendered as transformers renders it (sandboxed jinja2, trim_blocks, lstrip_blocks)."""
         if not self.chat_template:
-            raise InferError("the tokenizer has no chat template; drop apply_chat_template / --chat")
+            raise InferError(f"{NO_CHAT_TEMPLATE}; drop apply_chat_template / --chat")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         values = {k: v for k, v in self.special_tokens.items() if v is not None}
@@ -137,7 +154,7 @@ def _compile_template(source: str):
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
-        raise InferError("the chat template needs jinja2 (pip install jinja2)") from None
+        raise MissingDependencyError(JINJA2_MISSING) from None
 
     def raise_exception(message: str):
         raise InferError(f"chat template: {message}")

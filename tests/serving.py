@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Sequence
 
 import httpx
 
@@ -65,11 +66,27 @@ def served(folder: str, **kwargs):
         running.service.engine.stop()
 
 
-def server_process(folder: str, *args: str, env=None):
+# python -c HIDDEN <modules> <serve arguments>: the server with `modules` (comma-separated) unimportable, as on a
+# machine where they are not installed
+HIDDEN = """
+import sys
+hidden = sys.argv.pop(1).split(",")
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in hidden:
+            raise ImportError("hidden for the test: " + name)
+sys.meta_path.insert(0, Hide())
+from lite_runtime.serve.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def server_process(folder: str, *args: str, env=None, hide: Sequence[str] = ()):
     """(process, port) of `python -m lite_runtime.serve` on `folder` (ms backend, log level warning, stderr piped),
-    once its /health answers 200."""
+    once its /health answers 200; with `hide`, those modules cannot be imported in it."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "lite_runtime.serve", "--model_dir", folder, "--port", str(port),
+    start = ["-c", HIDDEN, ",".join(hide)] if hide else ["-m", "lite_runtime.serve"]
+    proc = subprocess.Popen([sys.executable, *start, "--model_dir", folder, "--port", str(port),
                              "--backend", "ms", "--log_level", "warning", *args], cwd=ROOT, env=env,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120

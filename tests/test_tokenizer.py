@@ -108,3 +108,31 @@ def test_bos_token_follows_add_bos_token_like_transformers_llama_tokenizer(tmp_p
     with open(config_path, "w") as fh:
         json.dump({**config, "add_bos_token": True}, fh)
     assert FolderTokenizer(folder)(text)["input_ids"] == [bos] + plain
+
+
+NO_JINJA2 = """
+import sys
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "jinja2":
+            raise ImportError("hidden for the test: " + name)
+sys.meta_path.insert(0, Hide())
+from lite_runtime import InferError, pipeline
+pipe = pipeline("text_generation", model=sys.argv[1], backend="ms")
+print(pipe("hi", max_new_tokens=2) != "")  # a plain prompt needs no jinja2
+try:
+    pipe("hi", apply_chat_template=True, max_new_tokens=2)
+except InferError as exc:
+    print(f"{type(exc).__name__}: {exc}")
+"""
+
+
+def test_chat_without_jinja2_is_one_line_naming_it_and_the_fix(exported):
+    """pipe(..., apply_chat_template=True) (and so run_infer_main.py --chat, which prints an InferError as one line)
+    where jinja2 cannot be imported."""
+    proc = subprocess.run([sys.executable, "-c", NO_JINJA2, exported["gqa_tied"]], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [
+        "True", "MissingDependencyError: rendering the chat template needs jinja2, which cannot be imported here: "
+                "pip install jinja2"]

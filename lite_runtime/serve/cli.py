@@ -6,6 +6,7 @@ import ipaddress
 import logging
 import os
 import sys
+import time
 from typing import Any, List, Optional
 
 from lite_runtime.errors import InferError
@@ -44,17 +45,29 @@ def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] =
     generator = pipeline("text_generation", model=settings)
     engine = BatchEngine(generator, max_queue=max_queue, prefill_chunk=prefill_chunk, prefix_reuse=prefix_reuse)  # a folder without chunk graph:
     try:                                                                                # refused, with what to do
-        for key in [graph_key("chunk", n) for n in generator.runner.chunk_sizes] + ["inc"]:  # compiled before it listens
+        start = time.perf_counter()
+        keys = [graph_key("chunk", n) for n in generator.runner.chunk_sizes] + ["inc"]
+        for key in keys:  # compiled before it listens
             generator.warm(key)
+        log.info("%s backend: %d graph(s) warmed up in %.2f s (%s)", generator.backend_name, len(keys),
+                 time.perf_counter() - start, ", ".join(keys))
         generator.tokenizer  # noqa: B018  (load it now, not in the first request)
     except BaseException:
         engine.stop()
         raise
-    name = model_name or (generator.config.folder.name if generator.config.folder else os.path.basename(model_dir))
+    # the folder's own name (manifest.json, set by export --name: a renamed directory keeps it), also answered to
+    # by the directory's name; --model_name replaces the first (vLLM's --served-model-name takes several likewise)
+    recorded = generator.config.folder.name if generator.config.folder else None
+    directory = os.path.basename(os.path.normpath(model_dir))
     from lite_runtime.serve.serving import MAX_BODY_BYTES
 
-    return Service(generator, engine, name, api_key, metrics_public=metrics_public,
-                   max_body_bytes=max_body_bytes or MAX_BODY_BYTES, request_timeout=request_timeout)
+    service = Service(generator, engine, model_name or recorded or directory, api_key, metrics_public=metrics_public,
+                      max_body_bytes=max_body_bytes or MAX_BODY_BYTES, request_timeout=request_timeout,
+                      aliases=[n for n in (recorded, directory) if n])
+    warning = service.chat_warning()
+    if warning:
+        log.warning(warning)
+    return service
 
 
 def draining_server(uvicorn, config, service, drain_timeout: float):
@@ -115,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on (default): a request whose prompt begins with what a free cache row holds (the previous "
                         "turn of a chat) keeps that row's cache and prefills only the rest; off: every prompt is "
                         "prefilled whole (one user's prompt then never shortens another's time to first token)")
-    p.add_argument("--model_name", default=None, help="the model id clients send (default: the folder's name)")
+    p.add_argument("--model_name", default=None,
+                   help="the model id /v1/models lists and responses carry (default: the folder's name as exported, "
+                        "python -m export --name; requests may also use that name and the folder's directory name)")
     p.add_argument("--device_id", type=int, default=0)
     p.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"))
     return p

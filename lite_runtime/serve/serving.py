@@ -13,11 +13,12 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from lite_runtime.batching import BatchEngine, QueueFull, SlotRequest
-from lite_runtime.errors import InferError
+from lite_runtime.errors import InferError, MissingDependencyError
 from lite_runtime.serve.metrics import Metrics
 from lite_runtime.serve.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                          DetokenizeRequest, NamedToolChoice, Sampling, TokenizeRequest)
 from lite_runtime.serve.tools import ToolFormat, tool_format
+from lite_runtime.tokenizer import chat_problem
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 MAX_BODY_BYTES = 8 << 20  # a request body past this is a 413 before it is read (--max_body_bytes)
@@ -48,14 +49,18 @@ class Service:
 
     def __init__(self, generator, engine: BatchEngine, model_name: str, api_key: Optional[str] = None,
                  metrics_public: bool = False, max_body_bytes: int = MAX_BODY_BYTES,
-                 request_timeout: Optional[float] = None) -> None:
+                 request_timeout: Optional[float] = None, aliases: Sequence[str] = ()) -> None:
         self.generator, self.engine, self.model_name, self.api_key = generator, engine, model_name, api_key
+        # other names a request's "model" may use (the folder's directory name: cli.load_service); /v1/models and
+        # every response give model_name
+        self.aliases = tuple(a for a in dict.fromkeys(aliases) if a != model_name)
         self.metrics_public, self.max_body_bytes = metrics_public, max_body_bytes
         self.request_timeout = request_timeout  # seconds from submission; None: no limit
         self.draining = False  # set at SIGTERM / SIGINT: new requests get a 503 (cli.py)
         self.created = int(time.time())
         self.metrics = Metrics(engine)
         self._grammars = None
+        self.chat_problem = chat_problem(generator.tokenizer)  # None: chat renders (checked once, at start-up)
 
     @property
     def grammars(self):
@@ -78,9 +83,31 @@ class Service:
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
     def _check_model(self, model: Optional[str]) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+        if model is not None and model != self.model_name and model not in self.aliases:
+            also = f" (also as {', '.join(repr(a) for a in self.aliases)})" if self.aliases else ""
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'{also}",
                            param="model", code="model_not_found")
+
+    def chat_warning(self) -> Optional[str]:
+        """The start-up warning when chat cannot be rendered (what is missing and the fix), else None."""
+        problem = self.chat_problem
+        if isinstance(problem, MissingDependencyError):
+            return f"chat is off: {problem}; /v1/chat/completions and /tokenize with messages answer 500 until then"
+        if problem is not None:
+            return (f"chat is off: {self.generator.config.model_dir or 'the model'}: {problem} (tokenizer_config.json "
+                    "chat_template or chat_template.jinja); chat requests answer 400: use /v1/completions")
+        return None
+
+    def _check_chat(self) -> None:
+        """A 500 when this server cannot render chat (its setup's fault: the client can do nothing about it, and it is
+        not counted as an invalid request); a 400 when the model has no chat template (as vLLM: the model has no chat
+        format, the client has to send a plain prompt)."""
+        problem = self.chat_problem
+        if isinstance(problem, MissingDependencyError):
+            raise APIError(500, f"this server cannot render chat messages: {problem}; /v1/completions works",
+                           kind="server_error", code="missing_dependency")
+        if problem is not None:
+            raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
 
     def _in_vocabulary(self, ids: Sequence[int], field: str) -> List[int]:
         """`ids` if every one is a token of this model, else a 400 naming `field` and the first outsider."""
@@ -138,6 +165,8 @@ class Service:
         return plan
 
     def chat_plan(self, req: ChatCompletionRequest) -> Plan:
+        self._check_model(req.model)
+        self._check_chat()
         # tools are rendered whenever given (with "none" too, as vLLM: the model still knows them; a template
         # without tools then just leaves them out), and the answer is read for calls unless tool_choice is "none"
         none = req.tool_choice == "none"
@@ -186,9 +215,8 @@ class Service:
                 if getattr(m, key) is not None:
                     item[key] = getattr(m, key)
             clean.append(item)
+        self._check_chat()
         tokenizer = self.generator.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
         extra = {"tools": [t.model_dump(by_alias=True, exclude_none=True) for t in tools]} if tools else {}
         try:
             return tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -203,6 +231,8 @@ class Service:
         prompt and completion together."""
         self._check_model(req.model)
         chat = req.messages is not None
+        if chat:
+            self._check_chat()
         text = self.chat_prompt(req.messages, req.tools, req.add_generation_prompt) if chat else req.prompt
         special = (not chat) if req.add_special_tokens is None else req.add_special_tokens
         tokens = self.generator.encode(text, add_special_tokens=special)
