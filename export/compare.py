@@ -142,7 +142,7 @@ def compare(checkpoint: str, model_dir: str, quiet: bool = True):
         prompts = prompts_for(plan, config.folder.path, int(config.vocab_size))[0]
         steps, top_k = [n for _, _, n in plan], TOP_K
     start = time.perf_counter()
-    if quiet:
+    if quiet or not sys.stderr.isatty():  # HF's "Loading weights" bar: piped, it leaves \r-joined lines
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
