@@ -1,6 +1,6 @@
 """A GGUF file (llama.cpp's format) as a Hugging Face checkpoint folder: config.json, model.safetensors in float32,
 the tokenizer with its chat template, generation_config.json. Dequantized with the `gguf` package's own
-dequantizers; the tokenizer converted by transformers' GGUF tokenizer reader.
+dequantizers; the tokenizer built from its metadata with the tokenizers library (no torch, no transformers).
 
 This is the way in for a model that is at hand only as a GGUF (the README's demo model, SmolLM2-135M-Instruct, ships
 so): the folder it writes goes through `python -m export` like any checkpoint. It writes float32, so a quantized
@@ -182,22 +182,85 @@ def write_safetensors(file: str, tensors: List[Tuple[str, Tuple[int, ...], Calla
             fh.write(np.ascontiguousarray(values, dtype="<f4").tobytes())
 
 
-def _write_tokenizer(path: str, output: str) -> None:
-    """tokenizer.json, tokenizer_config.json and the chat template, from the file's metadata (transformers' reader)."""
-    import logging
+# The split regexes of the byte-level BPE pre-tokenizers GGUF files name in tokenizer.ggml.pre (llama.cpp's
+# llama-vocab.cpp lists them). Any other value splits as GPT-2 does (ByteLevel's own regex), as transformers does.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (gguf-py's TokenType)
 
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its "PyTorch was not found" line is not ours
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                  gguf_file=os.path.basename(path))
-    except (ValueError, KeyError, OSError) as exc:
-        raise ExportError(f"{path}: its tokenizer cannot be converted by transformers ({exc})") from None
-    tokenizer.save_pretrained(output)
+def _byte_alphabet() -> Dict[int, str]:
+    """GPT-2's map from bytes to printable characters, in which a byte-level vocabulary is spelled."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _write_tokenizer(reader, path: str, output: str) -> None:
+    """tokenizer.json, tokenizer_config.json and chat_template.jinja from the file's tokenizer.* metadata, built
+    with the tokenizers library alone (transformers' GGUF reader needs torch): a byte-level BPE of the file's
+    tokens and merges, its control tokens special, its user-defined tokens added whole, split by the regex its
+    `tokenizer.ggml.pre` names. tests/test_readme.py holds it to transformers' own GGUF tokenizer."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ExportError(f"{path}: tokenizer.ggml.model {kind!r} is not converted; supported: gpt2 (the byte-level "
+                          "BPE of Qwen2, Qwen3, Llama 3 and SmolLM2)")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    merges = _field(reader, "tokenizer.ggml.merges")
+    types = _field(reader, "tokenizer.ggml.token_type") or []
+    if not tokens or merges is None:
+        raise ExportError(f"{path}: tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    vocab = {(t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))): i
+             for i, t in enumerate(tokens)}
+    pairs = []
+    for merge in merges:
+        left, sep, right = merge.partition(" ")
+        if not sep:
+            raise ExportError(f"{path}: tokenizer.ggml.merges holds {merge!r}, not two tokens")
+        pairs.append((left, right))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    split = _SPLITS.get(_field(reader, "tokenizer.ggml.pre"))
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                              use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    control = [t for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= spelled]
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                    for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab])
+    tok.save(os.path.join(output, "tokenizer.json"))
+    config: Dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                              "model_max_length": int(_field(reader, f"{_field(reader, 'general.architecture')}."
+                                                                     "context_length", 0)) or None}
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        index = _field(reader, f"tokenizer.ggml.{key}")
+        if index is not None and 0 <= int(index) < len(tokens):
+            config[name] = tokens[int(index)]
+    with open(os.path.join(output, "tokenizer_config.json"), "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=2)
+    template = _field(reader, "tokenizer.chat_template")
+    if isinstance(template, str):
+        with open(os.path.join(output, "chat_template.jinja"), "w", encoding="utf-8") as fh:
+            fh.write(template)
 
 
 def convert(path: str, output: str, overwrite: bool = False, source: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -221,7 +284,7 @@ def convert(path: str, output: str, overwrite: bool = False, source: Optional[Di
             generation["pad_token_id"] = int(pad)
         with open(os.path.join(partial, "generation_config.json"), "w", encoding="utf-8") as fh:
             json.dump(generation, fh, indent=2)
-        _write_tokenizer(path, partial)
+        _write_tokenizer(reader, path, partial)
         if source is not None:
             with open(os.path.join(partial, SOURCE_FILE), "w", encoding="utf-8") as fh:
                 json.dump(source, fh, indent=2)
