@@ -124,15 +124,19 @@ try:
     pipe("hi", apply_chat_template=True, max_new_tokens=2)
 except InferError as exc:
     print(f"{type(exc).__name__}: {exc}")
+from lite_runtime.launcher import main
+sys.exit(main(["--model_dir", sys.argv[1], "--backend", "ms", "--chat", "--prompt", "hi"]))
 """
 
 
 def test_chat_without_jinja2_is_one_line_naming_it_and_the_fix(exported):
-    """pipe(..., apply_chat_template=True) (and so run_infer_main.py --chat, which prints an InferError as one line)
-    where jinja2 cannot be imported."""
+    """pipe(..., apply_chat_template=True) and the launcher's --chat (scripts/run_infer_main.py) where jinja2 cannot be
+    imported."""
     proc = subprocess.run([sys.executable, "-c", NO_JINJA2, exported["gqa_tied"]], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 2, proc.stderr[-2000:]  # the launcher's exit code for an InferError
     assert proc.stdout.splitlines() == [
         "True", "MissingDependencyError: rendering the chat template needs jinja2, which cannot be imported here: "
                 "pip install jinja2"]
+    assert proc.stderr.splitlines() == [
+        "error: rendering the chat template needs jinja2, which cannot be imported here: pip install jinja2"]
