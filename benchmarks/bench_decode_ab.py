@@ -4,8 +4,9 @@
         --llama_bench <path> [--isa avx2] [--rounds 5] [--tokens 64]
 
 Why alternating: this machine's memory bandwidth moves by up to +-40 % between minutes and between processes (a
-plain read measured 33-57 GB/s; docs/performance-log.md §25), so one run of each engine, minutes apart, says little.
-Each round runs both (the order flips every round); the figure that counts is the median of the per-round ratios.
+plain read measured 33-57 GB/s; docs/performance-log.md, "The CPU decode step on the AVX2 path", 2026-11-24), so
+one run of each engine, minutes apart, says little. Each round runs both (the order flips every round); the figure
+that counts is the median of the per-round ratios.
 Ours: the folder's decode step through the `ms` backend (the runner's inc graph, tokens fed back greedily, after a
 128-token prompt), tokens/s. llama.cpp: `llama-bench -p 0 -n <tokens> -r 1` (generation from an empty context).
 Not a test.

@@ -3,9 +3,10 @@
 // Why: MindSpore 2.10's CPU MatMul reads the weights with one core when x has one row
 // (about 7.5 GB/s here), and decoding one token is that GEMV, 1.98 GB of weights for the
 // Qwen2-0.5B shape. This kernel splits the output rows across threads and reads W once
-// (scripts/PERFORMANCE.md). MindSpore has no fast CPU kernel for 16-bit weights either, so W
-// may be float16 or bfloat16: each weight is widened to float32 in registers as it is loaded
-// and all arithmetic is float32 (FMA). x, b and y are always float32.
+// (docs/architecture.md, "Facts the design rests on"; docs/performance-log.md, "Decode: our own GEMV kernel",
+// 2026-11-21). MindSpore has no fast CPU kernel for 16-bit weights either, so W may be float16 or bfloat16: each
+// weight is widened to float32 in registers as it is loaded and all arithmetic is float32 (FMA). x, b and y are
+// always float32.
 //
 // Two forms, chosen by the rows of x (M):
 //   M <= GEMV_MAX_ROWS (decode): dot products that read each weight once per call (M=1: one weight row
@@ -71,7 +72,8 @@ constexpr int64_t KC = 1024;  // GEMM: at most this many inputs per packed block
                               // 256..1024 measured within 3 %, 1024 reads W in longer runs
 constexpr int64_t MC = 48;    // GEMM: rows of x per pass over a packed block (MC x KC floats, with it in L2)
 constexpr int64_t NC = 64;    // GEMM: outputs per task (its packed block, KC x NC floats, in L2)
-constexpr int64_t ATTENTION_BLOCK = 8;  // attention: consecutive queries of one cache row per task (section 28)
+constexpr int64_t ATTENTION_BLOCK = 8;  // attention: consecutive queries of one cache row per task
+                                        // (docs/architecture.md, "cpu_kernels/")
 constexpr int64_t MIN_PARALLEL_WORK = int64_t(1) << 20;  // GEMM (MACs), embed (floats): less runs on the caller
 const int SPIN_US = std::getenv("MSLLM_SPIN_US") ? std::atoi(std::getenv("MSLLM_SPIN_US")) : 100;  // how long an idle worker polls for the next call before sleeping
 
@@ -262,8 +264,8 @@ MSLLM_AVX2 inline void tile_avx2(const float* x, const T* w, const float* b, int
 // each thread reads its weights as one sequential stream. Tiles of four weight rows side by side (tile_avx2<T, 1, 4>,
 // which this replaced) read four short streams at once (896 inputs: 3.5 KB of float32), which the hardware
 // prefetcher follows worse: the 0.5B shape's step matrices took 0.84x (float32) and 0.89x (16-bit) of the time,
-// interleaved in one process on an AMD EPYC (scripts/PERFORMANCE.md §25); a plain read of rows side by side
-// measured 0.67x the bandwidth of one stream there.
+// interleaved in one process on an AMD EPYC (docs/performance-log.md, "The CPU decode step on the AVX2 path",
+// 2026-11-24); a plain read of rows side by side measured 0.67x the bandwidth of one stream there.
 template <class T>
 MSLLM_AVX2 inline void seq_rows_avx2(const float* x, const T* w, const float* b, int64_t in, float* y, int64_t o0,
                                      int64_t o1) {
@@ -521,7 +523,8 @@ typedef void (*GemmFn)(const float* x, const void* w, const float* b, int64_t in
 
 // ---- AVX-512 GEMV for one row of x (the decode step at batch 1) ----------------------------------
 // 16 weights per load instead of 8: half the instructions per byte read, so the loads come closer to the
-// memory's pace (scripts/PERFORMANCE.md section 17). Other row counts use the AVX2 tiles.
+// memory's pace (docs/performance-log.md, "The decode step: where the time goes, and fused ops", 2026-11-23).
+// Other row counts use the AVX2 tiles.
 #ifdef MSLLM_X86
 MSLLM_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 MSLLM_AVX512 inline __m512 load16(const f16* p) {
@@ -533,8 +536,9 @@ MSLLM_AVX512 inline __m512 load16(const bf16* p) {
 }
 
 // seq_rows_avx2 with 16 weights per load: half the instructions per byte read (tiles of four weight rows in this
-// width took 35-38 ms for the float32 step against 50-57 for AVX2 ones, scripts/PERFORMANCE.md §17; one sequential
-// row at a time took 0.89x (float32) to 0.78x (bfloat16) of those tiles, §25).
+// width took 35-38 ms for the float32 step against 50-57 for AVX2 ones: docs/performance-log.md, "The decode step:
+// where the time goes, and fused ops", 2026-11-23; one sequential row at a time took 0.89x (float32) to 0.78x
+// (bfloat16) of those tiles: the same log, "The CPU decode step on the AVX2 path", 2026-11-24).
 template <class T>
 MSLLM_AVX512 inline void seq_rows512(const float* x, const T* w, const float* b, int64_t in, float* y, int64_t o0,
                                      int64_t o1) {
@@ -881,7 +885,8 @@ struct Job {
 // sequential stream per thread keeps the hardware prefetcher ahead, where tasks handed out in turn (thread A task 0,
 // B task 1, A task 2...) make every thread jump at every task. Measured on the 0.5B shape's step matrices,
 // interleaved in one process on an AMD EPYC: 0.92x the time (16-bit weights, AVX2), 0.96x (float32); AVX-512
-// 0.94x / 0.96x (scripts/PERFORMANCE.md section 26).
+// 0.94x / 0.96x (docs/performance-log.md, "Each thread one stream, and the layer after the attention in one call",
+// 2026-11-25).
 struct Shares {
   static constexpr int MAX = 16;
   int n = 1;
@@ -1204,9 +1209,10 @@ int embed(int nparam, void** params, int* ndims, int64_t** shapes, const char** 
 
 
 // ---- fused decode-step ops -------------------------------------------------------------------------
-// MindSpore runs ~1150 kernels per decoded token of the 0.5B shape and spends ~14 us between two of
-// them (scripts/PERFORMANCE.md section 15): the layer's small ops cost as much as reading its weights.
-// These fold the decode step's chains of small ops into one call each. Float32 activations only.
+// MindSpore ran ~1150 kernels per decoded token of the 0.5B shape; the ~1000 small ones and the gaps between them
+// were a quarter of the float32 step and nearly half of the bfloat16 one (docs/performance-log.md, "The decode step:
+// where the time goes, and fused ops", 2026-11-23). These fold the decode step's chains of small ops into one call
+// each. Float32 activations only.
 
 // Several matrices against the same x in one pool dispatch: the GEMV tasks of all of them.
 struct MultiGemvJob : Job {
@@ -1391,7 +1397,8 @@ int swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char**
 // k_norm [D]], q [N, H*D] (the output). N <= B: row r of x is cache row r's token (the decode step); N = B x n: n
 // tokens of each cache row in turn (the CPU prefill graph: a prompt's tokens, valid_length their positions + 1).
 // Writing the caches here saves the graph two ScatterNdUpdate per layer (MindSpore's CPU kernel: ~60 us each,
-// scripts/PERFORMANCE.md §17) and the separate norm's call.
+// docs/performance-log.md, "The decode step: where the time goes, and fused ops", 2026-11-23) and the separate
+// norm's call.
 int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam != 15 && nparam != 17) return 1;
   const bool norms = nparam == 17;
@@ -1481,7 +1488,8 @@ int swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char**
 // The rest of a layer after the attention in one op (MsliteLlmDecodeTail): h = x + attn . Wo^T, then
 // h + down(SwiGLU(RMSNorm(h))). params: attn [N, A], Wo [E, A], x [N, E] (the residual), ln_w [E], eps [1],
 // Wg, Wu [I, E], Wd [E, I], y [N, E]. For families without o_proj or MLP biases; one MindSpore launch where the
-// graph made three (~10-15 us each on 2 cores, 48 per step of the 0.5B shape: scripts/PERFORMANCE.md section 26).
+// graph made three (~10-15 us each on 2 cores, 48 per step of the 0.5B shape: docs/performance-log.md, "Each thread
+// one stream, and the layer after the attention in one call", 2026-11-25).
 int decode_tail(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam != 9) return 1;
   const WType wo = weight_type(dtypes[1]), wg = weight_type(dtypes[5]), wd = weight_type(dtypes[7]);

@@ -80,7 +80,8 @@ def parse_sizes(text: str, option: str) -> Optional[Tuple[int, ...]]:
 def default_dtype(profile, checkpoint: str) -> str:
     """--dtype when not given: the profile's (float16 on Atlas), but on `cpu` the checkpoint's own dtype when it is
     bfloat16 or float16 (as Qwen releases are): its weights kept bit for bit in 16 bits, half the folder and memory,
-    decoded faster than float32 (scripts/PERFORMANCE.md section 18), computing in float32. Needs the CPU kernels."""
+    decoded faster than float32 (docs/performance.md, "The CPU path against HF transformers and llama.cpp"),
+    computing in float32. Needs the CPU kernels."""
     if profile is None:
         return "float32"
     if profile.name != "cpu":

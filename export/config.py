@@ -13,7 +13,8 @@ from export.errors import ExportError
 
 log = logging.getLogger(__name__)
 
-# dtype of the exported graph -> devices that have kernels for it (see DESIGN.md)
+# dtypes of the exported graph; which of them a device has kernels for is its profile's `dtypes` (export/devices.py;
+# docs/architecture.md, "Configuration")
 DTYPES = ("float32", "float16", "bfloat16")
 
 # rope_scaling types computed as transformers computes them (export/rope.py): all static, one table per export

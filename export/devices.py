@@ -96,13 +96,14 @@ def default_chunks(profile: DeviceProfile, seq_length: int, dtype: str) -> Tuple
     pace and a piece its tokens' arithmetic, both in proportion to the parameters, so the small size depends on the
     bytes per weight and the machine's balance, not on the model's size:
     - CPU: 8 (float32 weights) or 2 (16-bit weights: a step reads half the bytes, a piece does the same float32
-      arithmetic), and 128. Measured on the 0.5B shape (batch 4, 2 cores, AVX-512; scripts/PERFORMANCE.md §24):
-      float32 step 0.11 s, with a piece of 8 / 12 / 16 tokens 1.0-1.3x / 1.1-1.6x / 1.2-2.1x of it; bfloat16 step
-      0.06 s, with a piece of 8 1.8-1.9x, of 16 2.6-3.0x; a 448-token prompt alone takes 2.9 s in pieces of 128 and
-      6.5 s in pieces of 16. On a VM of twice that memory pace (2026-11-25, §26) the steps took 0.052 s (float32)
-      and 0.028 s (bfloat16) while a piece's arithmetic cost the same: pieces of 12 and 4 made the gaps 1.9x and
-      1.75x (median), their p99 2.2x and 2.3x; hence 8 and 2, with margin for faster memory. Our kernels compute all
-      C rows of a piece, so a shorter piece costs as much as a full one.
+      arithmetic), and 128. Measured on the 0.5B shape (batch 4, 2 cores, AVX-512; docs/performance-log.md,
+      "Chunked prefill and prefix reuse", 2026-11-24): float32 step 0.11 s, with a piece of 8 / 12 / 16 tokens
+      1.0-1.3x / 1.1-1.6x / 1.2-2.1x of it; bfloat16 step 0.06 s, with a piece of 8 1.8-1.9x, of 16 2.6-3.0x; a
+      448-token prompt alone takes 2.9 s in pieces of 128 and 6.5 s in pieces of 16. On a VM of twice that memory
+      pace (the same log, "Chunk sizes on a VM with twice the memory pace", 2026-11-25) the steps took 0.052 s
+      (float32) and 0.028 s (bfloat16) while a piece's arithmetic cost the same: pieces of 12 and 4 made the gaps
+      1.9x and 1.75x (median), their p99 2.2x and 2.3x; hence 8 and 2, with margin for faster memory. Our kernels
+      compute all C rows of a piece, so a shorter piece costs as much as a full one.
     - Atlas: 256 alone (a multiple of the cube unit's 16): the NPU does some 100 16-bit operations per byte of memory
       it reads, and a step of a 7B reads 14 GB and pays a fixed launch cost besides, so 256 tokens of arithmetic fit
       within about one step; a 2048-token prompt takes 8 pieces. Not measured (no device). One graph, because GE

@@ -14,7 +14,7 @@ really broadcasts (different shapes, neither a scalar), builds two index arrays 
 size (16 bytes per element) outside its memory pool and keeps them as long as the graph lives,
 one set per op. For the attention mask at 1024 tokens that was 235 MB per layer; the 0.5B shape's
 prefill grew by ~0.35 GiB per layer. With equal shapes the kernel takes its fast path; results
-are bit-identical (scripts/PERFORMANCE.md, section 8).
+are bit-identical (docs/performance-log.md, "The prefill's memory: implicit broadcasts", 2026-11-21).
 
 Shapes: B batch, L tokens in this call, S cache length (= exported seq_length),
 H query heads, KH key/value heads, G = H // KH, D head_dim, E hidden_size, V vocab.
@@ -42,7 +42,7 @@ MS_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat
 # -0 or NaN); SiLU is x * sigmoid(x). All three are CANN AI Core ops, so the graph stays plain on
 # Ascend (not yet run there; `check` on the device proves the numerics). float32 (fast path) and
 # bfloat16 (Ascend only; MulNoNan has no CPU bfloat16 kernel) keep Add/Mul/SiLU. Measured in
-# scripts/PERFORMANCE.md, section 13.
+# docs/performance-log.md, "Float16 graphs on the CPU: MindSpore's elementwise kernels", 2026-11-22.
 _mul_no_nan = ops.MulNoNan()
 
 
@@ -60,8 +60,10 @@ def ew_silu(x):
 
 # Full graphs of at most this many rows (batch x prompt tokens) use our kernel for their matmuls even in float32
 # folders: there it runs its GEMV form, 1.6x faster than MindSpore's MatMul on a 16-token prompt of the 0.5B shape
-# (0.155 -> 0.098 s), while from 100 tokens on MatMul is 5-10 % ahead (scripts/PERFORMANCE.md section 17; that is
-# oneDNN's AVX-512 path: on AVX2 our GEMM is ~20 % ahead at 100 tokens, section 28, not yet the default).
+# (0.155 -> 0.098 s), while from 100 tokens on MatMul is 5-10 % ahead (docs/performance-log.md, "The decode step:
+# where the time goes, and fused ops", 2026-11-23; that is oneDNN's AVX-512 path: on AVX2 our GEMM is ~20 % ahead
+# at 100 tokens, not yet the default: the same log, "Load to first token: the full graph in the decode step's
+# kernels, and their attention", 2026-11-25).
 KERNEL_PREFILL_MAX_ROWS = 16
 
 

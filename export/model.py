@@ -137,8 +137,8 @@ class CausalLM(nn.Cell):
             # cache write in one kernel; the kernels' attention, causal by each token's position + 1 and reading its
             # cache row): ~20 graph nodes a layer instead of ~100 with the mask, BatchMatMul and softmax, so
             # MindSpore compiles the graph in a quarter of the time or less (0.5B shape: 0.14 s against 0.48 s at
-            # 128 tokens, 2.0-2.3 s at 2048), and the prompt runs faster from 512 tokens on (scripts/PERFORMANCE.md
-            # section 28)
+            # 128 tokens, 2.0-2.3 s at 2048), and the prompt runs faster from 512 tokens on (docs/performance-log.md,
+            # "Load to first token: the full graph in the decode step's kernels, and their attention", 2026-11-25)
             lengths = ops.tile(pos + 1, (b,))  # [B*n]
             rows = ops.broadcast_to(self.rows[:b].reshape(b, 1), (b, n)).reshape(-1)
             cos, sin = ops.tile(self.cos[:n], (b, 1)), ops.tile(self.sin[:n], (b, 1))  # [B*n, D]

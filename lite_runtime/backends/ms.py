@@ -35,7 +35,8 @@ from lite_runtime.mindspore_lock import MINDSPORE_LOCK
 def _collector_paused():
     """Python's cyclic garbage collector off for the duration, as it was after. Importing MindSpore and compiling a
     graph create hundreds of thousands of Python objects that live on, and each collection they trigger walks all
-    of them: 0.11 s of the 0.76 s import on a 2-core VM (scripts/PERFORMANCE.md section 28), more in a compile."""
+    of them: 0.11 s of the 0.76 s import on a 2-core VM (docs/performance-log.md, "Load to first token: the full
+    graph in the decode step's kernels, and their attention", 2026-11-25), more in a compile."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

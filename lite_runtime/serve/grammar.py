@@ -1,14 +1,14 @@
 """Structured output: a grammar's token mask over the logits, through llguidance, for every backend.
 
 Why llguidance (measured at Qwen2.5's 152K vocabulary on this 2-core x86 machine, 2026-11-24,
-scripts/PERFORMANCE.md §22): computing the next-token mask took a median 5 us (xgrammar 0.2.8: 28 us;
-outlines-core 0.2.14: 220 us), compiling a JSON schema 1.2 ms (xgrammar 19 ms; outlines-core 0.7 s, 13 s for
-an open JSON object), reading the vocabulary once 1.0 s; it needs neither torch nor a GPU (xgrammar's package
-declares torch), refuses what it cannot enforce by name ("Unimplemented keys: [\"uniqueItems\"]"), and
-takes a Lark grammar with `%json` rules, which tool calls need. Putting the mask on float32 logits in numpy
-1.26 costs ~130 us (a copy, the bits unpacked into a boolean "disallowed" vector, one masked copy; a sparse path
-when few words are set), so greedy asks the grammar about its own argmax first (`allows`, ~5 us) and masks only
-when it is refused.
+docs/performance-log.md, "Structured output and the server's new API: what a token costs"): computing the
+next-token mask took a median 5 us (xgrammar 0.2.8: 28 us; outlines-core 0.2.14: 220 us), compiling a JSON schema
+1.2 ms (xgrammar 19 ms; outlines-core 0.7 s, 13 s for an open JSON object), reading the vocabulary once 1.0 s; it
+needs neither torch nor a GPU (xgrammar's package declares torch), refuses what it cannot enforce by name
+("Unimplemented keys: [\"uniqueItems\"]"), and takes a Lark grammar with `%json` rules, which tool calls need.
+Putting the mask on float32 logits in numpy 1.26 costs ~130 us (a copy, the bits unpacked into a boolean
+"disallowed" vector, one masked copy; a sparse path when few words are set), so greedy asks the grammar about its
+own argmax first (`allows`, ~5 us) and masks only when it is refused.
 
 The mask is applied to the raw logits before the repetition penalty and the sampling warpers (as vLLM
 does), so top-k/top-p choose among allowed tokens only; logprobs stay those of the raw logits. JSON is
