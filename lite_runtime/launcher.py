@@ -141,7 +141,7 @@ def answer(pipe, args: argparse.Namespace, text: str) -> None:
     else:
         outputs = pipe(rows, **kwargs)
         for i, out in enumerate(outputs if show else []):
-            print(out if len(outputs) == 1 else f"[{i}] {out}")
+            print(out if len(outputs) == 1 else f"[{i}] {out}", flush=True)
         result = pipe.last_output
     rank = "" if tp_rank is None else f", rank {tp_rank} of {tp}"
     print(f"[timing] prefill {result.prefill_seconds * 1000:.1f} ms, decode "
