@@ -1,6 +1,7 @@
 """A GGUF file (llama.cpp's format) as a Hugging Face checkpoint folder: config.json, model.safetensors in float32,
-the tokenizer with its chat template, generation_config.json. Dequantized with the `gguf` package's own
-dequantizers; the tokenizer built from its metadata with the tokenizers library (no torch, no transformers).
+the tokenizer with its chat template, generation_config.json. Read through export/gguf_file.py (every count and
+offset checked against the file), dequantized with the `gguf` package's own dequantizers; the tokenizer built from
+its metadata with the tokenizers library (no torch, no transformers).
 
 This is the way in for a model that is at hand only as a GGUF (the README's demo model, SmolLM2-135M-Instruct, ships
 so): the folder it writes goes through `python -m export` like any checkpoint. It writes float32, so a quantized
@@ -28,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from export.errors import ExportError
+from export.gguf_file import GGUFFile
 
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                  "qwen3": ("Qwen3ForCausalLM", "qwen3")}
@@ -48,25 +50,14 @@ SOURCE_FILE = "gguf_source.json"
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def _reader(path: str):
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise ExportError("reading a GGUF file needs the gguf package: pip install gguf") from None
+def _reader(path: str) -> GGUFFile:
     if not os.path.isfile(path):
         raise ExportError(f"{path}: no such GGUF file")
-    try:
-        return GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError) as exc:
-        raise ExportError(f"{path}: not a GGUF file the gguf package reads ({exc})") from None
+    return GGUFFile(path)
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.field(key, default)
 
 
 def hf_name(gguf_name: str) -> Optional[str]:
@@ -79,7 +70,7 @@ def hf_name(gguf_name: str) -> Optional[str]:
     return None
 
 
-def gguf_config(reader, path: str) -> Dict[str, Any]:
+def gguf_config(reader: GGUFFile, path: str) -> Dict[str, Any]:
     """config.json for the file, from its metadata (HF's names, as mlx-lm and transformers read them)."""
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
@@ -128,10 +119,8 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def _tensors(reader, path: str, config: Dict[str, Any]) -> List[Tuple[str, Tuple[int, ...], Callable[[], np.ndarray]]]:
+def _tensors(reader: GGUFFile, path: str, config: Dict[str, Any]) -> List[Tuple[str, Tuple[int, ...], Callable[[], np.ndarray]]]:
     """(HF name, shape, load) for every tensor: names and shapes are known before any data is read."""
-    from gguf import GGMLQuantizationType, dequantize
-
     permute = config["model_type"] == "llama"
     out, unknown = [], []
     for tensor in reader.tensors:
@@ -139,16 +128,10 @@ def _tensors(reader, path: str, config: Dict[str, Any]) -> List[Tuple[str, Tuple
         if name is None:
             unknown.append(tensor.name)
             continue
-        shape = tuple(int(d) for d in reversed([int(x) for x in tensor.shape]))  # GGUF lists dimensions fastest first
+        shape = tensor.shape
 
-        def load(tensor=tensor, shape=shape, name=name) -> np.ndarray:
-            try:
-                values = dequantize(tensor.data, tensor.tensor_type)
-            except NotImplementedError:
-                raise ExportError(f"{path}: tensor {tensor.name} has type "
-                                  f"{GGMLQuantizationType(tensor.tensor_type).name}, which the gguf package cannot "
-                                  "dequantize") from None
-            values = np.asarray(values, dtype=np.float32).reshape(shape)
+        def load(tensor=tensor, name=name) -> np.ndarray:
+            values = reader.dequantized(tensor)
             if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
                 values = _unpermute(values, config["num_attention_heads"])
             elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -207,7 +190,7 @@ def _byte_alphabet() -> Dict[int, str]:
     return chars
 
 
-def _write_tokenizer(reader, path: str, output: str) -> None:
+def _write_tokenizer(reader: GGUFFile, path: str, output: str) -> None:
     """tokenizer.json, tokenizer_config.json and chat_template.jinja from the file's tokenizer.* metadata, built
     with the tokenizers library alone (transformers' GGUF reader needs torch): a byte-level BPE of the file's
     tokens and merges, its control tokens special, its user-defined tokens added whole, split by the regex its
