@@ -13,6 +13,7 @@ from typing import Sequence
 import httpx
 
 import pytest
+from hiding import hide
 
 openai = pytest.importorskip("openai")  # the `serve` extra; the test extra installs it
 uvicorn = pytest.importorskip("uvicorn")
@@ -68,14 +69,7 @@ def served(folder: str, **kwargs):
 
 # python -c HIDDEN <modules> <serve arguments>: the server with `modules` (comma-separated) unimportable, as on a
 # machine where they are not installed
-HIDDEN = """
-import sys
-hidden = sys.argv.pop(1).split(",")
-class Hide:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in hidden:
-            raise ImportError("hidden for the test: " + name)
-sys.meta_path.insert(0, Hide())
+HIDDEN = hide() + """
 from lite_runtime.serve.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -14,6 +14,7 @@ import pytest
 
 from lite_runtime.check import main as check_main
 from lite_runtime.golden import TOLERANCES, ReferenceRow, RowResult
+from hiding import hide
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # folders with a chunk graph (all but tensor-parallel ones): the prompts run twice, through the prefill graphs and
@@ -181,17 +182,10 @@ def test_folders_that_cannot_be_checked(exported, capsys, tmp_path):
                                "mslite-llm wrote them: re-export it with python -m export to check it"])
 
 
-HIDE = """
-import sys
-hidden = sys.argv.pop(1).split(",")
-class Hide:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in hidden:
-            raise ImportError("hidden for the test: " + name)
-sys.meta_path.insert(0, Hide())
+HIDE = hide() + """
 from lite_runtime.check import main
 code = main(sys.argv[1:])
-assert not any(m.split(".")[0] in hidden for m in sys.modules), "imported a hidden module"
+assert not any(m.split(".")[0] in HIDDEN for m in sys.modules), "imported a hidden module"
 sys.exit(code)
 """
 

@@ -12,6 +12,7 @@ import pytest
 
 from export.golden import plan_batches
 from reference import hf_model
+from hiding import hide
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,16 +103,10 @@ def test_bf16_checkpoint_golden_uses_its_exact_weights(tmp_path, checkpoints):
     assert np.abs(ref[row["top_ids"][0]] - row["top_logits"][0]).max() / np.abs(ref).max() < 1e-5
 
 
-HIDE_TORCH = """
-import sys
-class Hide:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "transformers"):
-            raise ImportError("hidden for the test: " + name)
-sys.meta_path.insert(0, Hide())
+HIDE_TORCH = hide(("torch", "transformers")) + """
 from export.__main__ import main
 code = main(sys.argv[1:])
-assert not any(m.split(".")[0] in ("torch", "transformers") for m in sys.modules)
+assert not any(m.split(".")[0] in HIDDEN for m in sys.modules)
 sys.exit(code)
 """
 

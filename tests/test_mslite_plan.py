@@ -11,6 +11,7 @@ from export.devices import GE_CONFIG_DIR, PROFILES
 from lite_runtime import InferConfig, InferError
 from lite_runtime.backends import resolve_backend
 from lite_runtime.backends.mslite import build_plan, context_plan, parse_lite_ini, read_ge_config, short_name
+from hiding import hide
 
 
 def test_context_plan_for_ascend(exported):
@@ -121,14 +122,7 @@ def test_auto_backend_and_input_names():
     assert short_name("68_12_Net_construct_68:input_ids") == "input_ids" and short_name("valid_length") == "valid_length"
 
 
-HIDE = """
-import sys
-class Hide:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("mindspore", "torch", "transformers"):
-            raise ImportError("hidden for the test: " + name)
-sys.meta_path.insert(0, Hide())
-"""
+HIDE = hide(("mindspore", "torch", "transformers"))
 
 
 def test_lite_runtime_imports_with_mindspore_and_torch_hidden(exported):

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from hiding import hide
 
 TEXTS = ["Hello world", "  leading spaces and trailing  ", "naïve café, 数字 123 — ok?", "line one\nline two\n\n",
          "<|im_start|>user\nhi<|im_end|>", "a<|endoftext|>b", ""]
@@ -110,13 +111,7 @@ def test_bos_token_follows_add_bos_token_like_transformers_llama_tokenizer(tmp_p
     assert FolderTokenizer(folder)(text)["input_ids"] == [bos] + plain
 
 
-NO_JINJA2 = """
-import sys
-class Hide:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "jinja2":
-            raise ImportError("hidden for the test: " + name)
-sys.meta_path.insert(0, Hide())
+NO_JINJA2 = hide(("jinja2",)) + """
 from lite_runtime import InferError, pipeline
 pipe = pipeline("text_generation", model=sys.argv[1], backend="ms")
 print(pipe("hi", max_new_tokens=2) != "")  # a plain prompt needs no jinja2
