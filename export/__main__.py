@@ -18,7 +18,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Export a Hugging Face Qwen2/Qwen2.5, Qwen3 or Llama checkpoint as a model folder: prefill, "
                     "incremental and chunk MindIR graphs sharing one weights file and a KV cache, the GE config.ini "
                     "of the target device, the tokenizer, golden references, one yaml and a manifest with checksums.")
-    p.add_argument("--checkpoint", required=True, help="HF model folder: config.json, *.safetensors, tokenizer files")
+    p.add_argument("--checkpoint", required=True,
+                   help="HF model folder (config.json, *.safetensors, tokenizer files), or a .gguf file of a llama, "
+                        "qwen2 or qwen3 model (config, tokenizer and chat template from its metadata; its tensors "
+                        "dequantized to --dtype)")
     p.add_argument("--output", required=True, help="model folder to write (refused if it exists, see --overwrite)")
     p.add_argument("--name", default=None, help="file name stem inside the folder (default: the folder's name)")
     p.add_argument("--seq_length", type=int, default=1024,
@@ -86,10 +89,16 @@ def default_dtype(profile, checkpoint: str) -> str:
         return "float32"
     if profile.name != "cpu":
         return profile.default_dtype
+    from export.gguf_checkpoint import gguf_config, is_gguf
+    from export.gguf_file import GGUFFile
+
     try:
-        with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as fh:
-            doc = json.load(fh)
-    except (OSError, ValueError):
+        if is_gguf(checkpoint):
+            doc = gguf_config(GGUFFile(checkpoint), checkpoint)
+        else:
+            with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as fh:
+                doc = json.load(fh)
+    except (OSError, ValueError, ExportError):
         return profile.default_dtype  # run_export reports the checkpoint's problem
     stored = doc.get("torch_dtype") or doc.get("dtype")
     import cpu_kernels

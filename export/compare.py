@@ -39,7 +39,13 @@ def hf_model(checkpoint: str, dtype: str = "float32", matrices_in: str = "float3
         from transformers import AutoModelForCausalLM
     except ImportError:
         raise ExportError(f"export.compare runs HF transformers as the reference and needs PyTorch: {TORCH_HINT}") from None
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype))
+    from export.gguf_checkpoint import is_gguf
+
+    if is_gguf(checkpoint):  # transformers dequantizes the file itself (its own reader, not ours)
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(checkpoint)),
+                                                     gguf_file=os.path.basename(checkpoint), dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype))
     if matrices_in != dtype:
         with torch.no_grad():
             for param in model.parameters():
@@ -181,9 +187,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     from lite_runtime.errors import InferError
 
     try:
-        if not os.path.isdir(args.checkpoint):
-            raise ExportError(f"--checkpoint {args.checkpoint}: not a folder; pass the HF checkpoint the folder was "
-                              "exported from")
+        from export.gguf_checkpoint import is_gguf
+
+        if not os.path.isdir(args.checkpoint) and not is_gguf(args.checkpoint):
+            raise ExportError(f"--checkpoint {args.checkpoint}: not a folder or a GGUF file; pass the checkpoint the "
+                              "folder was exported from")
         report, golden_rows = compare(args.checkpoint, args.model_dir, quiet=args.quiet)
     except (ExportError, InferError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -105,9 +105,20 @@ class ModelConfig:
         return config
 
     @classmethod
+    def from_checkpoint(cls, checkpoint: str) -> "ModelConfig":
+        """A HF folder's config.json, or the config a GGUF file's metadata gives (export/gguf_checkpoint.py)."""
+        from export.gguf_checkpoint import gguf_config, is_gguf
+        from export.gguf_file import GGUFFile
+
+        if is_gguf(checkpoint):
+            return cls.from_dict(gguf_config(GGUFFile(checkpoint), checkpoint), source=checkpoint)
+        return cls.from_file(os.path.join(checkpoint, "config.json"))
+
+    @classmethod
     def from_file(cls, path: str) -> "ModelConfig":
         if not os.path.isfile(path):
-            raise ExportError(f"{path}: not found; pass --checkpoint a Hugging Face model folder with config.json")
+            raise ExportError(f"{path}: not found; pass --checkpoint a Hugging Face model folder with config.json, "
+                              "or a .gguf file")
         try:
             with open(path, encoding="utf-8") as fh:
                 raw = json.load(fh)

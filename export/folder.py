@@ -19,6 +19,12 @@ _TOKENIZER_CORE = ("tokenizer.json", "vocab.json", "tokenizer.model")
 
 
 def copy_tokenizer(checkpoint: str, folder: str) -> List[str]:
+    """The checkpoint's tokenizer files (and generation_config.json) into `folder`; a GGUF's written from its
+    metadata. Returns their names."""
+    from export.gguf_checkpoint import is_gguf, write_tokenizer_files
+
+    if is_gguf(checkpoint):
+        return write_tokenizer_files(checkpoint, folder)
     present = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(checkpoint, f))]
     if not any(f in present for f in _TOKENIZER_CORE):
         raise ExportError(f"{checkpoint}: no tokenizer files (tokenizer.json, vocab.json + merges.txt or "
@@ -29,10 +35,15 @@ def copy_tokenizer(checkpoint: str, folder: str) -> List[str]:
 
 
 def special_token_ids(checkpoint: str, model_eos) -> Dict[str, Any]:
-    """eos and pad ids: generation_config.json first, then config.json (as HF generate does)."""
+    """eos and pad ids: generation_config.json first, then config.json (as HF generate does); a GGUF's metadata."""
+    from export.gguf_checkpoint import generation_config, is_gguf
+    from export.gguf_file import GGUFFile
+
     gen: Dict[str, Any] = {}
     path = os.path.join(checkpoint, "generation_config.json")
-    if os.path.isfile(path):
+    if is_gguf(checkpoint):
+        gen = generation_config(GGUFFile(checkpoint))
+    elif os.path.isfile(path):
         try:
             with open(path, encoding="utf-8") as fh:
                 gen = json.load(fh)

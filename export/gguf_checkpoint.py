@@ -90,6 +90,7 @@ def gguf_config(reader: GGUFFile, path: str) -> Dict[str, Any]:
     hidden = int(need("embedding_length"))
     tokens = _field(reader, "tokenizer.ggml.tokens")
     names = {t.name for t in reader.tensors}
+    matrices = {t.type_name for t in reader.tensors if len(t.shape) == 2}
     head_dim = _field(reader, f"{arch}.attention.key_length") or _field(reader, f"{arch}.rope.dimension_count")
     config: Dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch][0]], "model_type": ARCHITECTURES[arch][1],
@@ -101,7 +102,9 @@ def gguf_config(reader: GGUFFile, path: str) -> Dict[str, Any]:
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(need("context_length")),
         "vocab_size": len(tokens) if tokens is not None else int(need("vocab_size")),
-        "tie_word_embeddings": "output.weight" not in names, "hidden_act": "silu", "torch_dtype": "float32",
+        "tie_word_embeddings": "output.weight" not in names, "hidden_act": "silu",
+        # the matrices' type when they are all 16-bit floats (what a --device cpu export keeps by default), else float32
+        "torch_dtype": {"F16": "float16", "BF16": "bfloat16"}.get(matrices.pop() if len(matrices) == 1 else "", "float32"),
     }
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in names
@@ -142,6 +145,82 @@ def _tensors(reader: GGUFFile, path: str, config: Dict[str, Any]) -> List[Tuple[
     if unknown:
         raise ExportError(f"{path}: tensors this converter does not know: {', '.join(unknown[:5])}"
                           f"{' …' if len(unknown) > 5 else ''}; supported: the {config['model_type']} decoder's")
+    return out
+
+
+def is_gguf(path: str) -> bool:
+    """A file (not a folder) that begins with GGUF's magic."""
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+class GGUFTensors:
+    """A GGUF file as a checkpoint source for export (the interface of export/weights.py's SafetensorsFile, under the
+    HF names): `stored(name)` is the tensor dequantized to float32 by the gguf package, llama.cpp's q/k permutation
+    undone. Nothing is read before a tensor is asked for; each ask dequantizes it again (the golden references ask
+    once per forward pass), and memory holds that one tensor in float32."""
+
+    def __init__(self, reader: GGUFFile, path: str, config: Dict[str, Any]) -> None:
+        self.path = path
+        self._entries = {name: (shape, load) for name, shape, load in _tensors(reader, path, config)}
+        self._offsets = {hf_name(t.name): t.offset for t in reader.tensors}
+        self.header = {name: {"shape": list(shape)} for name, (shape, _) in self._entries.items()}
+
+    def names(self) -> List[str]:
+        return list(self._entries)
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return self._entries[name][0]
+
+    def offset(self, name: str) -> int:
+        return self._offsets[name]
+
+    def stored(self, name: str) -> np.ndarray:
+        return self._entries[name][1]()
+
+    def read(self, name: str) -> np.ndarray:
+        return self.stored(name)
+
+    def will_need(self, name: str) -> None:
+        """A hint the safetensors source acts on; the GGUF's pages are read as it is dequantized."""
+
+
+def open_gguf(path: str) -> Tuple[Dict[str, Any], Dict[str, GGUFTensors]]:
+    """(config.json's dict, every HF tensor name -> the source that holds it) of a GGUF checkpoint."""
+    reader = _reader(path)
+    config = gguf_config(reader, path)
+    source = GGUFTensors(reader, path, config)
+    return config, {name: source for name in source.names()}
+
+
+def write_tokenizer_files(path: str, folder: str) -> List[str]:
+    """tokenizer.json, tokenizer_config.json, chat_template.jinja (if the file has one) and generation_config.json
+    of a GGUF checkpoint, written into `folder`; returns their names."""
+    reader = _reader(path)
+    _write_tokenizer(reader, path, folder)
+    with open(os.path.join(folder, "generation_config.json"), "w", encoding="utf-8") as fh:
+        json.dump(generation_config(reader), fh, indent=2)
+    return sorted(f for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                              "generation_config.json") if os.path.isfile(os.path.join(folder, f)))
+
+
+def generation_config(reader: GGUFFile) -> Dict[str, Any]:
+    """bos, eos and pad ids as generation_config.json writes them, from the file's tokenizer metadata; an end-of-turn
+    id (`tokenizer.ggml.eot_token_id`, Llama 3's <|eot_id|>) stops generation too, as llama.cpp stops on it."""
+    out: Dict[str, Any] = {}
+    for key, meta in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("pad_token_id", "padding_token_id")):
+        value = _field(reader, f"tokenizer.ggml.{meta}")
+        if value is not None:
+            out[key] = int(value)
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    if eot is not None and int(eot) != out.get("eos_token_id"):
+        out["eos_token_id"] = [out["eos_token_id"], int(eot)] if "eos_token_id" in out else int(eot)
     return out
 
 
@@ -190,11 +269,11 @@ def _byte_alphabet() -> Dict[int, str]:
     return chars
 
 
-def _write_tokenizer(reader: GGUFFile, path: str, output: str) -> None:
-    """tokenizer.json, tokenizer_config.json and chat_template.jinja from the file's tokenizer.* metadata, built
-    with the tokenizers library alone (transformers' GGUF reader needs torch): a byte-level BPE of the file's
-    tokens and merges, its control tokens special, its user-defined tokens added whole, split by the regex its
-    `tokenizer.ggml.pre` names. tests/test_readme.py holds it to transformers' own GGUF tokenizer."""
+def build_tokenizer(reader: GGUFFile, path: str):
+    """The file's tokenizer from its tokenizer.* metadata, built with the tokenizers library alone (transformers'
+    GGUF reader needs torch): a byte-level BPE of the file's tokens and merges, its control tokens special, its
+    user-defined tokens added whole, split by the regex its `tokenizer.ggml.pre` names. tests/test_gguf.py and
+    tests/test_readme.py hold it to transformers' own GGUF tokenizer."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     kind = _field(reader, "tokenizer.ggml.model")
@@ -229,7 +308,13 @@ def _write_tokenizer(reader: GGUFFile, path: str, output: str) -> None:
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     tok.add_tokens([AddedToken(t, normalized=False, special=False)
                     for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab])
-    tok.save(os.path.join(output, "tokenizer.json"))
+    return tok
+
+
+def _write_tokenizer(reader: GGUFFile, path: str, output: str) -> None:
+    """tokenizer.json, tokenizer_config.json and chat_template.jinja from the file's metadata."""
+    build_tokenizer(reader, path).save(os.path.join(output, "tokenizer.json"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
     config: Dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
                               "model_max_length": int(_field(reader, f"{_field(reader, 'general.architecture')}."
                                                                      "context_length", 0)) or None}
@@ -252,7 +337,7 @@ def convert(path: str, output: str, overwrite: bool = False, source: Optional[Di
     if os.path.exists(output) and not overwrite:
         raise ExportError(f"{output} already exists; delete it or pass --overwrite")
     reader = _reader(path)
-    config = gguf_config(reader, path)
+    config = dict(gguf_config(reader, path), torch_dtype="float32")  # written in float32 below
     tensors = _tensors(reader, path, config)
     partial = f"{output.rstrip(os.sep)}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
@@ -261,12 +346,8 @@ def convert(path: str, output: str, overwrite: bool = False, source: Optional[Di
         write_safetensors(os.path.join(partial, "model.safetensors"), tensors)
         with open(os.path.join(partial, "config.json"), "w", encoding="utf-8") as fh:
             json.dump(config, fh, indent=2)
-        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
-        pad = _field(reader, "tokenizer.ggml.padding_token_id")
-        if pad is not None:
-            generation["pad_token_id"] = int(pad)
         with open(os.path.join(partial, "generation_config.json"), "w", encoding="utf-8") as fh:
-            json.dump(generation, fh, indent=2)
+            json.dump(generation_config(reader), fh, indent=2)
         _write_tokenizer(reader, path, partial)
         if source is not None:
             with open(os.path.join(partial, SOURCE_FILE), "w", encoding="utf-8") as fh:

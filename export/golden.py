@@ -61,14 +61,19 @@ def plan_batches(prefill_sizes: Sequence[int], seq_length: int, batch_size: int)
 
 
 def _text_ids(checkpoint: str, vocab_size: int) -> Optional[List[List[int]]]:
-    """Each of TEXTS as token ids of the checkpoint's tokenizer.json, or None when that cannot be used."""
-    path = os.path.join(checkpoint, "tokenizer.json")
-    if not os.path.isfile(path):
+    """Each of TEXTS as token ids of the checkpoint's tokenizer.json (a GGUF's: built from its metadata), or None
+    when that cannot be used."""
+    from export.gguf_checkpoint import build_tokenizer, is_gguf
+    from export.gguf_file import GGUFFile
+
+    gguf = is_gguf(checkpoint)
+    path = checkpoint if gguf else os.path.join(checkpoint, "tokenizer.json")
+    if not gguf and not os.path.isfile(path):
         return None
     try:
         from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer.from_file(path)
+        tokenizer = build_tokenizer(GGUFFile(path), path) if gguf else Tokenizer.from_file(path)
         ids = [tokenizer.encode(text, add_special_tokens=False).ids for text in TEXTS]
     except Exception as exc:  # any failure of a third-party tokenizer file: fall back to random ids
         log.warning("golden references: %s could not encode the fixed texts (%s); using random token ids", path, exc)

@@ -115,7 +115,7 @@ class PeakAnon:
 
 def prepare(cfg: ExportConfig) -> tuple:
     """Every check that needs no weights: config.json, settings, device, the target folder."""
-    model_cfg = ModelConfig.from_file(os.path.join(cfg.checkpoint, "config.json"))
+    model_cfg = ModelConfig.from_checkpoint(cfg.checkpoint)
     profile = get_profile(cfg.device)
     cfg.validate(model_cfg, profile.dtypes)
     if os.path.exists(cfg.output) and not cfg.overwrite:

@@ -125,7 +125,12 @@ def rounded_to(values: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def open_checkpoint(folder: str) -> Dict[str, SafetensorsFile]:
-    """Map every tensor name to the file that holds it (one file, or shards with an index)."""
+    """Map every tensor name to the file that holds it (one file, or shards with an index); a GGUF file instead of a
+    folder: to its tensors under their HF names, dequantized (export/gguf_checkpoint.py, the same interface)."""
+    from export.gguf_checkpoint import is_gguf, open_gguf
+
+    if is_gguf(folder):
+        return open_gguf(folder)[1]
     index_path = os.path.join(folder, INDEX_FILE)
     if os.path.isfile(index_path):
         try:

@@ -84,7 +84,10 @@ def write_gguf(checkpoint: str, path: str, quant: str = "F32", pre: str = "gpt-2
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    w.add_eos_token_id(cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], int) else cfg["eos_token_id"][0])
+    eos = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], list) else [cfg["eos_token_id"]]
+    w.add_eos_token_id(eos[0])
+    if len(eos) > 1:  # Llama 3's end of turn, as llama.cpp's converter writes it
+        w.add_eot_token_id(eos[1])
     w.add_chat_template(open(os.path.join(checkpoint, "chat_template.jinja")).read())
     for name, value in weights.items():
         value = value.astype(np.float32)
@@ -240,3 +243,55 @@ def test_fuzzed_headers_are_refused_in_one_line(small_gguf, tmp_path, data):
     except ExportError as exc:
         assert str(exc).startswith(str(path)) and "\n" not in str(exc)
     assert time.monotonic() - start < 5.0
+
+
+def _export(checkpoint: str, output: str, **kw) -> str:
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+
+    run_export(ExportConfig(checkpoint=checkpoint, output=output, name="m", seq_length=32, batch_size=1,
+                            dtype=kw.pop("dtype", "float32"), device="cpu", **kw))
+    return output
+
+
+def test_export_from_a_gguf_equals_export_from_its_checkpoint(tmp_path):
+    """`--checkpoint model.gguf`: the folder holds the same weights bit for bit and the same golden references as the
+    folder exported from the HF checkpoint the GGUF was written from (llama: the permutation undone), and the same
+    special ids; its own tokenizer gives the same ids."""
+    from lite_runtime.tokenizer import FolderTokenizer
+
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"), family="llama", tie_word_embeddings=False, seed=11)
+    write_gguf(ckpt, str(tmp_path / "m.gguf"))
+    a = _export(ckpt, str(tmp_path / "from_hf"))
+    b = _export(str(tmp_path / "m.gguf"), str(tmp_path / "from_gguf"))
+    weights = "m_variables/data_0"
+    assert open(os.path.join(a, weights), "rb").read() == open(os.path.join(b, weights), "rb").read()
+    golden_a, golden_b = (json.load(open(os.path.join(f, "golden.json"))) for f in (a, b))
+    assert golden_a["batches"] == golden_b["batches"]
+    import yaml
+
+    infer_a, infer_b = (yaml.safe_load(open(os.path.join(f, "m.yaml")))["infer"] for f in (a, b))
+    assert len(infer_a["eos_token_id"]) == 2
+    for key in ("eos_token_id", "pad_token_id", "vocab_size", "model_name"):
+        assert infer_a[key] == infer_b[key], key
+    ours, theirs = FolderTokenizer(b), FolderTokenizer(a)
+    for text in TEXTS:
+        assert ours(text, add_special_tokens=False)["input_ids"] == theirs(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_q8_gguf_folder_passes_check_and_matches_transformers(tmp_path, capsys):
+    """A Q8_0 GGUF exported as it comes (dequantized): `check` passes against golden references from the dequantized
+    weights, and export.compare, with transformers loading the GGUF itself, finds the same greedy tokens."""
+    pytest.importorskip("torch")
+    from export.compare import main as compare_main
+    from lite_runtime.check import main as check_main
+
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"), family="qwen2", seed=12)
+    write_gguf(ckpt, str(tmp_path / "q8.gguf"), quant="Q8_0", pre="gpt-2")
+    folder = _export(str(tmp_path / "q8.gguf"), str(tmp_path / "folder"))
+    assert check_main([folder, "--backend", "ms", "-q"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("PASS m on backend ms:")
+    assert compare_main(["--checkpoint", str(tmp_path / "q8.gguf"), "--model_dir", folder, "-q"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2].startswith("PASS m on backend ms:") and "greedy tokens identical" in out[-2], out
+    assert out[-1].startswith("stored golden references against HF: greedy tokens identical"), out
