@@ -83,6 +83,9 @@ class ModelConfig:
     def from_dict(cls, raw: Dict[str, Any], source: str = "config.json") -> "ModelConfig":
         """Build from HF keys; unknown keys are ignored, features we cannot honour are refused."""
         family = families.get(raw.get("model_type"), source)
+        from export.packed import quantization
+
+        quantization(raw, source)  # an unsupported quantization_config is refused here, before anything is read
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ExportError(f"{source}: hidden_act {act!r} is not supported; only 'silu'")

@@ -18,6 +18,7 @@ _STORED = {
     "F16": np.float16,
     "BF16": np.uint16,  # numpy has no bfloat16: keep the bits, widen to float32 below
 }
+_INTEGERS = {"I32": np.int32, "U32": np.uint32, "I64": np.int64, "I16": np.int16}
 # Tensors a checkpoint may carry that the network derives itself.
 _DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -52,16 +53,19 @@ class SafetensorsFile:
     def shape(self, name: str) -> Tuple[int, ...]:
         return tuple(self.header[name]["shape"])
 
+    def _mapped(self) -> np.memmap:
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        return self._map
+
     def stored(self, name: str) -> np.ndarray:
         """The tensor's bits as stored, a view of the memory map: float32, float16, or uint16 for bf16."""
         info = self.header[name]
         dtype = info["dtype"]
         if dtype not in _STORED:
             raise ExportError(f"{self.path}: tensor {name} has dtype {dtype}; expected F32, F16 or BF16")
-        if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         begin, end = info["data_offsets"]
-        raw = self._map[self.data_start + begin:self.data_start + end]
+        raw = self._mapped()[self.data_start + begin:self.data_start + end]
         shape = tuple(info["shape"])
         expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(_STORED[dtype]).itemsize
         if raw.size != expected:  # the file's size was checked on open: its header contradicts itself
@@ -69,12 +73,26 @@ class SafetensorsFile:
                               f"needs {expected}; the header is damaged, re-download the file")
         return raw.view(_STORED[dtype]).reshape(shape)
 
+    def integers(self, name: str) -> np.ndarray:
+        """An integer tensor's values (a packed GPTQ/AWQ tensor, a g_idx), a view of the memory map."""
+        info = self.header[name]
+        dtype = _INTEGERS.get(info["dtype"])
+        if dtype is None:
+            raise ExportError(f"{self.path}: tensor {name} has dtype {info['dtype']}; expected an integer type "
+                              f"({', '.join(_INTEGERS)})")
+        begin, end = info["data_offsets"]
+        raw = self._mapped()[self.data_start + begin:self.data_start + end]
+        shape = tuple(info["shape"])
+        if raw.size != int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize:
+            raise ExportError(f"{self.path}: tensor {name} spans {raw.size} bytes but its shape {list(shape)} "
+                              "needs another size; the header is damaged, re-download the file")
+        return raw.view(dtype).reshape(shape)
+
     def will_need(self, name: str) -> None:
         """Start reading the tensor's pages in the background (madvise WILLNEED); a hint, never an error."""
         import mmap
 
-        self.stored(name)  # opens the map
-        mapped = getattr(self._map, "_mmap", None)
+        mapped = getattr(self._mapped(), "_mmap", None)
         if mapped is None or not hasattr(mapped, "madvise") or not hasattr(mmap, "MADV_WILLNEED"):
             return
         begin, end = self.header[name]["data_offsets"]
@@ -126,11 +144,17 @@ def rounded_to(values: np.ndarray, dtype: str) -> np.ndarray:
 
 def open_checkpoint(folder: str) -> Dict[str, SafetensorsFile]:
     """Map every tensor name to the file that holds it (one file, or shards with an index); a GGUF file instead of a
-    folder: to its tensors under their HF names, dequantized (export/gguf_checkpoint.py, the same interface)."""
+    folder: to its tensors under their HF names, dequantized (export/gguf_checkpoint.py, the same interface); a GPTQ
+    or AWQ checkpoint's packed layers: to their weights, dequantized (export/packed.py)."""
     from export.gguf_checkpoint import is_gguf, open_gguf
+    from export.packed import open_packed
 
     if is_gguf(folder):
         return open_gguf(folder)[1]
+    return open_packed(folder, _open_safetensors(folder))
+
+
+def _open_safetensors(folder: str) -> Dict[str, SafetensorsFile]:
     index_path = os.path.join(folder, INDEX_FILE)
     if os.path.isfile(index_path):
         try:
