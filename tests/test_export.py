@@ -360,7 +360,8 @@ def test_bad_inputs(tmp_path, ckpt_copy, capsys):
     cfg_path.write_text(text[:40])
     assert err().startswith(f"error: {cfg_path}: not valid JSON (")
     cfg_path.unlink()
-    assert err() == f"error: {cfg_path}: not found; pass --checkpoint a Hugging Face model folder with config.json"
+    assert err() == (f"error: {cfg_path}: not found; pass --checkpoint a Hugging Face model folder with config.json, "
+                     "or a .gguf file")
     cfg_path.write_text(text)
 
     _edit_weights(ckpt_copy, drop=("model.norm.weight", "model.layers.1.mlp.up_proj.weight"))
@@ -406,4 +407,4 @@ def test_cli_error_is_one_line_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'nope' / 'config.json'}: not found; pass --checkpoint a Hugging Face model folder "
-        "with config.json"]
+        "with config.json, or a .gguf file"]
