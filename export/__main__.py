@@ -90,11 +90,11 @@ def default_dtype(profile, checkpoint: str) -> str:
     if profile.name != "cpu":
         return profile.default_dtype
     from export.gguf_checkpoint import gguf_config, is_gguf
-    from export.gguf_file import GGUFFile
+    from export.gguf_file import open_gguf_file
 
     try:
         if is_gguf(checkpoint):
-            doc = gguf_config(GGUFFile(checkpoint), checkpoint)
+            doc = gguf_config(open_gguf_file(checkpoint), checkpoint)
         else:
             with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as fh:
                 doc = json.load(fh)

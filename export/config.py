@@ -111,10 +111,10 @@ class ModelConfig:
     def from_checkpoint(cls, checkpoint: str) -> "ModelConfig":
         """A HF folder's config.json, or the config a GGUF file's metadata gives (export/gguf_checkpoint.py)."""
         from export.gguf_checkpoint import gguf_config, is_gguf
-        from export.gguf_file import GGUFFile
+        from export.gguf_file import open_gguf_file
 
         if is_gguf(checkpoint):
-            return cls.from_dict(gguf_config(GGUFFile(checkpoint), checkpoint), source=checkpoint)
+            return cls.from_dict(gguf_config(open_gguf_file(checkpoint), checkpoint), source=checkpoint)
         return cls.from_file(os.path.join(checkpoint, "config.json"))
 
     @classmethod

@@ -37,12 +37,12 @@ def copy_tokenizer(checkpoint: str, folder: str) -> List[str]:
 def special_token_ids(checkpoint: str, model_eos) -> Dict[str, Any]:
     """eos and pad ids: generation_config.json first, then config.json (as HF generate does); a GGUF's metadata."""
     from export.gguf_checkpoint import generation_config, is_gguf
-    from export.gguf_file import GGUFFile
+    from export.gguf_file import open_gguf_file
 
     gen: Dict[str, Any] = {}
     path = os.path.join(checkpoint, "generation_config.json")
     if is_gguf(checkpoint):
-        gen = generation_config(GGUFFile(checkpoint))
+        gen = generation_config(open_gguf_file(checkpoint))
     elif os.path.isfile(path):
         try:
             with open(path, encoding="utf-8") as fh:

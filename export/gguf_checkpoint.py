@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from export.errors import ExportError
-from export.gguf_file import GGUFFile
+from export.gguf_file import GGUFFile, open_gguf_file
 
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                  "qwen3": ("Qwen3ForCausalLM", "qwen3")}
@@ -53,11 +53,7 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 def _reader(path: str) -> GGUFFile:
     if not os.path.isfile(path):
         raise ExportError(f"{path}: no such GGUF file")
-    return GGUFFile(path)
-
-
-def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
-    return reader.field(key, default)
+    return open_gguf_file(path)
 
 
 def hf_name(gguf_name: str) -> Optional[str]:
@@ -72,34 +68,34 @@ def hf_name(gguf_name: str) -> Optional[str]:
 
 def gguf_config(reader: GGUFFile, path: str) -> Dict[str, Any]:
     """config.json for the file, from its metadata (HF's names, as mlx-lm and transformers read them)."""
-    arch = _field(reader, "general.architecture")
+    arch = reader.field("general.architecture")
     if arch not in ARCHITECTURES:
         raise ExportError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
                           f"{', '.join(sorted(ARCHITECTURES))}")
 
     def need(key: str) -> Any:
-        value = _field(reader, f"{arch}.{key}")
+        value = reader.field(f"{arch}.{key}")
         if value is None:
             raise ExportError(f"{path}: GGUF metadata {arch}.{key} is missing; the file cannot be converted")
         return value
 
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    scaling = reader.field(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise ExportError(f"{path}: GGUF rope scaling {scaling!r} is not converted; supported: none")
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tokens = reader.field("tokenizer.ggml.tokens")
     names = {t.name for t in reader.tensors}
     matrices = {t.type_name for t in reader.tensors if len(t.shape) == 2}
-    head_dim = _field(reader, f"{arch}.attention.key_length") or _field(reader, f"{arch}.rope.dimension_count")
+    head_dim = reader.field(f"{arch}.attention.key_length") or reader.field(f"{arch}.rope.dimension_count")
     config: Dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch][0]], "model_type": ARCHITECTURES[arch][1],
         "hidden_size": hidden, "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "num_key_value_heads": int(reader.field(f"{arch}.attention.head_count_kv", heads)),
         "head_dim": int(head_dim) if head_dim else hidden // heads,
         "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_theta": float(reader.field(f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(need("context_length")),
         "vocab_size": len(tokens) if tokens is not None else int(need("vocab_size")),
         "tie_word_embeddings": "output.weight" not in names, "hidden_act": "silu",
@@ -110,7 +106,7 @@ def gguf_config(reader: GGUFFile, path: str) -> Dict[str, Any]:
         config["attention_bias"] = "blk.0.attn_q.bias" in names
         config["mlp_bias"] = "blk.0.ffn_up.bias" in names
     for key in ("bos_token_id", "eos_token_id"):
-        value = _field(reader, f"tokenizer.ggml.{key}")
+        value = reader.field(f"tokenizer.ggml.{key}")
         if value is not None:
             config[key] = int(value)
     return config
@@ -215,10 +211,10 @@ def generation_config(reader: GGUFFile) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for key, meta in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("pad_token_id", "padding_token_id")):
-        value = _field(reader, f"tokenizer.ggml.{meta}")
+        value = reader.field(f"tokenizer.ggml.{meta}")
         if value is not None:
             out[key] = int(value)
-    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    eot = reader.field("tokenizer.ggml.eot_token_id")
     if eot is not None and int(eot) != out.get("eos_token_id"):
         out["eos_token_id"] = [out["eos_token_id"], int(eot)] if "eos_token_id" in out else int(eot)
     return out
@@ -276,13 +272,13 @@ def build_tokenizer(reader: GGUFFile, path: str):
     tests/test_readme.py hold it to transformers' own GGUF tokenizer."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    kind = _field(reader, "tokenizer.ggml.model")
+    kind = reader.field("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ExportError(f"{path}: tokenizer.ggml.model {kind!r} is not converted; supported: gpt2 (the byte-level "
                           "BPE of Qwen2, Qwen3, Llama 3 and SmolLM2)")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    merges = _field(reader, "tokenizer.ggml.merges")
-    types = _field(reader, "tokenizer.ggml.token_type") or []
+    tokens = reader.field("tokenizer.ggml.tokens")
+    merges = reader.field("tokenizer.ggml.merges")
+    types = reader.field("tokenizer.ggml.token_type") or []
     if not tokens or merges is None:
         raise ExportError(f"{path}: tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
     alphabet = _byte_alphabet()
@@ -296,7 +292,7 @@ def build_tokenizer(reader: GGUFFile, path: str):
             raise ExportError(f"{path}: tokenizer.ggml.merges holds {merge!r}, not two tokens")
         pairs.append((left, right))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-    split = _SPLITS.get(_field(reader, "tokenizer.ggml.pre"))
+    split = _SPLITS.get(reader.field("tokenizer.ggml.pre"))
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
@@ -314,18 +310,18 @@ def build_tokenizer(reader: GGUFFile, path: str):
 def _write_tokenizer(reader: GGUFFile, path: str, output: str) -> None:
     """tokenizer.json, tokenizer_config.json and chat_template.jinja from the file's metadata."""
     build_tokenizer(reader, path).save(os.path.join(output, "tokenizer.json"))
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tokens = reader.field("tokenizer.ggml.tokens")
     config: Dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-                              "model_max_length": int(_field(reader, f"{_field(reader, 'general.architecture')}."
+                              "model_max_length": int(reader.field(f"{reader.field('general.architecture')}."
                                                                      "context_length", 0)) or None}
     for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
                       ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
-        index = _field(reader, f"tokenizer.ggml.{key}")
+        index = reader.field(f"tokenizer.ggml.{key}")
         if index is not None and 0 <= int(index) < len(tokens):
             config[name] = tokens[int(index)]
     with open(os.path.join(output, "tokenizer_config.json"), "w", encoding="utf-8") as fh:
         json.dump(config, fh, indent=2)
-    template = _field(reader, "tokenizer.chat_template")
+    template = reader.field("tokenizer.chat_template")
     if isinstance(template, str):
         with open(os.path.join(output, "chat_template.jinja"), "w", encoding="utf-8") as fh:
             fh.write(template)

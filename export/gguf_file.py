@@ -11,6 +11,7 @@ uint32 ggml type, uint64 offset into the data section, which starts at the next 
 """
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -112,6 +113,22 @@ class _Cursor:
         else:
             raise self.fail(field, f"unknown array element type {elem}")
         return [self.value(elem, field, depth + 1) for _ in range(count)]
+
+
+def open_gguf_file(path: str) -> "GGUFFile":
+    """The parsed file, parsed once per export: the CLI's default dtype, the config, the tensors, the golden prompts'
+    tokenizer and the folder's tokenizer files all read the same metadata (a 152K-token vocabulary is parsed in
+    Python). Keyed by the file's identity and modification time, so a rewritten file is parsed again."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise ExportError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    return _cached(os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached(path: str, inode: int, size: int, mtime_ns: int) -> "GGUFFile":
+    return GGUFFile(path)
 
 
 class GGUFFile:

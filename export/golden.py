@@ -64,7 +64,7 @@ def _text_ids(checkpoint: str, vocab_size: int) -> Optional[List[List[int]]]:
     """Each of TEXTS as token ids of the checkpoint's tokenizer.json (a GGUF's: built from its metadata), or None
     when that cannot be used."""
     from export.gguf_checkpoint import build_tokenizer, is_gguf
-    from export.gguf_file import GGUFFile
+    from export.gguf_file import open_gguf_file
 
     gguf = is_gguf(checkpoint)
     path = checkpoint if gguf else os.path.join(checkpoint, "tokenizer.json")
@@ -73,7 +73,7 @@ def _text_ids(checkpoint: str, vocab_size: int) -> Optional[List[List[int]]]:
     try:
         from tokenizers import Tokenizer
 
-        tokenizer = build_tokenizer(GGUFFile(path), path) if gguf else Tokenizer.from_file(path)
+        tokenizer = build_tokenizer(open_gguf_file(path), path) if gguf else Tokenizer.from_file(path)
         ids = [tokenizer.encode(text, add_special_tokens=False).ids for text in TEXTS]
     except Exception as exc:  # any failure of a third-party tokenizer file: fall back to random ids
         log.warning("golden references: %s could not encode the fixed texts (%s); using random token ids", path, exc)
