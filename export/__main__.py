@@ -62,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "IncreFlashAttention), RmsNorm and rotary operators with the lengths as tensors; plain only "
                         "ops MindSpore's CPU also has. auto (default): fused where the profile's SoC has the "
                         "operators and the dtype is float16/bfloat16, else plain (ge_configs/README.md)")
+    p.add_argument("--quantize", choices=("none", "int8", "int4"), default=None,
+                   help="store the linear layers' weights in 8 or 4 bits (W8A16 / W4A16: Ascend's "
+                        "WeightQuantBatchMatmul on Atlas, mslite-llm's kernels on cpu), round-to-nearest; the embedding "
+                        "and the head stay in --dtype. Default: a GPTQ, AWQ or Q8_0/Q4_0/Q4_1 GGUF checkpoint keeps its "
+                        "own quantization as it is, a float one stays float; none: float weights")
+    p.add_argument("--group_size", type=int, default=None,
+                   help="inputs per scale with --quantize: 0 is per channel; default 0 for int8, 128 for int4 (or the "
+                        "largest power of two, at least 32, that divides every layer's input size)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true", help="log each stage as it starts, and more")
@@ -123,7 +131,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                            batch_size=args.batch_size, dtype=dtype, device=args.device, overwrite=args.overwrite,
                            prefill_buckets=parse_sizes(args.prefill_buckets, "--prefill_buckets"), cpu_kernels=args.cpu_kernels,
                            tp_size=args.tp_size, graph=None if args.graph == "auto" else args.graph,
-                           chunk_sizes=parse_sizes(args.chunk_sizes, "--chunk_sizes"))
+                           chunk_sizes=parse_sizes(args.chunk_sizes, "--chunk_sizes"), quantize=args.quantize,
+                           group_size=args.group_size)
         # the bars are drawn on a terminal only; piped, each stage is one plain line instead (-v logs them already)
         plain = not args.quiet and not args.verbose and not sys.stderr.isatty()
         summary = run_export(cfg, show_progress=not args.quiet,
@@ -136,6 +145,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
     print(summary.line())
     print(summary.stage_line())
+    for line in summary.quantization_lines():
+        print(line)
     for line in summary.usage_lines(ascend_present()):
         print(line)
     return 0

@@ -66,8 +66,9 @@ class FusedDecoderLayer(DecoderLayer):
     """A decoder layer of the fused form. Same cells and parameters as DecoderLayer (no CPU kernels); the attention
     core, the norms and RoPE through the fused ops."""
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, tp: bool = False) -> None:
-        super().__init__(cfg, batch_size, seq_length, dtype, Kernels(), tp)
+    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, tp: bool = False,
+                 quant=None) -> None:
+        super().__init__(cfg, batch_size, seq_length, dtype, Kernels(quant=quant), tp)
         a = self.self_attn
         self.input_layernorm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

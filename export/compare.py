@@ -44,6 +44,8 @@ def hf_model(checkpoint: str, dtype: str = "float32", matrices_in: str = "float3
     if is_gguf(checkpoint):  # transformers dequantizes the file itself (its own reader, not ours)
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(checkpoint)),
                                                      gguf_file=os.path.basename(checkpoint), dtype=getattr(torch, dtype))
+    elif _packed(checkpoint):
+        model = _dequantized_model(checkpoint, getattr(torch, dtype))
     else:
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype))
     if matrices_in != dtype:
@@ -52,6 +54,42 @@ def hf_model(checkpoint: str, dtype: str = "float32", matrices_in: str = "float3
                 if param.ndim == 2:
                     param.copy_(param.to(getattr(torch, matrices_in)).to(param.dtype))
     return model.eval()
+
+
+def _packed(checkpoint: str) -> bool:
+    import json
+
+    try:
+        with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as fh:
+            return "quantization_config" in json.load(fh)
+    except (OSError, ValueError):
+        return False
+
+
+def _dequantized_model(checkpoint: str, dtype):
+    """HF's class for a GPTQ/AWQ checkpoint without the GPTQ/AWQ libraries transformers would need: built from the
+    config, every tensor from export's reader (its packed layers dequantized: held to hand-packed twins by
+    tests/test_packed.py)."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from export.weights import open_checkpoint, widen
+
+    raw = json.load(open(os.path.join(checkpoint, "config.json"), encoding="utf-8"))
+    raw.pop("quantization_config", None)
+    config = AutoConfig.for_model(**raw)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    where = open_checkpoint(checkpoint)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in params.items():
+            if name in where:
+                param.copy_(torch.from_numpy(np.ascontiguousarray(widen(where[name].stored(name)), np.float32)))
+        if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in params:
+            model.tie_weights()
+    return model
 
 
 class HFSteps:
@@ -154,6 +192,8 @@ def compare(checkpoint: str, model_dir: str, quiet: bool = True):
         hf_logging.disable_progress_bar()
     # a CPU folder with 16-bit weights computes in float32 on rounded matrices: so does its reference
     model = hf_model(checkpoint, matrices_in=config.dtype if config.compute_dtype != config.dtype else "float32")
+    if config.folder.quantization:  # HF on the weights the folder holds, dequantized (what the folder means)
+        load_folder_linears(model, config.folder)
     reference = hf_reference(model, prompts, steps, top_k)
     log.info("HF reference: %d prompts in %.1f s", sum(map(len, prompts)), time.perf_counter() - start)
     golden_rows = replay(HFSteps(model), golden, TOLERANCES["float32"]) if golden is not None else None
@@ -161,6 +201,45 @@ def compare(checkpoint: str, model_dir: str, quiet: bool = True):
     gc.collect()
     report = check_config(config, reference)
     return report, golden_rows
+
+
+def folder_linears(folder):
+    """{HF name: float32 [O, I]} of a quantized folder's linear layers, dequantized from its weights file (rank 0's
+    inc graph names them): W = (q + offset) * scale, per group (model_dirs/README.md, "Quantized folders")."""
+    from export.quantize import dequantize, unpack_int4
+    from lite_runtime.backends.ms import _parameter_arrays, _read_mindir
+
+    path = folder.graph_paths()["inc"]
+    arrays = _parameter_arrays(_read_mindir(path), path)
+    out = {}
+    for name, q in arrays.items():
+        if name + "_scale" not in arrays:
+            continue
+        scale = np.asarray(arrays[name + "_scale"])
+        if scale.dtype == np.uint16:  # bfloat16 bits
+            scale = (scale.astype(np.uint32) << 16).view(np.float32)
+        offset = arrays.get(name + "_offset")
+        if offset is not None and offset.dtype == np.uint16:
+            offset = (offset.astype(np.uint32) << 16).view(np.float32)
+        values = unpack_int4(np.asarray(q)) if q.dtype == np.uint8 else np.asarray(q)
+        out[name] = dequantize(values, scale.astype(np.float32).T,
+                               None if offset is None else offset.astype(np.float32).T)
+    return out
+
+
+def load_folder_linears(model, folder) -> int:
+    """Put a quantized folder's dequantized linear weights into HF's model; returns how many."""
+    import torch
+
+    params = dict(model.named_parameters())
+    weights = folder_linears(folder)
+    with torch.no_grad():
+        for name, values in weights.items():
+            if name not in params or tuple(params[name].shape) != values.shape:
+                raise ExportError(f"{folder.path}: {name} {list(values.shape)} is not a weight of the checkpoint's "
+                                  "model; compare the folder with the checkpoint it was exported from")
+            params[name].copy_(torch.from_numpy(values).to(params[name].dtype))
+    return len(weights)
 
 
 def _refuse_what_cannot_fit(checkpoint: str, config) -> None:

@@ -268,6 +268,10 @@ class ExportConfig:
     # and prefix reuse); None: the profile's (export/devices.py default_chunks); (): none. Tensor-parallel folders
     # have none
     chunk_sizes: Optional[Tuple[int, ...]] = None
+    # weight-only quantization of the linear layers (export/quantize.py): None (a quantized checkpoint keeps its
+    # method, a float one stays float), none, int8 or int4; group_size None: the default for the bits
+    quantize: Optional[str] = None
+    group_size: Optional[int] = None
 
     @property
     def compute_dtype(self) -> str:
@@ -338,6 +342,8 @@ class ExportConfig:
         if self.cpu_kernels == "off" and self.half_weights_on_cpu:
             raise ExportError(f"--cpu_kernels off: --device cpu --dtype {self.dtype} stores 16-bit weights that only "
                               "the CPU kernels read; drop --cpu_kernels off or export --dtype float32")
+        if self.quantize not in (None, "none", "int8", "int4"):
+            raise ExportError(f"--quantize {self.quantize!r} is not one of none, int8, int4")
         if self.tp_size < 1:
             raise ExportError(f"--tp_size must be at least 1, got {self.tp_size}")
         if self.tp_size > 1:

@@ -30,6 +30,11 @@ class DeviceProfile:
     # tokens of the chunk graphs (default_chunks): the smallest goes in with the running rows' decode steps, the
     # largest runs when no row decodes
     chunks: Tuple[int, ...] = (256,)
+    # weight-only quantization (--quantize): the bits its WeightQuantBatchMatmul (or, on the CPU, our kernels) takes,
+    # and whether per-group scales: A2/A3 int8 and int4, per channel and per group; the 310P series int8 per channel
+    # (CANN's aclnnWeightQuantBatchMatmulV2 support table); the Atlas 800 (910A, a training series) has none
+    quant_bits: Tuple[int, ...] = ()
+    quant_groups: bool = False
 
     @property
     def default_dtype(self) -> str:
@@ -42,15 +47,15 @@ class DeviceProfile:
 
 PROFILES: Dict[str, DeviceProfile] = {
     "atlas_800i_a2": DeviceProfile("atlas_800i_a2", "Atlas 800I A2", "Ascend910B", ("float16", "bfloat16", "float32"),
-                                   fused=True),
+                                   fused=True, quant_bits=(8, 4), quant_groups=True),
     "atlas_800t_a2": DeviceProfile("atlas_800t_a2", "Atlas 800T A2", "Ascend910B", ("float16", "bfloat16", "float32"),
-                                   fused=True),
+                                   fused=True, quant_bits=(8, 4), quant_groups=True),
     "atlas_800": DeviceProfile("atlas_800", "Atlas 800", "Ascend910A", ("float16", "float32")),
     # 310P: PromptFlashAttention/IncreFlashAttention take no actual lengths and no GQA there (ge_configs/README.md)
-    "atlas_300i_duo": DeviceProfile("atlas_300i_duo", "Atlas 300I Duo", "Ascend310P", ("float16",)),
+    "atlas_300i_duo": DeviceProfile("atlas_300i_duo", "Atlas 300I Duo", "Ascend310P", ("float16",), quant_bits=(8,)),
     # CPU folders compute in float32; float16 and bfloat16 store the matrices in 16 bits (ExportConfig.compute_dtype)
     "cpu": DeviceProfile("cpu", "CPU", "", ("float32", "bfloat16", "float16"), bucket_first=16, bucket_factor=2,
-                         chunks=(8, 128)),
+                         chunks=(8, 128), quant_bits=(8, 4), quant_groups=True),
 }
 DEFAULT_PROFILE = "atlas_800i_a2"
 

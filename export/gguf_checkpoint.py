@@ -144,6 +144,10 @@ def _tensors(reader: GGUFFile, path: str, config: Dict[str, Any]) -> List[Tuple[
     return out
 
 
+# GGUF types a folder keeps as they are: (bits, symmetric)
+_NATIVE = {"Q8_0": (8, True), "Q4_0": (4, True), "Q4_1": (4, False)}
+
+
 def is_gguf(path: str) -> bool:
     """A file (not a folder) that begins with GGUF's magic."""
     if not os.path.isfile(path):
@@ -163,6 +167,8 @@ class GGUFTensors:
 
     def __init__(self, reader: GGUFFile, path: str, config: Dict[str, Any]) -> None:
         self.path = path
+        self._reader, self._config = reader, config
+        self._gguf = {hf_name(t.name): t for t in reader.tensors}
         self._entries = {name: (shape, load) for name, shape, load in _tensors(reader, path, config)}
         self._offsets = {hf_name(t.name): t.offset for t in reader.tensors}
         self.header = {name: {"shape": list(shape)} for name, (shape, _) in self._entries.items()}
@@ -184,6 +190,64 @@ class GGUFTensors:
 
     def will_need(self, name: str) -> None:
         """A hint the safetensors source acts on; the GGUF's pages are read as it is dequantized."""
+
+    def native_method(self):
+        """The folder method the file's linear layers are stored in as they are: Q8_0 -> int8, Q4_0 -> int4
+        symmetric, Q4_1 -> int4 with offsets, each in groups of 32 (export/quantize.py); None for any other type or
+        a mix (those are dequantized)."""
+        from export.quantize import QuantMethod, is_linear
+
+        kinds = {self._gguf[n].type_name for n in self._entries if is_linear(n)}
+        if len(kinds) != 1 or next(iter(kinds)) not in _NATIVE:
+            return None
+        kind = next(iter(kinds))
+        bits, symmetric = _NATIVE[kind]
+        return QuantMethod(bits, 32, symmetric, f"gguf:{kind}")
+
+    def quantized(self, name: str):
+        """(q int8 [O, I], scale [O, I / 32], offset or None) float32 of a Q8_0/Q4_0/Q4_1 layer, bit for bit: the
+        blocks' integers as they are (ggml's layouts: Q8_0 = f16 d, 32 x int8; Q4_0 = f16 d, 16 bytes whose low
+        nibbles are elements 0-15 and high nibbles 16-31, w = d (u - 8); Q4_1 = f16 d, f16 m, the same nibbles,
+        w = d u + m = (u - 8 + (8 + m / d)) d)."""
+        tensor = self._gguf[name]
+        raw = self._reader.raw(tensor)  # [O, blocks * bytes]
+        rows, inputs = tensor.shape
+        blocks = inputs // 32
+        if tensor.type_name == "Q8_0":
+            b = raw.reshape(rows, blocks, 34)
+            d = b[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)
+            q = b[:, :, 2:].copy().view(np.int8).reshape(rows, inputs)
+            offset = None
+        else:
+            size = 18 if tensor.type_name == "Q4_0" else 20
+            b = raw.reshape(rows, blocks, size)
+            d = b[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)
+            nibbles = b[:, :, size - 16:]
+            u = np.concatenate((nibbles & np.uint8(0x0F), nibbles >> np.uint8(4)), axis=2)  # [O, blocks, 32]
+            q = (u.astype(np.int8) - np.int8(8)).reshape(rows, inputs)
+            if tensor.type_name == "Q4_0":
+                offset = None
+            else:
+                m = b[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+                flat = d == 0  # a block of equal weights m: stored as q = 0, offset 1, scale m
+                offset = (8 + m / np.where(flat, np.float32(1), d)).astype(np.float32)
+                if flat.any():
+                    q.reshape(rows, blocks, 32)[flat] = 0
+                    offset[flat], d[flat] = 1.0, m[flat]
+        heads = self._heads(name)
+        if heads:
+            q, d = _unpermute(q, heads), _unpermute(d, heads)
+            offset = None if offset is None else _unpermute(offset, heads)
+        return q, d, offset
+
+    def _heads(self, name: str) -> int:
+        if self._config["model_type"] != "llama":
+            return 0
+        if name.endswith("q_proj.weight"):
+            return self._config["num_attention_heads"]
+        if name.endswith("k_proj.weight"):
+            return self._config["num_key_value_heads"]
+        return 0
 
 
 def open_gguf(path: str) -> Tuple[Dict[str, Any], Dict[str, GGUFTensors]]:

@@ -102,13 +102,18 @@ def prompts_for(plan: List[Tuple[int, List[int], int]], checkpoint: str, vocab_s
 
 def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int], seq_length: int,
             batch_size: int, progress: Optional[Callable[[int], None]] = None,
-            matrices_in: str = "float32") -> Dict[str, Any]:
+            matrices_in: str = "float32", quant: Optional[Tuple[Any, str]] = None) -> Dict[str, Any]:
     """Run the plan through the float32 reference; returns golden.json's content (lite_runtime.golden).
 
     Every row of every batch runs together, so each forward is one pass over the weights: the first
     prefills every prompt, each later one decodes one token of every row still going.
     matrices_in: for a CPU folder that stores its matrices in 16 bits and computes in float32, the
     reference uses the same rounded matrices (NumpyDecoder), and the folder is held to float32's limits.
+    quant: (export/quantize.QuantMethod, compute dtype) of a quantized folder: the reference runs on the weights the
+    folder holds, dequantized, so `check` holds a device to the usual limits; beside it a second reference on the
+    checkpoint's own weights is fed the same tokens, and how far the two are apart is recorded as `agreement`
+    (greedy agreement: the share of steps before each row's first different greedy token; top-1 match: the share of
+    steps with the same greedy token; the largest logit difference over the vocabulary). That doubles the cost.
     """
     from export.reference import NumpyDecoder
     from export.weights import open_checkpoint, plan_weights
@@ -117,12 +122,23 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
     plan = plan_batches(prefill_sizes, seq_length, batch_size)
     batches, source = prompts_for(plan, checkpoint, model_cfg.vocab_size)
     where = open_checkpoint(checkpoint)
+    original = None
+    if quant is not None:
+        from export.pipeline import _native_loader
+        from export.quantize import Quantized
+
+        method, compute_dtype = quant
+        float_where = where
+        where = Quantized(where, method, compute_dtype, _native_loader(where, method)).meaning_tensors()
+        original = NumpyDecoder(model_cfg, float_where, seq_length, matrices_in=matrices_in)
     net = NumpyDecoder(model_cfg, where, seq_length, matrices_in=matrices_in)
+    agree = _Agreement() if original is not None else None
     try:
         plan_weights(net.weight_shapes(), where, tied=bool(model_cfg.tie_word_embeddings))  # names and shapes
         rows = [(b, list(ids)) for b, batch in enumerate(batches) for ids in batch]
         steps = [plan[b][2] for b, _ in rows]
         caches = [net.new_cache() for _ in rows]
+        original_caches = [original.new_cache() for _ in rows] if original is not None else None
         records = [ReferenceRow(prompt=ids) for _, ids in rows]
         feed = [ids for _, ids in rows]
         active = list(range(len(rows)))
@@ -131,6 +147,9 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
             if not np.isfinite(logits).all():
                 raise ExportError(f"{checkpoint}: the float32 reference produced non-finite logits; the weights are "
                                   "damaged or not this config's")
+            if original is not None:
+                agree.add(active, logits, original.forward([feed[i] for i in active],
+                                                           [original_caches[i] for i in active]))
             for i, row_logits in zip(active, logits):
                 feed[i] = [records[i].record(row_logits, TOP_K)]
             active = [i for i in active if len(records[i].tokens) < steps[i]]
@@ -138,13 +157,42 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
                 progress(1)
     finally:
         net.close()
+        if original is not None:
+            original.close()
     out = [ReferenceBatch(graph_key("prefill", tokens), [records[i] for i, (rb, _) in enumerate(rows) if rb == b])
            for b, (tokens, _, _) in enumerate(plan)]
     return golden_document(
         out, computed_by="export/reference.py: float32 numpy on the checkpoint's weights" + (
             f", matrices rounded to {matrices_in} as the folder stores them" if matrices_in != "float32" else ""),
         matrices_in=matrices_in, prompt_source=source, top_k=TOP_K, seq_length=seq_length, batch_size=batch_size,
-        seconds=round(time.perf_counter() - start, 3))
+        seconds=round(time.perf_counter() - start, 3),
+        **({} if agree is None else {"quantization": quant[0].record(), "agreement": agree.result()}))
+
+
+class _Agreement:
+    """A quantized folder's reference against its checkpoint's, both fed the folder's greedy tokens."""
+
+    def __init__(self) -> None:
+        self.steps = self.same = self.before_first = 0
+        self.diverged: set = set()
+        self.max_error = 0.0
+
+    def add(self, rows: List[int], folder: np.ndarray, checkpoint: np.ndarray) -> None:
+        self.max_error = max(self.max_error, float(np.abs(folder - checkpoint).max()))
+        for i, a, b in zip(rows, folder.argmax(axis=1), checkpoint.argmax(axis=1)):
+            self.steps += 1
+            if a == b:
+                self.same += 1
+                if i not in self.diverged:
+                    self.before_first += 1
+            else:
+                self.diverged.add(i)
+
+    def result(self) -> Dict[str, Any]:
+        return {"tokens": self.steps, "greedy_agreement": round(self.before_first / max(self.steps, 1), 6),
+                "top1_match": round(self.same / max(self.steps, 1), 6),
+                "max_logit_error": float(f"{self.max_error:.6g}"),
+                "computed_by": "export/reference.py on the checkpoint's own weights, fed the folder's greedy tokens"}
 
 
 def max_steps(prefill_sizes: Sequence[int], seq_length: int, batch_size: int) -> int:

@@ -41,9 +41,11 @@ class Network:
     rank of a tensor-parallel folder has the same network (equal shares of the heads and MLP columns, the same
     parameter names), so one is built and compiled for all of them."""
 
-    def __init__(self, cfg: ExportConfig, model_cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ExportConfig, model_cfg: ModelConfig, quant=None) -> None:
+        """`quant`: the linear layers' export/quantize.QuantMethod, or None."""
         import mindspore as ms
 
+        from export.layers import QuantMatmul
         from export.model import CausalLM
 
         ms.set_context(mode=ms.GRAPH_MODE)
@@ -57,10 +59,13 @@ class Network:
         self.net = CausalLM(tensor_parallel_config(model_cfg, tp) if tp > 1 else model_cfg, cfg.batch_size,
                             cfg.seq_length, cfg.compute_dtype, gemv=self.kernels, gemm=gemm, weight_dtype=cfg.dtype,
                             tensor_parallel=tp > 1, vocab_shards=self.vocab_shards,
-                            fused=cfg.graph == "fused")
+                            fused=cfg.graph == "fused",
+                            quant=None if quant is None else QuantMatmul(quant.bits, quant.group_size, quant.symmetric,
+                                                                         atlas=cfg.device != "cpu"))
 
     def parameters(self) -> Params:
-        names = {"Float32": "float32", "Float16": "float16", "BFloat16": "bfloat16", "Int32": "int32"}
+        names = {"Float32": "float32", "Float16": "float16", "BFloat16": "bfloat16", "Int32": "int32",
+                 "Int8": "int8", "UInt8": "uint8", "Int4": "qint4x2"}
         return {p.name: (tuple(p.shape), names[str(p.dtype)]) for p in self.net.get_parameters()}
 
     def compile(self, role: str, tokens: int) -> CompiledGraph:

@@ -68,11 +68,54 @@ KERNEL_PREFILL_MAX_ROWS = 16
 
 
 class Kernels(NamedTuple):
-    """Which matmuls use our CPU kernels, and the matrices' storage dtype when it is not the compute dtype."""
+    """Which matmuls use our CPU kernels, and the matrices' storage dtype when it is not the compute dtype; `quant`:
+    the linear layers' quantized matmul method (QuantMatmul), which replaces the rest for them."""
 
     gemv: bool = False  # the decode step's
     gemm: bool = False  # the full graph's
     weight_dtype: Any = None  # a MindSpore dtype, or None: the compute dtype
+    quant: Any = None  # a QuantMatmul, or None: float weights
+
+
+class QuantMatmul(nn.Cell):
+    """The matmul method of a quantized linear layer (export/quantize.py has the format): y = x . W^T with
+    W[o, i] = (q[o, i] + offset[i // g, o]) * scale[i // g, o], q int8 [O, I] or int4 packed [O, I / 2].
+
+    `atlas`: Ascend's WeightQuantBatchMatmul (float16/bfloat16 x, the weight transposed as [N, K], per-group scale
+    (K / g, N)); the `ms` backend replaces it by a CPU stand-in when it loads the graph (lite_runtime/backends/
+    standins.py). Else mslite-llm's CPU kernel (cpu_kernels/quant.cc), float32 x. One weight format for both."""
+
+    def __init__(self, bits: int, group_size: int, symmetric: bool, atlas: bool) -> None:
+        super().__init__()
+        self.bits, self.group_size, self.symmetric, self.atlas = bits, group_size, symmetric, atlas
+        if atlas:
+            from mindspore.ops.auto_generate import WeightQuantBatchMatmul
+
+            self.op = WeightQuantBatchMatmul(False, True, group_size)
+        else:
+            import cpu_kernels
+
+            name = cpu_kernels.QUANT_MATMUL if symmetric else cpu_kernels.QUANT_MATMUL_OFFSET
+            self.op = ops.Custom(cpu_kernels.local_func(name), out_shape=lambda x, w, s, *_: (x[0], s[1]),
+                                 out_dtype=lambda x, *_: x, func_type="aot")
+
+    def storage(self, out_features: int, in_features: int, dtype):
+        """(weight, scale, offset or None) Parameters of one layer, lazily zero (export writes the data)."""
+        if self.bits == 4:
+            weight = _weight((out_features, in_features // 2), ms.qint4x2 if self.atlas else ms.uint8, "weight")
+        else:
+            weight = _weight((out_features, in_features), ms.int8, "weight")
+        groups = 1 if self.group_size == 0 else in_features // self.group_size
+        scale = _weight((groups, out_features), dtype, "weight_scale")
+        offset = None if self.symmetric else _weight((groups, out_features), dtype, "weight_offset")
+        return weight, scale, offset
+
+    def construct(self, x, weight, scale, offset):
+        if self.atlas:
+            return self.op(x, weight, scale, offset, None, None, None)
+        if offset is None:
+            return self.op(x, weight, scale)
+        return self.op(x, weight, scale, offset)
 
 
 def _weight(shape, dtype, name: str) -> Parameter:
@@ -119,9 +162,15 @@ class Linear(nn.Cell):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, gemv: bool = False,
-                 gemm: bool = False, weight_dtype=None, row_parallel: bool = False) -> None:
+                 gemm: bool = False, weight_dtype=None, quant: "QuantMatmul" = None,
+                 row_parallel: bool = False) -> None:
         super().__init__()
-        self.weight = _weight((out_features, in_features), weight_dtype or dtype, "weight")
+        self.quant = quant
+        if quant is not None:  # the method replaces the kernels' flags: one call in every form
+            self.weight, self.weight_scale, self.weight_offset = quant.storage(out_features, in_features, dtype)
+            gemv = gemm = False
+        else:
+            self.weight = _weight((out_features, in_features), weight_dtype or dtype, "weight")
         self.bias = _weight((out_features,), dtype, "bias") if bias else None
         # tensor parallel, row-parallel (o_proj, down_proj): this rank's columns of W give a partial product; the
         # ranks' partial products are summed by AllReduce and the (replicated) bias is added once, after it
@@ -154,6 +203,9 @@ class Linear(nn.Cell):
         return self.kernel(x, self.weight)
 
     def construct(self, x, valid_length=None):  # [N, in] -> [N, out]; valid_length [B]: the full graph's prompts
+        if self.quant is not None:
+            y = self.quant(x, self.weight, self.weight_scale, self.weight_offset)
+            return self._reduced(self._add_bias(y) if self.kernel_bias else y)
         if self.gemm or (self.gemv and x.shape[0] <= KERNEL_PREFILL_MAX_ROWS):  # static shapes: decided at export
             return self._reduced(self._kernel(x, valid_length))
         y = self.matmul(x, self.weight)
@@ -162,7 +214,7 @@ class Linear(nn.Cell):
         return self._reduced(y)
 
     def few_rows(self, x):  # [B, in] -> [B, out], B the batch size
-        return self._reduced(self._kernel(x)) if self.gemv else self.construct(x)
+        return self._reduced(self._kernel(x)) if self.gemv and self.quant is None else self.construct(x)
 
 
 class RMSNorm(nn.Cell):
@@ -480,11 +532,21 @@ class Embedding(nn.Cell):
     rows into every rank's embedding. `vocab_start` is a Parameter (each rank's weights file holds its own value), so
     every rank runs the same graph."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype, k: "Kernels", shards: int = 1) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, dtype, k: "Kernels", shards: int = 1,
+                 quant: "QuantMatmul" = None) -> None:
+        """`quant`: a quantized folder's table method (int8 per row, export/quantize.py TABLE_METHOD): the table is
+        q [V, E] int8 with a scale per row ([1, V], the head's per-channel scale when the head is this table); a
+        lookup gathers the rows and their scales."""
         super().__init__()
         self.rows = vocab_size // shards
-        self.weight = _weight((self.rows, hidden_size), k.weight_dtype or dtype, "weight")
-        self.kernel = kernel_embed() if k.weight_dtype is not None else None
+        self.quant = quant
+        self.dtype = dtype
+        if quant is not None:
+            self.weight, self.weight_scale, _ = quant.storage(self.rows, hidden_size, dtype)
+            self.kernel = None
+        else:
+            self.weight = _weight((self.rows, hidden_size), k.weight_dtype or dtype, "weight")
+            self.kernel = kernel_embed() if k.weight_dtype is not None else None
         if shards > 1:
             self.vocab_start = Parameter(initializer("zeros", (1,), ms.int32), name="vocab_start", requires_grad=False)
             self.reduce = ops.AllReduce()
@@ -492,6 +554,10 @@ class Embedding(nn.Cell):
             self.vocab_start = self.reduce = None
 
     def _lookup(self, ids):
+        if self.quant is not None:  # int8 rows times their scales
+            rows = ops.cast(ops.gather(self.weight, ids, 0), self.dtype)  # [N, E]
+            scale = ops.gather(self.weight_scale.reshape(-1), ids, 0).reshape(-1, 1)  # [N, 1]
+            return ew_mul(rows, ops.broadcast_to(scale, rows.shape))
         return self.kernel(ids, self.weight) if self.kernel is not None else ops.gather(self.weight, ids, 0)
 
     def construct(self, ids):  # [N] -> [N, E]

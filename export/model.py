@@ -21,8 +21,8 @@ from mindspore import Tensor, nn, ops
 
 from export.atlas_layers import AtlasRMSNorm, FusedDecoderLayer, FusedSteps, lengths_int64
 from export.config import ModelConfig
-from export.layers import (KERNEL_PREFILL_MAX_ROWS, MS_DTYPES, DecoderLayer, Embedding, Kernels, Linear, RMSNorm,
-                           kernel_matmul)
+from export.layers import (KERNEL_PREFILL_MAX_ROWS, MS_DTYPES, DecoderLayer, Embedding, Kernels, Linear,
+                           QuantMatmul, RMSNorm, kernel_matmul)
 from export.rope import rope_tables
 
 
@@ -30,13 +30,19 @@ class DecoderModel(nn.Cell):
     """The layers, of one form: DecoderLayer (plain ops or CPU kernels, `k`) or FusedDecoderLayer (`fused`)."""
 
     def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels",
-                 tp: bool = False, vocab_shards: int = 1, fused: bool = False) -> None:
+                 tp: bool = False, vocab_shards: int = 1, fused: bool = False, quant=None) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, k, vocab_shards)
+        # a quantized folder's tables (embedding, head): int8 per row (export/quantize.py TABLE_METHOD)
+        self.table_quant = None if quant is None else QuantMatmul(8, 0, True, quant.atlas)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, k, vocab_shards, self.table_quant)
+        # quantized linear layers (`quant`, a QuantMatmul): the layers run the plain form around that method; the
+        # CPU kernels' fused decode ops read 16-bit matrices (quantized ones are issue 32's)
+        layer_k = Kernels(quant=quant) if quant is not None else k
         if not fused:
-            layers = [DecoderLayer(cfg, batch_size, seq_length, dtype, k, tp) for _ in range(cfg.num_hidden_layers)]
+            layers = [DecoderLayer(cfg, batch_size, seq_length, dtype, layer_k, tp)
+                      for _ in range(cfg.num_hidden_layers)]
         else:
-            layers = [FusedDecoderLayer(cfg, batch_size, seq_length, dtype, tp)
+            layers = [FusedDecoderLayer(cfg, batch_size, seq_length, dtype, tp, quant)
                       for _ in range(cfg.num_hidden_layers)]
         self.layers = nn.CellList(layers)
         if fused:
@@ -71,11 +77,13 @@ class CausalLM(nn.Cell):
     Either way every rank computes the same logits.
 
     `fused` (Atlas A2 profiles only): the fused form of the layers (export/atlas_layers.py); else plain.
+    `quant`: the linear layers' quantized matmul method (export/layers.py QuantMatmul), or None: float weights. The
+    embedding and the head keep `weight_dtype` / `dtype`.
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype: str = "float32",
                  gemv: bool = False, gemm: bool = False, weight_dtype: Optional[str] = None,
-                 tensor_parallel: bool = False, vocab_shards: int = 1, fused: bool = False) -> None:
+                 tensor_parallel: bool = False, vocab_shards: int = 1, fused: bool = False, quant=None) -> None:
         super().__init__()
         ms_dtype = MS_DTYPES[dtype]
         if weight_dtype == dtype:
@@ -86,10 +94,14 @@ class CausalLM(nn.Cell):
             raise ValueError("the fused form runs Ascend's float16/bfloat16 operators, without the CPU kernels")
         k = Kernels(gemv, gemm, MS_DTYPES[weight_dtype] if weight_dtype else None)
         self.config, self.batch_size, self.seq_length, self.dtype = cfg, batch_size, seq_length, ms_dtype
-        self.model = DecoderModel(cfg, batch_size, seq_length, ms_dtype, k, tensor_parallel, vocab_shards, fused)
+        self.model = DecoderModel(cfg, batch_size, seq_length, ms_dtype, k, tensor_parallel, vocab_shards, fused,
+                                  quant)
+        # whether the layers run the CPU kernels' decode ops (the prefill and chunk contexts take their form)
+        self.layer_kernels = gemv and quant is None
         self.tied = bool(cfg.tie_word_embeddings)
+        self.table_quant = self.model.table_quant
         self.lm_head = None if self.tied else Linear(cfg.hidden_size, cfg.vocab_size // vocab_shards, False, ms_dtype,
-                                                     *k)
+                                                     *k._replace(quant=self.table_quant))
         self.vocab_shards = vocab_shards
         self.gather_logits = None
         if vocab_shards > 1:
@@ -115,7 +127,13 @@ class CausalLM(nn.Cell):
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
         few = hidden.shape[0] <= KERNEL_PREFILL_MAX_ROWS
         matmul = self.head_kernel if self.head_gemm or (self.head_gemv and (decode or few)) else self.head_matmul
-        logits = ops.cast(matmul(hidden, weight), ms.float32)
+        if self.table_quant is not None:  # the int8 head (or the int8 table, tied)
+            embed = self.model.embed_tokens
+            logits = self.lm_head(hidden) if not self.tied else self.table_quant(hidden, embed.weight,
+                                                                                  embed.weight_scale, None)
+            logits = ops.cast(logits, ms.float32)
+        else:
+            logits = ops.cast(matmul(hidden, weight), ms.float32)
         if self.gather_logits is None:
             return logits
         b = hidden.shape[0]  # [B, V/shards] of each rank -> [shards*B, V/shards] -> [B, V], rank r's rows r-th
@@ -132,7 +150,7 @@ class CausalLM(nn.Cell):
                 x = layer.prefill(x, cos, sin, lengths, self.fused.mask, b, n)
             return self._logits(ops.gather(x, self.rows[:b] * n + valid_length - 1, 0))
         pos = self.positions[:n]
-        if self.head_gemv:
+        if self.layer_kernels:
             # cpu_kernels: a layer's first half as the decode step's, over every token (norm, q/k/v, RoPE and the
             # cache write in one kernel; the kernels' attention, causal by each token's position + 1 and reading its
             # cache row): ~20 graph nodes a layer instead of ~100 with the mask, BatchMatMul and softmax, so
@@ -177,7 +195,7 @@ class CausalLM(nn.Cell):
                    self.fused.mask, step_index, piece_index, pick, slot)
         else:
             cos, sin = ops.gather(self.cos, pos, 0), ops.gather(self.sin, pos, 0)  # [B + n, D]
-            if self.head_gemv:  # cpu_kernels' attention: each query's cache row and how many of its positions it reads
+            if self.layer_kernels:  # cpu_kernels' attention: each query's cache row and how many of its positions it reads
                 query_lengths = ops.cat((valid_length, piece_pos + 1))
                 query_rows = ops.cat((self.rows[:b], ops.broadcast_to(slot, (n,))))
                 ctx = (step_index, piece_index, pick, query_lengths, query_rows)

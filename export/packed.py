@@ -158,20 +158,46 @@ class PackedLayers:
         bits, per = s["bits"], 32 // s["bits"]
         group = inputs if s["group_size"] == -1 else s["group_size"]
         scales = np.asarray(self._file(f"{layer}.scales").read(f"{layer}.scales"), np.float32)  # [groups, out]
-        if s["method"] == "gptq":
-            q = _unpack(self._raw(f"{layer}.qweight"), bits, axis=0)  # [in, out]
-            z = _unpack(self._raw(f"{layer}.qzeros"), bits, axis=1)  # [groups, out]
-            if s["zero_minus_one"]:  # stored as zero - 1, wrapping as the packer's bits do
-                z = (z + 1) & np.uint32((1 << bits) - 1)
-        else:
-            order = np.argsort(np.array(AWQ_ORDER))  # nibble k holds column ORDER[k]: put them back in order
-            q = _unpack(self._raw(f"{layer}.qweight"), bits, axis=1).reshape(inputs, -1, per)[:, :, order]
-            q = q.reshape(inputs, out)
-            z = _unpack(self._raw(f"{layer}.qzeros"), bits, axis=1).reshape(scales.shape[0], -1, per)[:, :, order]
-            z = z.reshape(scales.shape[0], out)
+        q, z = self._integers(layer, scales.shape[0], inputs)
         groups = np.arange(inputs) // group  # GPTQ's g_idx, when stored, was checked to be this (_check)
         w = (q.astype(np.float32) - z[groups].astype(np.float32)) * scales[groups]  # [in, out]
         return np.ascontiguousarray(w.T)
+
+    def native_method(self):
+        """The folder method the layers are kept in (export/quantize.py): the checkpoint's bits and group size, with
+        offsets (half - zero: GPTQ's symmetric zeros give offsets of 0, AWQ's zero points their own)."""
+        from export.quantize import QuantMethod
+
+        s = self.settings
+        return QuantMethod(s["bits"], 0 if s["group_size"] == -1 else s["group_size"], False, s["method"])
+
+    def quantized(self, name: str):
+        """(q int8 [O, I], scale [O, G], offset [O, G]) float32 of one layer, the integers as the checkpoint holds
+        them: q = u - 2^(bits-1), offset = 2^(bits-1) - z, so (q + offset) * scale = (u - z) * scale."""
+        layer = name[:-len(".weight")]
+        s = self.settings
+        out, inputs = self._shapes[layer]
+        bits, per, half = s["bits"], 32 // s["bits"], 1 << (s["bits"] - 1)
+        scales = np.asarray(self._file(f"{layer}.scales").read(f"{layer}.scales"), np.float32)  # [groups, out]
+        u, z = self._integers(layer, scales.shape[0], inputs)
+        q = (u.T.astype(np.int16) - half).astype(np.int8)  # [out, in]
+        return np.ascontiguousarray(q), np.ascontiguousarray(scales.T), np.ascontiguousarray(
+            (half - z.astype(np.float32)).T)
+
+    def _integers(self, layer: str, groups: int, inputs: int):
+        """(u [in, out], z [groups, out]) unsigned values of a layer's qweight and qzeros, unpacked."""
+        s = self.settings
+        bits, per = s["bits"], 32 // s["bits"]
+        if s["method"] == "gptq":
+            u = _unpack(self._raw(f"{layer}.qweight"), bits, axis=0)  # [in, out]
+            z = _unpack(self._raw(f"{layer}.qzeros"), bits, axis=1)  # [groups, out]
+            if s["zero_minus_one"]:  # stored as zero - 1, wrapping as the packer's bits do
+                z = (z + 1) & np.uint32((1 << bits) - 1)
+            return u, z
+        order = np.argsort(np.array(AWQ_ORDER))  # nibble k holds column ORDER[k]: put them back in order
+        u = _unpack(self._raw(f"{layer}.qweight"), bits, axis=1).reshape(inputs, -1, per)[:, :, order]
+        z = _unpack(self._raw(f"{layer}.qzeros"), bits, axis=1).reshape(groups, -1, per)[:, :, order]
+        return u.reshape(inputs, -1), z.reshape(groups, -1)
 
     # the checkpoint-source interface, for the layers' weights
     def names(self) -> List[str]:

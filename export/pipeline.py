@@ -54,12 +54,28 @@ class ExportSummary:
     dtype: str = "float32"
     compute_dtype: str = "float32"
     graph: str = "plain"
+    quantization: Optional[str] = None  # the linear layers' method (QuantMethod.label), None: float weights
+    notes: Tuple[str, ...] = ()  # what the export chose for the user (a group size that had to change, ...)
+    agreement: Optional[Dict[str, Any]] = None  # a quantized folder against its checkpoint (golden.json)
 
     def line(self) -> str:
         return (f"exported {self.output}: {self.files} files, {_size(self.total_bytes)} "
                 f"(weights {_size(self.weight_bytes)}), {self.seconds:.1f} s, peak anonymous memory "
                 f"{_size(self.peak_anon_bytes)}; golden references: {self.golden_prompts} "
                 f"prompt{'s' if self.golden_prompts != 1 else ''} in {self.golden_seconds:.2f} s")
+
+    def quantization_lines(self) -> Tuple[str, ...]:
+        """The linear layers' method, what was chosen, and how far the folder is from its checkpoint."""
+        if self.quantization is None:
+            return ()
+        lines = [f"weights: linear layers {self.quantization}; embedding and head int8 per row"] + [f"note: {n}" for n in self.notes if "quantized:" not in n
+                                                      and "kept as" not in n]
+        a = self.agreement
+        if a:
+            lines.append(f"against the checkpoint's float weights, over the golden prompts: greedy agreement "
+                         f"{a['greedy_agreement']:.1%} of {a['tokens']} tokens, top-1 match {a['top1_match']:.1%}, "
+                         f"largest logit error {a['max_logit_error']:.3g} (golden.json 'agreement')")
+        return tuple(lines)
 
     def usage_lines(self, ascend_here: bool) -> Tuple[str, ...]:
         """What the folder is for, and how to check it (here too, when this machine has no Ascend device)."""
@@ -165,13 +181,16 @@ def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str]
     model_cfg, profile = prepare(cfg)
     cfg = resolve(cfg, model_cfg)
     where = open_checkpoint(cfg.checkpoint)
+    quant, quant_notes = _quantization(cfg, model_cfg, profile, where)
+    for note in quant_notes:
+        log.warning("%s", note) if note.startswith("group size") else log.info("%s", note)
     output = os.path.abspath(cfg.output)
     parent = os.path.dirname(output)
     os.makedirs(parent, exist_ok=True)
     _sweep_leftovers(parent)
     log.info("stage check")
     on_stage(STAGES["check"])
-    network, layouts, values = _plan(cfg, model_cfg, where)
+    network, layouts, values, where = _plan(cfg, model_cfg, where, quant)
     n_graphs = len(graph_plan(cfg)) * cfg.tp_size
     _check_space(parent, sum(layout.size for layout in layouts) + n_graphs * GRAPH_BYTES_ESTIMATE
                  + _small_files_bytes(cfg.checkpoint, profile))
@@ -182,11 +201,11 @@ def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str]
     try:
         # the golden before the graphs: its float32 working set and what MindSpore keeps after compiling (~0.35 GiB
         # at 7B) then never coexist, and damaged weights fail before minutes of compiling
-        doc = _timed(stages, "golden", on_stage, _write_golden, cfg, model_cfg, tmp, show_progress)
+        doc = _timed(stages, "golden", on_stage, _write_golden, cfg, model_cfg, tmp, show_progress, quant)
         graphs = _timed(stages, "compile", on_stage, _compile, cfg, network, show_progress)
         hashed, stats = _timed(stages, "weights", on_stage, _write_weights, tmp, layouts, where, values, show_progress)
         _timed(stages, "files", on_stage, _write_folder_files, cfg, model_cfg, profile, tmp, graphs, layouts, hashed,
-               network.kernels, network.vocab_shards > 1)
+               network.kernels, network.vocab_shards > 1, quant)
         _replace(tmp, output)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -201,7 +220,9 @@ def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str]
                          golden_prompts=prompts, golden_seconds=doc["seconds"], stages=stages,
                          weights={"convert": stats.convert_seconds, "hash": stats.hash_seconds,
                                   "write": stats.write_seconds},
-                         device=profile.name, dtype=cfg.dtype, compute_dtype=cfg.compute_dtype, graph=cfg.graph)
+                         device=profile.name, dtype=cfg.dtype, compute_dtype=cfg.compute_dtype, graph=cfg.graph,
+                         quantization=None if quant is None else quant.label(), notes=quant_notes,
+                         agreement=doc.get("agreement"))
 
 
 def _timed(stages: Dict[str, float], name: str, on_stage: Callable[[str], None], fn, *args):
@@ -214,9 +235,42 @@ def _timed(stages: Dict[str, float], name: str, on_stage: Callable[[str], None],
         stages[name] = time.time() - start
 
 
-def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where):
-    """The network (no weights; every rank's is the same), each rank's weights file layout, and the values the
-    export generates per rank; the checkpoint's names and shapes checked first."""
+def _quantization(cfg: ExportConfig, model_cfg: ModelConfig, profile, where):
+    """The folder's QuantMethod (or None) and notes for the user; refused where the device cannot run it, or where
+    a tensor-parallel split would cut a group."""
+    from export.config import tensor_parallel_config
+    from export.quantize import is_linear, resolve
+
+    tp = cfg.tp_size
+    rank = tensor_parallel_config(model_cfg, tp) if tp > 1 else model_cfg
+    heads = rank.num_attention_heads * rank.head_dim
+    inputs = [model_cfg.hidden_size, heads, rank.intermediate_size]
+    method, notes = resolve(cfg.quantize, cfg.group_size, where, inputs, cfg.checkpoint)
+    if method is None:
+        return None, notes
+    if method.bits not in profile.quant_bits:
+        supported = ", ".join(f"int{b}" for b in profile.quant_bits) or "none"
+        raise ExportError(f"--device {profile.name} ({profile.hardware}): {method.label()} is not supported there "
+                          f"(WeightQuantBatchMatmul on {profile.soc or 'this device'}: {supported}); "
+                          + ("export --quantize int8" if profile.quant_bits else "export float weights (--quantize none)"))
+    if method.group_size and not profile.quant_groups:
+        raise ExportError(f"--device {profile.name} ({profile.hardware}): {method.label()}: its "
+                          "WeightQuantBatchMatmul takes per-channel scales only; export --quantize int8 --group_size 0")
+    if tp > 1:
+        for name in (n for n in where if is_linear(n) and n.endswith(("o_proj.weight", "down_proj.weight"))):
+            share = where[name].shape(name)[1] // tp
+            if (method.group_size and share % method.group_size) or (method.bits == 4 and share % 2):
+                other = "--group_size 0" if method.source == "rtn" else "--quantize none for float weights"
+                raise ExportError(f"{cfg.checkpoint}: --tp_size {tp} would cut {name}'s groups of "
+                                  f"{method.group_size} ({share} inputs per rank); pick a --tp_size whose share is a "
+                                  f"multiple of the group size, or {other}")
+    return method, notes
+
+
+def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where, quant=None):
+    """The network (no weights; every rank's is the same), each rank's weights file layout, the values the export
+    generates per rank, and the tensors the weights file is written from (a quantized folder's: export/quantize.py
+    FolderTensors); the checkpoint's names and shapes checked first."""
     import numpy as np
 
     from export.graphs import Network
@@ -230,15 +284,36 @@ def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where):
     # tests/test_golden.py)
     plan_weights(weight_shapes(model_cfg), where, tied=bool(model_cfg.tie_word_embeddings))
     with MINDSPORE_LOCK:
-        network = Network(cfg, model_cfg)
+        network = Network(cfg, model_cfg, quant)
     params = network.parameters()
+    if quant is not None:
+        from export.quantize import Quantized
+
+        where = Quantized(where, quant, cfg.compute_dtype, _native_loader(where, quant)).folder_tensors()
     tp, shards = cfg.tp_size, network.vocab_shards
-    splits = {name: split_axis(name, vocab_parallel=shards > 1) for name in params} if tp > 1 else {}
+    splits = {}
+    if tp > 1:
+        for name in params:
+            axis = split_axis(name, vocab_parallel=shards > 1)
+            # a per-channel scale of a row-parallel layer is every rank's: [1, O] whole
+            if axis is not None and name in where and where[name].shape(name)[axis] == params[name][0][axis]:
+                axis = None
+            splits[name] = axis
     # vocab-parallel: each rank's first vocabulary row (export/model.py Embedding)
     values = {"model.embed_tokens.vocab_start": [np.array([r * (model_cfg.vocab_size // shards)], np.int32)
                                                  for r in range(tp)]} if shards > 1 else {}
     locations = [data_location(rank_name(cfg.name, rank, tp)) for rank in range(tp)]
-    return network, plan_layouts([params] * tp, where, locations, splits, values), values
+    return network, plan_layouts([params] * tp, where, locations, splits, values), values, where
+
+
+def _native_loader(where, method):
+    """For export/quantize.Quantized: each layer's own quantized form, where the checkpoint holds it in `method`."""
+    def native(name: str):
+        src = where[name]
+        if getattr(src, "native_method", lambda: None)() == method:
+            return lambda: src.quantized(name)
+        return None
+    return native
 
 
 def _bar(show_progress: bool, **kwargs) -> tqdm:
@@ -253,8 +328,10 @@ def _compile(cfg: ExportConfig, network, show_progress: bool):
         return compile_graphs(cfg, network, progress=bar.update)
 
 
-def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_progress: bool) -> Dict[str, Any]:
-    """Fixed prompts through the float32 reference (export/golden.py), written to golden.json."""
+def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_progress: bool,
+                  quant=None) -> Dict[str, Any]:
+    """Fixed prompts through the float32 reference (export/golden.py), written to golden.json. A quantized folder's
+    from the weights it holds, dequantized, beside the checkpoint's own float weights (the agreement)."""
     from export import golden
     from lite_runtime.golden import write_golden
 
@@ -263,7 +340,8 @@ def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_prog
     total = golden.max_steps(sizes, cfg.seq_length, cfg.batch_size)
     with _bar(show_progress, total=total, desc="golden", unit="step") as bar:
         doc = golden.compute(model_cfg, cfg.checkpoint, sizes, cfg.seq_length, cfg.batch_size, progress=bar.update,
-                             matrices_in=cfg.dtype if cfg.half_weights_on_cpu else "float32")
+                             matrices_in=cfg.dtype if cfg.half_weights_on_cpu else "float32",
+                             quant=None if quant is None else (quant, cfg.compute_dtype))
     write_golden(tmp, doc)
     return doc
 
@@ -277,7 +355,7 @@ def _write_weights(tmp: str, layouts, where, values, show_progress: bool):
 
 
 def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp: str, graphs, layouts,
-                        hashed: Dict[str, str], kernels: bool, vocab_parallel: bool) -> None:
+                        hashed: Dict[str, str], kernels: bool, vocab_parallel: bool, quant=None) -> None:
     import mindspore as ms
 
     from export.graphs import write_graph
@@ -298,7 +376,8 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
                          increment_model_path=inc.file,
                          prefill_buckets=sorted(e.tokens for e in rank0 if e.role == "prefill"),
                          tp_size=cfg.tp_size, cpu_kernels=kernels, graph=cfg.graph,
-                         chunk_sizes=list(cfg.chunk_sizes))
+                         chunk_sizes=list(cfg.chunk_sizes),
+                         quantization=None if quant is None else quant.record())
     export = {**dataclasses.asdict(cfg), "checkpoint": os.path.abspath(cfg.checkpoint),
               "output": os.path.abspath(cfg.output), "mindspore_version": ms.__version__,
               "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokenizer_files": tokenizer_files}
@@ -307,7 +386,7 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
     model = {"model_type": model_cfg.model_type, "family": model_cfg.model_type, "config": model_cfg.to_dict()}
     write_yaml(tmp, cfg.name, model, export, infer)
     write_manifest(tmp, cfg.name, entries, hashed, exported_with=checkpoint_files.exporter_versions(ms.__version__),
-                   family=model_cfg.model_type)
+                   family=model_cfg.model_type, quantization=None if quant is None else quant.record())
 
 
 def _small_files_bytes(checkpoint: str, profile) -> int:

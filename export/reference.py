@@ -80,10 +80,13 @@ class BlockedMatmul:
         if self._pool is not None:
             self._pool.shutdown()
 
-    def _widen(self, block: np.ndarray, buf: np.ndarray) -> np.ndarray:
+    def _widen(self, block, buf: np.ndarray) -> np.ndarray:
         """`block` [n, I] of stored bits as float32, in `buf` (a float32 scratch of at least n rows) unless it is
-        float32 already and needs no rounding."""
+        float32 already and needs no rounding. A quantized layer's block (export/quantize.DequantizedRows) is
+        dequantized here, exactly: the folder computes with those values, never rounded to 16 bits."""
         n = block.shape[0]
+        if isinstance(block, _Rows):
+            return block.values()
         if block.dtype == np.float32 and self.matrices_in == "float32":
             return block
         out = buf[:n]
@@ -104,7 +107,7 @@ class BlockedMatmul:
             step = max(1, GEMM_BLOCK_BYTES // (4 * width))
             buf = np.empty((min(step, n_out), width), np.float32)
             for o in range(0, n_out, step):
-                out[:, o:o + step] = x @ self._widen_parallel(w[o:o + step], buf).T
+                out[:, o:o + step] = x @ self._widen_parallel(_rows(w, o, o + step), buf).T
             return out
         step = max(8, GEMV_BLOCK_BYTES // (4 * width))
         starts = list(range(0, n_out, step))
@@ -113,7 +116,7 @@ class BlockedMatmul:
         def part(k: int) -> None:
             buf = np.empty((min(step, n_out), width), np.float32)
             for o in starts[k::self.threads]:
-                block = self._widen(w[o:o + step], buf).T
+                block = self._widen(_rows(w, o, o + step), buf).T
                 for r in range(0, rows, small):
                     out[r:r + small, o:o + step] = x[r:r + small] @ block
 
@@ -124,12 +127,29 @@ class BlockedMatmul:
     def _widen_parallel(self, block: np.ndarray, buf: np.ndarray) -> np.ndarray:
         """_widen with the rows shared among the threads (for the GEMM path, whose BLAS call is threaded itself)."""
         n = block.shape[0]
+        if isinstance(block, _Rows):
+            return block.values()
         if self._pool is None or n < 2 * self.threads or (block.dtype == np.float32 and self.matrices_in == "float32"):
             return self._widen(block, buf)
         share = -(-n // self.threads)
         list(self._pool.map(lambda k: self._widen(block[k * share:(k + 1) * share], buf[k * share:(k + 1) * share]),
                             range(self.threads)))
         return buf[:n]
+
+
+class _Rows:
+    """Rows [a, b) of a quantized layer (export/quantize.DequantizedRows), dequantized when widened."""
+
+    def __init__(self, matrix, a: int, b: int) -> None:
+        self.matrix, self.a, self.b = matrix, a, min(b, matrix.shape[0])
+        self.shape = (self.b - self.a, matrix.shape[1])
+
+    def values(self) -> np.ndarray:
+        return self.matrix[self.a:self.b]
+
+
+def _rows(w, a: int, b: int):
+    return w[a:b] if isinstance(w, np.ndarray) else _Rows(w, a, b)
 
 
 def weight_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:

@@ -225,6 +225,10 @@ _VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def split_axis(name: str, vocab_parallel: bool = False) -> Optional[int]:
+    for suffix in ("_scale", "_offset"):  # a quantized layer's [G, O]: the outputs are its columns, the groups its rows
+        if name.endswith(suffix):
+            base = split_axis(name[:-len(suffix)], vocab_parallel)
+            return None if base is None else 1 - base
     if vocab_parallel and name in _VOCAB_ROWS:
         return 0
     return next((axis for end, axis in _SPLIT_AXIS.items() if name.endswith(end)), None)

@@ -7,14 +7,18 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from lite_runtime import verified
 from lite_runtime.errors import ModelFolderError
 
 FORMAT = "mslite-llm-model-folder"
-FORMAT_VERSION = 1  # what export writes
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 1  # what export writes for float folders
+# quantized folders (int8/int4 linear layers, the manifest's `quantization`): version 2, so a runtime that predates
+# them refuses such a folder by its version instead of loading integer weights it cannot run
+QUANTIZED_FORMAT_VERSION = 2
+QUANT_BITS = (8, 4)
+SUPPORTED_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 GE_CONFIG = "config.ini"
 GOLDEN = "golden.json"
@@ -82,6 +86,12 @@ class ModelFolder:
         return str(self.infer.get("graph", "plain"))
 
     @property
+    def quantization(self) -> Optional[Dict[str, Any]]:
+        """The linear layers' method ({bits, group_size, symmetric, source}: export/quantize.py), None: float."""
+        q = self.manifest.get("quantization")
+        return dict(q) if q else None
+
+    @property
     def tp_size(self) -> int:
         """Tensor-parallel ranks: each has its own graphs and weights file (python -m export --tp_size)."""
         return len(self.ranks) or 1
@@ -129,7 +139,7 @@ def graph_tokens(key: str) -> int:
 
 # MindIR TensorProto data types -> the dtype names of TensorSpec (and of the manifest)
 MINDIR_DTYPES = {"INT32": "int32", "INT64": "int64", "FLOAT": "float32", "FLOAT16": "float16",
-                 "BFLOAT16": "bfloat16", "BOOL": "bool"}
+                 "BFLOAT16": "bfloat16", "BOOL": "bool", "INT8": "int8", "UINT8": "uint8", "QINT4X2": "qint4x2"}
 
 
 def mindir_specs(model) -> Tuple[Tuple[TensorSpec, ...], Tuple[TensorSpec, ...]]:
@@ -200,6 +210,7 @@ def load_folder(path: str, verify: Any = True) -> ModelFolder:
     if yamls != [manifest["yaml"]]:
         raise ModelFolderError(f"{path}: expected exactly one yaml, {manifest['yaml']}, found "
                                f"{', '.join(yamls) or 'none'}; remove the others")
+    _check_quantization(manifest_path, manifest)
     ranks = _ranks(path, manifest)
     yaml_path = os.path.join(path, manifest["yaml"])
     doc = _read_yaml(yaml_path)
@@ -212,6 +223,24 @@ def load_folder(path: str, verify: Any = True) -> ModelFolder:
                                f"{folder.tp_size} rank(s) of {MANIFEST}; re-export the folder")
     _check_specs_against_yaml(folder)
     return folder
+
+
+def _check_quantization(manifest_path: str, manifest: Dict[str, Any]) -> None:
+    """A version-2 folder says how its layers are quantized, in a form this runtime runs; a version-1 one says
+    nothing of it."""
+    q = manifest.get("quantization")
+    if manifest.get("format_version") == 1:
+        if q:
+            raise ModelFolderError(f"{manifest_path}: format version 1 with a quantization section; re-export the "
+                                   "folder")
+        return
+    if not isinstance(q, dict):
+        raise ModelFolderError(f"{manifest_path}: format version 2 without its quantization section; re-export the "
+                               "folder")
+    bits, group = q.get("bits"), q.get("group_size")
+    if bits not in QUANT_BITS or not isinstance(group, int) or group < 0 or not isinstance(q.get("symmetric"), bool):
+        raise ModelFolderError(f"{manifest_path}: quantization {q!r} is not one this runtime runs (int8 or int4, "
+                               "per channel or in groups); re-export the folder with this version's export")
 
 
 def _check_files(path: str, files: Dict[str, Dict[str, Any]], verify: Any) -> None:

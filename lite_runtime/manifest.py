@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from lite_runtime.folder import FORMAT, FORMAT_VERSION, GE_CONFIG, GOLDEN, MANIFEST, sha256_file
+from lite_runtime.folder import FORMAT, FORMAT_VERSION, GE_CONFIG, GOLDEN, MANIFEST, QUANTIZED_FORMAT_VERSION, sha256_file
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,8 @@ class InferSection:
     ge_config_path: str = GE_CONFIG
     graph: str = "plain"  # the graph form: plain, or fused (Ascend's fused operators; CPU stand-ins on the ms backend)
     chunk_sizes: List[int] = dataclasses.field(default_factory=list)  # of the chunk graphs (the server's prefill pieces)
+    # the linear layers' weight-only quantization {bits, group_size, symmetric, source} (export/quantize.py), or None
+    quantization: Optional[Dict[str, Any]] = None
 
 
 def write_yaml(folder: str, name: str, model: Dict[str, Any], export: Dict[str, Any], infer: InferSection) -> str:
@@ -87,11 +89,14 @@ def file_table(folder: str, known: Optional[Dict[str, str]] = None) -> Dict[str,
 
 
 def write_manifest(folder: str, name: str, graphs: List[GraphEntry], known: Optional[Dict[str, str]] = None,
-                   exported_with: Optional[Dict[str, str]] = None, family: Optional[str] = None) -> Dict[str, Any]:
+                   exported_with: Optional[Dict[str, str]] = None, family: Optional[str] = None,
+                   quantization: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """`family` is the model family (export/families), the runtime's InputOfInfer key; `golden` is set when the
-    folder holds golden.json."""
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "name": name, "yaml": f"{name}.yaml",
+    folder holds golden.json; `quantization` (export/quantize.py QuantMethod) makes it a format version 2 folder."""
+    version = QUANTIZED_FORMAT_VERSION if quantization else FORMAT_VERSION
+    manifest = {"format": FORMAT, "format_version": version, "name": name, "yaml": f"{name}.yaml",
                 **({"family": family} if family else {}),
+                **({"quantization": quantization} if quantization else {}),
                 "ge_config": GE_CONFIG, "exported_with": exported_with or {}, "graphs": [g.to_dict() for g in graphs],
                 "files": file_table(folder, known)}
     if GOLDEN in manifest["files"]:

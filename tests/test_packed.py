@@ -109,11 +109,13 @@ def folder_weights(folder: str) -> dict:
 
 
 def _export(checkpoint: str, output: str) -> str:
+    """A float folder (--quantize none): the packed layers dequantized. Kept as they are (the default):
+    tests/test_quantize.py."""
     from export.config import ExportConfig
     from export.pipeline import run_export
 
     run_export(ExportConfig(checkpoint=checkpoint, output=output, name="m", seq_length=32, batch_size=1,
-                            dtype="float32", device="cpu"))
+                            dtype="float32", device="cpu", quantize="none"))
     return output
 
 

@@ -74,7 +74,9 @@ def _read_mindir(path: str):
 
 # BFLOAT16: numpy has none; its bits are read as uint16 and viewed as mindspore.common.np_dtype.bfloat16 (MsBackend._cell)
 _NUMPY = {"FLOAT": np.float32, "FLOAT16": np.float16, "INT32": np.int32, "INT64": np.int64, "BOOL": np.bool_,
-          "DOUBLE": np.float64, "INT8": np.int8, "UINT8": np.uint8, "BFLOAT16": np.uint16}
+          "DOUBLE": np.float64, "INT8": np.int8, "UINT8": np.uint8, "BFLOAT16": np.uint16,
+          # int4 weights, two per byte, declared [N, K / 2] (standins._int4_as_bytes retypes them to uint8)
+          "QINT4X2": np.uint8}
 
 
 def _parameter_arrays(model, path: str) -> Dict[str, np.ndarray]:

@@ -35,6 +35,7 @@ class Standin:
     checks: Tuple[Tuple[int, str, Callable[[object], bool]], ...] = ()  # (input, name, accepts)
     outputs: int = 1
     arity: int = 0  # inputs of the node in MindSpore 2.10's definition
+    optional: Tuple[int, ...] = ()  # tensors that may be None: passed after `tensors` when set, left out when not
 
 
 _STANDINS: Dict[str, Standin] = {
@@ -55,6 +56,12 @@ _STANDINS: Dict[str, Standin] = {
     "AddRmsNorm": Standin("MsliteLlmAtlasAddRmsNorm", (0, 1, 2), (3,), outputs=3, arity=4),
     "RotaryPositionEmbedding": Standin("MsliteLlmAtlasRotaryPositionEmbedding", (0, 1, 2), (3,),
                                        checks=((3, "mode", lambda v: v in (0, 1)),), arity=4),
+    # x, weight, antiquant_scale, antiquant_offset | quant_scale, quant_offset, bias | transpose_x, transpose_weight,
+    # antiquant_group_size (quantized folders: export/layers.py QuantMatmul; the weight as [N, K])
+    "WeightQuantBatchMatmul": Standin(
+        "MsliteLlmAtlasWeightQuantBatchMatmul", (0, 1, 2), (9,), nones=(4, 5, 6),
+        checks=((7, "transpose_x", lambda v: not v), (8, "transpose_weight", lambda v: bool(v))), arity=10,
+        optional=(3,)),
 }
 FUSED_OPS = tuple(_STANDINS)
 
@@ -120,16 +127,41 @@ def substitute(model, local_func: Callable[[str], str], where: str) -> Dict[str,
                                  "folder on the device, or re-export it with --graph plain")
         scalars = [float(_scalar(nodes[inputs[index]])) for index in spec.scalars]
         tensors = [_through(inputs[index], nodes, prims) for index in spec.tensors]
+        for index in spec.optional:
+            node_in = nodes.get(inputs[index])
+            if node_in is None or node_in.op_type != "Constant" or _scalar_or_tensor(node_in) is not None:
+                tensors.append(_through(inputs[index], nodes, prims))
         attrs = _constant(model, f"{node.name}:standin_attrs", scalars)
         added.append(attrs)
         prim = _custom_primitive(model, local_func(spec.function), spec.outputs > 1, len(model.primitives))
         del node.input[:]
-        node.input.extend(tensors[:len(spec.tensors)] + [attrs.output[0]])
+        node.input.extend(tensors + [attrs.output[0]])
         node.op_type = "REF::" + prim.name
         done[op] = done.get(op, 0) + 1
     if done:
         _rebuild(model, added)
+    if done.get("WeightQuantBatchMatmul"):
+        _int4_as_bytes(model)
     return done
+
+
+def _int4_as_bytes(model) -> None:
+    """int4 weights (MindSpore's qint4x2, declared [N, K / 2]: two per byte) as the uint8 bytes they are, which
+    the stand-in reads (cpu_kernels/quant.cc); the `ms` backend maps them as uint8 too."""
+    types = type(model.graph.parameter[0]).DataType if len(model.graph.parameter) else None
+    if types is None:
+        return
+    for param in model.graph.parameter:
+        if param.data_type == types.Value("QINT4X2"):
+            param.data_type = types.Value("UINT8")
+
+
+def _scalar_or_tensor(node):
+    """A Constant node's value when it is a scalar or None; a tensor constant counts as set (returns True)."""
+    try:
+        return _scalar(node)
+    except ValueError:
+        return True
 
 
 def _through(name: str, nodes, prims) -> str:

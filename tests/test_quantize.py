@@ -1,0 +1,293 @@
+"""Quantized folders (issue 31): int8/int4 linear layers from a float checkpoint (round-to-nearest), and kept as they
+are from GPTQ, AWQ and GGUF Q8_0/Q4_0/Q4_1 files; on the CPU (cpu_kernels/quant.cc) and in the Atlas fused form
+(WeightQuantBatchMatmul, CPU stand-in). Each folder is held to HF transformers on the weights it holds, dequantized
+(export.compare), its golden references replay (check), its integers are the source's bit for bit where the
+checkpoint was quantized already, and every refusal is one exact line that leaves nothing behind."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from export.errors import ExportError
+from export.quantize import choose_group, dequantize, pack_int4, rtn, unpack_int4
+from export.random_checkpoint import make_checkpoint
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+
+
+# ------------------------------------------------------------------------------------------------------ the numbers
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 5), groups=st.integers(1, 4), group=st.sampled_from([32, 64]), bits=st.sampled_from([4, 8]),
+       seed=st.integers(0, 2 ** 31), spread=st.floats(1e-4, 1e3))
+def test_rtn_is_within_half_a_step_and_packs_losslessly(rows, groups, group, bits, seed, spread):
+    w = (np.random.default_rng(seed).standard_normal((rows, groups * group)) * spread).astype(np.float32)
+    q, scale, offset = rtn(w, bits, group, symmetric=bits == 8)
+    assert q.dtype == np.int8 and scale.shape == (rows, groups)
+    lo, hi = (-127, 127) if bits == 8 else (-8, 7)
+    assert q.min() >= lo and q.max() <= hi
+    back = dequantize(q, scale, offset)
+    step = np.repeat(scale, group, axis=1)
+    assert np.all(np.abs(back - w) <= step * 0.5 + np.abs(w) * 1e-6 + 1e-30)
+    if bits == 4:
+        assert np.array_equal(unpack_int4(pack_int4(q)), q)
+
+
+def test_int4_packing_is_low_nibble_first():
+    q = np.array([[1, -2, 7, -8]], np.int8)
+    assert pack_int4(q).tolist() == [[0xE1, 0x87]]
+
+
+@pytest.mark.parametrize("requested,bits,inputs,chosen,noted", [
+    (None, 4, [576, 576, 1536], 64, True),  # SmolLM2: 128 does not divide 576
+    (None, 4, [896, 896, 4864], 128, False),  # Qwen2-0.5B
+    (None, 8, [576], 0, False),  # int8: per channel
+    (128, 4, [96, 96, 160], 32, True),
+    (64, 4, [80], 0, True),  # nothing of at least 32 divides 80: per channel
+    (0, 4, [576], 0, False),
+])
+def test_the_group_size_divides_every_layer(requested, bits, inputs, chosen, noted):
+    group, note = choose_group(requested, bits, inputs)
+    assert group == chosen and bool(note) == noted
+
+
+# ------------------------------------------------------------------------------------------------------ folders
+
+def _export(checkpoint: str, output: str, **kw) -> str:
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+
+    run_export(ExportConfig(checkpoint=checkpoint, output=output, name="m", seq_length=kw.pop("seq_length", 32),
+                            batch_size=1, dtype=kw.pop("dtype", "float32"), device=kw.pop("device", "cpu"), **kw))
+    return output
+
+
+def _manifest(folder: str) -> dict:
+    return json.load(open(os.path.join(folder, "manifest.json")))
+
+
+def _record(bits: int, group: int, symmetric: bool, source: str) -> dict:
+    """The manifest's quantization: the linear layers' method, and the tables' (int8 per row, always)."""
+    return {"bits": bits, "group_size": group, "symmetric": symmetric, "source": source,
+            "tables": {"bits": 8, "group_size": 0, "symmetric": True}}
+
+
+def _check_and_compare(checkpoint: str, folder: str, capsys, fused: bool = False) -> None:
+    """check replays the golden references; export.compare holds the folder and those references to HF transformers
+    on the folder's dequantized weights."""
+    pytest.importorskip("torch")
+    from export.compare import main as compare_main
+    from lite_runtime.check import main as check_main
+
+    assert check_main([folder, "--backend", "ms", "-q"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("PASS m on backend ms:"), out
+    if fused:
+        assert "WeightQuantBatchMatmul x" in out[-2], out
+    assert compare_main(["--checkpoint", checkpoint, "--model_dir", folder, "-q"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2].startswith("PASS m on backend ms:") and "greedy tokens identical" in out[-2], out
+    assert out[-1].startswith("stored golden references against HF: greedy tokens identical"), out
+
+
+def _float_weights(checkpoint: str) -> dict:
+    from safetensors.numpy import load_file
+
+    return load_file(os.path.join(checkpoint, "model.safetensors"))
+
+
+@pytest.mark.parametrize("family,bits,group", [("qwen2", 8, None), ("qwen3", 4, None), ("llama", 4, 32)])
+def test_a_quantized_cpu_folder_is_what_its_checkpoint_rounds_to(tmp_path, capsys, family, bits, group):
+    from export.compare import folder_linears
+    from lite_runtime.folder import load_folder
+
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"), family=family, seed=3, tie_word_embeddings=family != "llama")
+    folder = _export(ckpt, str(tmp_path / "q"), quantize=f"int{bits}", group_size=group)
+    manifest = _manifest(folder)
+    want_group = (0 if bits == 8 else 64) if group is None else group  # hidden size 64: int4's 128 -> 64
+    assert manifest["format_version"] == 2
+    assert manifest["quantization"] == _record(bits, want_group, bits == 8, "rtn")
+    golden = json.load(open(os.path.join(folder, "golden.json")))
+    assert golden["quantization"] == manifest["quantization"]
+    assert set(golden["agreement"]) >= {"tokens", "greedy_agreement", "top1_match", "max_logit_error"}
+    # every linear layer is quantized; each value within half a step of the checkpoint's
+    weights, floats = folder_linears(load_folder(folder)), _float_weights(ckpt)
+    tables = ["model.embed_tokens.weight"] + ([] if family != "llama" else ["lm_head.weight"])
+    assert sorted(weights) == sorted([f"model.layers.{i}.{lin}.weight" for i in range(2) for lin in LINEARS] + tables)
+    for name, values in weights.items():
+        w = floats[name].astype(np.float32)
+        table = name in tables  # int8, a scale per row
+        g = w.shape[1] if want_group == 0 or table else want_group
+        blocks = w.reshape(w.shape[0], -1, g)
+        step = (np.abs(blocks).max(2) / 127 if bits == 8 or table else (np.maximum(blocks.max(2), 0) - np.minimum(
+            blocks.min(2), 0)) / 15)
+        assert np.all(np.abs(values - w).reshape(blocks.shape) <= step[..., None] * 0.5 + 1e-6), name
+    _check_and_compare(ckpt, folder, capsys)
+
+
+@pytest.mark.parametrize("bits,group", [(8, 0), (4, 32)])
+def test_an_atlas_quantized_folder_runs_weight_quant_batch_matmul(tmp_path, capsys, bits, group):
+    """The fused Atlas form: every linear layer one WeightQuantBatchMatmul (int8 per channel without offsets; int4 in
+    groups with offsets, its weights qint4x2), and the head one too (int8 per row, the tied table); run here by the
+    CPU stand-in; check and compare pass at float16's limits."""
+    from mindspore.train import mind_ir_pb2
+
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"), family="qwen2", seed=4)
+    folder = _export(ckpt, str(tmp_path / "a"), quantize=f"int{bits}", group_size=group, dtype="float16",
+                     device="atlas_800i_a2", seq_length=64)
+    model = mind_ir_pb2.ModelProto()
+    model.ParseFromString(open(os.path.join(folder, "m_inc_graph.mindir"), "rb").read())
+    prims = {p.name: p.op_type for p in model.primitives}
+    ops = [prims.get(n.op_type[len("REF::"):]) for n in model.graph.node if n.op_type.startswith("REF::")]
+    assert ops.count("WeightQuantBatchMatmul") == 2 * len(LINEARS) + 1  # and the tied int8 head
+    types = {p.name.rsplit(":", 1)[-1]: mind_ir_pb2.TensorProto.DataType.Name(p.data_type)
+             for p in model.graph.parameter}
+    assert types["model.layers.0.mlp.up_proj.weight"] == ("INT8" if bits == 8 else "QINT4X2")
+    assert types["model.layers.0.mlp.up_proj.weight_scale"] == "FLOAT16"
+    assert ("model.layers.0.mlp.up_proj.weight_offset" in types) == (bits == 4)
+    _check_and_compare(ckpt, folder, capsys, fused=True)
+
+
+def test_a_runtime_before_quantized_folders_refuses_one_by_its_version(tmp_path, monkeypatch):
+    from lite_runtime import folder as folder_module
+
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"), family="qwen2", seed=5)
+    folder = _export(ckpt, str(tmp_path / "q"), quantize="int8")
+    monkeypatch.setattr(folder_module, "SUPPORTED_VERSIONS", (1,))
+    with pytest.raises(folder_module.ModelFolderError) as err:
+        folder_module.load_folder(folder)
+    assert str(err.value) == (f"{folder}/manifest.json: format 'mslite-llm-model-folder' version 2 is not supported "
+                              "(this runtime reads mslite-llm-model-folder version 1); re-export the folder")
+
+
+# ------------------------------------------------------------------------------------------------------ kept as they are
+
+def test_gptq_and_awq_layers_are_kept_as_the_checkpoint_holds_them(tmp_path, capsys):
+    """No --quantize: a GPTQ (4-bit) and an AWQ checkpoint export as int4 folders in the checkpoint's own groups;
+    the integers are the checkpoint's (the folder dequantizes to the checkpoint's values exactly: the float twin
+    test_packed writes), and check and compare pass."""
+    from export.compare import folder_linears
+    from lite_runtime.folder import load_folder
+    from tests.test_packed import quantized_pair
+
+    for method in ("gptq", "awq"):
+        packed, floats = quantized_pair(str(tmp_path / method), method, bits=4, group=32)
+        folder = _export(packed, str(tmp_path / f"{method}_folder"))
+        assert _manifest(folder)["quantization"] == _record(4, 32, False, method)
+        weights, want = folder_linears(load_folder(folder)), _float_weights(floats)
+        for name, values in weights.items():
+            if not name.startswith("model.layers."):
+                continue
+            np.testing.assert_allclose(values, want[name], rtol=0, atol=1e-7 * np.abs(want[name]).max(), err_msg=name)
+        _check_and_compare(packed, folder, capsys)  # HF from the config, the layers dequantized (export.compare)
+
+
+@pytest.mark.parametrize("kind,bits,symmetric", [("Q8_0", 8, True), ("Q4_0", 4, True), ("Q4_1", 4, False)])
+def test_a_gguf_keeps_its_q8_0_q4_0_q4_1_blocks(tmp_path, capsys, kind, bits, symmetric):
+    """A GGUF whose linear layers are Q8_0, Q4_0 or Q4_1 exports as int8/int4 in groups of 32, its blocks' integers
+    as they are: the folder dequantizes to what the gguf package's own dequantizer gives (and transformers' GGUF
+    loading, through compare), llama's q/k permutation undone."""
+    gguf = pytest.importorskip("gguf")
+    from export.compare import folder_linears
+    from lite_runtime.folder import load_folder
+    from tests.test_gguf import _gguf_name, _permute, write_gguf
+
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"), family="llama", seed=6, tie_word_embeddings=False)
+    path = str(tmp_path / f"m.{kind}.gguf")
+    write_gguf(ckpt, path, quant=kind)
+    folder = _export(path, str(tmp_path / "folder"))
+    assert _manifest(folder)["quantization"] == _record(bits, 32, symmetric, f"gguf:{kind}")
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = json.load(open(os.path.join(ckpt, "config.json")))
+    for name, values in folder_linears(load_folder(folder)).items():
+        if not name.startswith("model.layers."):
+            continue  # the tables: int8 per row of the file's dequantized values (test_a_quantized_cpu_folder...)
+        t = tensors[_gguf_name(name)]
+        theirs = gguf.quants.dequantize(t.data, t.tensor_type).reshape(values.shape)
+        heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+        if "q_proj" in name or "k_proj" in name:  # undo the permutation write_gguf applied
+            theirs = _unpermute_rows(theirs, heads)
+        np.testing.assert_allclose(values, theirs, rtol=1e-6, atol=1e-7, err_msg=name)
+    assert _permute is not None
+    _check_and_compare(path, folder, capsys)
+
+
+def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+# ------------------------------------------------------------------------------------------------------ refusals
+
+def _refused(tmp_path, checkpoint: str, **kw) -> str:
+    out = tmp_path / "refused"
+    with pytest.raises(ExportError) as err:
+        _export(checkpoint, str(out), **kw)
+    assert not out.exists()
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".refused")] == []
+    return str(err.value)
+
+
+def test_quantization_a_device_or_a_checkpoint_cannot_take_is_refused_in_one_line(tmp_path):
+    from tests.test_packed import quantized_pair
+
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"), family="qwen2", seed=7)
+    assert _refused(tmp_path, ckpt, quantize="int4", dtype="float16", device="atlas_300i_duo") == (
+        "--device atlas_300i_duo (Atlas 300I Duo): int4 (groups of 64, with offsets, from rtn) is not supported there "
+        "(WeightQuantBatchMatmul on Ascend310P: int8); export --quantize int8")
+    assert _refused(tmp_path, ckpt, quantize="int8", group_size=32, dtype="float16", device="atlas_300i_duo") == (
+        "--device atlas_300i_duo (Atlas 300I Duo): int8 (groups of 32, symmetric, from rtn): its "
+        "WeightQuantBatchMatmul takes per-channel scales only; export --quantize int8 --group_size 0")
+    assert _refused(tmp_path, ckpt, quantize="int8", dtype="float16", device="atlas_800") == (
+        "--device atlas_800 (Atlas 800): int8 (per channel, symmetric, from rtn) is not supported there "
+        "(WeightQuantBatchMatmul on Ascend910A: none); export float weights (--quantize none)")
+    assert _refused(tmp_path, ckpt, quantize="int4", group_size=48) == (
+        "--group_size 48: use 0 (per channel) or a multiple of 32")
+    assert _refused(tmp_path, ckpt, group_size=64) == "--group_size needs --quantize int8 or int4"
+    packed, _ = quantized_pair(str(tmp_path / "gptq"), "gptq", bits=4, group=32)
+    assert _refused(tmp_path, packed, quantize="int8") == (
+        f"{packed}: --quantize int8: the checkpoint is already int4 (groups of 32, with offsets, from gptq); export it "
+        "as it is (no --quantize, or --quantize int4), or --quantize none for float weights")
+    assert _refused(tmp_path, packed, quantize="int4", group_size=64) == (
+        f"{packed}: --group_size 64: the checkpoint's layers are int4 (groups of 32, with offsets, from gptq); drop "
+        "--group_size to keep them as they are")
+    # round-to-nearest picks a group every rank's share holds; a checkpoint's own groups cannot be changed
+    wide, _ = quantized_pair(str(tmp_path / "gptq64"), "gptq", bits=4, group=64)
+    assert _refused(tmp_path, wide, tp_size=2) == (
+        f"{wide}: --tp_size 2 would cut model.layers.0.self_attn.o_proj.weight's groups of 64 (32 inputs per rank); "
+        "pick a --tp_size whose share is a multiple of the group size, or --quantize none for float weights")
+
+
+def test_a_quantized_folder_splits_over_two_ranks_with_its_groups(tmp_path):
+    """--tp_size 2, int4 in groups of 32: every rank holds its share of each layer (column-parallel: its outputs and
+    their scales' columns; row-parallel: its inputs and their groups; the int8 tables' per-row scales whole where the
+    rows are), and under msrun every rank replays the golden references of the whole model's dequantized weights."""
+    from tests.test_tensor_parallel import check_under_msrun
+
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"), family="qwen2", seed=8)
+    folder = _export(ckpt, str(tmp_path / "tp"), quantize="int4", group_size=32, tp_size=2)
+    from lite_runtime.backends.ms import _parameter_arrays, _read_mindir
+    from lite_runtime.folder import load_folder
+
+    loaded = load_folder(folder)
+    for rank in (0, 1):
+        path = loaded.graph_paths(rank)["inc"]
+        arrays = _parameter_arrays(_read_mindir(path), path)
+        shapes = {n: arrays[n].shape for n in arrays if n.startswith("model.layers.0.")}
+        # hidden 64, 4 heads of 16, intermediate 128: each rank 2 heads, 64 MLP columns
+        assert shapes["model.layers.0.self_attn.q_proj.weight"] == (32, 32)  # 32 of 64 outputs, 64 inputs / 2
+        assert shapes["model.layers.0.self_attn.q_proj.weight_scale"] == (2, 32)
+        assert shapes["model.layers.0.self_attn.o_proj.weight"] == (64, 16)  # 32 of 64 inputs, two per byte
+        assert shapes["model.layers.0.self_attn.o_proj.weight_offset"] == (1, 64)  # its one group of 32
+        assert shapes["model.layers.0.mlp.down_proj.weight_scale"] == (2, 64)
+    logs = check_under_msrun(tmp_path, folder)
+    assert len(logs) == 2
+    for log in logs.values():
+        assert "PASS" in log, log[-2000:]
