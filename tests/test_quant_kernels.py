@@ -1,0 +1,378 @@
+"""The int8/int4 weight matmuls and WeightQuantBatchMatmul's CPU stand-in (cpu_kernels/quant.cc): each run as a
+MindSpore aot Custom op in a graph-mode Cell against a float64 numpy reference of the format's formula, with the int4
+nibbles unpacked here independently of the C++; plus the exact error codes, the plain C++ path, and thread counts.
+
+Format: W [N, K] (N outputs, K inputs) in G groups of g = K / G inputs per row, W[n, k] = (q[n, k] + offset[k // g, n])
+* scale[k // g, n]; q int8 [N, K], or uint8 [N, K / 2] with q[n, 2j] in byte j's low nibble and q[n, 2j + 1] in its high
+nibble, two's complement.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels.library_path() is None, reason="the CPU kernel library is not built")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QM, QMO, WQBMM = cpu_kernels.QUANT_MATMUL, cpu_kernels.QUANT_MATMUL_OFFSET, cpu_kernels.ATLAS_WEIGHT_QUANT_BATCH_MATMUL
+ROUNDOFF = {"float32": 0.0, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}  # unit roundoff of each output dtype
+
+
+# ---- the format, in numpy ---------------------------------------------------------------------------------------
+
+def random_q(rng, bits: int, n: int, k: int) -> np.ndarray:
+    """Random signed integers of `bits` bits, the full range (ends included)."""
+    lo = -(1 << (bits - 1))
+    q = rng.integers(lo, -lo, (n, k)).astype(np.int8)
+    q[0, :2] = lo, -lo - 1
+    return q
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """int8 [N, K] in -8..7 -> uint8 [N, K / 2]: q[:, 2j] in byte j's low nibble, q[:, 2j + 1] in its high nibble."""
+    u = q.astype(np.uint8) & 0x0F
+    return (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_int4(packed: np.ndarray) -> np.ndarray:
+    """uint8 [N, K / 2] -> the signed values [N, K] (float64), read from the bytes by arithmetic, not by pack_int4."""
+    b = packed.astype(np.int64)
+    lo, hi = b % 16, b // 16
+    out = np.empty((b.shape[0], 2 * b.shape[1]), np.float64)
+    out[:, 0::2] = np.where(lo >= 8, lo - 16, lo)
+    out[:, 1::2] = np.where(hi >= 8, hi - 16, hi)
+    return out
+
+
+def integers(q_stored: np.ndarray) -> np.ndarray:
+    """The integers a stored q holds, float64 [N, K]."""
+    return unpack_int4(q_stored) if q_stored.dtype == np.uint8 else q_stored.astype(np.float64)
+
+
+def dequantize(q_stored: np.ndarray, scale: np.ndarray, offset=None) -> np.ndarray:
+    """W [N, K] float64 = (q + offset[k // g]) * scale[k // g]."""
+    q = integers(q_stored)
+    g = q.shape[1] // scale.shape[0]
+    s = np.repeat(scale.astype(np.float64), g, axis=0).T
+    o = 0.0 if offset is None else np.repeat(offset.astype(np.float64), g, axis=0).T
+    return (q + o) * s
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_values(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def as_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded to dtype, as float32."""
+    if dtype == "float16":
+        return a.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        return bf16_values(bf16_bits(a))
+    return a.astype(np.float32)
+
+
+def check(y, ref, what: str, roundoff: float = 0.0) -> None:
+    """Within 1e-5 of the reference's largest magnitude (plus the rounding of each output to its dtype)."""
+    y = np.asarray(y, np.float64)
+    assert y.shape == ref.shape, what
+    bad = ~(np.abs(y - ref) <= 1e-5 * np.abs(ref).max() + roundoff * np.abs(ref))  # NaN counts as bad
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.size} outputs off, worst {np.abs(y - ref).max()}"
+
+
+# ---- MindSpore aot Custom ops -----------------------------------------------------------------------------------
+
+_NETS = {}
+
+
+def run_custom(function: str, *arrays):
+    """The function as an aot Custom op in a graph-mode Cell (one per function: MindSpore compiles it per input
+    signature). numpy arrays; bfloat16 ones given as (uint16 bits, "bfloat16"). Returns y as numpy (bfloat16: bits)."""
+    import mindspore as ms
+    from mindspore import nn, ops
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    if function not in _NETS:
+        class Net(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.op = ops.Custom(cpu_kernels.local_func(cpu_kernels.graph_func(function)),
+                                     out_shape=lambda x, q, *_: (x[0], q[0]), out_dtype=lambda x, *_: x,
+                                     func_type="aot")
+
+            def construct(self, *args):
+                return self.op(*args)
+
+        _NETS[function] = Net()
+    tensors = [ms.Tensor.from_numpy(np.ascontiguousarray(a[0])).view(ms.bfloat16) if isinstance(a, tuple)
+               else ms.Tensor(a) for a in arrays]
+    y = _NETS[function](*tensors)
+    if y.dtype == ms.bfloat16:
+        return y.asnumpy().view(np.uint16)
+    return y.asnumpy()
+
+
+def case(rng, bits: int, m: int, n: int, k: int, groups: int, with_offset: bool):
+    """(x, q as stored, scale, offset or None) of float32 random data."""
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    q = random_q(rng, bits, n, k)
+    stored = q if bits == 8 else pack_int4(q)
+    assert np.array_equal(integers(stored), q)  # the packer against the independent unpacker
+    scale = (rng.random((groups, n), dtype=np.float32) + 0.5) * (0.02 if bits == 8 else 0.3)
+    offset = rng.standard_normal((groups, n), dtype=np.float32) * 2 if with_offset else None
+    return x, stored, scale, offset
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("with_offset", [False, True])
+def test_quant_matmul_against_numpy(bits, with_offset):
+    """Per channel and groups of 32/64/128 by 1, 3, 17 and 130 rows of x (decode, the buffered forms, tasks over
+    threads), an odd number of outputs (33: a partial tile). Each run takes a checkerboard half of the 16 (group, rows)
+    pairs (MindSpore compiles each shape): every pair runs as int8 and as int4, once with offset and once without."""
+    rng = np.random.default_rng(bits * 10 + with_offset)
+    n, k = 33, 256
+    half = int((bits == 4) != with_offset)
+    for i, g in enumerate((k, 32, 64, 128)):
+        for j, m in enumerate((1, 3, 17, 130)):
+            if (i + j) % 2 != half:
+                continue
+            x, q, scale, offset = case(rng, bits, m, n, k, k // g, with_offset)
+            args = (x, q, scale) + ((offset,) if with_offset else ())
+            y = run_custom(QMO if with_offset else QM, *args)
+            assert y.dtype == np.float32
+            check(y, x.astype(np.float64) @ dequantize(q, scale, offset).T, f"int{bits} g={g} M={m}")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quant_matmul_at_decode_size_on_all_threads(bits):
+    """The 0.5B MLP's shape (outputs over threads), groups of 32 with offsets, 1 row (dequantized in registers) and 20
+    (dequantized into the tile buffer)."""
+    rng = np.random.default_rng(5 + bits)
+    n, k = 4864, 896
+    for m in (1, 20):
+        x, q, scale, offset = case(rng, bits, m, n, k, k // 32, True)
+        check(run_custom(QMO, x, q, scale, offset), x.astype(np.float64) @ dequantize(q, scale, offset).T,
+              f"int{bits} M={m}")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_groups_that_are_not_a_multiple_of_8(bits):
+    """Groups of 12 and 15 inputs (int4: a group boundary inside a byte), per channel over 30 inputs."""
+    rng = np.random.default_rng(11 + bits)
+    for k, g in ((36, 12), (30, 15), (30, 30)):
+        for m in (1, 7):
+            x, q, scale, offset = case(rng, bits, m, 19, k, k // g, True)
+            check(run_custom(QMO, x, q, scale, offset), x.astype(np.float64) @ dequantize(q, scale, offset).T,
+                  f"int{bits} K={k} g={g} M={m}")
+
+
+def stored_as(a: np.ndarray, dtype: str):
+    """(what run_custom is given for a float32 array in dtype, float64 of the values it holds)."""
+    if dtype == "bfloat16":
+        bits = bf16_bits(a)
+        return (bits, "bfloat16"), bf16_values(bits).astype(np.float64)
+    held = a.astype(np.float16 if dtype == "float16" else np.float32)
+    return held, held.astype(np.float64)
+
+
+def output_values(y: np.ndarray, dtype: str) -> np.ndarray:
+    return bf16_values(y).astype(np.float64) if dtype == "bfloat16" else y.astype(np.float64)
+
+
+def standin_reference(x64, q, scale64, offset64, dtype: str) -> np.ndarray:
+    """The stand-in's documented semantics: (q + offset) * scale in float32 from the dtype's values, rounded to the
+    dtype (the weight Ascend multiplies), then x . W^T (here in float64)."""
+    qi = integers(q).astype(np.float32)
+    g = qi.shape[1] // scale64.shape[0]
+    s = np.repeat(scale64.astype(np.float32), g, axis=0).T
+    o = np.float32(0) if offset64 is None else np.repeat(offset64.astype(np.float32), g, axis=0).T
+    w = as_dtype((qi + o) * s, dtype)  # float32 add, float32 multiply, as the kernel
+    return x64 @ w.astype(np.float64).T
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_weight_quant_batch_matmul_standin_against_numpy(dtype):
+    """int8/int4, per channel (group size 0) and groups of 32, with and without offset, 33 outputs; each combination
+    once, with 1 or 17 rows (each twice per bit width)."""
+    rng = np.random.default_rng({"float16": 1, "bfloat16": 2, "float32": 3}[dtype])
+    n, k = 33, 128
+    for bits, group_size, with_offset, m in ((8, 0, False, 17), (8, 0, True, 1), (8, 32, False, 1), (8, 32, True, 17),
+                                              (4, 0, False, 1), (4, 0, True, 17), (4, 32, False, 17), (4, 32, True, 1)):
+        x, q, scale, offset = case(rng, bits, m, n, k, k // (group_size or k), with_offset)
+        xs, x64 = stored_as(x, dtype)
+        ss, s64 = stored_as(scale, dtype)
+        args = [xs, q, ss]
+        o64 = None
+        if with_offset:
+            os_, o64 = stored_as(offset, dtype)
+            args.append(os_)
+        args.append(np.array([group_size], np.float32))
+        y = run_custom(WQBMM, *args)
+        assert y.dtype == (np.uint16 if dtype == "bfloat16" else np.dtype(dtype)), y.dtype
+        check(output_values(y, dtype), standin_reference(x64, q, s64, o64, dtype),
+              f"{dtype} int{bits} group {group_size} offset {with_offset} M={m}", ROUNDOFF[dtype])
+
+
+# ---- ctypes: exact codes, exact rounding, code paths, threads ----------------------------------------------------
+
+def call_kernel(function: str, *arrays, dtypes=None) -> int:
+    """Call a kernel function as MindSpore's aot runtime does (dtype names default to the arrays')."""
+    lib = ctypes.CDLL(cpu_kernels.library_path())
+    n = len(arrays)
+    params = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
+    ndims = (ctypes.c_int * n)(*[a.ndim for a in arrays])
+    shape_rows = [(ctypes.c_int64 * max(a.ndim, 1))(*a.shape) for a in arrays]
+    shapes = (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64)) for s in shape_rows])
+    names = (ctypes.c_char_p * n)(*[(d or str(a.dtype)).encode() for d, a in zip(dtypes or [None] * n, arrays)])
+    return getattr(lib, function)(n, params, ndims, shapes, names, None, None)
+
+
+def test_library_holds_the_quant_kernels_and_is_newer_than_their_sources():
+    lib = ctypes.CDLL(cpu_kernels.library_path())
+    for function in (QM, QMO, WQBMM):
+        assert hasattr(lib, function) and function in cpu_kernels.FUNCTIONS
+    here = os.path.dirname(cpu_kernels.__file__)
+    newest = max(os.path.getmtime(os.path.join(here, f)) for f in ("quant.cc", "dtypes.h"))
+    assert os.path.getmtime(cpu_kernels.library_path()) >= newest, "rebuild: python setup.py build_ext --inplace"
+
+
+def test_the_error_codes():
+    x, s, y = np.zeros((2, 64), np.float32), np.ones((2, 5), np.float32), np.zeros((2, 5), np.float32)
+    q8, q4 = np.zeros((5, 64), np.int8), np.zeros((5, 32), np.uint8)
+    assert call_kernel(QM, x, q8, s, y) == 0 and call_kernel(QM, x, q4, s, y) == 0
+    assert call_kernel(QMO, x, q8, s, s, y) == 0
+    assert call_kernel(QM, x, q8, s) == 1 and call_kernel(QMO, x, q8, s, y) == 1  # wrong number of tensors
+    for dtype in ("int16", "int32", "float32", "int4", "uint16"):  # q of another dtype
+        assert call_kernel(QM, x, q8, s, y, dtypes=[None, dtype, None, None]) == 2, dtype
+        assert call_kernel(QMO, x, q8, s, s, y, dtypes=[None, dtype, None, None, None]) == 2, dtype
+    assert call_kernel(QM, x.astype(np.float16), q8, s, y) == 2  # x, scale, offset, y stay float32
+    assert call_kernel(QMO, x, q8, s, s.astype(np.float16), y) == 2
+    assert call_kernel(QM, x, q8, s[0], y) == 3  # scale [N]: rank
+    assert call_kernel(QM, x, np.zeros((5, 63), np.int8), s, y) == 4  # q's K
+    assert call_kernel(QM, x, np.zeros((5, 31), np.uint8), s, y) == 4  # int4: K / 2 bytes
+    assert call_kernel(QM, np.zeros((2, 63), np.float32), np.zeros((5, 63), np.int8), s, y) == 4  # K not / G (2)
+    assert call_kernel(QM, x, q8, np.ones((3, 5), np.float32), y) == 4  # K = 64 not divisible by G = 3
+    assert call_kernel(QM, x, q8, np.ones((0, 5), np.float32), y) == 4  # no groups
+    assert call_kernel(QM, np.zeros((2, 63), np.float32), np.zeros((5, 31), np.uint8), np.ones((1, 5), np.float32),
+                       y) == 4  # int4 with an odd K
+    assert call_kernel(QMO, x, q8, s, np.ones((1, 5), np.float32), y) == 4  # offset's groups
+    assert call_kernel(QM, x, q8, np.ones((2, 4), np.float32), y) == 4  # scale's outputs
+    assert call_kernel(QM, x, q8, s, np.zeros((2, 6), np.float32)) == 4  # y's shape
+
+
+def test_the_standin_error_codes():
+    x, s, y = np.zeros((2, 64), np.float16), np.ones((2, 5), np.float16), np.zeros((2, 5), np.float16)
+    q8 = np.zeros((5, 64), np.int8)
+    attrs = np.array([32], np.float32)
+    assert call_kernel(WQBMM, x, q8, s, attrs, y) == 0 and call_kernel(WQBMM, x, q8, s, s, attrs, y) == 0
+    assert call_kernel(WQBMM, x, q8, s, y) == 1 and call_kernel(WQBMM, x, q8, s, s, s, attrs, y) == 1
+    assert call_kernel(WQBMM, x, q8, s, attrs, y, dtypes=[None, "int32", None, None, None]) == 2  # q's dtype
+    assert call_kernel(WQBMM, x, q8, s.astype(np.float32), attrs, y) == 2  # scale not of x's dtype
+    assert call_kernel(WQBMM, x, q8, s, s.astype(np.float32), attrs, y) == 2  # nor the offset
+    assert call_kernel(WQBMM, x, q8, s, attrs, y.astype(np.float32)) == 2  # nor y
+    assert call_kernel(WQBMM, x, q8, s, attrs.astype(np.float16), y) == 2  # attrs float32
+    assert call_kernel(WQBMM, x, q8, s, np.array([48], np.float32), y) == 4  # G * group size = 96 != K = 64
+    assert call_kernel(WQBMM, x, q8, s, np.array([0], np.float32), y) == 4  # per channel with G = 2
+    assert call_kernel(WQBMM, x, q8, s, np.array([64], np.float32), y) == 4  # group size K with G = 2
+    assert call_kernel(WQBMM, x, q8, s[:1], np.array([0], np.float32), y) == 0  # per channel, G = 1
+    assert call_kernel(WQBMM, x, q8, s[:1], np.array([64], np.float32), y) == 0  # one group of K
+    assert call_kernel(WQBMM, x, q8, s, np.array([32, 0], np.float32), y) == 4  # attrs [1]
+    for bad in (-32, 31.5, np.nan):
+        assert call_kernel(WQBMM, x, q8, s, np.array([bad], np.float32), y) == 6, bad
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_standin_rounds_the_dequantized_weight_to_the_activation_dtype(dtype):
+    """x = [1, 1, 0, ...]: y[n] = round(W[n, 0] + W[n, 1]) with each W rounded to the dtype first (the float32 sum of
+    two such values is exact): equal to the bit, and not what the unrounded weights give."""
+    rng = np.random.default_rng(9)
+    n, k = 200, 64
+    q = random_q(rng, 8, n, k)
+    scale = rng.random((2, n), dtype=np.float32) + 0.5
+    x = np.zeros((1, k), np.float32)
+    x[0, :2] = 1
+    (xs, _), (ss, s64) = stored_as(x, dtype), stored_as(scale, dtype)
+    xs, ss = (xs[0], ss[0]) if dtype == "bfloat16" else (xs, ss)
+    y = np.zeros((1, n), np.uint16 if dtype == "bfloat16" else np.float16)
+    assert call_kernel(WQBMM, xs, q, ss, np.array([32], np.float32), y,
+                       dtypes=[dtype, "int8", dtype, "float32", dtype]) == 0
+    w32 = q[:, :2].astype(np.float32) * s64[0].astype(np.float32)[:, None]
+    rounded = as_dtype(as_dtype(w32, dtype).sum(axis=1, dtype=np.float32), dtype)
+    unrounded = as_dtype(w32.sum(axis=1, dtype=np.float32), dtype)
+    got = output_values(y[0], dtype).astype(np.float32)
+    assert np.array_equal(got, rounded)
+    assert not np.array_equal(got, unrounded)
+
+
+def matmul_case_results(threads_list=(None,)):
+    """y of a few cases (decode in registers, buffered, odd groups) for each thread count; checks them on the way."""
+    lib = ctypes.CDLL(cpu_kernels.library_path())
+    results = []
+    try:
+        for threads in threads_list:
+            if threads is not None:
+                lib.MsliteLlmQuantSetThreads(threads)
+            for bits, m, n, k, g in ((8, 1, 1000, 1024, 32), (4, 3, 1000, 1024, 64), (4, 40, 300, 512, 512),
+                                     (8, 130, 33, 256, 128), (4, 2, 700, 1500, 30)):
+                rng = np.random.default_rng(bits + m + n)
+                x, q, scale, offset = case(rng, bits, m, n, k, k // g, True)
+                y = np.full((m, n), np.nan, np.float32)
+                assert call_kernel(QMO, x, q, scale, offset, y) == 0
+                check(y, x.astype(np.float64) @ dequantize(q, scale, offset).T, f"int{bits} M={m} N={n} K={k}")
+                results.append(((bits, m), y))
+    finally:
+        lib.MsliteLlmQuantSetThreads(0)
+    return results
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    """Each output is one task's sum: the same bits on 1, 2 or 3 threads."""
+    results = matmul_case_results((1, 2, 3))
+    per_count = len(results) // 3
+    for i, (key, y) in enumerate(results):
+        assert np.array_equal(y, results[i % per_count][1]), key
+
+
+def test_set_threads_reaches_the_quant_kernels(monkeypatch):
+    """quant.cc keeps its own thread count (gemv.cc's is private to that file): set_threads sets both."""
+    calls = []
+
+    class Library:
+        def __getattr__(self, name):
+            return lambda value: calls.append((name, value.value))
+
+    monkeypatch.setattr(cpu_kernels, "_loaded", Library())
+    cpu_kernels.set_threads(3)
+    assert calls == [("MsliteLlmSetThreads", 3), ("MsliteLlmQuantSetThreads", 3)]
+
+
+def test_the_plain_cpp_path_gives_the_same_answers():
+    """MSLITE_LLM_CPU_KERNELS_ISA=generic (machines without AVX2/FMA), in a new process."""
+    script = textwrap.dedent("""
+        import ctypes, sys
+        import cpu_kernels, test_quant_kernels as t
+        lib = ctypes.CDLL(cpu_kernels.library_path())
+        lib.MsliteLlmQuantIsa.restype = ctypes.c_char_p
+        if lib.MsliteLlmQuantIsa() != b"generic":
+            sys.exit("isa: " + lib.MsliteLlmQuantIsa().decode())
+        t.matmul_case_results()
+        t.test_standin_rounds_the_dequantized_weight_to_the_activation_dtype("bfloat16")
+    """)
+    env = dict(os.environ, MSLITE_LLM_CPU_KERNELS_ISA="generic",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
