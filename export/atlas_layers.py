@@ -26,7 +26,8 @@ from mindspore.ops.auto_generate import (AddRmsNorm, IncreFlashAttention, Prompt
                                          RotaryPositionEmbedding)
 
 from export.config import ModelConfig
-from export.layers import DecoderLayer, Kernels, RMSNorm, ew_add
+from export.layers import DecoderLayer, RMSNorm, ew_add
+from export.matmul import Form
 
 # the side of the compressed causal mask of PromptFlashAttention's sparse_mode 2 and 3 (MindSpore 2.10 op docs)
 COMPRESSED_MASK = 2048
@@ -67,8 +68,8 @@ class FusedDecoderLayer(DecoderLayer):
     core, the norms and RoPE through the fused ops."""
 
     def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, tp: bool = False,
-                 quant=None) -> None:
-        super().__init__(cfg, batch_size, seq_length, dtype, Kernels(quant=quant), tp)
+                 k: "Form" = Form()) -> None:
+        super().__init__(cfg, batch_size, seq_length, dtype, k._replace(decode_ops=False), tp)
         a = self.self_attn
         self.input_layernorm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -111,12 +112,13 @@ class FusedDecoderLayer(DecoderLayer):
 
     def chunk(self, x, cos, sin, ctx, b, n):
         """The chunk graph: x [b + n, E], the decode step's rows (a token per cache row) then a piece of one row, each
-        at its own position (cos/sin [1, 1, b + n, D]). ctx = (lengths int64 [B] = tokens in each row after the step,
-        piece_lengths int64 [1] = the piece's valid tokens, piece_kv int64 [1] = start + those, the compressed causal
-        mask, step_index, piece_index, pick, slot). The step's rows through IncreFlashAttention, the piece through
-        PromptFlashAttention over its row: sparse_mode 3 (rightDownCausal) aligns its last token with the last valid
-        key, so token i sees the row's positions up to start + i."""
-        lengths, piece_lengths, piece_kv, mask, step_index, piece_index, pick, slot = ctx
+        at its own position (cos/sin [1, 1, b + n, D]). ctx, by name (CausalLM.chunk): lengths int64 [B] = tokens in
+        each row after the step, piece_lengths int64 [1] = the piece's valid tokens, piece_kv int64 [1] = start +
+        those, mask = the compressed causal mask, step_index, piece_index, pick, slot. The step's rows through
+        IncreFlashAttention, the piece through PromptFlashAttention over its row: sparse_mode 3 (rightDownCausal)
+        aligns its last token with the last valid key, so token i sees the row's positions up to start + i."""
+        lengths, piece_lengths, piece_kv, mask = ctx["lengths"], ctx["piece_lengths"], ctx["piece_kv"], ctx["mask"]
+        step_index, piece_index, pick, slot = ctx["step_index"], ctx["piece_index"], ctx["pick"], ctx["slot"]
         a = self.self_attn
         q, k, v = self._qkv(self.input_layernorm(x), cos, sin, 1, b + n)  # [1, H|KH, b + n, D]
         rows = (b + n, a.kh, a.d)

@@ -86,7 +86,7 @@ def _dequantized_model(checkpoint: str, dtype):
     with torch.no_grad():
         for name, param in params.items():
             if name in where:
-                param.copy_(torch.from_numpy(np.ascontiguousarray(widen(where[name].stored(name)), np.float32)))
+                param.copy_(torch.from_numpy(np.array(widen(where[name].stored(name)), np.float32)))
         if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in params:
             model.tie_weights()
     return model

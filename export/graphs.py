@@ -45,23 +45,20 @@ class Network:
         """`quant`: the linear layers' export/quantize.QuantMethod, or None."""
         import mindspore as ms
 
-        from export.layers import QuantMatmul
         from export.model import CausalLM
 
         ms.set_context(mode=ms.GRAPH_MODE)
         self.cfg = cfg
         self.kernels = cfg.use_cpu_kernels()
         # every full-graph matmul through our kernel: 16-bit matrices need it; float32 ones only for few rows
-        # (export/model.py KERNEL_PREFILL_MAX_ROWS)
+        # (export/matmul.py KERNEL_PREFILL_MAX_ROWS)
         gemm = self.kernels and cfg.half_weights_on_cpu
         tp = cfg.tp_size
         self.vocab_shards = vocab_shards(model_cfg, tp)
         self.net = CausalLM(tensor_parallel_config(model_cfg, tp) if tp > 1 else model_cfg, cfg.batch_size,
                             cfg.seq_length, cfg.compute_dtype, gemv=self.kernels, gemm=gemm, weight_dtype=cfg.dtype,
                             tensor_parallel=tp > 1, vocab_shards=self.vocab_shards,
-                            fused=cfg.graph == "fused",
-                            quant=None if quant is None else QuantMatmul(quant.bits, quant.group_size, quant.symmetric,
-                                                                         atlas=cfg.device != "cpu"))
+                            fused=cfg.graph == "fused", quant=quant, atlas=cfg.device != "cpu")
 
     def parameters(self) -> Params:
         names = {"Float32": "float32", "Float16": "float16", "BFloat16": "bfloat16", "Int32": "int32",

@@ -21,7 +21,7 @@ H query heads, KH key/value heads, G = H // KH, D head_dim, E hidden_size, V voc
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any  # noqa: F401
 
 import numpy as np
 
@@ -30,6 +30,8 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
 from export.config import ModelConfig
+from export.matmul import (KERNEL_PREFILL_MAX_ROWS, Form, MatmulMethod, PlainMatmul, QuantMatmul,  # noqa: F401
+                           ew_add, is_quantized, kernel_matmul, lazy_parameter as _weight)
 
 MS_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
@@ -46,94 +48,12 @@ MS_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat
 _mul_no_nan = ops.MulNoNan()
 
 
-def ew_add(a, b):
-    return ops.addn((a, b)) if a.dtype == ms.float16 else a + b
-
-
 def ew_mul(a, b):
     return _mul_no_nan(a, b) if a.dtype == ms.float16 else a * b
 
 
 def ew_silu(x):
     return _mul_no_nan(x, ops.sigmoid(x)) if x.dtype == ms.float16 else ops.silu(x)
-
-
-# Full graphs of at most this many rows (batch x prompt tokens) use our kernel for their matmuls even in float32
-# folders: there it runs its GEMV form, 1.6x faster than MindSpore's MatMul on a 16-token prompt of the 0.5B shape
-# (0.155 -> 0.098 s), while from 100 tokens on MatMul is 5-10 % ahead (docs/performance-log.md, "The decode step:
-# where the time goes, and fused ops", 2026-11-23; that is oneDNN's AVX-512 path: on AVX2 our GEMM is ~20 % ahead
-# at 100 tokens, not yet the default: the same log, "Load to first token: the full graph in the decode step's
-# kernels, and their attention", 2026-11-25).
-KERNEL_PREFILL_MAX_ROWS = 16
-
-
-class Kernels(NamedTuple):
-    """Which matmuls use our CPU kernels, and the matrices' storage dtype when it is not the compute dtype; `quant`:
-    the linear layers' quantized matmul method (QuantMatmul), which replaces the rest for them."""
-
-    gemv: bool = False  # the decode step's
-    gemm: bool = False  # the full graph's
-    weight_dtype: Any = None  # a MindSpore dtype, or None: the compute dtype
-    quant: Any = None  # a QuantMatmul, or None: float weights
-
-
-class QuantMatmul(nn.Cell):
-    """The matmul method of a quantized linear layer (export/quantize.py has the format): y = x . W^T with
-    W[o, i] = (q[o, i] + offset[i // g, o]) * scale[i // g, o], q int8 [O, I] or int4 packed [O, I / 2].
-
-    `atlas`: Ascend's WeightQuantBatchMatmul (float16/bfloat16 x, the weight transposed as [N, K], per-group scale
-    (K / g, N)); the `ms` backend replaces it by a CPU stand-in when it loads the graph (lite_runtime/backends/
-    standins.py). Else mslite-llm's CPU kernel (cpu_kernels/quant.cc), float32 x. One weight format for both."""
-
-    def __init__(self, bits: int, group_size: int, symmetric: bool, atlas: bool) -> None:
-        super().__init__()
-        self.bits, self.group_size, self.symmetric, self.atlas = bits, group_size, symmetric, atlas
-        if atlas:
-            from mindspore.ops.auto_generate import WeightQuantBatchMatmul
-
-            self.op = WeightQuantBatchMatmul(False, True, group_size)
-        else:
-            import cpu_kernels
-
-            name = cpu_kernels.QUANT_MATMUL if symmetric else cpu_kernels.QUANT_MATMUL_OFFSET
-            self.op = ops.Custom(cpu_kernels.local_func(name), out_shape=lambda x, w, s, *_: (x[0], s[1]),
-                                 out_dtype=lambda x, *_: x, func_type="aot")
-
-    def storage(self, out_features: int, in_features: int, dtype):
-        """(weight, scale, offset or None) Parameters of one layer, lazily zero (export writes the data)."""
-        if self.bits == 4:
-            weight = _weight((out_features, in_features // 2), ms.qint4x2 if self.atlas else ms.uint8, "weight")
-        else:
-            weight = _weight((out_features, in_features), ms.int8, "weight")
-        groups = 1 if self.group_size == 0 else in_features // self.group_size
-        scale = _weight((groups, out_features), dtype, "weight_scale")
-        offset = None if self.symmetric else _weight((groups, out_features), dtype, "weight_offset")
-        return weight, scale, offset
-
-    def construct(self, x, weight, scale, offset):
-        if self.atlas:
-            return self.op(x, weight, scale, offset, None, None, None)
-        if offset is None:
-            return self.op(x, weight, scale)
-        return self.op(x, weight, scale, offset)
-
-
-def _weight(shape, dtype, name: str) -> Parameter:
-    # Lazy zeros: nothing is allocated. Export compiles the graphs from shapes and dtypes alone and writes the data
-    # straight from the checkpoint (export/graphs.py, export/weights_file.py).
-    return Parameter(initializer("zeros", shape, dtype), name=name, requires_grad=False)
-
-
-def kernel_matmul(with_bias: bool, prompt_rows: bool = False):
-    """Our CPU matmul kernel as an aot Custom op (cpu_kernels/gemv.cc): x [N, I] float32 . W[O, I]^T (+ b [O])
-    -> [N, O] float32, W float32, float16 or bfloat16 (widened in registers); any N, GEMV or blocked GEMM.
-    `prompt_rows`: the full graph's form, with valid_length [B] as the last input, computing only each row's
-    prompt tokens (cpu_kernels.GEMM_VALID), so a prompt costs its length, not its bucket's."""
-    import cpu_kernels
-
-    name = cpu_kernels.GEMM_VALID if prompt_rows else cpu_kernels.GEMV_BIAS if with_bias else cpu_kernels.GEMV
-    return ops.Custom(cpu_kernels.local_func(name), out_shape=lambda x, w, *_: (x[0], w[0]),
-                      out_dtype=lambda x, *_: x, func_type="aot")
 
 
 def kernel_op(function: str, out_shape, out_dtype):
@@ -153,34 +73,20 @@ def kernel_embed():
 
 
 class Linear(nn.Cell):
-    """y = x @ W^T (+ b), W stored as HF stores it: [out, in].
+    """y = x @ W^T (+ b), W [out, in] as HF stores it, stored and multiplied by the layer's `method` (export/matmul.py:
+    plain MatMul, our CPU kernel, or a quantized matmul), chosen once for the network. `few_rows` is the decode
+    step's call (a method may run another op for a few rows)."""
 
-    `few_rows` is the decode step's form. With `gemv` (the CPU kernels) it is one Custom op that reads
-    W with every core instead of MindSpore's MatMul; with `gemm` the full graph's form is that Custom
-    op too. Half-precision weights on the CPU (`weight_dtype` float16/bfloat16, compute float32) need
-    both: only our kernel reads them, widening each weight to float32 as it is loaded.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, gemv: bool = False,
-                 gemm: bool = False, weight_dtype=None, quant: "QuantMatmul" = None,
-                 row_parallel: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype,
+                 method: "MatmulMethod" = None, row_parallel: bool = False) -> None:
         super().__init__()
-        self.quant = quant
-        if quant is not None:  # the method replaces the kernels' flags: one call in every form
-            self.weight, self.weight_scale, self.weight_offset = quant.storage(out_features, in_features, dtype)
-            gemv = gemm = False
-        else:
-            self.weight = _weight((out_features, in_features), weight_dtype or dtype, "weight")
+        self.method = method if method is not None else PlainMatmul()
+        self.weight, self.weight_scale, self.weight_offset = self.method.storage(out_features, in_features, dtype)
         self.bias = _weight((out_features,), dtype, "bias") if bias else None
         # tensor parallel, row-parallel (o_proj, down_proj): this rank's columns of W give a partial product; the
         # ranks' partial products are summed by AllReduce and the (replicated) bias is added once, after it
         self.reduce = ops.AllReduce() if row_parallel else None
-        kernel_bias = bias and not row_parallel
-        self.matmul = ops.MatMul(transpose_b=True)
-        self.kernel = kernel_matmul(kernel_bias) if gemv or gemm else None
-        self.kernel_valid = kernel_matmul(kernel_bias, prompt_rows=True) if gemv or gemm else None
-        self.kernel_bias = kernel_bias
-        self.gemv, self.gemm = gemv, gemm
+        self.kernel_bias = bias and not row_parallel  # the method adds the bias
 
     def _add_bias(self, y):
         # explicit broadcasts everywhere: see BROADCASTS in the module docstring. The depend keeps
@@ -193,28 +99,13 @@ class Linear(nn.Cell):
         y = self.reduce(y)
         return y if self.bias is None else self._add_bias(y)
 
-    def _kernel(self, x, valid_length=None):
-        if valid_length is not None:  # the full graph: the padding rows are skipped
-            if self.kernel_bias:
-                return self.kernel_valid(x, self.weight, self.bias, valid_length)
-            return self.kernel_valid(x, self.weight, valid_length)
-        if self.kernel_bias:
-            return self.kernel(x, self.weight, self.bias)
-        return self.kernel(x, self.weight)
-
     def construct(self, x, valid_length=None):  # [N, in] -> [N, out]; valid_length [B]: the full graph's prompts
-        if self.quant is not None:
-            y = self.quant(x, self.weight, self.weight_scale, self.weight_offset)
-            return self._reduced(self._add_bias(y) if self.kernel_bias else y)
-        if self.gemm or (self.gemv and x.shape[0] <= KERNEL_PREFILL_MAX_ROWS):  # static shapes: decided at export
-            return self._reduced(self._kernel(x, valid_length))
-        y = self.matmul(x, self.weight)
-        if self.kernel_bias:
-            y = self._add_bias(y)
-        return self._reduced(y)
+        bias = self.bias if self.kernel_bias else None
+        return self._reduced(self.method(x, self.weight, self.weight_scale, self.weight_offset, bias, valid_length))
 
     def few_rows(self, x):  # [B, in] -> [B, out], B the batch size
-        return self._reduced(self._kernel(x)) if self.gemv and self.quant is None else self.construct(x)
+        bias = self.bias if self.kernel_bias else None
+        return self._reduced(self.method(x, self.weight, self.weight_scale, self.weight_offset, bias, None, True))
 
 
 class RMSNorm(nn.Cell):
@@ -242,13 +133,14 @@ class RMSNorm(nn.Cell):
 
 
 class MLP(nn.Cell):
-    def __init__(self, cfg: ModelConfig, dtype, k: "Kernels", tp: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, dtype, k: "Form", tp: bool = False) -> None:
         super().__init__()
         bias = cfg.mlp_bias
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias, dtype, *k)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias, dtype, *k)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias, dtype, *k, row_parallel=tp)
-        if k.gemv and not bias:  # the decode step: gate, up, SiLU and the product in one kernel
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias, dtype, k.linear(bias))
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias, dtype, k.linear(bias))
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias, dtype, k.linear(bias and not tp),
+                                row_parallel=tp)
+        if k.decode_ops and not bias:  # the decode step: gate, up, SiLU and the product in one kernel
             import cpu_kernels
 
             self.swiglu = kernel_op(cpu_kernels.SWIGLU, lambda x, wg, wu: (x[0], wg[0]), lambda x, *_: x)
@@ -272,23 +164,24 @@ class Attention(nn.Cell):
     """Self-attention that owns its layer's KV cache Parameters ([B, KH, S, D] each); with cfg.qk_norm, q_norm and
     k_norm (RMSNorm over each head's D, as Qwen3) before RoPE."""
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels",
+    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Form",
                  tp: bool = False) -> None:
         super().__init__()
         self.h, self.kh, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.g = self.h // self.kh
         self.scale = 1.0 / float(np.sqrt(self.d))
         bias = cfg.qkv_bias
-        self.q_proj = Linear(cfg.hidden_size, self.h * self.d, bias, dtype, *k)
-        self.k_proj = Linear(cfg.hidden_size, self.kh * self.d, bias, dtype, *k)
-        self.v_proj = Linear(cfg.hidden_size, self.kh * self.d, bias, dtype, *k)
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, cfg.o_proj_bias, dtype, *k, row_parallel=tp)
+        self.q_proj = Linear(cfg.hidden_size, self.h * self.d, bias, dtype, k.linear(bias))
+        self.k_proj = Linear(cfg.hidden_size, self.kh * self.d, bias, dtype, k.linear(bias))
+        self.v_proj = Linear(cfg.hidden_size, self.kh * self.d, bias, dtype, k.linear(bias))
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, cfg.o_proj_bias, dtype,
+                             k.linear(cfg.o_proj_bias and not tp), row_parallel=tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        if k.gemv:  # the decode step: q/k/v with RoPE in one kernel, attention over the valid positions in another
+        if k.decode_ops:  # the decode step: q/k/v with RoPE in one kernel, attention over the valid positions in another
             import cpu_kernels
 
             f32 = ms.float32
@@ -393,20 +286,19 @@ class Attention(nn.Cell):
 
     def chunk(self, x, cos, sin, ctx, b, n):
         """The chunk graph's attention: rows 0..b-1 of x [b + n, E] are the decode step's (a token per cache row),
-        rows b.. a piece of one row. ctx: with cpu_kernels (step_index [B, KH, 3], piece_index [KH, n, 3], pick,
-        query_lengths [b + n], query_rows [b + n]: each query's cache row and how many of its positions it reads),
-        else (step_mask [B, S], piece_mask [1, n, S], step_index, piece_index, pick, slot). Returns [b + n, H*D]."""
+        rows b.. a piece of one row. ctx, by name (CausalLM.chunk): step_index [B, KH, 3], piece_index [KH, n, 3],
+        pick [n]; with cpu_kernels query_lengths [b + n] and query_rows [b + n] (each query's cache row and how many
+        of its positions it reads), else step_mask [B, S], piece_mask [1, n, S] and slot [1]. Returns [b + n, H*D]."""
         q, k, v = self._rows_qkv(x, cos, sin)
+        keys, values = self.write_step_and_piece(k, v, ctx["step_index"], ctx["piece_index"], ctx["pick"], b)
         if self.rows_attention is not None:  # cpu_kernels: every query over its row's positions up to its own
-            step_index, piece_index, pick, query_lengths, query_rows = ctx
-            keys, values = self.write_step_and_piece(k, v, step_index, piece_index, pick, b)
-            return self.rows_attention(q.reshape(b + n, self.h * self.d), keys, values, query_lengths, query_rows)
-        step_mask, piece_mask, step_index, piece_index, pick, slot = ctx
-        keys, values = self.write_step_and_piece(k, v, step_index, piece_index, pick, b)
-        out = self._attend(q[:b].reshape(b, self.kh, self.g, self.d), keys, values, step_mask, b, 1)
+            return self.rows_attention(q.reshape(b + n, self.h * self.d), keys, values, ctx["query_lengths"],
+                                       ctx["query_rows"])
+        slot = ctx["slot"]
+        out = self._attend(q[:b].reshape(b, self.kh, self.g, self.d), keys, values, ctx["step_mask"], b, 1)
         # query head h uses key head h // G: [n, KH, G, D] -> [1, KH, G*n, D]
         qc = q[b:].reshape(n, self.kh, self.g, self.d).transpose(1, 2, 0, 3).reshape(1, self.kh, self.g * n, self.d)
-        piece = self._attend(qc, ops.gather(keys, slot, 0), ops.gather(values, slot, 0), piece_mask, 1, n)
+        piece = self._attend(qc, ops.gather(keys, slot, 0), ops.gather(values, slot, 0), ctx["piece_mask"], 1, n)
         return ops.cat((out, piece), 0)
 
     def write_step_and_piece(self, k, v, step_index, piece_index, pick, b):
@@ -457,14 +349,14 @@ class Attention(nn.Cell):
 
 
 class DecoderLayer(nn.Cell):
-    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels",
+    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Form",
                  tp: bool = False) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.decode_ops)
         self.self_attn = Attention(cfg, batch_size, seq_length, dtype, k, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.decode_ops)
         self.mlp = MLP(cfg, dtype, k, tp)
-        if k.gemv:  # the decode step: o_proj and down_proj each with the residual add, one kernel
+        if k.decode_ops:  # the decode step: o_proj and down_proj each with the residual add, one kernel
             import cpu_kernels
 
             self.project_add = kernel_op(cpu_kernels.GEMV_ADD, lambda x, w, r: r, lambda x, *_: x)
@@ -532,21 +424,22 @@ class Embedding(nn.Cell):
     rows into every rank's embedding. `vocab_start` is a Parameter (each rank's weights file holds its own value), so
     every rank runs the same graph."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype, k: "Kernels", shards: int = 1,
-                 quant: "QuantMatmul" = None) -> None:
-        """`quant`: a quantized folder's table method (int8 per row, export/quantize.py TABLE_METHOD): the table is
-        q [V, E] int8 with a scale per row ([1, V], the head's per-channel scale when the head is this table); a
+    def __init__(self, vocab_size: int, hidden_size: int, dtype, k: "Form", shards: int = 1) -> None:
+        """The table is stored by the form's table method (export/matmul.py), which the head uses too when it is this
+        table: a quantized folder's is q [V, E] int8 with a scale per row ([1, V], the head's per-channel scale); a
         lookup gathers the rows and their scales."""
         super().__init__()
         self.rows = vocab_size // shards
-        self.quant = quant
         self.dtype = dtype
-        if quant is not None:
-            self.weight, self.weight_scale, _ = quant.storage(self.rows, hidden_size, dtype)
+        self.head_method = k.table(False)
+        self.quant = self.head_method if is_quantized(self.head_method) else None
+        if self.quant is not None:
+            self.weight, self.weight_scale, _ = self.quant.storage(self.rows, hidden_size, dtype)
             self.kernel = None
         else:
-            self.weight = _weight((self.rows, hidden_size), k.weight_dtype or dtype, "weight")
-            self.kernel = kernel_embed() if k.weight_dtype is not None else None
+            self.weight = _weight((self.rows, hidden_size), k.table_dtype or dtype, "weight")
+            self.weight_scale = None
+            self.kernel = kernel_embed() if k.table_dtype is not None else None
         if shards > 1:
             self.vocab_start = Parameter(initializer("zeros", (1,), ms.int32), name="vocab_start", requires_grad=False)
             self.reduce = ops.AllReduce()

@@ -21,34 +21,28 @@ from mindspore import Tensor, nn, ops
 
 from export.atlas_layers import AtlasRMSNorm, FusedDecoderLayer, FusedSteps, lengths_int64
 from export.config import ModelConfig
-from export.layers import (KERNEL_PREFILL_MAX_ROWS, MS_DTYPES, DecoderLayer, Embedding, Kernels, Linear,
-                           QuantMatmul, RMSNorm, kernel_matmul)
+from export.layers import MS_DTYPES, DecoderLayer, Embedding, Linear, RMSNorm
+from export.matmul import Form, choose_form  # noqa: F401 (Form: annotations)
 from export.rope import rope_tables
 
 
 class DecoderModel(nn.Cell):
     """The layers, of one form: DecoderLayer (plain ops or CPU kernels, `k`) or FusedDecoderLayer (`fused`)."""
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Kernels",
-                 tp: bool = False, vocab_shards: int = 1, fused: bool = False, quant=None) -> None:
+    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Form",
+                 tp: bool = False, vocab_shards: int = 1, fused: bool = False) -> None:
         super().__init__()
-        # a quantized folder's tables (embedding, head): int8 per row (export/quantize.py TABLE_METHOD)
-        self.table_quant = None if quant is None else QuantMatmul(8, 0, True, quant.atlas)
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, k, vocab_shards, self.table_quant)
-        # quantized linear layers (`quant`, a QuantMatmul): the layers run the plain form around that method; the
-        # CPU kernels' fused decode ops read 16-bit matrices (quantized ones are issue 32's)
-        layer_k = Kernels(quant=quant) if quant is not None else k
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, k, vocab_shards)
         if not fused:
-            layers = [DecoderLayer(cfg, batch_size, seq_length, dtype, layer_k, tp)
-                      for _ in range(cfg.num_hidden_layers)]
+            layers = [DecoderLayer(cfg, batch_size, seq_length, dtype, k, tp) for _ in range(cfg.num_hidden_layers)]
         else:
-            layers = [FusedDecoderLayer(cfg, batch_size, seq_length, dtype, tp, quant)
+            layers = [FusedDecoderLayer(cfg, batch_size, seq_length, dtype, tp, k)
                       for _ in range(cfg.num_hidden_layers)]
         self.layers = nn.CellList(layers)
         if fused:
             self.norm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         else:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.gemv)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.decode_ops)
 
 
 class CausalLM(nn.Cell):
@@ -67,7 +61,7 @@ class CausalLM(nn.Cell):
     `dtype` is the compute dtype (activations, KV cache, norms and biases). CPU folders may use our
     kernels (cpu_kernels): gemv=True for every matmul of the decode step, gemm=True for those of the
     full graph, and weight_dtype float16/bfloat16 to store the matrices (linear layers, embedding,
-    head) in 16 bits while computing in float32, which needs both (Kernels).
+    head) in 16 bits while computing in float32, which needs both (export/matmul.py KernelMatmul).
 
     `tensor_parallel`: one rank of a Megatron split. `cfg` is then the rank's share (tensor_parallel_config: its
     heads, kv heads and intermediate columns); o_proj and down_proj are row-parallel, each followed by AllReduce
@@ -77,13 +71,15 @@ class CausalLM(nn.Cell):
     Either way every rank computes the same logits.
 
     `fused` (Atlas A2 profiles only): the fused form of the layers (export/atlas_layers.py); else plain.
-    `quant`: the linear layers' quantized matmul method (export/layers.py QuantMatmul), or None: float weights. The
-    embedding and the head keep `weight_dtype` / `dtype`.
+    `quant`: the linear layers' export/quantize.QuantMethod, or None: float weights; `atlas`: the folder is for an
+    Atlas device (its quantized matmul is WeightQuantBatchMatmul). The form and every linear layer's method are
+    chosen here, once (export/matmul.py choose_form).
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype: str = "float32",
                  gemv: bool = False, gemm: bool = False, weight_dtype: Optional[str] = None,
-                 tensor_parallel: bool = False, vocab_shards: int = 1, fused: bool = False, quant=None) -> None:
+                 tensor_parallel: bool = False, vocab_shards: int = 1, fused: bool = False, quant=None,
+                 atlas: bool = False) -> None:
         super().__init__()
         ms_dtype = MS_DTYPES[dtype]
         if weight_dtype == dtype:
@@ -92,16 +88,14 @@ class CausalLM(nn.Cell):
             raise ValueError(f"{weight_dtype} weights with {dtype} compute need the CPU kernels (gemv and gemm)")
         if fused and (gemv or gemm or dtype == "float32"):
             raise ValueError("the fused form runs Ascend's float16/bfloat16 operators, without the CPU kernels")
-        k = Kernels(gemv, gemm, MS_DTYPES[weight_dtype] if weight_dtype else None)
+        k = choose_form(gemv, gemm, MS_DTYPES[weight_dtype] if weight_dtype else None, quant, atlas)
         self.config, self.batch_size, self.seq_length, self.dtype = cfg, batch_size, seq_length, ms_dtype
-        self.model = DecoderModel(cfg, batch_size, seq_length, ms_dtype, k, tensor_parallel, vocab_shards, fused,
-                                  quant)
+        self.model = DecoderModel(cfg, batch_size, seq_length, ms_dtype, k, tensor_parallel, vocab_shards, fused)
         # whether the layers run the CPU kernels' decode ops (the prefill and chunk contexts take their form)
-        self.layer_kernels = gemv and quant is None
+        self.layer_kernels = k.decode_ops
         self.tied = bool(cfg.tie_word_embeddings)
-        self.table_quant = self.model.table_quant
         self.lm_head = None if self.tied else Linear(cfg.hidden_size, cfg.vocab_size // vocab_shards, False, ms_dtype,
-                                                     *k._replace(quant=self.table_quant))
+                                                     k.table(False))
         self.vocab_shards = vocab_shards
         self.gather_logits = None
         if vocab_shards > 1:
@@ -109,12 +103,9 @@ class CausalLM(nn.Cell):
             self.gather_logits = ops.AllGather()
             self.gather_logits.rank_size = vocab_shards
             self.gather_logits.add_prim_attr("rank_size", vocab_shards)
-        self.head_kernel = kernel_matmul(False) if gemv or gemm else None
-        self.head_gemv, self.head_gemm = gemv, gemm
         cos, sin = rope_tables(cfg, seq_length)
         self.cos, self.sin = Tensor(cos, ms_dtype), Tensor(sin, ms_dtype)  # [S, D] graph constants
         self.fused = FusedSteps(self.cos, self.sin) if fused else None
-        self.head_matmul = ops.MatMul(transpose_b=True)
         self.rows = Tensor(np.arange(batch_size, dtype=np.int32))
         # (row, kv head) part of the cache write index, the position is added per call
         grid = np.stack(np.meshgrid(np.arange(batch_size), np.arange(cfg.num_key_value_heads), indexing="ij"), -1)
@@ -124,16 +115,12 @@ class CausalLM(nn.Cell):
 
     def _logits(self, hidden, decode: bool = False):  # [B, E] -> [B, V] float32
         hidden = self.model.norm.few_rows(hidden) if decode else self.model.norm(hidden)
-        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        few = hidden.shape[0] <= KERNEL_PREFILL_MAX_ROWS
-        matmul = self.head_kernel if self.head_gemm or (self.head_gemv and (decode or few)) else self.head_matmul
-        if self.table_quant is not None:  # the int8 head (or the int8 table, tied)
+        if self.tied:  # the embedding's table, by its method
             embed = self.model.embed_tokens
-            logits = self.lm_head(hidden) if not self.tied else self.table_quant(hidden, embed.weight,
-                                                                                  embed.weight_scale, None)
-            logits = ops.cast(logits, ms.float32)
+            logits = embed.head_method(hidden, embed.weight, embed.weight_scale, None, None, None, decode)
         else:
-            logits = ops.cast(matmul(hidden, weight), ms.float32)
+            logits = self.lm_head.few_rows(hidden) if decode else self.lm_head(hidden)
+        logits = ops.cast(logits, ms.float32)
         if self.gather_logits is None:
             return logits
         b = hidden.shape[0]  # [B, V/shards] of each rank -> [shards*B, V/shards] -> [B, V], rank r's rows r-th
@@ -191,21 +178,26 @@ class CausalLM(nn.Cell):
         last = ops.cat((self.rows[:b], chunk_length + (b - 1)))  # [B + 1]: each row's token, the piece's last
         if self.fused is not None:
             cos, sin = self.fused.rows(pos, b + n)
-            ctx = (lengths_int64(valid_length), lengths_int64(chunk_length), lengths_int64(chunk_length + start),
-                   self.fused.mask, step_index, piece_index, pick, slot)
+            ctx = {"step_index": step_index, "piece_index": piece_index, "pick": pick, "slot": slot,
+                   "lengths": lengths_int64(valid_length), "piece_lengths": lengths_int64(chunk_length),
+                   "piece_kv": lengths_int64(chunk_length + start), "mask": self.fused.mask}
         else:
             cos, sin = ops.gather(self.cos, pos, 0), ops.gather(self.sin, pos, 0)  # [B + n, D]
             if self.layer_kernels:  # cpu_kernels' attention: each query's cache row and how many of its positions it reads
                 query_lengths = ops.cat((valid_length, piece_pos + 1))
                 query_rows = ops.cat((self.rows[:b], ops.broadcast_to(slot, (n,))))
-                ctx = (step_index, piece_index, pick, query_lengths, query_rows)
+                ctx = {"step_index": step_index, "piece_index": piece_index, "pick": pick,
+                       "query_lengths": query_lengths, "query_rows": query_rows}
             else:
                 s = self.positions.shape[0]
                 step_mask = _additive(self.positions.reshape(1, -1) < valid_length.reshape(b, 1))  # [B, S]
                 keep = ops.broadcast_to(self.positions.reshape(1, s), (n, s)) <= ops.broadcast_to(
                     piece_pos.reshape(n, 1), (n, s))
                 piece_mask = _additive(keep).reshape(1, n, s)  # [1, n, S]: token i sees its row up to its own position
-                ctx = (step_mask, piece_mask, step_index, piece_index, pick, slot)
+                ctx = {"step_index": step_index, "piece_index": piece_index, "pick": pick, "slot": slot,
+                       "step_mask": step_mask, "piece_mask": piece_mask}
+        # ctx, by name (export/layers.py Attention.chunk): every form's step_index [B, KH, 3] and piece_index [KH, n, 3]
+        # (the cache writes), pick [n] (the piece's padding repeats its last token); the form's own keys beside them
         for layer in self.model.layers:
             x = layer.chunk(x, cos, sin, ctx, b, n)
         return self._logits(ops.gather(x, last, 0), decode=True)  # [B + 1, V]

@@ -155,7 +155,6 @@ class PackedLayers:
         """The layer's weight [out, in] in float32."""
         s = self.settings
         out, inputs = self._shapes[layer]
-        bits, per = s["bits"], 32 // s["bits"]
         group = inputs if s["group_size"] == -1 else s["group_size"]
         scales = np.asarray(self._file(f"{layer}.scales").read(f"{layer}.scales"), np.float32)  # [groups, out]
         q, z = self._integers(layer, scales.shape[0], inputs)
@@ -177,7 +176,7 @@ class PackedLayers:
         layer = name[:-len(".weight")]
         s = self.settings
         out, inputs = self._shapes[layer]
-        bits, per, half = s["bits"], 32 // s["bits"], 1 << (s["bits"] - 1)
+        half = 1 << (s["bits"] - 1)
         scales = np.asarray(self._file(f"{layer}.scales").read(f"{layer}.scales"), np.float32)  # [groups, out]
         u, z = self._integers(layer, scales.shape[0], inputs)
         q = (u.T.astype(np.int16) - half).astype(np.int8)  # [out, in]

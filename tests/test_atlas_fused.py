@@ -231,7 +231,10 @@ def test_a_chunk_that_forgets_its_offset_fails_check(checkpoints, tmp_path, monk
     chunk = layers.FusedDecoderLayer.chunk
 
     def without_start(self, x, cos, sin, ctx, b, n):  # actual_seq_lengths_kv := actual_seq_lengths
-        return chunk(self, x, cos, sin, (ctx[0], ctx[1], ctx[1]) + ctx[3:], b, n)
+        wrong = {"lengths": ctx["lengths"], "piece_lengths": ctx["piece_lengths"], "piece_kv": ctx["piece_lengths"],
+                 "mask": ctx["mask"], "step_index": ctx["step_index"], "piece_index": ctx["piece_index"],
+                 "pick": ctx["pick"], "slot": ctx["slot"]}
+        return chunk(self, x, cos, sin, wrong, b, n)
 
     monkeypatch.setattr(layers.FusedDecoderLayer, "chunk", without_start)
     report = run_check(_export(checkpoints["gqa_tied"], str(tmp_path / "bad")), "ms")
