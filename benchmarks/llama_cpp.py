@@ -8,7 +8,8 @@ its HF->GGUF converter; that is all we need, and pip can fetch it from the local
 How (each step is cached in `work_dir`, so only the first run takes minutes):
 
 1. `pip download --no-binary :all: llama-cpp-python`, unpack it, and build only the `llama-bench`
-   tool with cmake (Release, GGML_NATIVE: what a user building llama.cpp on this machine gets).
+   tool with cmake (Release, GGML_NATIVE: what a user building llama.cpp on this machine gets); other tools on
+   demand (step 4).
 2. Convert the checkpoint to f32 / f16 GGUF with the vendored `convert_hf_to_gguf.py`. The weights
    are converted untouched; two things synthetic checkpoints (export/random_checkpoint.py) lack
    are filled in by wrapping two converter functions, only when the converter would otherwise stop:
@@ -24,8 +25,14 @@ How (each step is cached in `work_dir`, so only the first run takes minutes):
 3. `llama-bench -t <threads> -p <n,...> -n 32 -r <repetitions> -o json`: prefill seconds per prompt
    length and decode tokens per second (generation from an empty context).
 
+4. For benchmarks/perplexity.py: `build_tool()` builds `llama-perplexity`, `llama-quantize` and `llama-tokenize`
+   into the same build folder as llama-bench (each once, the libraries shared); `quantize()` runs llama-quantize
+   on a converted GGUF (Q8_0, Q4_0, Q4_1, ... with its defaults), `tokenize()` gives llama.cpp's token ids of a
+   text, `perplexity()` runs llama-perplexity on a text file and reads its final estimate.
+
 `measure()` never raises: a step that cannot be done (no compiler, pip fails, conversion fails...)
-gives {"skipped": "<one-line reason>"}. Progress goes to stderr.
+gives {"skipped": "<one-line reason>"}; the step-4 helpers raise Skip for their caller to report. Progress goes to
+stderr.
 
     python benchmarks/llama_cpp.py --checkpoint DIR [--work_dir /tmp/llama_work] [--threads 2]
 """
@@ -113,7 +120,7 @@ def source_dir(work_dir: str) -> str:
     return sorted(glob.glob(pattern))[-1]
 
 
-def _build_with_progress(cmd: List[str], timeout: float) -> None:
+def _build_with_progress(cmd: List[str], timeout: float, what: str = "llama-bench") -> None:
     """Run the build, echoing ninja/make progress every 10 %; Skip with the first error on failure."""
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -134,9 +141,9 @@ def _build_with_progress(cmd: List[str], timeout: float) -> None:
         if time.monotonic() > deadline:
             proc.kill()
             proc.wait()
-            raise Skip(f"building llama-bench took more than {timeout:.0f} s")
+            raise Skip(f"building {what} took more than {timeout:.0f} s")
     if proc.wait() != 0:
-        raise Skip(f"building llama-bench failed: {first_error or _last_line(chr(10).join(tail))}")
+        raise Skip(f"building {what} failed: {first_error or _last_line(chr(10).join(tail))}")
 
 
 # llama.cpp's x86 code paths by cmake options: "native" is what a user building on this machine gets; "avx2" the
@@ -150,30 +157,44 @@ ISA_FLAGS = {
 }
 
 
-def build_bench(src: str, isa: str = "native") -> str:
-    """Path of llama-bench, built once into <src>/build-bench[-<isa>] (Release, static; ISA_FLAGS[isa])."""
+# the tools build_tool() builds: llama-bench for the speed columns, llama-perplexity / llama-quantize / llama-tokenize
+# for benchmarks/perplexity.py
+TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-tokenize")
+
+
+def build_tool(src: str, target: str = "llama-bench", isa: str = "native") -> str:
+    """Path of llama.cpp's tool `target` (TOOLS), built once into <src>/build-bench[-<isa>] (Release, static;
+    ISA_FLAGS[isa]); every tool of one ISA shares that build folder, so the second one links the same libraries."""
     if isa not in ISA_FLAGS:
         raise Skip(f"no llama.cpp build for ISA {isa!r} (known: {', '.join(ISA_FLAGS)})")
+    if target not in TOOLS:
+        raise Skip(f"no llama.cpp tool {target!r} here (known: {', '.join(TOOLS)})")
     build = os.path.join(src, "build-bench" if isa == "native" else f"build-bench-{isa}")
-    binary = os.path.join(build, "bin", "llama-bench")
+    binary = os.path.join(build, "bin", target)
     if os.access(binary, os.X_OK):
         return binary
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise Skip(f"building llama.cpp needs {tool} (apt-get install cmake g++)")
-    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    _say("configuring llama.cpp with cmake")
-    _run(["cmake", "-S", src, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release", *ISA_FLAGS[isa],
-          "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-          "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], "cmake configure", 600)
-    _say(f"building llama-bench on {os.cpu_count() or 2} cores (minutes)")
+    if not os.path.isfile(os.path.join(build, "CMakeCache.txt")):
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        _say("configuring llama.cpp with cmake")
+        _run(["cmake", "-S", src, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release", *ISA_FLAGS[isa],
+              "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+              "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], "cmake configure", 600)
+    _say(f"building {target} on {os.cpu_count() or 2} cores (minutes the first time)")
     start = time.perf_counter()
-    _build_with_progress(["cmake", "--build", build, "--target", "llama-bench", "-j", str(os.cpu_count() or 2)],
-                         timeout=3600)
+    _build_with_progress(["cmake", "--build", build, "--target", target, "-j", str(os.cpu_count() or 2)],
+                         timeout=3600, what=target)
     if not os.access(binary, os.X_OK):
         raise Skip(f"the build did not produce {binary}")
-    _say(f"built llama-bench in {time.perf_counter() - start:.0f} s")
+    _say(f"built {target} in {time.perf_counter() - start:.0f} s")
     return binary
+
+
+def build_bench(src: str, isa: str = "native") -> str:
+    """Path of llama-bench, built once into <src>/build-bench[-<isa>] (build_tool)."""
+    return build_tool(src, "llama-bench", isa)
 
 
 def version(binary: str, src: str) -> str:
@@ -321,6 +342,90 @@ def bench(binary: str, gguf: str, threads: int, prompt_tokens: Sequence[int], re
     if "decode_tok_s" not in result or len(result["prefill_s"]) != len(set(prompt_tokens)):
         raise Skip("llama-bench's JSON lacks some of the requested tests")
     return result
+
+
+# ---------------------------------------------------------------- 4. quantize, tokenize, perplexity
+
+def quantize(binary: str, gguf: str, qtype: str, threads: int = 2) -> Dict[str, Any]:
+    """{"gguf": path, "seconds": s, "type": qtype}: `gguf` (an f16/f32 one) through `llama-quantize <in> <out> <qtype>`
+    with its defaults (no --pure: what a user gets, so a tied embedding or output matrix may get another type, as
+    llama-quantize chooses), once; the result sits beside `gguf`, named by the type."""
+    out = f"{gguf[:-len('.gguf')] if gguf.endswith('.gguf') else gguf}-{qtype.lower()}.gguf"
+    info_path = out + ".json"
+    if os.path.isfile(out) and os.path.isfile(info_path):
+        with open(info_path, encoding="utf-8") as fh:
+            return json.load(fh)
+    partial = out + ".partial"
+    _say(f"quantizing {os.path.basename(gguf)} to {qtype}")
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([binary, gguf, partial, qtype, str(threads)], capture_output=True, text=True,
+                              timeout=3600)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise Skip(f"llama-quantize: {exc}") from None
+    with open(out + ".log", "w", encoding="utf-8") as fh:
+        fh.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not os.path.isfile(partial):
+        raise Skip(f"llama-quantize {qtype} failed (exit {proc.returncode}, log {out}.log): "
+                   f"{_last_line(proc.stderr or proc.stdout)}")
+    os.replace(partial, out)
+    info = {"gguf": out, "type": qtype, "seconds": round(time.perf_counter() - start, 1)}
+    with open(info_path, "w", encoding="utf-8") as fh:
+        json.dump(info, fh, indent=1)
+    return info
+
+
+def tokenize(binary: str, gguf: str, text: str) -> List[int]:
+    """The token ids llama.cpp makes of `text` with `gguf`'s vocabulary (llama-tokenize --stdin --ids): a BOS first
+    exactly when the GGUF asks for one (tokenizer.ggml.add_bos_token), special-token text not parsed, escapes
+    processed, as llama-perplexity tokenizes its -f file (after that drops one trailing newline)."""
+    try:
+        proc = subprocess.run([binary, "-m", gguf, "--stdin", "--ids", "--log-disable"], input=text,
+                              capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise Skip(f"llama-tokenize: {exc}") from None
+    found = re.search(r"\[[\d,\s]*\]", proc.stdout)
+    if proc.returncode != 0 or not found:
+        raise Skip(f"llama-tokenize failed (exit {proc.returncode}): {_last_line(proc.stderr or proc.stdout)}")
+    return json.loads(found[0])
+
+
+def perplexity(binary: str, gguf: str, text_file: str, ctx: int = 512, threads: int = 2,
+               chunks: int = -1) -> Dict[str, Any]:
+    """llama-perplexity's own figure on `text_file` at context `ctx`, its defaults otherwise:
+
+    {"ppl": float, "ppl_stderr": float, "chunks": n, "ctx": ctx, "tokens_scored": n * (ctx - ctx//2 - 1),
+     "cumulative": [ppl after chunk 1, 2, ...] (4 decimals, as it prints them), "seconds": wall time of the process
+     (load included), "seconds_per_pass": its own timing of the first pass}
+
+    What it computes (tools/perplexity/perplexity.cpp, perplexity()): the whole file tokenized once (BOS first when
+    the GGUF's add_bos_token says so), cut into floor(tokens / ctx) chunks of ctx tokens (the tail dropped); each
+    chunk evaluated from an empty cache with its first token replaced by BOS when add_bos_token is set; only
+    the second half scored: the logits at positions ctx//2 .. ctx-2 predict the tokens at ctx//2+1 .. ctx-1, so
+    ctx - ctx//2 - 1 tokens per chunk; PPL = exp(mean negative log-likelihood over all of them), the standard error
+    from their spread."""
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([binary, "-m", gguf, "-f", text_file, "-c", str(ctx), "-t", str(threads),
+                               "--chunks", str(chunks)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=3600)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise Skip(f"llama-perplexity: {exc}") from None
+    seconds, out = time.perf_counter() - start, proc.stdout
+    if proc.returncode != 0:
+        raise Skip(f"llama-perplexity failed (exit {proc.returncode}): {_last_line(out)}")
+    final = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", out)
+    over = re.search(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+)", out)
+    if not final or not over:
+        raise Skip(f"llama-perplexity printed no final estimate: {_last_line(out)}")
+    n_chunks, n_ctx = int(over[1]), int(over[2])
+    if n_ctx != ctx:
+        raise Skip(f"llama-perplexity ran at n_ctx={n_ctx}, not the {ctx} asked for")
+    per_pass = re.search(r"([\d.]+) seconds per pass", out)
+    return {"ppl": float(final[1]), "ppl_stderr": float(final[2]), "chunks": n_chunks, "ctx": ctx,
+            "tokens_scored": n_chunks * (ctx - ctx // 2 - 1),
+            "cumulative": [float(v) for v in re.findall(r"\[\d+\]([\d.]+)", out)],
+            "seconds": round(seconds, 2), "seconds_per_pass": float(per_pass[1]) if per_pass else None}
 
 
 def measure(checkpoint: str, work_dir: str = DEFAULT_WORK, threads: int = 2, prompt_tokens=(16, 100),
