@@ -1,7 +1,7 @@
 """Export at real sizes: a random checkpoint of a real Qwen2 shape, our export and llama.cpp's converter side by side.
 
     python benchmarks/bench_export.py --shape qwen2-7b [--layers N] [--tp_size 8] [--export "--device cpu ..."]
-           [--llama_cpp] [--drop_caches] [--json FILE] [--work_dir DIR]
+           [--llama_cpp] [--llama_quantize Q8_0,Q4_0] [--drop_caches] [--json FILE] [--work_dir DIR]
 
 1. Writes a random bfloat16 checkpoint in the shape (`--layers` cuts the depth), shard by shard (2 GiB shards,
    each tensor generated and written in chunks: memory stays at a chunk whatever the shape), with config.json,
@@ -12,7 +12,17 @@
 3. Samples every 0.1 s, for each run: the anonymous memory of the process tree (RssAnon summed; the page cache
    and the checkpoint's mapped pages are not the run's to keep) and the used bytes of the output's file system.
    Reports wall time, peak anonymous memory, peak disk (used bytes above the start) and the output's size,
-   overall and per stage of our export (its -v log names each stage as it starts).
+   overall and per stage of our export (its -v log names each stage as it starts). Beside them: the bytes under
+   the output path itself (peak_output_gib: what the file system's count holds of this run alone, when other
+   processes write to the same disk), the CPU seconds of the run's process tree, and the CPU seconds the rest of
+   the machine used meanwhile (other_cpu_seconds: how far the wall time is the run's own on a shared machine).
+4. Each folder's weights by kind before it is deleted (linear layers with their scales and offsets, embedding and
+   head, biases, norms, KV cache), read from its graph's parameters, with bytes per checkpoint parameter; for a
+   quantized folder, each kind's size per rank of the 72B shape at tensor parallel 2, 4 and 8 from those bytes.
+5. With `--llama_quantize Q8_0,Q4_0` (needs `--llama_cpp`), llama.cpp's `llama-quantize` (built once with cmake
+   into <work_dir>/llama-build from the same vendored source) on the f16 GGUF to each type, measured the same way,
+   with each GGUF's tensors by kind and type (gguf's reader), and each of our folders against the GGUF of the same
+   bits (bf16/fp16 against F16, int8 against Q8_0, int4 against Q4_0).
 `--drop_caches` empties the page cache before each run (needs root), so every run reads the checkpoint cold.
 """
 from __future__ import annotations
@@ -22,6 +32,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shlex
 import shutil
 import subprocess
@@ -188,16 +199,53 @@ def drop_caches() -> bool:
         return False
 
 
-def measure(cmd: List[str], disk_path: str, env=None, stage_pattern: Optional[str] = None) -> Dict[str, Any]:
-    """Run `cmd`, sampling its tree's anonymous memory and the used bytes of `disk_path`'s file system.
+def _busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has been busy since boot (/proc/stat: every state but idle and iowait)."""
+    with open("/proc/stat", encoding="ascii") as fh:
+        fields = [int(x) for x in fh.readline().split()[1:]]
+    busy = sum(fields[:8]) - fields[3] - fields[4]  # user nice system idle iowait irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _path_bytes(output: str) -> int:
+    """Bytes allocated under `output` and its siblings named after it (the export's .<name>.partial-<pid>
+    folder, a converter's <file>.partial)."""
+    parent, base = os.path.split(os.path.abspath(output))
+    total = 0
+    try:
+        names = [n for n in os.listdir(parent) if n == base or n.startswith(base + ".") or n.startswith("." + base)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(parent, name)
+        walk = [(parent, [], [name])] if not os.path.isdir(path) else os.walk(path)
+        for root, _, files in walk:
+            for f in files:
+                try:
+                    total += os.lstat(os.path.join(root, f)).st_blocks * 512
+                except OSError:
+                    pass
+    return total
+
+
+def measure(cmd: List[str], disk_path: str, env=None, stage_pattern: Optional[str] = None,
+            output: Optional[str] = None) -> Dict[str, Any]:
+    """Run `cmd`, sampling its tree's anonymous memory and the used bytes of `disk_path`'s file system (and the
+    bytes under `output`, when given).
 
     stage_pattern: a regex whose group 1 names a stage in a line of the command's stderr; samples are then
     also attributed to the stage last named."""
     base = _used_bytes(disk_path)
+    cpu0, busy0, load0 = _children_cpu_seconds(), _busy_cpu_seconds(), os.getloadavg()
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     stages: List[List[Any]] = [["start", 0.0, 0, 0]]  # name, start s, peak anon, peak disk
-    peak = {"anon": 0, "disk": 0}
+    peak = {"anon": 0, "disk": 0, "output": 0}
     err_lines: List[str] = []
 
     def read_err() -> None:
@@ -209,18 +257,29 @@ def measure(cmd: List[str], disk_path: str, env=None, stage_pattern: Optional[st
 
     reader = threading.Thread(target=read_err, daemon=True)
     reader.start()
+    out_chunks: List[str] = []
+    out_reader = threading.Thread(target=lambda: out_chunks.append(proc.stdout.read()), daemon=True)
+    out_reader.start()
     while proc.poll() is None:
         anon, disk = _anon_bytes(_tree(proc.pid)), _used_bytes(disk_path) - base
         peak["anon"], peak["disk"] = max(peak["anon"], anon), max(peak["disk"], disk)
+        if output:
+            peak["output"] = max(peak["output"], _path_bytes(output))
         stages[-1][2], stages[-1][3] = max(stages[-1][2], anon), max(stages[-1][3], disk)
         time.sleep(0.1)
-    out = proc.stdout.read()
+    out_reader.join()
+    out = "".join(out_chunks)
     reader.join()
     wall = time.perf_counter() - start
+    cpu = _children_cpu_seconds() - cpu0
     result = {"cmd": " ".join(shlex.quote(c) for c in cmd), "returncode": proc.returncode,
               "seconds": round(wall, 1), "peak_anon_gib": round(peak["anon"] / 2**30, 2),
-              "peak_disk_gib": round(peak["disk"] / 2**30, 2), "stdout": out.strip().splitlines()[-3:],
-              "stderr_tail": [line.rstrip() for line in err_lines[-5:]]}
+              "peak_disk_gib": round(peak["disk"] / 2**30, 2), "stdout": out.strip().splitlines()[-12:],
+              "stderr_tail": [line.rstrip() for line in err_lines[-5:]],
+              "cpu_seconds": round(cpu, 1), "other_cpu_seconds": round(max(0.0, _busy_cpu_seconds() - busy0 - cpu), 1),
+              "loadavg_1min": [round(load0[0], 2), round(os.getloadavg()[0], 2)]}
+    if output:
+        result["peak_output_gib"] = round(peak["output"] / 2**30, 2)
     if stage_pattern:
         ends = [s[1] for s in stages[1:]] + [wall]
         result["stages"] = [{"stage": s[0], "seconds": round(end - s[1], 1), "peak_anon_gib": round(s[2] / 2**30, 2),
@@ -240,10 +299,13 @@ def run_ours(checkpoint: str, output: str, extra: List[str], cold: bool) -> Dict
         say("--drop_caches needs root; the page cache stays as it is")
     cmd = [sys.executable, "-m", "export", "-q", "-v", "--checkpoint", checkpoint, "--output", output, *extra]
     say("running " + " ".join(shlex.quote(c) for c in cmd[1:]))
-    result = measure(cmd, os.path.dirname(output), stage_pattern=r"INFO export\.pipeline: stage (\w+)")
+    result = measure(cmd, os.path.dirname(output), stage_pattern=r"INFO export\.pipeline: stage (\w+)",
+                     output=output)
     result["output_gib"] = round(folder_bytes(output) / 2**30, 2) if os.path.exists(output) else None
     if result["output_gib"]:
+        result["output_bytes"] = folder_bytes(output)
         result["peak_disk_over_output"] = round(result["peak_disk_gib"] / result["output_gib"], 3)
+        result["peak_output_over_output"] = round(result["peak_output_gib"] * 2**30 / result["output_bytes"], 3)
     say(f"ours: {result['seconds']} s, exit {result['returncode']}, peak anon {result['peak_anon_gib']} GiB, "
         f"peak disk {result['peak_disk_gib']} GiB, folder {result['output_gib']} GiB")
     return result
@@ -264,11 +326,11 @@ def run_check(folder: str, cold: bool) -> Dict[str, Any]:
     return result
 
 
-def run_llama_cpp(checkpoint: str, output: str, cold: bool) -> Dict[str, Any]:
+def run_llama_cpp(checkpoint: str, output: str, cold: bool, llama_work: Optional[str] = None) -> Dict[str, Any]:
     import llama_cpp
 
     try:
-        src = llama_cpp.source_dir(llama_cpp.DEFAULT_WORK)
+        src = llama_cpp.source_dir(llama_work or llama_cpp.DEFAULT_WORK)
         llama_cpp.converter_dependencies()
     except llama_cpp.Skip as exc:
         return {"skipped": str(exc)}
@@ -278,12 +340,209 @@ def run_llama_cpp(checkpoint: str, output: str, cold: bool) -> Dict[str, Any]:
         drop_caches()
     cmd, env = llama_cpp.converter_command(src, checkpoint, "f16", output)
     say(f"running llama.cpp's convert_hf_to_gguf.py --outtype f16 on {checkpoint}")
-    result = measure(cmd, os.path.dirname(output), env=env)
+    result = measure(cmd, os.path.dirname(output), env=env, output=output)
     result["cmd"] = f"convert_hf_to_gguf.py {checkpoint} --outtype f16 --outfile {output}"
+    result["source"] = src
     result["output_gib"] = round(folder_bytes(output) / 2**30, 2) if os.path.exists(output) else None
+    if result["output_gib"]:
+        result["output_bytes"] = os.path.getsize(output)
     say(f"llama.cpp: {result['seconds']} s, exit {result['returncode']}, peak anon {result['peak_anon_gib']} GiB, "
         f"peak disk {result['peak_disk_gib']} GiB, GGUF {result['output_gib']} GiB")
     return result
+
+
+# ---------------------------------------------------------------- 4. what a folder or a GGUF holds, by kind
+
+KINDS = ("linear", "tables", "bias", "norm", "kv_cache", "generated")
+
+
+def _kind(name: str) -> str:
+    """The kind of an HF-named checkpoint tensor or folder parameter (a quantized layer's scale and offset are its
+    layer's kind)."""
+    if name.endswith(("key_cache", "value_cache")):
+        return "kv_cache"
+    base = re.sub(r"_(scale|offset)$", "", name)
+    if base in ("model.embed_tokens.weight", "lm_head.weight"):
+        return "tables"
+    if base.endswith(".bias"):
+        return "bias"
+    if "norm" in base:
+        return "norm"
+    if base.startswith("model.layers.") and base.endswith("_proj.weight"):
+        return "linear"
+    return "generated"
+
+
+def checkpoint_params(shape: Dict[str, Any]) -> Dict[str, int]:
+    """Parameters of each kind in a checkpoint of the shape."""
+    counts = {k: 0 for k in KINDS}
+    for name, dims, _ in tensors(shape):
+        counts[_kind(name)] += int(np.prod(dims))
+    return counts
+
+
+def folder_breakdown(folder: str, params: Dict[str, int]) -> Dict[str, Any]:
+    """Rank 0's weights file by kind, from its graph's parameters (MindIR external data: name, dtype, length), with
+    the bytes per checkpoint parameter of each kind; the rest of the folder (graphs, tokenizer, golden, padding)."""
+    from mindspore.train import mind_ir_pb2
+
+    with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as fh:
+        manifest = json.load(fh)
+    graph = next(g for g in manifest["graphs"] if g.get("rank", 0) == 0)
+    model = mind_ir_pb2.ModelProto()
+    with open(os.path.join(folder, graph["file"]), "rb") as fh:
+        model.ParseFromString(fh.read())
+    type_name = mind_ir_pb2.TensorProto.DataType.Name
+    kinds: Dict[str, Dict[str, Any]] = {k: {"bytes": 0, "tensors": {}} for k in KINDS}
+    for param in model.graph.parameter:
+        name = param.name.rsplit(":", 1)[-1]
+        kind = kinds[_kind(name)]
+        kind["bytes"] += param.external_data.length
+        part = "offset" if name.endswith("_offset") else "scale" if name.endswith("_scale") else "values"
+        key = f"{part} {type_name(param.data_type).lower()}"
+        kind["tensors"][key] = kind["tensors"].get(key, 0) + param.external_data.length
+    weights = os.path.join(folder, graph["variables"])
+    for k, kind in kinds.items():
+        kind["gib"] = round(kind["bytes"] / 2**30, 3)
+        if params.get(k):
+            kind["bytes_per_param"] = round(kind["bytes"] / params[k], 5)
+    listed = sum(kind["bytes"] for kind in kinds.values())
+    files = {g["variables"] for g in manifest["graphs"] if g.get("variables")}
+    return {"rank0_weights_file_bytes": os.path.getsize(weights), "alignment_padding_bytes":
+            os.path.getsize(weights) - listed, "other_files_bytes": folder_bytes(folder) - sum(
+                os.path.getsize(os.path.join(folder, f)) for f in files), "kinds": kinds}
+
+
+def _gguf_kind(name: str) -> str:
+    if name in ("token_embd.weight", "output.weight"):
+        return "tables"
+    if name.endswith(".bias"):
+        return "bias"
+    if "norm" in name:
+        return "norm"
+    if name.startswith("blk."):
+        return "linear"
+    return "generated"
+
+
+def gguf_breakdown(path: str, params: Dict[str, int]) -> Dict[str, Any]:
+    """A GGUF's tensors by kind and by type (gguf's reader): bytes, bytes per checkpoint parameter, and each
+    named table's type (token_embd, output)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    kinds: Dict[str, Dict[str, Any]] = {}
+    tables = {}
+    for t in reader.tensors:
+        kind = kinds.setdefault(_gguf_kind(t.name), {"bytes": 0, "types": {}})
+        kind["bytes"] += int(t.n_bytes)
+        kind["types"][t.tensor_type.name] = kind["types"].get(t.tensor_type.name, 0) + 1
+        if t.name in ("token_embd.weight", "output.weight"):
+            tables[t.name] = t.tensor_type.name
+    for k, kind in kinds.items():
+        kind["gib"] = round(kind["bytes"] / 2**30, 3)
+        if params.get(k):
+            kind["bytes_per_param"] = round(kind["bytes"] / params[k], 5)
+    tensor_bytes = sum(kind["bytes"] for kind in kinds.values())
+    return {"file_bytes": os.path.getsize(path), "metadata_and_padding_bytes": os.path.getsize(path) - tensor_bytes,
+            "tables": tables, "kinds": kinds}
+
+
+def plan_per_rank(breakdown: Dict[str, Any], shape: Dict[str, Any], tp_sizes=(2, 4, 8)) -> Dict[str, Any]:
+    """Each rank's weights for `shape` at each tensor-parallel size, from the measured bytes per parameter of each
+    kind: (P_linear * b_linear + P_tables * b_tables + P_bias * b_bias) / tp + P_norm * b_norm (linear layers split
+    by outputs or inputs, the embedding and head by vocabulary, q/k/v biases by heads; norms on every rank). The KV
+    cache the folder holds for its --seq_length is left out: the runtime's share, set by the serving batch."""
+    params = checkpoint_params(shape)
+    per_kind = {k: params[k] * breakdown["kinds"][k].get("bytes_per_param", 0) for k in ("linear", "tables", "bias",
+                                                                                          "norm")}
+    out = {"params": params, "total_gib": round(sum(per_kind.values()) / 2**30, 2), "per_rank_gib": {}}
+    for tp in tp_sizes:
+        split = per_kind["linear"] + per_kind["tables"] + per_kind["bias"]
+        out["per_rank_gib"][str(tp)] = round((split / tp + per_kind["norm"]) / 2**30, 2)
+    return out
+
+
+# ---------------------------------------------------------------- 5. llama-quantize
+
+def build_llama_quantize(src: str, build: str) -> str:
+    """llama.cpp's llama-quantize, built once with cmake into `build` from the vendored source `src` (Release,
+    static, GGML_NATIVE: as benchmarks/llama_cpp.py builds llama-bench)."""
+    import llama_cpp
+
+    binary = os.path.join(build, "bin", "llama-quantize")
+    if os.access(binary, os.X_OK):
+        return binary
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise llama_cpp.Skip(f"building llama-quantize needs {tool} (apt-get install cmake g++)")
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    steps = (["cmake", "-S", src, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+              "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+              "-DLLAMA_BUILD_EXAMPLES=OFF"],
+             ["cmake", "--build", build, "--target", "llama-quantize", "-j", str(os.cpu_count() or 2)])
+    say(f"building llama-quantize into {build} (minutes)")
+    start = time.perf_counter()
+    for cmd in steps:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["no output"]
+            raise llama_cpp.Skip(f"{' '.join(cmd[:3])} failed: {tail[0][:300]}")
+    if not os.access(binary, os.X_OK):
+        raise llama_cpp.Skip(f"the build did not produce {binary}")
+    say(f"built llama-quantize in {time.perf_counter() - start:.0f} s")
+    return binary
+
+
+def run_llama_quantize(binary: str, f16: str, qtype: str, params: Dict[str, int], cold: bool) -> Dict[str, Any]:
+    """`llama-quantize <f16> <out> <qtype> <threads>` with its defaults, measured; the GGUF's tensors by kind."""
+    output = f16[:-len("-f16.gguf")] + f"-{qtype.lower()}.gguf"
+    if os.path.exists(output):
+        os.remove(output)
+    if cold:
+        drop_caches()
+    cmd = [binary, f16, output, qtype, str(os.cpu_count() or 2)]
+    say(f"running llama-quantize {os.path.basename(f16)} {qtype}")
+    result = measure(cmd, os.path.dirname(output), output=output)
+    result["output_gib"] = round(folder_bytes(output) / 2**30, 3) if os.path.exists(output) else None
+    log = result.pop("stdout") + result["stderr_tail"]
+    result["stdout_tail"] = log[-4:]
+    if result["returncode"] == 0 and os.path.exists(output):
+        result["gguf"] = gguf_breakdown(output, params)
+        result["output_bytes"] = os.path.getsize(output)
+        os.remove(output)
+    say(f"llama-quantize {qtype}: {result['seconds']} s, exit {result['returncode']}, peak anon "
+        f"{result['peak_anon_gib']} GiB, GGUF {result['output_gib']} GiB")
+    return result
+
+
+_SAME_BITS = {"int8": "Q8_0", "int4": "Q4_0"}
+
+
+def comparison(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Each export against the first (time) and against the GGUF of the same bits (size)."""
+    runs = doc["runs"]
+    if not runs:
+        return []
+    first = runs[0]
+    ggufs = {"F16": (doc.get("llama_cpp") or {}).get("output_bytes")}
+    for q in doc.get("llama_quantize") or []:
+        ggufs[q["type"]] = q.get("output_bytes")
+    rows = []
+    for r in runs:
+        found = re.search(r"--quantize[ =](\w+)", r["args"])
+        qtype = _SAME_BITS.get(found.group(1) if found else "", "F16")
+        row = {"args": r["args"], "seconds": r["seconds"],
+               "time_over_first": round(r["seconds"] / first["seconds"], 3),
+               "cpu_over_first": round(r["cpu_seconds"] / first["cpu_seconds"], 3) if first.get("cpu_seconds")
+               else None,
+               "peak_anon_gib": r["peak_anon_gib"], "peak_disk_over_output": r.get("peak_disk_over_output"),
+               "peak_output_over_output": r.get("peak_output_over_output"), "output_bytes": r.get("output_bytes"),
+               "gguf": qtype, "gguf_bytes": ggufs.get(qtype)}
+        if row["output_bytes"] and row["gguf_bytes"]:
+            row["output_over_gguf"] = round(row["output_bytes"] / row["gguf_bytes"], 4)
+        rows.append(row)
+    return rows
 
 
 def machine() -> Dict[str, Any]:
@@ -306,6 +565,11 @@ def main(argv=None) -> int:
                    help="extra arguments of one export run, e.g. \"--device cpu --seq_length 512\" (repeatable; "
                         "default: one run with none, the default Atlas export)")
     p.add_argument("--llama_cpp", action="store_true", help="also time llama.cpp's converter (f16 GGUF)")
+    p.add_argument("--llama_quantize", default="", metavar="TYPES",
+                   help="with --llama_cpp: also llama-quantize the f16 GGUF to these types (e.g. Q8_0,Q4_0), each "
+                        "measured and listed by tensor kind and type, and compare folder sizes at equal bits")
+    p.add_argument("--llama_work", default=None, metavar="DIR",
+                   help="where llama.cpp's source is unpacked (default: benchmarks/llama_cpp.py's DEFAULT_WORK)")
     p.add_argument("--drop_caches", action="store_true", help="empty the page cache before each run (root)")
     p.add_argument("--keep", action="store_true", help="keep the exported folders")
     p.add_argument("--check", action="store_true",
@@ -316,22 +580,49 @@ def main(argv=None) -> int:
     os.makedirs(args.work_dir, exist_ok=True)
     say(f"checkpoint {tag} in {args.work_dir}")
     checkpoint = write_checkpoint(os.path.join(args.work_dir, f"ckpt-{tag}"), args.shape, args.layers)
-    doc: Dict[str, Any] = {"machine": machine(), "shape": args.shape, "layers": args.layers,
-                           "checkpoint_gib": round(folder_bytes(checkpoint) / 2**30, 2), "runs": []}
+    shape = dict(SHAPES[args.shape], **({"num_hidden_layers": args.layers} if args.layers else {}))
+    params = checkpoint_params(shape)
+    doc: Dict[str, Any] = {"machine": machine(), "command": " ".join(shlex.quote(a) for a in
+                                                                      [sys.executable, *sys.argv]),
+                           "shape": args.shape, "layers": args.layers,
+                           "checkpoint_gib": round(folder_bytes(checkpoint) / 2**30, 2),
+                           "checkpoint_params": params, "page_cache": "dropped before each run" if args.drop_caches
+                           else "as left (warm)", "runs": []}
+    if args.drop_caches and not drop_caches():
+        doc["page_cache"] = "as left (warm): --drop_caches needs root"
     if args.llama_cpp:
         gguf = os.path.join(args.work_dir, f"{tag}-f16.gguf")
-        doc["llama_cpp"] = run_llama_cpp(checkpoint, gguf, args.drop_caches)
+        doc["llama_cpp"] = run_llama_cpp(checkpoint, gguf, args.drop_caches, args.llama_work)
+        if os.path.exists(gguf) and args.llama_quantize:
+            import llama_cpp
+
+            doc["llama_cpp"]["gguf"] = gguf_breakdown(gguf, params)
+            doc["llama_quantize"] = []
+            try:
+                binary = build_llama_quantize(doc["llama_cpp"]["source"], os.path.join(args.work_dir, "llama-build"))
+            except llama_cpp.Skip as exc:
+                doc["llama_quantize"].append({"skipped": str(exc)})
+            else:
+                for qtype in args.llama_quantize.split(","):
+                    result = run_llama_quantize(binary, gguf, qtype, params, args.drop_caches)
+                    result["type"] = qtype
+                    doc["llama_quantize"].append(result)
         if os.path.exists(gguf):
             os.remove(gguf)
     for extra in args.export or [""]:
         output = os.path.join(args.work_dir, f"out-{tag}")
         result = run_ours(checkpoint, output, shlex.split(extra), args.drop_caches)
         result["args"] = extra
+        if result["returncode"] == 0 and os.path.isfile(os.path.join(output, "manifest.json")):
+            result["weights"] = folder_breakdown(output, params)
+            if "--quantize" in extra and args.shape != "qwen2-72b":
+                result["plan_qwen2_72b"] = plan_per_rank(result["weights"], SHAPES["qwen2-72b"])
         if args.check and result["returncode"] == 0:
             result["check"] = run_check(output, args.drop_caches)
         doc["runs"].append(result)
         if not args.keep:
             shutil.rmtree(output, ignore_errors=True)
+    doc["comparison"] = comparison(doc)
     print(json.dumps(doc, indent=1))
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as fh:
