@@ -16,13 +16,14 @@ id is what makes GE build them into one session, sharing the weights and the KV 
 
 Before anything is built, `mindspore_lite.__version__` is compared with the MindSpore that
 exported the folder (manifest `exported_with`): an older Lite is refused, a newer one warned
-about (lite_runtime/versions.py).
+about (lite_runtime/versions.py); and a quantized folder is refused on a SoC whose WeightQuantBatchMatmul cannot
+run its linear layers (`quantization_plan`, with the SoC from pyACL: `device_soc`).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -31,7 +32,7 @@ import logging
 from lite_runtime.backends import bind_inputs, unavailable
 from lite_runtime.backends.ge_options import cache_plan, parse_lite_ini, read_ge_config  # noqa: F401 (re-exported)
 from lite_runtime.errors import InferError
-from lite_runtime.folder import TensorSpec
+from lite_runtime.folder import MANIFEST, TensorSpec
 from lite_runtime.versions import cann_version, check_lite
 
 log = logging.getLogger(__name__)
@@ -85,12 +86,119 @@ def context_plan(config) -> Dict[str, Any]:
     return {"ascend.device_id": device, "ascend.rank_id": rank, "ascend.provider": "ge", "target": ["ascend"]}
 
 
-def build_plan(config, cache: Optional[Dict[str, Any]] = None) -> List[Tuple]:
+class QuantSupport(NamedTuple):
+    """The weight-only quantization one family of Ascend SoCs runs (WeightQuantBatchMatmul)."""
+
+    prefix: str  # of the SoC's name, as pyACL reports it and as the folder's yaml records it (infer.soc)
+    series: str
+    profiles: Tuple[str, ...]  # the export's --device profiles for it (export/devices.py), the first suggested
+    bits: Tuple[int, ...]  # as export/devices.py's quant_bits
+    groups: bool  # per-group scales besides per channel (quant_groups)
+
+
+# Which SoC runs what; the first row whose prefix starts the SoC's name decides, an unknown SoC runs none. The same
+# facts as export/devices.py's quant_bits / quant_groups (tests/test_mslite_quant.py holds the two together):
+# - CANN 8.3.RC1, aclnnWeightQuantBatchMatmulV2, its product support table: Atlas A2, A3 and the Atlas inference
+#   series (310P) yes; the Atlas training series (910A) and the Atlas 200I/500 A2 (Ascend310B) no.
+#   https://www.hiascend.com/document/detail/zh/canncommercial/83RC1/API/aolapi/context/aclnnWeightQuantBatchMatmulV2.md
+# - torch_npu 7.0.0, npu_weight_quant_batchmatmul (which calls it): the inference series takes int8 weights, per
+#   tensor or per channel; A2 and A3 int8 and int4 (packed in int32), per tensor, per channel or per group.
+#   https://www.hiascend.com/document/detail/zh/Pytorch/700/apiref/apilist/ptaoplist_001256.html
+# - pyACL's get_soc_name (CANN 6.0.1): "Ascend310P*" on the 310P, "Ascend910*" on the 910, the suffix by grade.
+QUANT_SOCS: Tuple[QuantSupport, ...] = (
+    QuantSupport("Ascend910B", "Atlas A2", ("atlas_800i_a2", "atlas_800t_a2"), (8, 4), True),
+    QuantSupport("Ascend910_93", "Atlas A3", (), (8, 4), True),
+    QuantSupport("Ascend310P", "Atlas inference series", ("atlas_300i_duo",), (8,), False),
+    # Ascend910A, Ascend910ProA, Ascend910PremiumA, Ascend910ProB: the training series
+    QuantSupport("Ascend910", "Atlas training series", ("atlas_800",), (), False),
+)
+UNKNOWN_SOC = QuantSupport("", "unknown", (), (), False)
+
+
+def quant_support(soc: str) -> QuantSupport:
+    """The QUANT_SOCS row of the SoC named `soc` (Ascend910B3, Ascend310P3, ...); UNKNOWN_SOC for any other."""
+    return next((row for row in QUANT_SOCS if soc.startswith(row.prefix)), UNKNOWN_SOC)
+
+
+def device_soc() -> Optional[str]:
+    """This host's Ascend SoC as pyACL names it (`acl.get_soc_name()`, CANN's aclrtGetSocName), or None where pyACL
+    cannot be imported or does not answer: then only the SoC the folder records is checked. MindSpore is not
+    imported (it cannot share a process with a Lite of another version)."""
+    try:
+        import acl  # CANN's pyACL, on the path once set_env.sh is sourced
+    except (ImportError, OSError):
+        return None
+    get_soc_name = getattr(acl, "get_soc_name", None)
+    name = get_soc_name() if get_soc_name is not None else None
+    return str(name) if name else None
+
+
+def quantization_label(quantization: Dict[str, Any]) -> str:
+    """`int4 (groups of 128, with offsets, from rtn)`, as python -m export names a method."""
+    group = int(quantization["group_size"])
+    source = quantization.get("source")
+    return (f"int{quantization['bits']} ({'per channel' if group == 0 else f'groups of {group}'}, "
+            f"{'symmetric' if quantization['symmetric'] else 'with offsets'}{f', from {source}' if source else ''})")
+
+
+def quantization_plan(quantization: Optional[Dict[str, Any]], soc: str, manifest: str,
+                      recorded_in: Optional[str] = None) -> None:
+    """Refuse a quantized folder's layers on a SoC whose WeightQuantBatchMatmul cannot run them; a float folder
+    (`quantization` None) passes. `soc` is this device's (device_soc), or with `recorded_in` (the yaml's name) the
+    one the folder was exported for: "" there is a CPU folder, whose layers call this project's CPU kernels."""
+    if not quantization:
+        return
+    label = quantization_label(quantization)
+    if recorded_in is not None and soc == "":
+        atlas = ", ".join(p for row in QUANT_SOCS if row.bits for p in row.profiles)
+        raise InferError(f"{manifest}: {label} was exported for the CPU ({recorded_in} infer.soc is empty): its "
+                         "layers call this project's CPU kernels, which Lite on Ascend does not have; re-export with "
+                         f"the --device of your Atlas ({atlas}) and a --quantize it runs or --quantize none, or run it "
+                         "with backend 'ms'")
+    support = quant_support(soc)
+    bits, group = int(quantization["bits"]), int(quantization["group_size"])
+    if bits in support.bits and (group == 0 or support.groups):
+        return
+    device = f"--device {support.profiles[0]} " if support.profiles else ""
+    if not support.bits:
+        takes = "none" if support is not UNKNOWN_SOC else "none that this runtime knows of"
+        fix = f"re-export with {device}--quantize none for float weights"
+    else:
+        takes = " and ".join(f"int{b}" for b in support.bits) + (
+            ", per channel or in groups" if support.groups else ", per channel only")
+        want = bits if bits in support.bits else support.bits[0]
+        fix = (f"re-export with {device}--quantize int{want}{' --group_size 0' if bits in support.bits else ''}, "
+               "or --quantize none")
+    series = [support.series] if support is not UNKNOWN_SOC else []
+    if recorded_in is None:
+        where = f"this device's SoC {soc}" + "".join(f" ({s})" for s in series)
+    else:
+        where = f"{soc} ({'; '.join(series + [f'infer.soc of {recorded_in}'])})"
+    raise InferError(f"{manifest}: {label} cannot run on {where}, whose WeightQuantBatchMatmul takes {takes}; {fix}")
+
+
+def quantization_check(config, soc: Optional[str]) -> None:
+    """quantization_plan for a folder's config: against the SoC the folder records (a hand-edited manifest, a CPU
+    folder), then against this device's `soc` when known (device_soc). Graph files without a folder pass."""
+    folder = config.folder
+    if folder is None or folder.quantization is None:
+        return
+    manifest = os.path.join(folder.path, MANIFEST)
+    if "soc" in folder.infer:
+        quantization_plan(folder.quantization, str(folder.infer["soc"] or ""), manifest,
+                          recorded_in=os.path.basename(folder.yaml_path))
+    if soc:
+        quantization_plan(folder.quantization, soc, manifest)
+
+
+def build_plan(config, cache: Optional[Dict[str, Any]] = None, soc: Optional[str] = None) -> List[Tuple]:
     """The calls that load every graph into one ModelGroup, in the order they must happen.
 
     Each build_from_file carries a config_dict (applied over the ini): with `cache` (cache_plan), GE's
-    compile-cache directory for the session and this graph's cache key; else empty.
+    compile-cache directory for the session and this graph's cache key; else empty. A quantized folder is first
+    checked against the SoC it records and this device's `soc` (device_soc; None: unknown), quantization_check.
     """
+    quantization_check(config, soc)
     if not config.ge_config_path:
         raise InferError("backend 'mslite' needs ge_config_path (the folder's config.ini); pass a model folder "
                          "or ge_config_path")
@@ -131,7 +239,11 @@ class MsLiteBackend:  # pragma: no cover - needs mindspore_lite and an Ascend de
             config = dataclasses.replace(config, rank_id=rank_and_device(config)[0])
         self.config = config
         settings = context_plan(config)
-        build_plan(config)  # every refusal happens before mindspore_lite is imported
+        quantized = config.folder is not None and config.folder.quantization is not None
+        soc = device_soc() if quantized else None  # pyACL is imported only where a quantized folder needs the SoC
+        if quantized:
+            log.info("Ascend SoC: %s", soc or "unknown (pyACL cannot tell): the SoC the folder records is checked")
+        build_plan(config, soc=soc)  # every refusal happens before mindspore_lite is imported
         try:
             import mindspore_lite as mslite
         except (ImportError, OSError):
@@ -143,7 +255,7 @@ class MsLiteBackend:  # pragma: no cover - needs mindspore_lite and an Ascend de
             os.makedirs(cache["dir"], exist_ok=True)  # GE wants it to exist
             log.warning("GE compile cache: %s (a restart with this folder, Lite and CANN reuses the compiled graphs; "
                         "delete it to reclaim the disk)", cache["dir"])
-        plan = build_plan(config, cache)
+        plan = build_plan(config, cache, soc)
         context = mslite.Context()
         for attr, value in settings.items():
             owner = context
