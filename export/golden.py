@@ -102,18 +102,18 @@ def prompts_for(plan: List[Tuple[int, List[int], int]], checkpoint: str, vocab_s
 
 def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int], seq_length: int,
             batch_size: int, progress: Optional[Callable[[int], None]] = None,
-            matrices_in: str = "float32", quant: Optional[Tuple[Any, str]] = None) -> Dict[str, Any]:
+            matrices_in: str = "float32", quant: Optional[Tuple[Any, Any]] = None) -> Dict[str, Any]:
     """Run the plan through the float32 reference; returns golden.json's content (lite_runtime.golden).
 
     Every row of every batch runs together, so each forward is one pass over the weights: the first
     prefills every prompt, each later one decodes one token of every row still going.
     matrices_in: for a CPU folder that stores its matrices in 16 bits and computes in float32, the
     reference uses the same rounded matrices (NumpyDecoder), and the folder is held to float32's limits.
-    quant: (export/quantize.QuantMethod, compute dtype) of a quantized folder: the reference runs on the weights the
-    folder holds, dequantized, so `check` holds a device to the usual limits; beside it a second reference on the
-    checkpoint's own weights is fed the same tokens, and how far the two are apart is recorded as `agreement`
-    (greedy agreement: the share of steps before each row's first different greedy token; top-1 match: the share of
-    steps with the same greedy token; the largest logit difference over the vocabulary). That doubles the cost.
+    quant: (the folder's `quantization` record, export/quantize.FolderMeaning) of a quantized folder, once its weights are
+    written: the reference runs on the weights the folder holds, dequantized, so `check` holds a device to the usual
+    limits. Then a second reference on the checkpoint's own weights is fed the same tokens, all steps of every row in
+    one prefill pass (the folder's greedy tokens are known by then), and how far the two are apart is recorded as
+    `agreement` (_Agreement). That costs one pass more than a float folder's golden, not a second decode.
     """
     from export.reference import NumpyDecoder
     from export.weights import open_checkpoint, plan_weights
@@ -121,25 +121,19 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
     start = time.perf_counter()
     plan = plan_batches(prefill_sizes, seq_length, batch_size)
     batches, source = prompts_for(plan, checkpoint, model_cfg.vocab_size)
-    where = open_checkpoint(checkpoint)
-    original = None
+    checkpoint_where = where = open_checkpoint(checkpoint)
     if quant is not None:
-        from export.pipeline import _native_loader
-        from export.quantize import Quantized
-
-        method, compute_dtype = quant
-        float_where = where
-        where = Quantized(where, method, compute_dtype, _native_loader(where, method)).meaning_tensors()
-        original = NumpyDecoder(model_cfg, float_where, seq_length, matrices_in=matrices_in)
+        meaning = quant[1]
+        where = {**checkpoint_where, **{name: meaning for name in meaning.layers}}
     net = NumpyDecoder(model_cfg, where, seq_length, matrices_in=matrices_in)
-    agree = _Agreement() if original is not None else None
+    history: Optional[List[List[np.ndarray]]] = None
     try:
         plan_weights(net.weight_shapes(), where, tied=bool(model_cfg.tie_word_embeddings))  # names and shapes
         rows = [(b, list(ids)) for b, batch in enumerate(batches) for ids in batch]
         steps = [plan[b][2] for b, _ in rows]
         caches = [net.new_cache() for _ in rows]
-        original_caches = [original.new_cache() for _ in rows] if original is not None else None
         records = [ReferenceRow(prompt=ids) for _, ids in rows]
+        history = [[] for _ in rows] if quant is not None else None
         feed = [ids for _, ids in rows]
         active = list(range(len(rows)))
         while active:
@@ -147,26 +141,51 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
             if not np.isfinite(logits).all():
                 raise ExportError(f"{checkpoint}: the float32 reference produced non-finite logits; the weights are "
                                   "damaged or not this config's")
-            if original is not None:
-                agree.add(active, logits, original.forward([feed[i] for i in active],
-                                                           [original_caches[i] for i in active]))
             for i, row_logits in zip(active, logits):
                 feed[i] = [records[i].record(row_logits, TOP_K)]
+                if history is not None:
+                    history[i].append(row_logits)
             active = [i for i in active if len(records[i].tokens) < steps[i]]
             if progress is not None:
                 progress(1)
     finally:
         net.close()
-        if original is not None:
-            original.close()
+    del caches
+    agreement = None
+    if quant is not None:
+        agreement = _agreement(model_cfg, checkpoint_where, seq_length, records, history)
+        if progress is not None:
+            progress(1)
     out = [ReferenceBatch(graph_key("prefill", tokens), [records[i] for i, (rb, _) in enumerate(rows) if rb == b])
            for b, (tokens, _, _) in enumerate(plan)]
     return golden_document(
         out, computed_by="export/reference.py: float32 numpy on the checkpoint's weights" + (
-            f", matrices rounded to {matrices_in} as the folder stores them" if matrices_in != "float32" else ""),
+            f", matrices rounded to {matrices_in} as the folder stores them" if matrices_in != "float32" else "") + (
+            ", dequantized from the folder's weights files" if quant is not None else ""),
         matrices_in=matrices_in, prompt_source=source, top_k=TOP_K, seq_length=seq_length, batch_size=batch_size,
         seconds=round(time.perf_counter() - start, 3),
-        **({} if agree is None else {"quantization": quant[0].record(), "agreement": agree.result()}))
+        **({} if agreement is None else {"quantization": quant[0], "agreement": agreement}))
+
+
+def _agreement(model_cfg: ModelConfig, where: Dict[str, Any], seq_length: int, records: List[ReferenceRow],
+               history: List[List[np.ndarray]]) -> Dict[str, Any]:
+    """The checkpoint's own float32 reference fed each row's prompt and the folder's greedy tokens in one prefill,
+    its logits at every step's position against the folder's (`history[row][step]`)."""
+    from export.reference import NumpyDecoder
+
+    original = NumpyDecoder(model_cfg, where, seq_length)
+    try:
+        tails = [len(r.tokens) for r in records]
+        logits = original.forward([r.prompt + r.tokens[:-1] for r in records],
+                                  [original.new_cache() for _ in records], tail=tails)
+    finally:
+        original.close()
+    starts = np.concatenate([[0], np.cumsum(tails)])
+    agree = _Agreement()
+    for step in range(max(tails)):
+        rows = [i for i, n in enumerate(tails) if n > step]
+        agree.add(rows, np.stack([history[i][step] for i in rows]), logits[[starts[i] + step for i in rows]])
+    return agree.result()
 
 
 class _Agreement:
@@ -192,9 +211,10 @@ class _Agreement:
         return {"tokens": self.steps, "greedy_agreement": round(self.before_first / max(self.steps, 1), 6),
                 "top1_match": round(self.same / max(self.steps, 1), 6),
                 "max_logit_error": float(f"{self.max_error:.6g}"),
-                "computed_by": "export/reference.py on the checkpoint's own weights, fed the folder's greedy tokens"}
+                "computed_by": "export/reference.py on the checkpoint's own weights, fed the folder's greedy tokens "
+                               "(one prefill of every row's prompt and tokens)"}
 
 
-def max_steps(prefill_sizes: Sequence[int], seq_length: int, batch_size: int) -> int:
-    """How many reference forwards `compute` runs (for a progress bar)."""
-    return max(s for _, _, s in plan_batches(prefill_sizes, seq_length, batch_size))
+def max_steps(prefill_sizes: Sequence[int], seq_length: int, batch_size: int, quantized: bool = False) -> int:
+    """How many reference forwards `compute` runs (for a progress bar); a quantized folder's has the agreement's."""
+    return max(s for _, _, s in plan_batches(prefill_sizes, seq_length, batch_size)) + (1 if quantized else 0)

@@ -433,7 +433,19 @@ class Embedding(nn.Cell):
         self.dtype = dtype
         self.head_method = k.table(False)
         self.quant = self.head_method if is_quantized(self.head_method) else None
-        if self.quant is not None:
+        self.weight_offset = self.packed = None
+        if self.quant is not None and k.embedding is not None:
+            # int4 rows in groups with offsets (an untied table: export/quantize.py embedding_method), uint8 two per
+            # byte in every form: gathered, unpacked and scaled by plain integer and float ops
+            e = k.embedding
+            self.group = e.group_size or hidden_size
+            self.weight = _weight((self.rows, hidden_size // 2), ms.uint8, "weight")
+            self.weight_scale = _weight((hidden_size // self.group, self.rows), dtype, "weight_scale")
+            self.weight_offset = None if e.symmetric else _weight((hidden_size // self.group, self.rows), dtype,
+                                                                  "weight_offset")
+            self.packed = True
+            self.kernel = None
+        elif self.quant is not None:
             self.weight, self.weight_scale, _ = self.quant.storage(self.rows, hidden_size, dtype)
             self.kernel = None
         else:
@@ -447,11 +459,27 @@ class Embedding(nn.Cell):
             self.vocab_start = self.reduce = None
 
     def _lookup(self, ids):
+        if self.packed:
+            return self._lookup_int4(ids)
         if self.quant is not None:  # int8 rows times their scales
             rows = ops.cast(ops.gather(self.weight, ids, 0), self.dtype)  # [N, E]
             scale = ops.gather(self.weight_scale.reshape(-1), ids, 0).reshape(-1, 1)  # [N, 1]
             return ew_mul(rows, ops.broadcast_to(scale, rows.shape))
         return self.kernel(ids, self.weight) if self.kernel is not None else ops.gather(self.weight, ids, 0)
+
+    def _lookup_int4(self, ids):
+        """Rows of nibbles (input 2j low, 2j + 1 high, two's complement) -> (q + offset) * scale per group."""
+        v = ops.cast(ops.gather(self.weight, ids, 0), ms.int32)  # [N, E/2], 0..255
+        high = ops.floor_div(v, 16)
+        nibbles = ops.stack((v - high * 16, high), -1).reshape(v.shape[0], -1)  # [N, E], 0..15
+        q = ops.cast(nibbles - ops.floor_div(nibbles, 8) * 16, self.dtype)  # -8..7
+        n, groups = q.shape[0], self.weight_scale.shape[0]
+        q = q.reshape(n, groups, -1)
+        scale = ops.gather(self.weight_scale, ids, 1).transpose(1, 0).reshape(n, groups, 1)
+        if self.weight_offset is not None:
+            offset = ops.gather(self.weight_offset, ids, 1).transpose(1, 0).reshape(n, groups, 1)
+            q = ew_add(q, ops.broadcast_to(offset, q.shape))
+        return ew_mul(q, ops.broadcast_to(scale, q.shape)).reshape(n, -1)
 
     def construct(self, ids):  # [N] -> [N, E]
         if self.vocab_start is None:

@@ -34,9 +34,22 @@ KERNEL_PREFILL_MAX_ROWS = 16
 
 
 def lazy_parameter(shape, dtype, name: str) -> Parameter:
-    # Lazy zeros: nothing is allocated. Export compiles the graphs from shapes and dtypes alone and writes the data
-    # straight from the checkpoint (export/graphs.py, export/weights_file.py).
-    return Parameter(initializer("zeros", shape, dtype), name=name, requires_grad=False)
+    """Lazy zeros: nothing is allocated. Export compiles the graphs from shapes and dtypes alone and writes the data
+    straight from the checkpoint (export/graphs.py, export/weights_file.py).
+
+    MindSpore's Parameter materializes its initializer at construction (`init_data()`) unless its class says
+    `init_param = False` (read from the class, so it is set on Parameter for the call: a subclass is not kept, the
+    Parameter's type is made anew). For most dtypes those are calloc'd zeros no page of which is touched, but
+    qint4x2 zeros are written out: a 7B int4 network held 3.4 GiB before anything compiled (measured 2026-11-26)."""
+    saved = Parameter.__dict__.get("init_param")
+    Parameter.init_param = False
+    try:
+        return Parameter(initializer("zeros", shape, dtype), name=name, requires_grad=False)
+    finally:
+        if saved is None:
+            del Parameter.init_param
+        else:
+            Parameter.init_param = saved
 
 
 def ew_add(a, b):
@@ -162,18 +175,22 @@ class Form(NamedTuple):
     ops run the layers (norm + q/k/v + RoPE + cache write, attention, o_proj + residual, norm + SwiGLU, ...: export/
     layers.py), which read 16- or 32-bit matrices. `linear`: each linear layer's method. `table`: the tables'
     (embedding and head) method, and `table_dtype` the embedding's storage dtype when it is not the compute dtype
-    (our embedding kernel reads it)."""
+    (our embedding kernel reads it). `embedding`: in a quantized folder, the embedding's own method when it is not
+    the table's (export/quantize.py embedding_method: int4 groups when the head is untied), else None."""
 
     decode_ops: bool = False
     linear: Factory = lambda with_bias: PlainMatmul()
     table: Factory = lambda with_bias: PlainMatmul()
     table_dtype: Any = None
+    embedding: Any = None
 
 
-def choose_form(kernels: bool, prompt_kernels: bool, weight_dtype, quant=None, atlas: bool = False) -> Form:
+def choose_form(kernels: bool, prompt_kernels: bool, weight_dtype, quant=None, atlas: bool = False,
+                embedding=None) -> Form:
     """The form of a network: `kernels` (a CPU folder with our kernel library), `prompt_kernels` (the full graph's
     matmuls through them too: 16-bit matrices), `weight_dtype` (the matrices' storage dtype when it is not the
-    compute dtype), `quant` (export/quantize.QuantMethod of the linear layers, or None)."""
+    compute dtype), `quant` (export/quantize.QuantMethod of the linear layers, or None), `embedding` (the
+    embedding's own QuantMethod, export/quantize.py embedding_method, or None)."""
     if quant is not None:
         # a quantized folder: the layers run the plain form around one quantized matmul each (the fused decode ops
         # read 16-bit matrices; quantized ones are issue 32's); the tables are int8 per row
@@ -183,7 +200,7 @@ def choose_form(kernels: bool, prompt_kernels: bool, weight_dtype, quant=None, a
         def table(with_bias: bool) -> MatmulMethod:
             return QuantMatmul(8, 0, True, atlas)
 
-        return Form(False, linear, table, None)
+        return Form(False, linear, table, None, embedding)
     if kernels:
         def kernel(with_bias: bool) -> MatmulMethod:
             return KernelMatmul(prompt_kernels, weight_dtype, with_bias)

@@ -88,7 +88,10 @@ class CausalLM(nn.Cell):
             raise ValueError(f"{weight_dtype} weights with {dtype} compute need the CPU kernels (gemv and gemm)")
         if fused and (gemv or gemm or dtype == "float32"):
             raise ValueError("the fused form runs Ascend's float16/bfloat16 operators, without the CPU kernels")
-        k = choose_form(gemv, gemm, MS_DTYPES[weight_dtype] if weight_dtype else None, quant, atlas)
+        from export.quantize import embedding_method
+
+        k = choose_form(gemv, gemm, MS_DTYPES[weight_dtype] if weight_dtype else None, quant, atlas,
+                        embedding_method(quant, bool(cfg.tie_word_embeddings), cfg.hidden_size))
         self.config, self.batch_size, self.seq_length, self.dtype = cfg, batch_size, seq_length, ms_dtype
         self.model = DecoderModel(cfg, batch_size, seq_length, ms_dtype, k, tensor_parallel, vocab_shards, fused)
         # whether the layers run the CPU kernels' decode ops (the prefill and chunk contexts take their form)

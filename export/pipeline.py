@@ -3,7 +3,7 @@
 The stages, in order (each reported in the summary with its time):
 1. check: config.json, settings, the checkpoint's tensor names and shapes (headers only), the free space;
 2. golden: the golden references from the float32 numpy reference (export/golden.py), before any weight
-   is written, so damaged weights fail early;
+   is written, so damaged weights fail early; a quantized folder's after stage 4, from the integers written;
 3. compile: the network, built without weights (the same for every rank), each graph compiled into a proto
    without data (export/graphs.py);
 4. weights: every rank's weights file written once, streamed from the checkpoint (export/weights_file.py);
@@ -57,6 +57,7 @@ class ExportSummary:
     quantization: Optional[str] = None  # the linear layers' method (QuantMethod.label), None: float weights
     notes: Tuple[str, ...] = ()  # what the export chose for the user (a group size that had to change, ...)
     agreement: Optional[Dict[str, Any]] = None  # a quantized folder against its checkpoint (golden.json)
+    tables: str = ""  # a quantized folder's embedding and head, in words
 
     def line(self) -> str:
         return (f"exported {self.output}: {self.files} files, {_size(self.total_bytes)} "
@@ -68,8 +69,8 @@ class ExportSummary:
         """The linear layers' method, what was chosen, and how far the folder is from its checkpoint."""
         if self.quantization is None:
             return ()
-        lines = [f"weights: linear layers {self.quantization}; embedding and head int8 per row"] + [f"note: {n}" for n in self.notes if "quantized:" not in n
-                                                      and "kept as" not in n]
+        lines = [f"weights: linear layers {self.quantization}; {self.tables}"] + [
+            f"note: {n}" for n in self.notes if "quantized:" not in n and "kept as" not in n]
         a = self.agreement
         if a:
             lines.append(f"against the checkpoint's float weights, over the golden prompts: greedy agreement "
@@ -90,6 +91,16 @@ class ExportSummary:
             parts = [p + (f" (read+convert {w['convert']:.1f} s, hash {w['hash']:.1f} s, write {w['write']:.1f} s "
                           "busy)" if p.startswith("weights ") else "") for p in parts]
         return "time: " + ", ".join(parts)
+
+
+def _tables_text(record: Optional[Dict[str, Any]]) -> str:
+    if record is None:
+        return ""
+    e = record.get("embedding")
+    if e is None:
+        return "embedding and head int8 per row"
+    group = "per row" if e["group_size"] == 0 else f"groups of {e['group_size']}"
+    return f"embedding int{e['bits']} ({group}, {'symmetric' if e['symmetric'] else 'with offsets'}), head int8 per row"
 
 
 def _size(n: float) -> str:
@@ -200,10 +211,16 @@ def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str]
     os.makedirs(tmp)
     try:
         # the golden before the graphs: its float32 working set and what MindSpore keeps after compiling (~0.35 GiB
-        # at 7B) then never coexist, and damaged weights fail before minutes of compiling
-        doc = _timed(stages, "golden", on_stage, _write_golden, cfg, model_cfg, tmp, show_progress, quant)
+        # at 7B) then never coexist, and damaged weights fail before minutes of compiling. A quantized folder's
+        # after its weights: the reference reads the integers written (export/quantize.py FolderMeaning) instead
+        # of quantizing every layer again on each of its passes (docs/architecture.md, "Quantized folders")
+        if quant is None:
+            doc = _timed(stages, "golden", on_stage, _write_golden, cfg, model_cfg, tmp, show_progress)
         graphs = _timed(stages, "compile", on_stage, _compile, cfg, network, show_progress)
         hashed, stats = _timed(stages, "weights", on_stage, _write_weights, tmp, layouts, where, values, show_progress)
+        if quant is not None:
+            doc = _timed(stages, "golden", on_stage, _write_golden, cfg, model_cfg, tmp, show_progress, quant,
+                         layouts)
         _timed(stages, "files", on_stage, _write_folder_files, cfg, model_cfg, profile, tmp, graphs, layouts, hashed,
                network.kernels, network.vocab_shards > 1, quant)
         _replace(tmp, output)
@@ -222,6 +239,7 @@ def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str]
                                   "write": stats.write_seconds},
                          device=profile.name, dtype=cfg.dtype, compute_dtype=cfg.compute_dtype, graph=cfg.graph,
                          quantization=None if quant is None else quant.label(), notes=quant_notes,
+                         tables=_tables_text(_quant_record(quant, model_cfg)),
                          agreement=doc.get("agreement"))
 
 
@@ -289,7 +307,8 @@ def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where, quant=None):
     if quant is not None:
         from export.quantize import Quantized
 
-        where = Quantized(where, quant, cfg.compute_dtype, _native_loader(where, quant)).folder_tensors()
+        where = Quantized(where, quant, cfg.compute_dtype, _native_loader(where, quant),
+                          tied=bool(model_cfg.tie_word_embeddings)).folder_tensors()
     tp, shards = cfg.tp_size, network.vocab_shards
     splits = {}
     if tp > 1:
@@ -304,6 +323,15 @@ def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where, quant=None):
                                                  for r in range(tp)]} if shards > 1 else {}
     locations = [data_location(rank_name(cfg.name, rank, tp)) for rank in range(tp)]
     return network, plan_layouts([params] * tp, where, locations, splits, values), values, where
+
+
+def _quant_record(quant, model_cfg: ModelConfig) -> Optional[Dict[str, Any]]:
+    """The manifest's, the yaml's and golden.json's `quantization` (export/quantize.py QuantMethod.record)."""
+    from export.quantize import embedding_method
+
+    if quant is None:
+        return None
+    return quant.record(embedding_method(quant, bool(model_cfg.tie_word_embeddings), model_cfg.hidden_size))
 
 
 def _native_loader(where, method):
@@ -329,19 +357,22 @@ def _compile(cfg: ExportConfig, network, show_progress: bool):
 
 
 def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_progress: bool,
-                  quant=None) -> Dict[str, Any]:
+                  quant=None, layouts=None) -> Dict[str, Any]:
     """Fixed prompts through the float32 reference (export/golden.py), written to golden.json. A quantized folder's
-    from the weights it holds, dequantized, beside the checkpoint's own float weights (the agreement)."""
+    from the weights its files in `tmp` hold (`layouts`), dequantized, beside the checkpoint's own float weights (the
+    agreement)."""
     from export import golden
+    from export.quantize import FolderMeaning
     from lite_runtime.golden import write_golden
 
     sizes = sorted(set(cfg.prefill_buckets) | {cfg.seq_length})  # the prefill graphs of the folder
     log.info("computing golden references (float32 numpy reference)")
-    total = golden.max_steps(sizes, cfg.seq_length, cfg.batch_size)
+    total = golden.max_steps(sizes, cfg.seq_length, cfg.batch_size, quantized=quant is not None)
     with _bar(show_progress, total=total, desc="golden", unit="step") as bar:
         doc = golden.compute(model_cfg, cfg.checkpoint, sizes, cfg.seq_length, cfg.batch_size, progress=bar.update,
                              matrices_in=cfg.dtype if cfg.half_weights_on_cpu else "float32",
-                             quant=None if quant is None else (quant, cfg.compute_dtype))
+                             quant=None if quant is None else (_quant_record(quant, model_cfg),
+                                                               FolderMeaning(tmp, layouts)))
     write_golden(tmp, doc)
     return doc
 
@@ -377,7 +408,7 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
                          prefill_buckets=sorted(e.tokens for e in rank0 if e.role == "prefill"),
                          tp_size=cfg.tp_size, cpu_kernels=kernels, graph=cfg.graph,
                          chunk_sizes=list(cfg.chunk_sizes),
-                         quantization=None if quant is None else quant.record())
+                         quantization=_quant_record(quant, model_cfg))
     export = {**dataclasses.asdict(cfg), "checkpoint": os.path.abspath(cfg.checkpoint),
               "output": os.path.abspath(cfg.output), "mindspore_version": ms.__version__,
               "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokenizer_files": tokenizer_files}
@@ -386,7 +417,7 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
     model = {"model_type": model_cfg.model_type, "family": model_cfg.model_type, "config": model_cfg.to_dict()}
     write_yaml(tmp, cfg.name, model, export, infer)
     write_manifest(tmp, cfg.name, entries, hashed, exported_with=checkpoint_files.exporter_versions(ms.__version__),
-                   family=model_cfg.model_type, quantization=None if quant is None else quant.record())
+                   family=model_cfg.model_type, quantization=_quant_record(quant, model_cfg))
 
 
 def _small_files_bytes(checkpoint: str, profile) -> int:

@@ -13,18 +13,20 @@ That is Ascend's WeightQuantBatchMatmul (aclnnWeightQuantBatchMatmulV2: ANTIQUAN
 antiquantOffset) * antiquantScale, per-group scale (ceil(K / g), N), the weight given transposed as [N, K]) and
 the CPU kernels' (cpu_kernels/quant.cc) alike, so one folder format serves both.
 
-The embedding and the output head stay in the folder's dtype: they are read one row per token (the embedding) or
-are the one matrix whose error every logit carries (the head), and llama.cpp's own default keeps the head at 6
-bits or more.
+The tables (the embedding and the output head) are int8 per row in every quantized folder (TABLE_METHOD; why:
+docs/quantization.md).
 
-Two views of one quantized checkpoint (`Quantized`):
-- `folder_tensors()`: what the weights file holds (q, scales, offsets), each tensor computed once, whole, in a
-  worker of export/weights_file.py;
-- `meaning_tensors()`: each layer's weight as the float32 values the folder means, dequantized block by block as
-  the float32 reference (export/reference.py) reads it: the golden references hold the folder to what it holds.
+Two views of one quantized checkpoint:
+- `Quantized.folder_tensors()`: what the weights file holds (q, scales, offsets), each layer quantized once, whole,
+  in a worker of export/weights_file.py;
+- `FolderMeaning`: once written, each layer's weight as the float32 values the folder means, dequantized block by
+  block from its weights files as the float32 reference (export/reference.py) reads it: the golden references
+  hold the folder to what it holds.
 """
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -75,9 +77,14 @@ class QuantMethod:
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
-    def record(self) -> Dict[str, Any]:
-        """What the manifest, the yaml and golden.json say: this method, and the tables' (embedding, head)."""
-        return {**self.to_dict(), "tables": {"bits": 8, "group_size": 0, "symmetric": True}}
+    def record(self, embedding: Optional["QuantMethod"] = None) -> Dict[str, Any]:
+        """What the manifest, the yaml and golden.json say: this method, the tables' (the head, and the embedding
+        when it is the head's table), and the embedding's when it has its own (`embedding_method`)."""
+        out = {**self.to_dict(), "tables": {"bits": 8, "group_size": 0, "symmetric": True}}
+        if embedding is not None:
+            out["embedding"] = {"bits": embedding.bits, "group_size": embedding.group_size,
+                                "symmetric": embedding.symmetric}
+        return out
 
     @classmethod
     def from_dict(cls, raw: Dict[str, Any]) -> "QuantMethod":
@@ -89,6 +96,19 @@ class QuantMethod:
 # docs/quantization.md (the tables are a third of a small model and a seventh of a 7B; in 4 bits they cost the most
 # perplexity, llama.cpp keeps its head at 6 bits or more; in 8 bits per row, the lookup is a gather and a multiply).
 TABLE_METHOD = QuantMethod(8, 0, True, "rtn")
+
+
+def embedding_method(method: Optional[QuantMethod], tied: bool, hidden_size: int) -> Optional[QuantMethod]:
+    """The embedding's own method, when it is not TABLE_METHOD: in an int4 folder of a model with an untied head, int4
+    with offsets in groups of 128 (or the largest power of two >= 32 dividing the hidden size), as llama.cpp's Q4_0
+    files keep token_embd at Q4_0. Its error reaches each token's input once and is not amplified over the vocabulary
+    as the head's is; it is 7 % of a 7B's parameters, and at 8 bits made the int4 folder 4.7 % larger than llama.cpp's
+    Q4_0 of the same checkpoint (docs/quantization.md). A tied table is the head too: int8 per row. So is a GGUF's
+    embedding: it is quantized already, in blocks of its own, and a second 4-bit grid would add its error to theirs."""
+    if method is None or method.bits != 4 or tied or method.source.startswith("gguf"):
+        return None
+    group, _ = choose_group(None, 4, [hidden_size])
+    return QuantMethod(4, group, False, "rtn")
 
 
 # ---------------------------------------------------------------------------------------------------------- numbers
@@ -174,10 +194,12 @@ class Quantized:
     BLOCK_ROWS_BYTES = 32 << 20
 
     def __init__(self, where: Dict[str, Any], method: QuantMethod, compute_dtype: str,
-                 native: Optional[Callable[[str], Optional[Callable[[], Tuple]]]] = None) -> None:
+                 native: Optional[Callable[[str], Optional[Callable[[], Tuple]]]] = None, tied: bool = True) -> None:
         self.where, self.method, self.compute_dtype = where, method, compute_dtype
         self.native = native or (lambda name: None)
         self.layers = [n for n in where if is_linear(n) or n in TABLES]
+        embed = "model.embed_tokens.weight"
+        self.embedding = embedding_method(method, tied, where[embed].shape(embed)[1]) if embed in where else None
         for name in self.layers:
             o, i = where[name].shape(name)
             g = self.method_of(name).group_size
@@ -189,26 +211,32 @@ class Quantized:
                                   "per byte: export with --quantize int8")
 
     def method_of(self, name: str) -> QuantMethod:
-        return self.method if is_linear(name) else TABLE_METHOD
+        if is_linear(name):
+            return self.method
+        return self.embedding if self.embedding is not None and name == "model.embed_tokens.weight" else TABLE_METHOD
 
     def quantized(self, name: str) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
-        """(q int8 [O, I], scale float32 [O, G], offset float32 [O, G] or None) of one layer, scales and offsets
-        rounded to the folder's compute dtype (what the folder holds)."""
+        """(q as the folder holds it: int8 [O, I] or int4 packed to uint8 [O, I / 2], scale float32 [O, G], offset
+        float32 [O, G] or None) of one layer, scales and offsets rounded to the folder's compute dtype (what the
+        folder holds). Round-to-nearest runs block by block into the packed result: memory holds the layer's
+        folder form and one float32 block, never the layer as int8 when it is int4."""
         m = self.method_of(name)
         load = self.native(name) if is_linear(name) else None
         if load is not None:
             q, scale, offset = load()
+            if m.bits == 4:
+                q = pack_int4(q)
         else:
             src = self.where[name]
             stored = src.stored(name)
             o, i = stored.shape
             step = max(1, self.BLOCK_ROWS_BYTES // (4 * i))
-            q = np.empty((o, i), np.int8)
+            q = np.empty((o, i // 2) if m.bits == 4 else (o, i), np.uint8 if m.bits == 4 else np.int8)
             scale = np.empty((o, m.groups(i)), np.float32)
             offset = None if m.symmetric else np.empty((o, m.groups(i)), np.float32)
             for a in range(0, o, step):
                 bq, bs, bo = rtn(widen(np.asarray(stored[a:a + step])), m.bits, m.group_size, m.symmetric)
-                q[a:a + step], scale[a:a + step] = bq, bs
+                q[a:a + step], scale[a:a + step] = pack_int4(bq) if m.bits == 4 else bq, bs
                 if offset is not None:
                     offset[a:a + step] = bo
         if not m.symmetric and offset is None:
@@ -223,11 +251,6 @@ class Quantized:
         out = {n: src for n, src in self.where.items() if n not in view.layer_of and n not in self.layers}
         out.update({n: view for n in view.names()})
         return out
-
-    def meaning_tensors(self) -> Dict[str, Any]:
-        """`where` with each quantized layer's weight as the float32 values the folder means."""
-        view = MeaningTensors(self)
-        return {n: (view if n in self.layers else src) for n, src in self.where.items()}
 
 
 class FolderTensors:
@@ -279,7 +302,7 @@ class FolderTensors:
             parts = self._done.get(layer)
             if parts is None:
                 q, scale, offset = self.q.quantized(layer)
-                parts = {layer: pack_int4(q) if self.q.method_of(layer).bits == 4 else q}
+                parts = {layer: q}
                 parts[layer + SCALE] = _as_dtype(np.ascontiguousarray(scale.T), self.q.compute_dtype)
                 if offset is not None:
                     parts[layer + OFFSET] = _as_dtype(np.ascontiguousarray(offset.T), self.q.compute_dtype)
@@ -300,45 +323,153 @@ def _as_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
     return stored_as(np.ascontiguousarray(values, np.float32), dtype)
 
 
-class MeaningTensors:
-    """The reference's view: `stored(<layer>.weight)` is an array-like [O, I] whose row slices are the float32
-    weights the folder means, dequantized from the layer's quantized form (computed once per `stored` call: one
-    pass of the reference)."""
+class FolderMeaning:
+    """The golden reference's view of a written quantized folder (export/pipeline.py runs the golden after the weights
+    stage for these): `stored(<layer>)` is an array-like [O, I] whose row slices are the float32 weights the folder
+    means, dequantized from the integers and scales in its weights files, every rank's part put back in place
+    (`Entry.split`). Reading what was written costs one widening per block, as a 16-bit folder's reference does;
+    quantizing again on each pass of the reference cost ~56 s per pass at 7B.
 
-    def __init__(self, quantized: Quantized) -> None:
-        self.q = quantized
-        self.path = "quantized weights"
+    Nothing the check relies on is lost by reading back: a split or a packing the graphs do not expect still makes
+    their logits differ from these, and the rounding itself is the one the writer ran (`Quantized.quantized`)."""
+
+    def __init__(self, folder: str, layouts: List[Any]) -> None:
+        self.path = folder
+        self.layouts = layouts
+        self._maps = [np.memmap(os.path.join(folder, layout.location), np.uint8, mode="r") for layout in layouts]
+        entries = layouts[0].entries
+        self.layers = [n[:-len(SCALE)] for n in entries if n.endswith(SCALE) and n[:-len(SCALE)] in entries]
+
+    def _part(self, rank: int, name: str) -> np.ndarray:
+        entry = self.layouts[rank].entries[name]
+        dtype = _NUMPY_OF[entry.dtype]
+        raw = self._maps[rank][entry.offset:entry.offset + entry.nbytes]
+        return raw.view(dtype).reshape(entry.shape)
+
+    def _parts(self, name: str) -> Tuple[List[np.ndarray], Optional[int]]:
+        split = self.layouts[0].entries[name].split
+        return ([self._part(0, name)] if split is None else [self._part(r, name) for r in range(len(self.layouts))],
+                split)
+
+    def _whole(self, name: str) -> np.ndarray:
+        """A small tensor (a scale or an offset [G, O]) whole, as float32."""
+        parts, split = self._parts(name)
+        values = parts[0] if split is None else np.concatenate(parts, axis=split)
+        return widen(np.asarray(values)).astype(np.float32, copy=False)
 
     def shape(self, name: str) -> Tuple[int, ...]:
-        return self.q.where[name].shape(name)
+        parts, split = self._parts(name)
+        shape = list(parts[0].shape)
+        if split is not None:
+            shape[split] = sum(p.shape[split] for p in parts)
+        if self.layouts[0].entries[name].dtype in ("uint8", "qint4x2"):
+            shape[1] *= 2
+        return tuple(shape)
 
     def offset(self, name: str) -> int:
-        return self.q.where[name].offset(name)
+        return self.layouts[0].entries[name].offset
 
     def will_need(self, name: str) -> None:
-        self.q.where[name].will_need(name)
+        for rank, layout in enumerate(self.layouts):
+            entry = layout.entries[name]
+            start = entry.offset - entry.offset % mmap.PAGESIZE
+            try:
+                self._maps[rank]._mmap.madvise(mmap.MADV_WILLNEED, start, entry.offset + entry.nbytes - start)
+            except (AttributeError, OSError, ValueError):  # a platform without madvise: read by page faults
+                return
 
-    def stored(self, name: str) -> "DequantizedRows":
-        return DequantizedRows(*self.q.quantized(name))
+    def stored(self, name: str) -> "FolderRows":
+        parts, split = self._parts(name)
+        offset = name + OFFSET in self.layouts[0].entries
+        return FolderRows(parts, split, self.layouts[0].entries[name].dtype in ("uint8", "qint4x2"),
+                          self._whole(name + SCALE).T, self._whole(name + OFFSET).T if offset else None)
 
     def read(self, name: str) -> np.ndarray:
         rows = self.stored(name)
         return rows[0:rows.shape[0]]
 
 
-class DequantizedRows:
-    """q, scale, offset of one layer ([O, I], [O, G]) as a float32 matrix read by row slices."""
+_NUMPY_OF = {"int8": np.int8, "uint8": np.uint8, "qint4x2": np.uint8, "float16": np.float16,
+             "bfloat16": np.uint16, "float32": np.float32, "int32": np.int32}
+# a packed byte -> its two int4 values as float32 (low nibble first, two's complement): one gather unpacks a block
+_INT4_PAIRS = np.array([[(b & 15) - 16 * ((b & 15) >> 3), (b >> 4) - 16 * (b >> 7)] for b in range(256)], np.float32)
+
+
+class FolderRows:
+    """One quantized layer as the ranks' weights files hold it (q parts split along `split`, or one whole part),
+    with its scale and offset [O, G] in float32: a float32 matrix [O, I] read by row slices or index arrays.
+
+    The reference's matmul takes it in blocks of rows without dequantizing every value: `rows_into` gives
+    W' = q * scale per group (q alone per channel), and `finish` completes y = x W'^T into x W^T: the per-channel
+    scale on the outputs, and the offsets as (x summed per group) . (scale * offset), since
+    sum_i x_i (q_i + o_g) s_g = sum_i x_i q_i s_g + (sum_{i in g} x_i) o_g s_g. So a block costs one conversion (and a
+    multiply with groups), as a 16-bit one costs one widening; the sums differ from the dequantized weights' in
+    float32 rounding only."""
 
     dtype = np.dtype(np.float32)
     ndim = 2
 
-    def __init__(self, q: np.ndarray, scale: np.ndarray, offset: Optional[np.ndarray]) -> None:
-        self.q, self.scale, self.offset = q, scale, offset
-        self.shape = q.shape
+    def __init__(self, parts: List[np.ndarray], split: Optional[int], packed: bool, scale: np.ndarray,
+                 offset: Optional[np.ndarray]) -> None:
+        self.parts, self.split, self.packed = parts, split, packed
+        self.scale, self.offset = np.ascontiguousarray(scale), None if offset is None else np.ascontiguousarray(offset)
+        rows = sum(p.shape[0] for p in parts) if split == 0 else parts[0].shape[0]
+        width = sum(p.shape[1] for p in parts) if split == 1 else parts[0].shape[1]
+        self.shape = (rows, width * (2 if packed else 1))
+        self.scaled_offset = None if self.offset is None else self.scale * self.offset  # [O, G]
+
+    def _q(self, rows) -> np.ndarray:
+        if self.split is None:
+            return np.asarray(self.parts[0][rows])
+        if self.split == 1:
+            return np.concatenate([np.asarray(p[rows]) for p in self.parts], axis=1)
+        share = self.parts[0].shape[0]
+        index = np.arange(self.shape[0])[rows]
+        out = np.empty((len(index), self.parts[0].shape[1]), self.parts[0].dtype)
+        owner = index // share
+        for r in np.unique(owner):
+            mine = owner == r
+            out[mine] = self.parts[r][index[mine] - r * share]
+        return out
+
+    def _dequantize(self, q: np.ndarray, rows, out: np.ndarray) -> np.ndarray:
+        n = q.shape[0]
+        if self.packed:
+            np.take(_INT4_PAIRS, q, axis=0, out=out.reshape(n, -1, 2), mode="clip")
+        else:
+            np.copyto(out, q, casting="unsafe")
+        groups = out.reshape(n, self.scale.shape[1], -1)
+        if self.offset is not None:
+            groups += self.offset[rows][..., None]
+        groups *= self.scale[rows][..., None]
+        return out
+
+    def rows_into(self, a: int, b: int, out: np.ndarray) -> np.ndarray:
+        """W' of rows [a, b) (q times the scale of each group; q alone per channel) in `out` (contiguous [b - a, I]),
+        for `finish`."""
+        q = self._q(slice(a, b))
+        n = q.shape[0]
+        if self.packed:
+            np.take(_INT4_PAIRS, q, axis=0, out=out.reshape(n, -1, 2), mode="clip")
+        else:
+            np.copyto(out, q, casting="unsafe")
+        if self.scale.shape[1] > 1:
+            groups = out.reshape(n, self.scale.shape[1], -1)
+            groups *= self.scale[a:b][..., None]
+        return out
+
+    def finish(self, a: int, b: int, x: np.ndarray, y: np.ndarray) -> None:
+        """y [T, b - a] = x W'^T of rows [a, b) (`rows_into`) -> x W^T, in place."""
+        if self.scale.shape[1] == 1:
+            y *= self.scale[a:b, 0]
+        if self.scaled_offset is not None:
+            sums = x.reshape(x.shape[0], self.scale.shape[1], -1).sum(axis=2)  # [T, G]
+            y += sums @ self.scaled_offset[a:b].T
 
     def __getitem__(self, rows) -> np.ndarray:
         """Rows by a slice or an array of indices (the embedding's lookup), as float32."""
-        return dequantize(self.q[rows], self.scale[rows], None if self.offset is None else self.offset[rows])
+        q = self._q(rows)
+        return self._dequantize(q, rows, np.empty((q.shape[0], self.shape[1]), np.float32))
 
 
 # ---------------------------------------------------------------------------------------------------------- resolve

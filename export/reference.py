@@ -82,11 +82,11 @@ class BlockedMatmul:
 
     def _widen(self, block, buf: np.ndarray) -> np.ndarray:
         """`block` [n, I] of stored bits as float32, in `buf` (a float32 scratch of at least n rows) unless it is
-        float32 already and needs no rounding. A quantized layer's block (export/quantize.DequantizedRows) is
+        float32 already and needs no rounding. A quantized layer's block (export/quantize.FolderRows) is
         dequantized here, exactly: the folder computes with those values, never rounded to 16 bits."""
         n = block.shape[0]
         if isinstance(block, _Rows):
-            return block.values()
+            return block.into(buf[:n])
         if block.dtype == np.float32 and self.matrices_in == "float32":
             return block
         out = buf[:n]
@@ -103,11 +103,14 @@ class BlockedMatmul:
         rows, width = x.shape
         n_out = w.shape[0]
         out = np.empty((rows, n_out), np.float32)
+        quantized = not isinstance(w, np.ndarray)  # export/quantize.FolderRows: each block finished after its GEMM
         if rows > FEW_ROWS or self._pool is None:
             step = max(1, GEMM_BLOCK_BYTES // (4 * width))
             buf = np.empty((min(step, n_out), width), np.float32)
             for o in range(0, n_out, step):
                 out[:, o:o + step] = x @ self._widen_parallel(_rows(w, o, o + step), buf).T
+                if quantized:
+                    w.finish(o, min(o + step, n_out), x, out[:, o:o + step])
             return out
         step = max(8, GEMV_BLOCK_BYTES // (4 * width))
         starts = list(range(0, n_out, step))
@@ -119,6 +122,8 @@ class BlockedMatmul:
                 block = self._widen(_rows(w, o, o + step), buf).T
                 for r in range(0, rows, small):
                     out[r:r + small, o:o + step] = x[r:r + small] @ block
+                if quantized:
+                    w.finish(o, min(o + step, n_out), x, out[:, o:o + step])
 
         with self._blas.limit(limits=1, user_api="blas"):
             list(self._pool.map(part, range(self.threads)))
@@ -127,9 +132,8 @@ class BlockedMatmul:
     def _widen_parallel(self, block: np.ndarray, buf: np.ndarray) -> np.ndarray:
         """_widen with the rows shared among the threads (for the GEMM path, whose BLAS call is threaded itself)."""
         n = block.shape[0]
-        if isinstance(block, _Rows):
-            return block.values()
-        if self._pool is None or n < 2 * self.threads or (block.dtype == np.float32 and self.matrices_in == "float32"):
+        plain = not isinstance(block, _Rows) and block.dtype == np.float32 and self.matrices_in == "float32"
+        if self._pool is None or n < 2 * self.threads or plain:
             return self._widen(block, buf)
         share = -(-n // self.threads)
         list(self._pool.map(lambda k: self._widen(block[k * share:(k + 1) * share], buf[k * share:(k + 1) * share]),
@@ -138,14 +142,18 @@ class BlockedMatmul:
 
 
 class _Rows:
-    """Rows [a, b) of a quantized layer (export/quantize.DequantizedRows), dequantized when widened."""
+    """Rows [a, b) of a quantized layer (export/quantize.FolderRows), dequantized when widened."""
 
     def __init__(self, matrix, a: int, b: int) -> None:
         self.matrix, self.a, self.b = matrix, a, min(b, matrix.shape[0])
         self.shape = (self.b - self.a, matrix.shape[1])
 
-    def values(self) -> np.ndarray:
-        return self.matrix[self.a:self.b]
+    def __getitem__(self, rows: slice) -> "_Rows":
+        start, stop, _ = rows.indices(self.shape[0])
+        return _Rows(self.matrix, self.a + start, self.a + stop)
+
+    def into(self, out: np.ndarray) -> np.ndarray:
+        return self.matrix.rows_into(self.a, self.b, out)
 
 
 def _rows(w, a: int, b: int):
@@ -226,9 +234,11 @@ class NumpyDecoder:
         y = self.matmul(x, self.where[prefix + ".weight"].stored(prefix + ".weight"))
         return y + self._vector(prefix + ".bias") if bias else y
 
-    def forward(self, chunks: Sequence[Sequence[int]], caches: Sequence[RowCache]) -> np.ndarray:
+    def forward(self, chunks: Sequence[Sequence[int]], caches: Sequence[RowCache],
+                tail: Optional[Sequence[int]] = None) -> np.ndarray:
         """Feed chunks[r] (row r's new tokens) after what caches[r] holds; returns float32 logits
-        [rows, V] of each row's last new token. The caches are extended in place."""
+        [rows, V] of each row's last new token (with `tail`: of row r's last tail[r] new tokens, row after row,
+        [sum(tail), V]). The caches are extended in place."""
         cfg = self.cfg
         sizes = [len(c) for c in chunks]
         ids = np.concatenate([np.asarray(c, np.int64) for c in chunks])
@@ -248,7 +258,8 @@ class NumpyDecoder:
             x = x + self._linear(gate / (1 + np.exp(-gate)) * up, p + "mlp.down_proj", cfg.mlp_bias)
         for cache, n in zip(caches, sizes):
             cache.length += n
-        last = np.cumsum(sizes) - 1
+        ends = np.cumsum(sizes)
+        last = ends - 1 if tail is None else np.concatenate([np.arange(e - t, e) for e, t in zip(ends, tail)])
         x = _rms_norm(x[last], self._vector("model.norm.weight"), cfg.rms_norm_eps)  # [rows, E]
         self._read_ahead("model.layers.0.")  # the next forward's
         return self.matmul(x, self.where[head].stored(head))

@@ -72,10 +72,12 @@ def _manifest(folder: str) -> dict:
     return json.load(open(os.path.join(folder, "manifest.json")))
 
 
-def _record(bits: int, group: int, symmetric: bool, source: str) -> dict:
-    """The manifest's quantization: the linear layers' method, and the tables' (int8 per row, always)."""
+def _record(bits: int, group: int, symmetric: bool, source: str, embedding: dict = None) -> dict:
+    """The manifest's quantization: the linear layers' method, the tables' (int8 per row, always), and an untied
+    embedding's in an int4 folder."""
     return {"bits": bits, "group_size": group, "symmetric": symmetric, "source": source,
-            "tables": {"bits": 8, "group_size": 0, "symmetric": True}}
+            "tables": {"bits": 8, "group_size": 0, "symmetric": True},
+            **({"embedding": embedding} if embedding else {})}
 
 
 def _check_and_compare(checkpoint: str, folder: str, capsys, fused: bool = False) -> None:
@@ -112,7 +114,10 @@ def test_a_quantized_cpu_folder_is_what_its_checkpoint_rounds_to(tmp_path, capsy
     manifest = _manifest(folder)
     want_group = (0 if bits == 8 else 64) if group is None else group  # hidden size 64: int4's 128 -> 64
     assert manifest["format_version"] == 2
-    assert manifest["quantization"] == _record(bits, want_group, bits == 8, "rtn")
+    # an untied embedding in an int4 folder: int4 with offsets, groups of 128 or what divides the hidden size (64)
+    own_embedding = family == "llama" and bits == 4
+    embedding = {"bits": 4, "group_size": 64, "symmetric": False} if own_embedding else None
+    assert manifest["quantization"] == _record(bits, want_group, bits == 8, "rtn", embedding)
     golden = json.load(open(os.path.join(folder, "golden.json")))
     assert golden["quantization"] == manifest["quantization"]
     assert set(golden["agreement"]) >= {"tokens", "greedy_agreement", "top1_match", "max_logit_error"}
@@ -122,23 +127,56 @@ def test_a_quantized_cpu_folder_is_what_its_checkpoint_rounds_to(tmp_path, capsy
     assert sorted(weights) == sorted([f"model.layers.{i}.{lin}.weight" for i in range(2) for lin in LINEARS] + tables)
     for name, values in weights.items():
         w = floats[name].astype(np.float32)
-        table = name in tables  # int8, a scale per row
-        g = w.shape[1] if want_group == 0 or table else want_group
+        table = name in tables and not (own_embedding and name == "model.embed_tokens.weight")  # int8 per row
+        g = w.shape[1] if want_group == 0 or table else (64 if name in tables else want_group)
         blocks = w.reshape(w.shape[0], -1, g)
         step = (np.abs(blocks).max(2) / 127 if bits == 8 or table else (np.maximum(blocks.max(2), 0) - np.minimum(
             blocks.min(2), 0)) / 15)
         assert np.all(np.abs(values - w).reshape(blocks.shape) <= step[..., None] * 0.5 + 1e-6), name
     _check_and_compare(ckpt, folder, capsys)
+    if family == "qwen2":
+        _assert_agreement_is_hf(ckpt, folder, golden)
 
 
-@pytest.mark.parametrize("bits,group", [(8, 0), (4, 32)])
-def test_an_atlas_quantized_folder_runs_weight_quant_batch_matmul(tmp_path, capsys, bits, group):
+def _assert_agreement_is_hf(checkpoint: str, folder: str, golden: dict) -> None:
+    """golden.json's agreement, recomputed by HF transformers: the checkpoint's model and the folder's (its
+    dequantized weights) fed each row's prompt and the folder's greedy tokens."""
+    torch = pytest.importorskip("torch")
+    from export.compare import hf_model, load_folder_linears
+    from lite_runtime.folder import load_folder
+
+    theirs, ours = hf_model(checkpoint), hf_model(checkpoint)
+    load_folder_linears(ours, load_folder(folder))
+    steps = same = before = 0
+    worst = 0.0
+    for batch in golden["batches"]:
+        for row in batch["rows"]:
+            n = len(row["tokens"])
+            ids = torch.tensor([row["prompt"] + row["tokens"][:-1]])
+            with torch.no_grad():
+                a = ours(ids).logits[0, -n:].numpy()
+                b = theirs(ids).logits[0, -n:].numpy()
+            assert a.argmax(1).tolist() == row["tokens"]  # the folder's reference is the folder's
+            match = a.argmax(1) == b.argmax(1)
+            steps, same = steps + n, same + int(match.sum())
+            before += n if match.all() else int(np.argmin(match))
+            worst = max(worst, float(np.abs(a - b).max()))
+    agreement = golden["agreement"]
+    assert agreement["tokens"] == steps
+    assert agreement["top1_match"] == pytest.approx(same / steps, abs=1e-6)
+    assert agreement["greedy_agreement"] == pytest.approx(before / steps, abs=1e-6)
+    assert agreement["max_logit_error"] == pytest.approx(worst, rel=1e-3, abs=1e-5)
+
+
+@pytest.mark.parametrize("bits,group,tied", [(8, 0, True), (4, 32, True), (4, 32, False)])
+def test_an_atlas_quantized_folder_runs_weight_quant_batch_matmul(tmp_path, capsys, bits, group, tied):
     """The fused Atlas form: every linear layer one WeightQuantBatchMatmul (int8 per channel without offsets; int4 in
-    groups with offsets, its weights qint4x2), and the head one too (int8 per row, the tied table); run here by the
+    groups with offsets, its weights qint4x2), and the head one too (int8 per row, the tied table or its own); an
+    untied embedding of an int4 folder int4 in groups, uint8 two per byte, unpacked by plain ops; run here by the
     CPU stand-in; check and compare pass at float16's limits."""
     from mindspore.train import mind_ir_pb2
 
-    ckpt = make_checkpoint(str(tmp_path / "ckpt"), family="qwen2", seed=4)
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"), family="qwen2", seed=4, tie_word_embeddings=tied)
     folder = _export(ckpt, str(tmp_path / "a"), quantize=f"int{bits}", group_size=group, dtype="float16",
                      device="atlas_800i_a2", seq_length=64)
     model = mind_ir_pb2.ModelProto()
@@ -151,6 +189,9 @@ def test_an_atlas_quantized_folder_runs_weight_quant_batch_matmul(tmp_path, caps
     assert types["model.layers.0.mlp.up_proj.weight"] == ("INT8" if bits == 8 else "QINT4X2")
     assert types["model.layers.0.mlp.up_proj.weight_scale"] == "FLOAT16"
     assert ("model.layers.0.mlp.up_proj.weight_offset" in types) == (bits == 4)
+    own_embedding = not tied and bits == 4
+    assert types["model.embed_tokens.weight"] == ("UINT8" if own_embedding else "INT8")
+    assert ("model.embed_tokens.weight_offset" in types) == own_embedding
     _check_and_compare(ckpt, folder, capsys, fused=True)
 
 
