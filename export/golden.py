@@ -109,9 +109,9 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
     prefills every prompt, each later one decodes one token of every row still going.
     matrices_in: for a CPU folder that stores its matrices in 16 bits and computes in float32, the
     reference uses the same rounded matrices (NumpyDecoder), and the folder is held to float32's limits.
-    quant: (the folder's `quantization` record, export/quantize.FolderMeaning) of a quantized folder, once its weights are
-    written: the reference runs on the weights the folder holds, dequantized, so `check` holds a device to the usual
-    limits. Then a second reference on the checkpoint's own weights is fed the same tokens, all steps of every row in
+    quant: (the folder's `quantization` record, export/quantize.FolderMeaning) of a quantized folder, once its weights
+    are written: the reference runs on the weights the folder holds, dequantized, so `check` holds a device to the
+    usual limits. Then a second reference on the checkpoint's own weights is fed the same tokens, all steps of every row in
     one prefill pass (the folder's greedy tokens are known by then), and how far the two are apart is recorded as
     `agreement` (_Agreement). That costs one pass more than a float folder's golden, not a second decode.
     """
