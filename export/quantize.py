@@ -124,20 +124,26 @@ def rtn(w: np.ndarray, bits: int, group: int, symmetric: bool) -> Tuple[np.ndarr
     g = inputs if group == 0 else group
     x = np.asarray(w, np.float32).reshape(rows, inputs // g, g)
     half = 1 << (bits - 1)
+    # each step in place on one float32 temporary (the same operations, in the same order, as written out plainly)
     if symmetric:
         top = half - 1
-        scale = np.abs(x).max(axis=2) / top
+        scale = np.maximum(x.max(axis=2), -x.min(axis=2)) / np.float32(top)  # max |x|
         scale[scale == 0] = 1.0
-        q = np.clip(np.rint(x / scale[..., None]), -top, top).astype(np.int8)
-        return q.reshape(rows, inputs), scale.astype(np.float32), None
+        t = np.divide(x, scale[..., None])
+        np.rint(t, out=t)
+        np.clip(t, -top, top, out=t)
+        return t.astype(np.int8).reshape(rows, inputs), scale.astype(np.float32), None
     levels = (1 << bits) - 1
     lo, hi = np.minimum(x.min(axis=2), 0.0), np.maximum(x.max(axis=2), 0.0)
     scale = (hi - lo) / levels
     scale[scale == 0] = 1.0
     zero = np.clip(np.rint(-lo / scale), 0, levels)
-    u = np.clip(np.rint(x / scale[..., None]) + zero[..., None], 0, levels)
-    q = (u - half).astype(np.int8)
-    return q.reshape(rows, inputs), scale.astype(np.float32), (half - zero).astype(np.float32)
+    t = np.divide(x, scale[..., None])
+    np.rint(t, out=t)
+    t += zero[..., None]
+    np.clip(t, 0, levels, out=t)
+    t -= half
+    return t.astype(np.int8).reshape(rows, inputs), scale.astype(np.float32), (half - zero).astype(np.float32)
 
 
 def dequantize(q: np.ndarray, scale: np.ndarray, offset: Optional[np.ndarray]) -> np.ndarray:
