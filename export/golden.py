@@ -111,9 +111,9 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
     reference uses the same rounded matrices (NumpyDecoder), and the folder is held to float32's limits.
     quant: (the folder's `quantization` record, export/quantize.FolderMeaning) of a quantized folder, once its weights
     are written: the reference runs on the weights the folder holds, dequantized, so `check` holds a device to the
-    usual limits. Then a second reference on the checkpoint's own weights is fed the same tokens, all steps of every row in
-    one prefill pass (the folder's greedy tokens are known by then), and how far the two are apart is recorded as
-    `agreement` (_Agreement). That costs one pass more than a float folder's golden, not a second decode.
+    usual limits. Then a second reference on the checkpoint's own weights is fed the same tokens, all steps of every
+    row in one prefill pass (the folder's greedy tokens are known by then), and how far the two are apart is recorded
+    as `agreement` (_Agreement). That costs one pass more than a float folder's golden, not a second decode.
     """
     from export.reference import NumpyDecoder
     from export.weights import open_checkpoint, plan_weights
@@ -126,14 +126,14 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
         meaning = quant[1]
         where = {**checkpoint_where, **{name: meaning for name in meaning.layers}}
     net = NumpyDecoder(model_cfg, where, seq_length, matrices_in=matrices_in)
-    history: Optional[List[List[np.ndarray]]] = None
+    rows = [(b, list(ids)) for b, batch in enumerate(batches) for ids in batch]
+    # the folder's logits at each step of each row, for the agreement
+    history: Optional[List[List[np.ndarray]]] = [[] for _ in rows] if quant is not None else None
     try:
         plan_weights(net.weight_shapes(), where, tied=bool(model_cfg.tie_word_embeddings))  # names and shapes
-        rows = [(b, list(ids)) for b, batch in enumerate(batches) for ids in batch]
         steps = [plan[b][2] for b, _ in rows]
         caches = [net.new_cache() for _ in rows]
         records = [ReferenceRow(prompt=ids) for _, ids in rows]
-        history = [[] for _ in rows] if quant is not None else None
         feed = [ids for _, ids in rows]
         active = list(range(len(rows)))
         while active:

@@ -35,6 +35,7 @@ import numpy as np
 
 from export.errors import ExportError
 from export.weights import rounded_to, widen
+from lite_runtime.folder import quantization_label
 
 LINEAR_SUFFIXES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                    "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
@@ -70,9 +71,7 @@ class QuantMethod:
         return 1 if self.group_size == 0 else inputs // self.group_size
 
     def label(self) -> str:
-        group = "per channel" if self.group_size == 0 else f"groups of {self.group_size}"
-        return (f"int{self.bits} ({group}, {'symmetric' if self.symmetric else 'with offsets'}, from "
-                f"{self.source})")
+        return quantization_label(self.to_dict())
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -438,18 +437,6 @@ class FolderRows:
             out[mine] = self.parts[r][index[mine] - r * share]
         return out
 
-    def _dequantize(self, q: np.ndarray, rows, out: np.ndarray) -> np.ndarray:
-        n = q.shape[0]
-        if self.packed:
-            np.take(_INT4_PAIRS, q, axis=0, out=out.reshape(n, -1, 2), mode="clip")
-        else:
-            np.copyto(out, q, casting="unsafe")
-        groups = out.reshape(n, self.scale.shape[1], -1)
-        if self.offset is not None:
-            groups += self.offset[rows][..., None]
-        groups *= self.scale[rows][..., None]
-        return out
-
     def rows_into(self, a: int, b: int, out: np.ndarray) -> np.ndarray:
         """W' of rows [a, b) (q times the scale of each group; q alone per channel) in `out` (contiguous [b - a, I]),
         for `finish`."""
@@ -475,7 +462,8 @@ class FolderRows:
     def __getitem__(self, rows) -> np.ndarray:
         """Rows by a slice or an array of indices (the embedding's lookup), as float32."""
         q = self._q(rows)
-        return self._dequantize(q, rows, np.empty((q.shape[0], self.shape[1]), np.float32))
+        return dequantize(unpack_int4(q) if self.packed else q, self.scale[rows],
+                          None if self.offset is None else self.offset[rows])
 
 
 # ---------------------------------------------------------------------------------------------------------- resolve

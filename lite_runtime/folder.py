@@ -103,6 +103,15 @@ class ModelFolder:
         return {key: spec.path for key, spec in graphs.items()}
 
 
+def quantization_label(quantization: Dict[str, Any]) -> str:
+    """A folder's `quantization` in words, as python -m export and the runtime name it: `int4 (groups of 128, with
+    offsets, from rtn)`."""
+    group = int(quantization["group_size"])
+    source = quantization.get("source")
+    return (f"int{quantization['bits']} ({'per channel' if group == 0 else f'groups of {group}'}, "
+            f"{'symmetric' if quantization['symmetric'] else 'with offsets'}{f', from {source}' if source else ''})")
+
+
 def rank_name(name: str, rank: int, tp_size: int) -> str:
     """The file stem of one rank's graphs and weights: `<name>` for a single-card folder, `<name>_rank<r>` under
     tensor parallelism (python -m export --tp_size)."""

@@ -32,7 +32,7 @@ import logging
 from lite_runtime.backends import bind_inputs, unavailable
 from lite_runtime.backends.ge_options import cache_plan, parse_lite_ini, read_ge_config  # noqa: F401 (re-exported)
 from lite_runtime.errors import InferError
-from lite_runtime.folder import MANIFEST, TensorSpec
+from lite_runtime.folder import MANIFEST, TensorSpec, quantization_label
 from lite_runtime.versions import cann_version, check_lite
 
 log = logging.getLogger(__name__)
@@ -131,14 +131,6 @@ def device_soc() -> Optional[str]:
     get_soc_name = getattr(acl, "get_soc_name", None)
     name = get_soc_name() if get_soc_name is not None else None
     return str(name) if name else None
-
-
-def quantization_label(quantization: Dict[str, Any]) -> str:
-    """`int4 (groups of 128, with offsets, from rtn)`, as python -m export names a method."""
-    group = int(quantization["group_size"])
-    source = quantization.get("source")
-    return (f"int{quantization['bits']} ({'per channel' if group == 0 else f'groups of {group}'}, "
-            f"{'symmetric' if quantization['symmetric'] else 'with offsets'}{f', from {source}' if source else ''})")
 
 
 def quantization_plan(quantization: Optional[Dict[str, Any]], soc: str, manifest: str,
