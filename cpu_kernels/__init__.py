@@ -1,8 +1,8 @@
 """mslite-llm's own CPU kernels (a C++ library built at `pip install`), used as MindSpore aot Custom ops.
 
 Only `--device cpu` folders use them: matmuls (GEMV for a few rows, a blocked GEMM for more) and the
-embedding lookup, with float32, float16 or bfloat16 weights widened to float32 (see gemv.cc for why), and matmuls
-of int8/int4 weights dequantized per tile (quant.cc).
+embedding lookup, with float32, float16 or bfloat16 weights widened to float32 (see matmul16.cc for why), and matmuls
+of int8/int4 weights dequantized per tile (matmul_quant.cc). common.h says which C++ file holds which kernels.
 A graph stores the library as a bare file name (`LIBRARY_FILE:<function>`); MindSpore needs a
 path that exists, so the `ms` backend rewrites it to this machine's copy when it loads the graph.
 Importable without MindSpore.
@@ -35,7 +35,7 @@ DECODE_QKV = "MsliteLlmDecodeQkv"  # x, ln_w, eps, Wq, bq, Wk, bk, Wv, bv, cos, 
 NORM_SWIGLU = "MsliteLlmNormSwiGlu"  # h [B, E], ln_w [E], eps [1], Wg, Wu [O, E] -> SwiGLU of RMSNorm(h) [B, O]
 DECODE_TAIL = "MsliteLlmDecodeTail"  # attn [N, A], Wo [E, A], x [N, E], ln_w [E], eps [1], Wg, Wu [I, E], Wd [E, I]
 #   -> h + down(SwiGLU(RMSNorm(h))) with h = x + attn . Wo^T [N, E]: the layer after the attention (no o/MLP biases)
-# weight-only quantized matmuls (quant.cc): W [N, K] as q int8 [N, K] or int4 (uint8 [N, K/2], low nibble first) with
+# weight-only quantized matmuls (matmul_quant.cc): W [N, K] as q int8 [N, K] or int4 (uint8 [N, K/2], low nibble first) with
 #   scale (and offset) [G, N] per group of K/G inputs, W = (q + offset) * scale
 QUANT_MATMUL = "MsliteLlmQuantMatmul"  # x [M, K] float32, q, scale [G, N] float32 -> x . W^T [M, N] float32; any M
 QUANT_MATMUL_OFFSET = "MsliteLlmQuantMatmulOffset"  # the same with offset [G, N] float32 after scale
@@ -124,12 +124,11 @@ def _library():
 
 
 def set_threads(threads: int) -> None:
-    """Threads the kernels use (the runtime passes its CPU thread count). Loads the library."""
+    """Threads the kernels use, all of them (one pool: pool.cc; the runtime passes its CPU thread count). Loads the
+    library."""
     lib = _library()
     if lib is not None:
         lib.MsliteLlmSetThreads(ctypes.c_int(int(threads)))
-        if hasattr(lib, "MsliteLlmQuantSetThreads"):  # quant.cc keeps its own count (gemv.cc's is private to it)
-            lib.MsliteLlmQuantSetThreads(ctypes.c_int(int(threads)))
 
 
 def isa() -> Optional[str]:

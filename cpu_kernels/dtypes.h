@@ -1,5 +1,5 @@
 // The 16-bit float formats of the stand-ins' tensors (float16, bfloat16) read and written as float32, shared by
-// atlas_ops.cc (the Ascend fused operators' stand-ins) and quant.cc (WeightQuantBatchMatmul's stand-in).
+// atlas_ops.cc (the Ascend fused operators' stand-ins) and matmul_quant.cc (WeightQuantBatchMatmul's stand-in).
 // Conversions round to nearest even, as a float32 -> float16/bfloat16 Cast does; all arithmetic is float32.
 #ifndef MSLITE_LLM_CPU_KERNELS_DTYPES_H_
 #define MSLITE_LLM_CPU_KERNELS_DTYPES_H_

@@ -1,10 +1,12 @@
-"""cpu_kernels/gemv.cc's NEON path (the Atlas hosts' AArch64 CPUs) on this x86 machine: built with Debian's cross compiler,
+"""The CPU kernels' NEON path (cpu_kernels/matmul16.cc's rows kernels, the Atlas hosts' AArch64 CPUs) on this x86
+machine: the whole library (cpu_kernels/*.cc) built with Debian's cross compiler,
 run under qemu-user, against float64 references and against the plain C++ path of the same binary
 (MSLITE_LLM_CPU_KERNELS_ISA=generic): the GEMV kernels, and the attention (whose scores are the NEON rows form and
 whose softmax and values are the generic C++, compiled for AArch64). Skipped, with the reason, where the tools are missing:
 apt-get install g++-aarch64-linux-gnu qemu-user. Speed on an AArch64 CPU cannot be measured here."""
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
@@ -22,9 +24,9 @@ pytestmark = pytest.mark.skipif(bool(TOOLS), reason=f"{' and '.join(TOOLS)} not 
 @pytest.fixture(scope="module")
 def binary(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("neon") / "gemv_driver")
+    sources = sorted(glob.glob(os.path.join(ROOT, "cpu_kernels", "*.cc")))  # the library, as setup.py builds it
     subprocess.run([CXX, "-O2", "-std=c++14", "-static", "-pthread", os.path.join(ROOT, "tests", "data",
-                    "gemv_driver.cc"), os.path.join(ROOT, "cpu_kernels", "gemv.cc"), "-o", out], check=True,
-                   capture_output=True, text=True)
+                    "gemv_driver.cc")] + sources + ["-o", out], check=True, capture_output=True, text=True)
     return out
 
 

@@ -1,4 +1,4 @@
-"""The int8/int4 weight matmuls and WeightQuantBatchMatmul's CPU stand-in (cpu_kernels/quant.cc): each run as a
+"""The int8/int4 weight matmuls and WeightQuantBatchMatmul's CPU stand-in (cpu_kernels/matmul_quant.cc): each run as a
 MindSpore aot Custom op in a graph-mode Cell against a float64 numpy reference of the format's formula, with the int4
 nibbles unpacked here independently of the C++; plus the exact error codes, the plain C++ path, and thread counts.
 
@@ -245,7 +245,8 @@ def test_library_holds_the_quant_kernels_and_is_newer_than_their_sources():
     for function in (QM, QMO, WQBMM):
         assert hasattr(lib, function) and function in cpu_kernels.FUNCTIONS
     here = os.path.dirname(cpu_kernels.__file__)
-    newest = max(os.path.getmtime(os.path.join(here, f)) for f in ("quant.cc", "dtypes.h"))
+    newest = max(os.path.getmtime(os.path.join(here, f))
+                 for f in ("matmul_quant.cc", "pool.cc", "pool.h", "common.h", "dtypes.h", "registry.cc"))
     assert os.path.getmtime(cpu_kernels.library_path()) >= newest, "rebuild: python setup.py build_ext --inplace"
 
 
@@ -324,7 +325,7 @@ def matmul_case_results(threads_list=(None,)):
     try:
         for threads in threads_list:
             if threads is not None:
-                lib.MsliteLlmQuantSetThreads(threads)
+                lib.MsliteLlmSetThreads(threads)
             for bits, m, n, k, g in ((8, 1, 1000, 1024, 32), (4, 3, 1000, 1024, 64), (4, 40, 300, 512, 512),
                                      (8, 130, 33, 256, 128), (4, 2, 700, 1500, 30)):
                 rng = np.random.default_rng(bits + m + n)
@@ -334,7 +335,7 @@ def matmul_case_results(threads_list=(None,)):
                 check(y, x.astype(np.float64) @ dequantize(q, scale, offset).T, f"int{bits} M={m} N={n} K={k}")
                 results.append(((bits, m), y))
     finally:
-        lib.MsliteLlmQuantSetThreads(0)
+        lib.MsliteLlmSetThreads(0)
     return results
 
 
@@ -347,7 +348,8 @@ def test_results_do_not_depend_on_the_thread_count():
 
 
 def test_set_threads_reaches_the_quant_kernels(monkeypatch):
-    """quant.cc keeps its own thread count (gemv.cc's is private to that file): set_threads sets both."""
+    """The quantized matmuls run on the library's one pool (cpu_kernels/pool.cc) with its one thread count: set_threads
+    sets it once."""
     calls = []
 
     class Library:
@@ -356,7 +358,7 @@ def test_set_threads_reaches_the_quant_kernels(monkeypatch):
 
     monkeypatch.setattr(cpu_kernels, "_loaded", Library())
     cpu_kernels.set_threads(3)
-    assert calls == [("MsliteLlmSetThreads", 3), ("MsliteLlmQuantSetThreads", 3)]
+    assert calls == [("MsliteLlmSetThreads", 3)]
 
 
 def test_the_plain_cpp_path_gives_the_same_answers():
@@ -365,9 +367,9 @@ def test_the_plain_cpp_path_gives_the_same_answers():
         import ctypes, sys
         import cpu_kernels, test_quant_kernels as t
         lib = ctypes.CDLL(cpu_kernels.library_path())
-        lib.MsliteLlmQuantIsa.restype = ctypes.c_char_p
-        if lib.MsliteLlmQuantIsa() != b"generic":
-            sys.exit("isa: " + lib.MsliteLlmQuantIsa().decode())
+        lib.MsliteLlmIsa.restype = ctypes.c_char_p
+        if lib.MsliteLlmIsa() != b"generic":
+            sys.exit("isa: " + lib.MsliteLlmIsa().decode())
         t.matmul_case_results()
         t.test_standin_rounds_the_dequantized_weight_to_the_activation_dtype("bfloat16")
     """)

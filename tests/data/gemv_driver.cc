@@ -1,8 +1,9 @@
-// Test driver for cpu_kernels/gemv.cc built for another architecture (tests/test_neon_kernels.py): calls
-// MsliteLlmGemv / MsliteLlmGemvBias as MindSpore's aot CPU kernel does, on seeded random inputs, and writes each case
-// (its shapes, inputs and output) to the file named by argv[1], for Python to check against float64 references; with
-// argv[2], MsliteLlmDecodeAttention in the CPU prefill graph's form (a prompt's queries, each over its own row's
-// positions up to its own) at head sizes 64 and 80, written there the same way.
+// Test driver for the CPU kernel library (cpu_kernels/*.cc) built for another architecture
+// (tests/test_neon_kernels.py): calls MsliteLlmGemv / MsliteLlmGemvBias as MindSpore's aot CPU kernel does, on seeded
+// random inputs, and writes each case (its shapes, inputs and output) to the file named by argv[1], for Python to
+// check against float64 references; with argv[2], MsliteLlmDecodeAttention in the CPU prefill graph's form (a
+// prompt's queries, each over its own row's positions up to its own) at head sizes 64 and 80, written there the same
+// way.
 // The first line of stdout is MsliteLlmIsa(): the code path the library chose.
 #include <cstdint>
 #include <cstdio>

@@ -1,5 +1,6 @@
 // mslite-llm CPU kernels for weight-only quantized linear layers (W8A16, W4A16), as MindSpore aot Custom ops:
-// y = x . W^T with W kept as its integers and a float scale (and offset) per group of inputs.
+// y = x . W^T with W kept as its integers and a float scale (and offset) per group of inputs (the op bodies
+// quant_matmul_op and weight_quant_batch_matmul; registry.cc exports them).
 //
 // Why: the quantized folders of issue 31 keep GPTQ/AWQ weights as integers; on `--device cpu` they need int8 and int4
 // matmuls, and a fused Atlas folder's WeightQuantBatchMatmul needs a CPU stand-in for `check` (as atlas_ops.cc's).
@@ -20,15 +21,13 @@
 //     it, or (AVX2, from PANEL_MIN_ROWS rows) it is transposed into a panel and 6 rows of x at a time are broadcast
 //     against its 16 outputs; each weight is dequantized once per MB rows of x.
 //
-// Threads: gemv.cc's pool lives in that file's anonymous namespace (with its thread count), so these kernels split
-// their tasks over std::threads of their own, started per call (the caller takes the first share; a call with little
-// work runs on the caller alone). Their number follows gemv.cc's rule: what cpu_kernels.set_threads last gave
-// (MsliteLlmQuantSetThreads, which set_threads calls next to MsliteLlmSetThreads), else the machine's cores. Each
-// thread takes its own contiguous share of tiles first (one weight stream per thread, as gemv.cc's Shares), then
-// what is left of the others'.
+// Threads: the library's pool (pool.h), with its one thread count. Each thread takes its own contiguous share of
+// tiles first (one weight stream per thread: pool.h's Shares), then what is left of the others'; a call with little
+// work (MIN_PARALLEL_WORK) runs on the caller alone.
 //
-// ISA: the dequantization and the dot products have an AVX2+FMA form (target attributes, chosen at load with
-// __builtin_cpu_supports) and a plain C++ one (elsewhere, or with MSLITE_LLM_CPU_KERNELS_ISA=generic, read at load).
+// ISA: the dequantization and the dot products have an AVX2+FMA form (target attributes; the AVX2 and AVX-512 paths
+// of common.h's isa() run it) and a plain C++ one (elsewhere, or with MSLITE_LLM_CPU_KERNELS_ISA=generic, read at
+// load).
 // The dequantized weights are bit-identical in both; the sums differ only in their order.
 //
 // Interface (MindSpore aot CPU): int F(int nparam, void** params, int* ndims, int64_t** shapes,
@@ -43,25 +42,13 @@
 //     per channel (G must be 1), else G * group_size must be K. As the op is documented: the weight (q + offset) *
 //     scale is computed in float32 from the T values and rounded to T (the weight Ascend multiplies in T), then
 //     x . W^T accumulated in float32 and rounded to T.
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <thread>
-#include <vector>
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define MSLLM_X86 1
-#define MSLLM_AVX2 __attribute__((target("avx2,fma")))
-#endif
-
+#include "common.h"
 #include "dtypes.h"
+#include "ops.h"
+#include "pool.h"
 
+namespace msllm {
 namespace {
-
-using namespace msllm;  // Dtype, load, store, round_to
 
 constexpr int64_t NT = 16;   // outputs per tile (a multiple of the dot products' 4 and 8)
 constexpr int64_t KC = 256;  // inputs per dequantized block (even: an int4 block starts on a byte); NT x KC floats: L1
@@ -70,16 +57,8 @@ constexpr int64_t PANEL_MIN_ROWS = 6;  // rows of x from which the AVX2 buffered
                                         // (no sums across lanes): even with the dot products at 6, ~10 % ahead at 16
 constexpr int64_t FUSED_MAX_ROWS = 12;  // rows of x up to which the AVX2 form dequantizes in registers (decode; 2-3x
                                         // the buffered form's speed at 1-4 rows, ahead up to 12, behind at 16)
-constexpr int64_t MIN_PARALLEL_WORK = int64_t(1) << 20;  // multiply-adds below which the caller runs alone (a
-                                                         // thread started per call costs tens of microseconds)
-
-int g_threads = 0;  // 0: the machine's cores (as gemv.cc)
-
-int threads_to_use() {
-  if (g_threads > 0) return g_threads;
-  const unsigned n = std::thread::hardware_concurrency();
-  return n ? int(n) : 1;
-}
+constexpr int64_t MIN_PARALLEL_WORK = int64_t(1) << 20;  // multiply-adds below which the caller runs alone (set
+                                                         // when each call started its own threads; kept with the pool)
 
 struct Problem {
   const float* x;  // [m, k]
@@ -389,22 +368,21 @@ MSLLM_AVX2 void fused_avx2(const Problem& p, int64_t n0, int64_t n1, int64_t m0,
 typedef void (*FusedFn)(const Problem& p, int64_t n0, int64_t n1, int64_t m0, int64_t m1, int8_t* qbuf);
 
 struct Kernels {
-  const char* isa;
   DequantFn dequant;
   DotsFn dots;
   FusedFn fused;  // null: the buffered form takes every M
 };
 
 Kernels pick_kernels() {
-  const Kernels generic = {"generic", dequant_generic, dots_generic, nullptr};
-  const char* isa = std::getenv("MSLITE_LLM_CPU_KERNELS_ISA");
-  if (isa != nullptr && std::strcmp(isa, "generic") == 0) return generic;
+  switch (isa()) {
 #ifdef MSLLM_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    return {"avx2", dequant_avx2, dots_avx2, fused_avx2};
+    case ISA_AVX512:  // the AVX2 forms (no AVX-512 ones yet)
+    case ISA_AVX2:
+      return {dequant_avx2, dots_avx2, fused_avx2};
 #endif
-  return generic;
+    default:
+      return {dequant_generic, dots_generic, nullptr};
+  }
 }
 
 const Kernels g_kernels = pick_kernels();
@@ -436,42 +414,18 @@ void run_task(const Problem& p, int64_t n0, int64_t n1, int64_t m0, int64_t m1, 
   }
 }
 
-// Tasks 0..n-1 split into one contiguous share per thread; each takes its own in order, then what is left of the
-// others' (gemv.cc's Shares, for threads started per call)
-struct Shares {
-  int n;
-  std::vector<std::atomic<int64_t>> cursor;
-  std::vector<int64_t> end;
+// y = x . W^T, shapes already checked, m, n and k positive: tiles of NT outputs by MB rows of x as the pool's tasks
+struct QuantJob : Job {
+  const Problem* problem;
+  bool fused;
+  int64_t m_blocks;
+  Shares shares;
 
-  Shares(int64_t tasks, int threads) : n(threads), cursor(threads), end(threads) {
-    for (int s = 0; s < n; ++s) {
-      cursor[s].store(tasks * s / n, std::memory_order_relaxed);
-      end[s] = tasks * (s + 1) / n;
-    }
-  }
-
-  template <class F>
-  void claim(int me, F&& task) {
-    for (int k = 0; k < n; ++k) {
-      const int share = (me + k) % n;
-      for (int64_t t; (t = cursor[share].fetch_add(1, std::memory_order_relaxed)) < end[share];) task(t);
-    }
-  }
-};
-
-// y = x . W^T, shapes already checked, m, n and k positive
-void quant_matmul(const Problem& p) {
-  const bool fused = g_kernels.fused != nullptr && p.m <= FUSED_MAX_ROWS && p.group % 8 == 0 && p.round == F32;
-  const int64_t n_tiles = (p.n + NT - 1) / NT, m_blocks = (p.m + MB - 1) / MB, tasks = n_tiles * m_blocks;
-  const double work = double(p.m) * double(p.n) * double(p.k);
-  const int threads = work < double(MIN_PARALLEL_WORK)
-                          ? 1
-                          : int(std::max<int64_t>(1, std::min<int64_t>(tasks, threads_to_use())));
-  Shares shares(tasks, threads);
-  auto worker = [&](int me) {
+  void work() override {
     alignas(64) float wbuf[NT * KC], panel[NT * KC];  // 16 KB each: on the stack, aligned for the vector stores
     alignas(64) int8_t qbuf[8 * KC];
-    shares.claim(me, [&](int64_t t) {  // n-tile major: a thread's share is a stretch of consecutive weight rows
+    const Problem& p = *problem;
+    shares.claim([&](int64_t t) {  // n-tile major: a thread's share is a stretch of consecutive weight rows
       const int64_t n0 = (t / m_blocks) * NT, n1 = std::min(p.n, n0 + NT);
       const int64_t m0 = (t % m_blocks) * MB, m1 = std::min(p.m, m0 + MB);
       if (fused)
@@ -479,17 +433,20 @@ void quant_matmul(const Problem& p) {
       else
         run_task(p, n0, n1, m0, m1, wbuf, panel, qbuf);
     });
-  };
-  std::vector<std::thread> pool;
-  for (int s = 1; s < threads; ++s) {
-    try {
-      pool.emplace_back(worker, s);
-    } catch (...) {  // no thread: the caller takes that share
-      break;
-    }
   }
-  worker(0);
-  for (auto& th : pool) th.join();
+};
+
+void quant_matmul(const Problem& p) {
+  const bool fused = g_kernels.fused != nullptr && p.m <= FUSED_MAX_ROWS && p.group % 8 == 0 && p.round == F32;
+  const int64_t n_tiles = (p.n + NT - 1) / NT, m_blocks = (p.m + MB - 1) / MB, tasks = n_tiles * m_blocks;
+  const double work = double(p.m) * double(p.n) * double(p.k);
+  const int threads = work < double(MIN_PARALLEL_WORK)
+                          ? 1
+                          : int(std::max<int64_t>(1, std::min<int64_t>(tasks, threads_to_use())));
+  QuantJob job;
+  job.problem = &p, job.fused = fused, job.m_blocks = m_blocks;
+  job.shares.split(tasks, threads);
+  run(&job, threads > 1);
 }
 
 // ---- the Custom ops ------------------------------------------------------------------------------
@@ -525,6 +482,8 @@ void compute(const Problem& p) {
   }
   quant_matmul(p);
 }
+
+}  // namespace
 
 int quant_matmul_op(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_offset) {
   if (nparam != (with_offset ? 5 : 4)) return 1;
@@ -590,29 +549,4 @@ int weight_quant_batch_matmul(int nparam, void** params, int* ndims, int64_t** s
   return 0;
 }
 
-}  // namespace
-
-extern "C" {
-
-int MsliteLlmQuantMatmul(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
-  return quant_matmul_op(nparam, params, ndims, shapes, dtypes, false);
-}
-
-int MsliteLlmQuantMatmulOffset(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
-                               void*) {
-  return quant_matmul_op(nparam, params, ndims, shapes, dtypes, true);
-}
-
-int MsliteLlmAtlasWeightQuantBatchMatmul(int nparam, void** params, int* ndims, int64_t** shapes,
-                                         const char** dtypes, void*, void*) {
-  return weight_quant_batch_matmul(nparam, params, ndims, shapes, dtypes);
-}
-
-// The code path these kernels run ("avx2" or "generic"), chosen at load as gemv.cc's MsliteLlmIsa.
-const char* MsliteLlmQuantIsa() { return g_kernels.isa; }
-
-// Threads these kernels use; 0 restores the default (the machine's cores). cpu_kernels.set_threads calls it next to
-// MsliteLlmSetThreads (gemv.cc's count is private to that file).
-void MsliteLlmQuantSetThreads(int threads) { g_threads = threads < 0 ? 0 : threads; }
-
-}  // extern "C"
+}  // namespace msllm

@@ -1,0 +1,135 @@
+// What every kernel family of mslite-llm's CPU library shares: the includes, the ISA macros, the weight types of the
+// float families and their conversions, the rows kernels' signature, and the one choice of the code path.
+//
+// The library is a set of MindSpore aot Custom ops split by kernel family, each family's ISA forms side by side in
+// its own file (as ggml-cpu keeps its quants and arch code apart), so that a kernel change touches one family:
+//   pool.h / pool.cc      the thread pool every family runs its tasks on, and the thread count
+//   matmul16.h / .cc      matmuls of float32/float16/bfloat16 weights (GEMV, GEMM), the embedding lookup
+//   attention.cc          the decode step's attention over the KV cache
+//   decode_ops.cc         the decode step's fused ops (RMSNorm, q/k/v with RoPE, SwiGLU, the layer's tail)
+//   matmul_quant.cc       matmuls of int8/int4 weights, WeightQuantBatchMatmul's CPU stand-in
+//   atlas_ops.cc          CPU stand-ins of Ascend's fused operators (plain C++, self-contained; dtypes.h)
+//   ops.h                 the op bodies the families define, for registry.cc
+//   registry.cc           every extern "C" entry of the families above (MindSpore calls these)
+//
+// ISA: AVX2+FMA+F16C code is compiled per function (target attributes, no global -mavx2) and
+// chosen at load with __builtin_cpu_supports (AVX-512 where the CPU has it, unless
+// MSLITE_LLM_CPU_KERNELS_ISA=avx2); on AArch64, NEON; plain C++ runs everywhere else (also forced with
+// MSLITE_LLM_CPU_KERNELS_ISA=generic, read at load; for tests and benchmarks). MsliteLlmIsa() says which.
+// isa() below makes that choice once for the whole library; each family picks its own kernel table from it when the
+// library loads (a function-local static: safe whatever order the files' tables are initialised in).
+#ifndef MSLITE_LLM_CPU_KERNELS_COMMON_H_
+#define MSLITE_LLM_CPU_KERNELS_COMMON_H_
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MSLLM_X86 1
+#define MSLLM_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define MSLLM_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define MSLLM_NEON 1  // every AArch64 CPU has NEON (Advanced SIMD), FMA and float16 conversion: no run-time check
+#endif
+
+namespace msllm {
+
+inline void cpu_relax() {
+#ifdef MSLLM_X86
+  _mm_pause();
+#elif defined(MSLLM_NEON)
+  __asm__ __volatile__("yield");
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// ---- the code path ------------------------------------------------------------------------------
+
+enum Isa { ISA_GENERIC, ISA_AVX2, ISA_AVX512, ISA_NEON };
+
+// The code path this library runs, chosen on the first call (every family's kernel table asks while the library
+// loads) from MSLITE_LLM_CPU_KERNELS_ISA and the CPU. ISA_AVX2 is AVX2 + FMA + F16C (the quantized family needs no
+// F16C; every AVX2 CPU has it).
+inline Isa isa() {
+  static const Isa chosen = [] {
+    const char* env = std::getenv("MSLITE_LLM_CPU_KERNELS_ISA");
+    if (env != nullptr && std::strcmp(env, "generic") == 0) return ISA_GENERIC;
+#ifdef MSLLM_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+      // AVX-512 where the CPU has it (not with MSLITE_LLM_CPU_KERNELS_ISA=avx2)
+      if (__builtin_cpu_supports("avx512f") && !(env != nullptr && std::strcmp(env, "avx2") == 0)) return ISA_AVX512;
+      return ISA_AVX2;
+    }
+#endif
+#ifdef MSLLM_NEON
+    return ISA_NEON;
+#endif
+    return ISA_GENERIC;
+  }();
+  return chosen;
+}
+
+inline const char* isa_name(Isa i) {
+  switch (i) {
+    case ISA_AVX512: return "avx512";
+    case ISA_AVX2: return "avx2";
+    case ISA_NEON: return "neon";
+    default: return "generic";
+  }
+}
+
+// ---- weight types ------------------------------------------------------------------------------
+
+struct f16 { uint16_t bits; };   // IEEE binary16
+struct bf16 { uint16_t bits; };  // the upper half of a float32
+
+enum WType { W_F32 = 0, W_F16 = 1, W_BF16 = 2, W_NONE = -1 };
+
+inline WType weight_type(const char* dtype) {
+  if (std::strcmp(dtype, "float32") == 0 || std::strcmp(dtype, "float") == 0) return W_F32;
+  if (std::strcmp(dtype, "float16") == 0 || std::strcmp(dtype, "half") == 0) return W_F16;
+  if (std::strcmp(dtype, "bfloat16") == 0) return W_BF16;
+  return W_NONE;
+}
+
+inline bool is_f32(const char* dtype) { return weight_type(dtype) == W_F32; }
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(bf16 v) { return bits_to_float(uint32_t(v.bits) << 16); }
+inline float to_f32(f16 v) {
+  const uint32_t sign = uint32_t(v.bits & 0x8000u) << 16, exp = (v.bits >> 10) & 0x1fu, man = v.bits & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24
+    const float f = float(man) * (1.0f / 16777216.0f);
+    return sign ? -f : f;
+  }
+  if (exp == 31) return bits_to_float(sign | 0x7f800000u | (man << 13));  // inf, nan
+  return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+// ---- the rows kernels' signature ---------------------------------------------------------------
+
+// y[r * ldy + o] = x_r . W_o (+ b_o) for output rows [o0, o1) and every row r of x. Any number of rows. W [out, in]
+// of the kernel's weight type. The GEMV's unit of work (matmul16.cc), the attention's scores (K rows as W) and the
+// fused ops' projections all run through one.
+typedef void (*RowsFn)(const float* x, int64_t rows, const void* w, const float* b, int64_t in, float* y,
+                       int64_t ldy, int64_t o0, int64_t o1);
+
+}  // namespace msllm
+
+#endif  // MSLITE_LLM_CPU_KERNELS_COMMON_H_

@@ -1,0 +1,818 @@
+// mslite-llm CPU kernels: y = x . W^T (+ b) for float32, float16 or bfloat16 weights, and the embedding lookup, as
+// MindSpore aot Custom ops (the op bodies gemv and embed; registry.cc exports them). matmul() is also the fused decode
+// ops' matmul (decode_ops.cc), and the rows kernels the attention's scores (attention.cc).
+//
+// Why: MindSpore 2.10's CPU MatMul reads the weights with one core when x has one row
+// (about 7.5 GB/s here), and decoding one token is that GEMV, 1.98 GB of weights for the
+// Qwen2-0.5B shape. This kernel splits the output rows across threads and reads W once
+// (docs/architecture.md, "Facts the design rests on"; docs/performance-log.md, "Decode: our own GEMV kernel",
+// 2026-11-21). MindSpore has no fast CPU kernel for 16-bit weights either, so W may be float16 or bfloat16: each
+// weight is widened to float32 in registers as it is loaded and all arithmetic is float32 (FMA). x, b and y are
+// always float32.
+//
+// Two forms, chosen by the rows of x (M):
+//   M <= GEMV_MAX_ROWS (decode): dot products that read each weight once per call (M=1: one weight row
+//     at a time, a sequential stream per thread; 4 weight rows against 2 rows of x, or 3 against 4 from
+//     M=4, in register tiles); threads split the output rows.
+//   larger M (prefill): a cache-blocked GEMM. A block of W (KC inputs x NC outputs) is widened and
+//     packed into a per-thread buffer in 16-output panels, then a 6x16 microkernel (6 rows of x
+//     by 16 outputs, 12 ymm accumulators, x broadcast from its rows) runs over it; threads split
+//     the outputs (and the rows of x when there are few outputs), each packing its own blocks.
+//
+// The forms of each ISA side by side below: plain C++, AVX2 + FMA + F16C (the GEMV tiles, the GEMM's packing and
+// microkernel), AVX-512 (the GEMM's microkernel, the GEMV for one row of x), NEON (the GEMV forms; no GEMM); the
+// table of this machine's forms is chosen at load from isa() (common.h).
+#include "matmul16.h"
+
+#include <type_traits>
+
+#include "ops.h"
+#include "pool.h"
+
+namespace msllm {
+namespace {
+
+constexpr int64_t GEMV_WIDE_ROWS = 4;  // GEMV: from this many rows of x on, 4x3 tiles instead of 2x4
+constexpr int64_t PACK_PREFETCH = 128;  // GEMM: weights the pack prefetches ahead in each row
+constexpr int64_t MR = 6, NR = 16;  // GEMM microkernel: rows of x by outputs
+constexpr int64_t KC = 1024;  // GEMM: at most this many inputs per packed block (blocks of equal size);
+                              // 256..1024 measured within 3 %, 1024 reads W in longer runs
+constexpr int64_t MC = 48;    // GEMM: rows of x per pass over a packed block (MC x KC floats, with it in L2)
+constexpr int64_t NC = 64;    // GEMM: outputs per task (its packed block, KC x NC floats, in L2)
+constexpr int64_t MIN_PARALLEL_WORK = int64_t(1) << 20;  // GEMM (MACs), embed (floats): less runs on the caller
+
+template <class T>
+inline void widen_generic(const T* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_f32(src[i]);
+}
+
+// A per-thread float buffer that only grows: the GEMM's packed blocks, the generic path's widened rows.
+class Scratch {
+ public:
+  ~Scratch() { std::free(ptr_); }
+  float* get(size_t floats) {
+    if (floats > size_) {
+      std::free(ptr_);
+      ptr_ = nullptr;
+      size_ = 0;
+      void* p = nullptr;
+      if (posix_memalign(&p, 64, floats * sizeof(float)) != 0) return nullptr;
+      ptr_ = static_cast<float*>(p);
+      size_ = floats;
+    }
+    return ptr_;
+  }
+
+ private:
+  float* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
+thread_local Scratch t_scratch;
+
+// ---- generic C++ ------------------------------------------------------------------------------
+
+inline float dot_generic(const float* a, const float* c, int64_t in) {
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  int64_t i = 0;
+  for (; i + 4 <= in; i += 4) {
+    s0 += a[i] * c[i];
+    s1 += a[i + 1] * c[i + 1];
+    s2 += a[i + 2] * c[i + 2];
+    s3 += a[i + 3] * c[i + 3];
+  }
+  for (; i < in; ++i) s0 += a[i] * c[i];
+  return (s0 + s1) + (s2 + s3);
+}
+
+template <class T>
+void rows_generic(const float* x, int64_t rows, const void* wv, const float* b, int64_t in, float* y, int64_t ldy,
+                  int64_t o0, int64_t o1) {
+  const T* w = static_cast<const T*>(wv);
+  const bool f32 = std::is_same<T, float>::value;
+  float* row = f32 ? nullptr : t_scratch.get(size_t(std::max<int64_t>(in, 1)));
+  for (int64_t o = o0; o < o1; ++o) {
+    const float* wo = reinterpret_cast<const float*>(w + o * in);
+    if (row != nullptr) {
+      widen_generic(w + o * in, in, row);  // once per weight row, whatever the rows of x
+      wo = row;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float s;
+      if (f32 || row != nullptr) {
+        s = dot_generic(wo, x + r * in, in);
+      } else {  // no memory for a widened row
+        s = 0.f;
+        for (int64_t i = 0; i < in; ++i) s += to_f32(w[o * in + i]) * x[r * in + i];
+      }
+      y[r * ldy + o] = s + (b ? b[o] : 0.f);
+    }
+  }
+}
+
+typedef void (*WidenFn)(const void* src, int64_t n, float* dst);
+
+template <class T>
+void widen_rows_generic(const void* src, int64_t n, float* dst) {
+  widen_generic(static_cast<const T*>(src), n, dst);
+}
+
+// ---- AVX2 + FMA + F16C --------------------------------------------------------------------------
+
+#ifdef MSLLM_X86
+MSLLM_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+MSLLM_AVX2 inline __m256 load8(const f16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+MSLLM_AVX2 inline __m256 load8(const bf16* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+
+MSLLM_AVX2 inline float hsum(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h);
+}
+
+// GEMV: R rows of x by C rows of W at a time, R*C accumulators in registers: each load feeds several FMAs.
+template <class T, int R, int C>
+MSLLM_AVX2 inline void tile_avx2(const float* x, const T* w, const float* b, int64_t in, float* y, int64_t ldy,
+                                 int64_t o) {
+  const int64_t in8 = in & ~int64_t(7);
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const T* wo = w + o * in;
+  // The next C weight rows follow these in memory: prefetch them, an equal share per step. Short rows are
+  // short streams for the hardware prefetcher; measured on the 0.5B shapes (weights not in cache), this
+  // reads 16-bit rows of 896 up to 1.6x faster, float32 ones only with 4 rows of x (at 1-2 rows they
+  // already come at the memory's pace and the extra instructions cost ~5 %). 16-bit rows of 4864
+  // (down_proj) gain 1.4x on an EPYC with AVX-512 (0.23 -> 0.17 ms), float32 ones nothing.
+  const bool prefetch = sizeof(T) == 2 || (in * int64_t(sizeof(T)) <= 4096 && R >= 4);
+  constexpr int64_t PREFETCH_STEP = C * 8 * int64_t(sizeof(T));
+  const char* next = reinterpret_cast<const char*>(wo + C * in);
+  for (int64_t i = 0; i < in8; i += 8) {
+    if (prefetch) {
+      for (int64_t off = 0; off < PREFETCH_STEP; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+      next += PREFETCH_STEP;
+    }
+    __m256 wv[C];
+    for (int c = 0; c < C; ++c) {
+      wv[c] = load8(wo + c * in + i);
+      __asm__("" : "+x"(wv[c]));  // in a register: else GCC folds float weights into each FMA, loading them R times
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256 xv = _mm256_loadu_ps(x + r * in + i);
+      __asm__("" : "+x"(xv));
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(wv[c], xv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      float s = hsum(acc[r][c]);
+      for (int64_t i = in8; i < in; ++i) s += to_f32(wo[c * in + i]) * x[r * in + i];
+      y[r * ldy + o + c] = s + (b ? b[o + c] : 0.f);
+    }
+  }
+}
+
+// One row of x (the decode step at batch 1) against one weight row at a time, 32 inputs a step in four accumulators:
+// each thread reads its weights as one sequential stream. Tiles of four weight rows side by side (tile_avx2<T, 1, 4>,
+// which this replaced) read four short streams at once (896 inputs: 3.5 KB of float32), which the hardware
+// prefetcher follows worse: the 0.5B shape's step matrices took 0.84x (float32) and 0.89x (16-bit) of the time,
+// interleaved in one process on an AMD EPYC (docs/performance-log.md, "The CPU decode step on the AVX2 path",
+// 2026-11-24); a plain read of rows side by side measured 0.67x the bandwidth of one stream there.
+template <class T>
+MSLLM_AVX2 inline void seq_rows_avx2(const float* x, const T* w, const float* b, int64_t in, float* y, int64_t o0,
+                                     int64_t o1) {
+  const int64_t in32 = in & ~int64_t(31);
+  for (int64_t o = o0; o < o1; ++o) {
+    const T* wo = w + o * in;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i < in32; i += 32) {
+      a0 = _mm256_fmadd_ps(load8(wo + i), _mm256_loadu_ps(x + i), a0);
+      a1 = _mm256_fmadd_ps(load8(wo + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+      a2 = _mm256_fmadd_ps(load8(wo + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+      a3 = _mm256_fmadd_ps(load8(wo + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    for (; i + 8 <= in; i += 8) a0 = _mm256_fmadd_ps(load8(wo + i), _mm256_loadu_ps(x + i), a0);
+    float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < in; ++i) s += to_f32(wo[i]) * x[i];
+    y[o] = s + (b ? b[o] : 0.f);
+  }
+}
+
+// All rows of x against C weight rows: R rows of x at a time, again for the next R while the weight rows are in cache.
+template <class T, int R, int C>
+MSLLM_AVX2 inline void tiles_avx2(const float* x, int64_t rows, const T* w, const float* b, int64_t in, float* y,
+                                  int64_t ldy, int64_t o) {
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) tile_avx2<T, R, C>(x + r * in, w, b, in, y + r * ldy, ldy, o);
+  for (; r + 2 <= rows; r += 2) tile_avx2<T, 2, C>(x + r * in, w, b, in, y + r * ldy, ldy, o);
+  if (r < rows) tile_avx2<T, 1, C>(x + r * in, w, b, in, y + r * ldy, ldy, o);
+}
+
+template <class T>
+MSLLM_AVX2 void rows_avx2(const float* x, int64_t rows, const void* wv, const float* b, int64_t in, float* y,
+                          int64_t ldy, int64_t o0, int64_t o1) {
+  const T* w = static_cast<const T*>(wv);
+  int64_t o = o0;
+  if (rows == 1) {  // decode at batch 1: one weight row at a time
+    seq_rows_avx2<T>(x, w, b, in, y, o0, o1);
+    return;
+  }
+  if (rows < GEMV_WIDE_ROWS) {  // 2x4 tiles: 8 accumulators
+    for (; o + 4 <= o1; o += 4) tiles_avx2<T, 2, 4>(x, rows, w, b, in, y, ldy, o);
+  } else {  // 4x3 tiles: 12 accumulators, each weight widened once per 4 rows of x
+    for (; o + 3 <= o1; o += 3) tiles_avx2<T, 4, 3>(x, rows, w, b, in, y, ldy, o);
+  }
+  for (; o < o1; ++o) tiles_avx2<T, 2, 1>(x, rows, w, b, in, y, ldy, o);
+}
+
+template <class T>
+MSLLM_AVX2 void widen_rows_avx2(const void* src, int64_t n, float* dst) {
+  const T* s = static_cast<const T*>(src);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(s + i));
+  for (; i < n; ++i) dst[i] = to_f32(s[i]);
+}
+
+MSLLM_AVX2 inline void transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+// Packs W[n0 .. n0+ncols) x [k0 .. k0+kc), widened, as panels of NR outputs: bp[p][k][j] = W[n0+NR*p+j][k0+k],
+// zeros past ncols.
+template <class T>
+MSLLM_AVX2 void pack_b(const T* w, int64_t in, int64_t n0, int64_t ncols, int64_t k0, int64_t kc, float* bp) {
+  const int64_t kc8 = kc & ~int64_t(7);
+  for (int64_t p = 0; p * NR < ncols; ++p) {
+    float* panel = bp + p * NR * kc;
+    const int64_t valid = std::min<int64_t>(NR, ncols - p * NR);
+    for (int64_t h = 0; h < NR; h += 8) {  // two halves of 8 outputs
+      const T* src = w + (n0 + p * NR + h) * in + k0;
+      if (valid >= h + 8) {
+        for (int64_t k = 0; k < kc8; k += 8) {
+          for (int j = 0; j < 8; ++j)
+            _mm_prefetch(reinterpret_cast<const char*>(src + j * in + k + PACK_PREFETCH), _MM_HINT_T0);
+          __m256 r[8];
+          for (int j = 0; j < 8; ++j) r[j] = load8(src + j * in + k);
+          transpose8(r);
+          for (int j = 0; j < 8; ++j) _mm256_store_ps(panel + (k + j) * NR + h, r[j]);
+        }
+        for (int64_t k = kc8; k < kc; ++k)
+          for (int j = 0; j < 8; ++j) panel[k * NR + h + j] = to_f32(src[j * in + k]);
+      } else {
+        const int64_t rows = std::max<int64_t>(0, valid - h);
+        for (int64_t k = 0; k < kc; ++k)
+          for (int64_t j = 0; j < 8; ++j) panel[k * NR + h + j] = j < rows ? to_f32(src[j * in + k]) : 0.f;
+      }
+    }
+  }
+}
+
+// C[R x ncols] (+)= A[R x kc] . panel, A rows lda apart, C rows ldc apart. first: C = bias (or 0) + product.
+// The 12 accumulators are named variables, not an array: GCC keeps an array of vectors in memory here.
+template <int R>
+MSLLM_AVX2 void micro(int64_t kc, const float* a, int64_t lda, const float* bp, float* c, int64_t ldc, int64_t ncols,
+                      bool first, const float* bias) {
+  alignas(32) float tmp[R][NR];
+  const bool full = ncols == NR;
+  float* cc = full ? c : tmp[0];  // where the tile is read and written
+  const int64_t ldcc = full ? ldc : NR;
+  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+  if (first) {
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    if (bias != nullptr) {
+      alignas(32) float bb[NR] = {0};
+      for (int64_t j = 0; j < ncols; ++j) bb[j] = bias[j];
+      b0 = _mm256_load_ps(bb);
+      b1 = _mm256_load_ps(bb + 8);
+    }
+    c00 = c10 = c20 = c30 = c40 = c50 = b0;
+    c01 = c11 = c21 = c31 = c41 = c51 = b1;
+  } else {
+    if (!full)
+      for (int r = 0; r < R; ++r)
+        for (int64_t j = 0; j < NR; ++j) tmp[r][j] = j < ncols ? c[r * ldc + j] : 0.f;
+    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
+#define MSLLM_LOAD_ROW(r)                                 \
+    if (R > r) {                                          \
+      c##r##0 = _mm256_loadu_ps(cc + r * ldcc);           \
+      c##r##1 = _mm256_loadu_ps(cc + r * ldcc + 8);       \
+    }
+    MSLLM_LOAD_ROW(0) MSLLM_LOAD_ROW(1) MSLLM_LOAD_ROW(2) MSLLM_LOAD_ROW(3) MSLLM_LOAD_ROW(4) MSLLM_LOAD_ROW(5)
+#undef MSLLM_LOAD_ROW
+  }
+  const float* a0 = a;
+  const float* a1 = a + (R > 1 ? 1 : 0) * lda;
+  const float* a2 = a + (R > 2 ? 2 : 0) * lda;
+  const float* a3 = a + (R > 3 ? 3 : 0) * lda;
+  const float* a4 = a + (R > 4 ? 4 : 0) * lda;
+  const float* a5 = a + (R > 5 ? 5 : 0) * lda;
+#define MSLLM_FMA_ROW(r)                                  \
+    if (R > r) {                                          \
+      const __m256 av = _mm256_broadcast_ss(a##r + k);    \
+      c##r##0 = _mm256_fmadd_ps(av, b0, c##r##0);         \
+      c##r##1 = _mm256_fmadd_ps(av, b1, c##r##1);         \
+    }
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_load_ps(bp + k * NR), b1 = _mm256_load_ps(bp + k * NR + 8);
+    MSLLM_FMA_ROW(0) MSLLM_FMA_ROW(1) MSLLM_FMA_ROW(2) MSLLM_FMA_ROW(3) MSLLM_FMA_ROW(4) MSLLM_FMA_ROW(5)
+  }
+#undef MSLLM_FMA_ROW
+#define MSLLM_STORE_ROW(r)                                \
+  if (R > r) {                                            \
+    _mm256_storeu_ps(cc + r * ldcc, c##r##0);             \
+    _mm256_storeu_ps(cc + r * ldcc + 8, c##r##1);         \
+  }
+  MSLLM_STORE_ROW(0) MSLLM_STORE_ROW(1) MSLLM_STORE_ROW(2) MSLLM_STORE_ROW(3) MSLLM_STORE_ROW(4) MSLLM_STORE_ROW(5)
+#undef MSLLM_STORE_ROW
+  if (!full)
+    for (int r = 0; r < R; ++r)
+      for (int64_t j = 0; j < ncols; ++j) c[r * ldc + j] = tmp[r][j];
+}
+
+// The same tile with AVX-512 (one zmm per row of 16 outputs): on CPUs with full-width AVX-512 units (AMD Zen 5,
+// Intel server cores) twice the FLOPs of the AVX2 form. Two accumulators per row (even and odd k) keep 12
+// independent FMA chains in flight; partial tiles use masked loads and stores.
+template <int R>
+MSLLM_AVX512 void micro512(int64_t kc, const float* a, int64_t lda, const float* bp, float* c, int64_t ldc,
+                           int64_t ncols, bool first, const float* bias) {
+  const __mmask16 mask = ncols >= NR ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
+  __m512 e0, e1, e2, e3, e4, e5, o0, o1, o2, o3, o4, o5;
+  e0 = e1 = e2 = e3 = e4 = e5 = o0 = o1 = o2 = o3 = o4 = o5 = _mm512_setzero_ps();
+  const __m512 start = (first && bias != nullptr) ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+#define MSLLM_INIT_ROW(r) \
+  if (R > r) e##r = first ? start : _mm512_maskz_loadu_ps(mask, c + r * ldc);
+  MSLLM_INIT_ROW(0) MSLLM_INIT_ROW(1) MSLLM_INIT_ROW(2) MSLLM_INIT_ROW(3) MSLLM_INIT_ROW(4) MSLLM_INIT_ROW(5)
+#undef MSLLM_INIT_ROW
+  const float* a0 = a;
+  const float* a1 = a + (R > 1 ? 1 : 0) * lda;
+  const float* a2 = a + (R > 2 ? 2 : 0) * lda;
+  const float* a3 = a + (R > 3 ? 3 : 0) * lda;
+  const float* a4 = a + (R > 4 ? 4 : 0) * lda;
+  const float* a5 = a + (R > 5 ? 5 : 0) * lda;
+#define MSLLM_FMA2_ROW(r)                                            \
+  if (R > r) {                                                       \
+    e##r = _mm512_fmadd_ps(_mm512_set1_ps(a##r[k]), b0, e##r);       \
+    o##r = _mm512_fmadd_ps(_mm512_set1_ps(a##r[k + 1]), b1, o##r);   \
+  }
+  int64_t k = 0;
+#pragma GCC unroll 2
+  for (; k + 2 <= kc; k += 2) {
+    const __m512 b0 = _mm512_load_ps(bp + k * NR), b1 = _mm512_load_ps(bp + (k + 1) * NR);
+    MSLLM_FMA2_ROW(0) MSLLM_FMA2_ROW(1) MSLLM_FMA2_ROW(2) MSLLM_FMA2_ROW(3) MSLLM_FMA2_ROW(4) MSLLM_FMA2_ROW(5)
+  }
+#undef MSLLM_FMA2_ROW
+#define MSLLM_TAIL_STORE_ROW(r)                                                              \
+  if (R > r) {                                                                               \
+    if (k < kc) e##r = _mm512_fmadd_ps(_mm512_set1_ps(a##r[k]), _mm512_load_ps(bp + k * NR), e##r); \
+    _mm512_mask_storeu_ps(c + r * ldc, mask, _mm512_add_ps(e##r, o##r));                   \
+  }
+  MSLLM_TAIL_STORE_ROW(0) MSLLM_TAIL_STORE_ROW(1) MSLLM_TAIL_STORE_ROW(2) MSLLM_TAIL_STORE_ROW(3)
+  MSLLM_TAIL_STORE_ROW(4) MSLLM_TAIL_STORE_ROW(5)
+#undef MSLLM_TAIL_STORE_ROW
+}
+
+typedef void (*MicroFn)(int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t, bool, const float*);
+const MicroFn k_micro[MR + 1] = {nullptr, micro<1>, micro<2>, micro<3>, micro<4>, micro<5>, micro<6>};
+const MicroFn k_micro512[MR + 1] = {nullptr, micro512<1>, micro512<2>, micro512<3>, micro512<4>, micro512<5>,
+                                    micro512<6>};
+
+// y[m0..m1, n0..n1) = x[m0..m1) . W[n0..n1)^T (+ b): one GEMM task, with the tiles of MICRO.
+template <class T, const MicroFn* MICRO>
+MSLLM_AVX2 void gemm_block_avx2(const float* x, const void* wv, const float* b, int64_t in, int64_t out, float* y,
+                                int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const T* w = static_cast<const T*>(wv);
+  const int64_t ncols = n1 - n0, panels = (ncols + NR - 1) / NR;
+  // the inputs in blocks of equal size (a multiple of 8), at most KC
+  const int64_t blocks = (in + KC - 1) / KC, block = ((in + blocks - 1) / blocks + 7) / 8 * 8;
+  float* bp = t_scratch.get(size_t(block * NC));
+  if (bp == nullptr) {  // no memory for the packed block: the GEMV form needs none
+    rows_avx2<T>(x + m0 * in, m1 - m0, w, b, in, y + m0 * out, out, n0, n1);
+    return;
+  }
+  for (int64_t pc = 0; pc < in; pc += block) {
+    const int64_t kc = std::min(block, in - pc);
+    pack_b(w, in, n0, ncols, pc, kc, bp);
+    for (int64_t ic = m0; ic < m1; ic += MC) {
+      const int64_t mc = std::min(MC, m1 - ic);
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t nc = std::min<int64_t>(NR, ncols - p * NR);
+        const float* panel = bp + p * NR * kc;
+        const float* bias = (b != nullptr && pc == 0) ? b + n0 + p * NR : nullptr;
+        int64_t ir = ic;
+        for (; ir + MR <= ic + mc; ir += MR)
+          MICRO[MR](kc, x + ir * in + pc, in, panel, y + ir * out + n0 + p * NR, out, nc, pc == 0, bias);
+        if (ir < ic + mc)
+          MICRO[ic + mc - ir](kc, x + ir * in + pc, in, panel, y + ir * out + n0 + p * NR, out, nc, pc == 0, bias);
+      }
+    }
+  }
+}
+#endif
+
+typedef void (*GemmFn)(const float* x, const void* w, const float* b, int64_t in, int64_t out, float* y, int64_t m0,
+                       int64_t m1, int64_t n0, int64_t n1);
+
+// ---- AVX-512 GEMV for one row of x (the decode step at batch 1) ----------------------------------
+// 16 weights per load instead of 8: half the instructions per byte read, so the loads come closer to the
+// memory's pace (docs/performance-log.md, "The decode step: where the time goes, and fused ops", 2026-11-23).
+// Other row counts use the AVX2 tiles.
+#ifdef MSLLM_X86
+MSLLM_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+MSLLM_AVX512 inline __m512 load16(const f16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+MSLLM_AVX512 inline __m512 load16(const bf16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// seq_rows_avx2 with 16 weights per load: half the instructions per byte read (tiles of four weight rows in this
+// width took 35-38 ms for the float32 step against 50-57 for AVX2 ones: docs/performance-log.md, "The decode step:
+// where the time goes, and fused ops", 2026-11-23; one sequential row at a time took 0.89x (float32) to 0.78x
+// (bfloat16) of those tiles: the same log, "The CPU decode step on the AVX2 path", 2026-11-24).
+template <class T>
+MSLLM_AVX512 inline void seq_rows512(const float* x, const T* w, const float* b, int64_t in, float* y, int64_t o0,
+                                     int64_t o1) {
+  const int64_t in64 = in & ~int64_t(63);
+  for (int64_t o = o0; o < o1; ++o) {
+    const T* wo = w + o * in;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i < in64; i += 64) {
+      a0 = _mm512_fmadd_ps(load16(wo + i), _mm512_loadu_ps(x + i), a0);
+      a1 = _mm512_fmadd_ps(load16(wo + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+      a2 = _mm512_fmadd_ps(load16(wo + i + 32), _mm512_loadu_ps(x + i + 32), a2);
+      a3 = _mm512_fmadd_ps(load16(wo + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+    }
+    for (; i + 16 <= in; i += 16) a0 = _mm512_fmadd_ps(load16(wo + i), _mm512_loadu_ps(x + i), a0);
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    for (; i < in; ++i) s += to_f32(wo[i]) * x[i];
+    y[o] = s + (b ? b[o] : 0.f);
+  }
+}
+
+template <class T>
+MSLLM_AVX512 void rows_avx512(const float* x, int64_t rows, const void* wv, const float* b, int64_t in, float* y,
+                              int64_t ldy, int64_t o0, int64_t o1) {
+  if (rows != 1) {
+    rows_avx2<T>(x, rows, wv, b, in, y, ldy, o0, o1);
+    return;
+  }
+  seq_rows512<T>(x, static_cast<const T*>(wv), b, in, y, o0, o1);
+}
+#endif
+
+// ---- NEON (AArch64: the Atlas hosts' Kunpeng 920, ARMv8.2) -------------------------------------------
+// The AVX2 forms' shapes in 128-bit registers: one row of x against one weight row at a time (a sequential stream
+// per thread), more rows of x in tiles of up to 4 that widen each weight once per tile. 16-bit weights are widened
+// in registers (float16: FCVTL; bfloat16: a 16-bit shift left), all arithmetic float32 FMA. No GEMM form (the rows
+// form takes every M, as the generic path does). Compile-tested with Debian's cross compiler and run under
+// qemu-user against float64 references (tests/test_neon_kernels.py); its speed on a Kunpeng has not been measured.
+#ifdef MSLLM_NEON
+inline float32x4_t load4(const float* p) { return vld1q_f32(p); }
+inline float32x4_t load4(const f16* p) {
+  return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))));
+}
+inline float32x4_t load4(const bf16* p) {
+  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16));
+}
+
+// R rows of x (R <= 4) against one weight row: two accumulators per row of x, 8 inputs a step
+template <class T, int R>
+inline void tile_neon(const float* x, const T* wo, int64_t in, float* out) {
+  const int64_t in8 = in & ~int64_t(7);
+  float32x4_t acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vdupq_n_f32(0.f);
+  for (int64_t i = 0; i < in8; i += 8) {
+    const float32x4_t w0 = load4(wo + i), w1 = load4(wo + i + 4);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = vfmaq_f32(acc[r][0], w0, vld1q_f32(x + r * in + i));
+      acc[r][1] = vfmaq_f32(acc[r][1], w1, vld1q_f32(x + r * in + i + 4));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float s = vaddvq_f32(vaddq_f32(acc[r][0], acc[r][1]));
+    for (int64_t i = in8; i < in; ++i) s += to_f32(wo[i]) * x[r * in + i];
+    out[r] = s;
+  }
+}
+
+// one row of x: four accumulators, 16 inputs a step
+template <class T>
+inline float dot_neon(const float* x, const T* wo, int64_t in) {
+  const int64_t in16 = in & ~int64_t(15);
+  float32x4_t a0 = vdupq_n_f32(0.f), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i < in16; i += 16) {
+    a0 = vfmaq_f32(a0, load4(wo + i), vld1q_f32(x + i));
+    a1 = vfmaq_f32(a1, load4(wo + i + 4), vld1q_f32(x + i + 4));
+    a2 = vfmaq_f32(a2, load4(wo + i + 8), vld1q_f32(x + i + 8));
+    a3 = vfmaq_f32(a3, load4(wo + i + 12), vld1q_f32(x + i + 12));
+  }
+  for (; i + 4 <= in; i += 4) a0 = vfmaq_f32(a0, load4(wo + i), vld1q_f32(x + i));
+  float s = vaddvq_f32(vaddq_f32(vaddq_f32(a0, a1), vaddq_f32(a2, a3)));
+  for (; i < in; ++i) s += to_f32(wo[i]) * x[i];
+  return s;
+}
+
+template <class T>
+void rows_neon(const float* x, int64_t rows, const void* wv, const float* b, int64_t in, float* y, int64_t ldy,
+               int64_t o0, int64_t o1) {
+  const T* w = static_cast<const T*>(wv);
+  float out[4];
+  for (int64_t o = o0; o < o1; ++o) {
+    const T* wo = w + o * in;
+    const float bias = b ? b[o] : 0.f;
+    if (rows == 1) {
+      y[o] = dot_neon(x, wo, in) + bias;
+      continue;
+    }
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      tile_neon<T, 4>(x + r * in, wo, in, out);
+      for (int k = 0; k < 4; ++k) y[(r + k) * ldy + o] = out[k] + bias;
+    }
+    for (; r + 2 <= rows; r += 2) {
+      tile_neon<T, 2>(x + r * in, wo, in, out);
+      for (int k = 0; k < 2; ++k) y[(r + k) * ldy + o] = out[k] + bias;
+    }
+    if (r < rows) y[r * ldy + o] = dot_neon(x + r * in, wo, in) + bias;
+  }
+}
+
+template <class T>
+void widen_rows_neon(const void* src, int64_t n, float* dst) {
+  const T* s = static_cast<const T*>(src);
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) vst1q_f32(dst + i, load4(s + i));
+  for (; i < n; ++i) dst[i] = to_f32(s[i]);
+}
+#endif
+
+// ---- the kernels this machine runs ---------------------------------------------------------------
+
+struct Kernels {
+  RowsFn rows[3];
+  GemmFn gemm[3];  // null: no GEMM form, the rows form takes every M
+  WidenFn widen[3];
+};
+
+Kernels pick_kernels() {
+  const Kernels generic = {{rows_generic<float>, rows_generic<f16>, rows_generic<bf16>},
+                           {nullptr, nullptr, nullptr},
+                           {widen_rows_generic<float>, widen_rows_generic<f16>, widen_rows_generic<bf16>}};
+  switch (isa()) {
+#ifdef MSLLM_X86
+    // AVX-512: the GEMM's tiles, and the GEMV for one row of x; the packing and the GEMV for more rows stay AVX2
+    case ISA_AVX512:
+      return {{rows_avx512<float>, rows_avx512<f16>, rows_avx512<bf16>},
+              {gemm_block_avx2<float, k_micro512>, gemm_block_avx2<f16, k_micro512>,
+               gemm_block_avx2<bf16, k_micro512>},
+              {widen_rows_avx2<float>, widen_rows_avx2<f16>, widen_rows_avx2<bf16>}};
+    case ISA_AVX2:
+      return {{rows_avx2<float>, rows_avx2<f16>, rows_avx2<bf16>},
+              {gemm_block_avx2<float, k_micro>, gemm_block_avx2<f16, k_micro>, gemm_block_avx2<bf16, k_micro>},
+              {widen_rows_avx2<float>, widen_rows_avx2<f16>, widen_rows_avx2<bf16>}};
+#endif
+#ifdef MSLLM_NEON
+    case ISA_NEON:
+      return {{rows_neon<float>, rows_neon<f16>, rows_neon<bf16>},
+              {nullptr, nullptr, nullptr},
+              {widen_rows_neon<float>, widen_rows_neon<f16>, widen_rows_neon<bf16>}};
+#endif
+    default:
+      return generic;
+  }
+}
+
+const Kernels g_kernels = pick_kernels();
+
+// ---- the jobs ------------------------------------------------------------------------------------
+
+inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+// What follows a matmul in the fused ops, on y's columns [o0, o1) of `rows` rows (y and r have `out` columns,
+// u `ldu`): with `up`, y = silu(y) * u (u = x . Wup^T); with a residual r, y += r.
+void epilogue(float* y, int64_t rows, int64_t out, int64_t o0, int64_t o1, const float* u, int64_t ldu,
+              const float* r) {
+  for (int64_t m = 0; m < rows; ++m) {
+    float* ym = y + m * out;
+    if (u != nullptr)
+      for (int64_t o = o0; o < o1; ++o) ym[o] = silu(ym[o]) * u[m * ldu + o];
+    if (r != nullptr)
+      for (int64_t o = o0; o < o1; ++o) ym[o] += r[m * out + o];
+  }
+}
+
+// The GEMV form, threads splitting the output rows; optionally the fused ops' epilogue on each task's rows.
+struct GemvJob : Job {
+  RowsFn fn;
+  const float* x;
+  int64_t rows;
+  const void* w;
+  const float* b;
+  int64_t in, out, step;
+  float* y;
+  const void* up = nullptr;  // SwiGLU: y = silu(x . W^T) * (x . up^T)
+  const float* residual = nullptr;  // y += residual
+
+  Shares shares;
+
+  void work() override {
+    float u[GEMV_MAX_ROWS * ROWS_PER_TASK];  // x . up^T for this task's rows (rows <= GEMV_MAX_ROWS with `up`)
+    shares.claim([&](int64_t t) {
+      const int64_t o0 = t * step, o1 = std::min(out, o0 + step);
+      fn(x, rows, w, b, in, y, out, o0, o1);
+      if (up != nullptr) fn(x, rows, up, nullptr, in, u - o0, ROWS_PER_TASK, o0, o1);  // u[m * ROWS_PER_TASK + o - o0]
+      if (up != nullptr || residual != nullptr)
+        epilogue(y, rows, out, o0, o1, up != nullptr ? u - o0 : nullptr, ROWS_PER_TASK, residual);
+    });
+  }
+};
+
+struct GemmJob : Job {
+  GemmFn fn;
+  const float* x;
+  const void* w;
+  const float* b;
+  int64_t rows, in, out;
+  float* y;
+  int64_t col_tasks, row_step, tasks;
+
+  void work() override {
+    for (;;) {
+      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
+      if (t >= tasks) return;
+      const int64_t n0 = (t % col_tasks) * NC, m0 = (t / col_tasks) * row_step;
+      fn(x, w, b, in, out, y, m0, std::min(rows, m0 + row_step), n0, std::min(out, n0 + NC));
+    }
+  }
+};
+
+struct EmbedJob : Job {
+  WidenFn widen;
+  const void* ids;
+  bool ids64;
+  const char* table;
+  int64_t row_bytes, width, n;
+  float* y;
+
+  void work() override {
+    constexpr int64_t IDS_PER_TASK = 16;
+    for (;;) {
+      const int64_t i0 = next.fetch_add(IDS_PER_TASK, std::memory_order_relaxed);
+      if (i0 >= n) return;
+      for (int64_t i = i0; i < std::min(n, i0 + IDS_PER_TASK); ++i) {
+        const int64_t id = ids64 ? static_cast<const int64_t*>(ids)[i] : static_cast<const int32_t*>(ids)[i];
+        widen(table + id * row_bytes, width, y + i * width);
+      }
+    }
+  }
+};
+
+}  // namespace
+
+RowsFn rows_kernel(WType wt) { return g_kernels.rows[wt]; }
+
+bool has_gemm(WType wt) { return g_kernels.gemm[wt] != nullptr; }
+
+// x [M, I] . W[O, I]^T (+ b [O]) -> y [M, O]. With `prompt_rows` (the full graph's form, MsliteLlmGemmValid) a
+// valid_length [B] int32 input comes before y: x holds B rows of n = M / B tokens, right-padded, and only each
+// row's first valid_length tokens are computed, the padding rows zeroed: a prompt of 100 tokens in the
+// 128-token graph costs 100 rows, not 128.
+int gemv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_bias,
+         bool prompt_rows) {
+  const int expected = 3 + (with_bias ? 1 : 0) + (prompt_rows ? 1 : 0);
+  if (nparam != expected) return 1;
+  const int vi = nparam - 2;  // valid_length, with prompt_rows
+  const WType wt = weight_type(dtypes[1]);
+  if (!is_f32(dtypes[0]) || wt == W_NONE || !is_f32(dtypes[nparam - 1]) || (with_bias && !is_f32(dtypes[2])) ||
+      (prompt_rows && std::strcmp(dtypes[vi], "int32") != 0))
+    return 2;
+  if (ndims[0] != 2 || ndims[1] != 2 || ndims[nparam - 1] != 2 || (with_bias && ndims[2] != 1) ||
+      (prompt_rows && ndims[vi] != 1))
+    return 3;
+  const int64_t rows = shapes[0][0], in = shapes[0][1], out = shapes[1][0];
+  const int64_t batch = prompt_rows ? shapes[vi][0] : 1;
+  if (shapes[1][1] != in || shapes[nparam - 1][0] != rows || shapes[nparam - 1][1] != out) return 4;
+  if ((with_bias && shapes[2][0] != out) || batch <= 0 || rows % batch) return 4;
+  const float* x = static_cast<const float*>(params[0]);
+  const void* w = params[1];
+  const float* b = with_bias ? static_cast<const float*>(params[2]) : nullptr;
+  float* y = static_cast<float*>(params[nparam - 1]);
+  if (rows <= 0 || out <= 0) return 0;
+  if (in <= 0) {  // an empty sum
+    if (prompt_rows) return 4;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t o = 0; o < out; ++o) y[r * out + o] = b ? b[o] : 0.f;
+    return 0;
+  }
+  if (!prompt_rows) {
+    matmul(x, rows, w, wt, b, in, out, y);
+    return 0;
+  }
+  const int32_t* valid = static_cast<const int32_t*>(params[vi]);
+  const int64_t n = rows / batch;
+  for (int64_t r = 0; r < batch; ++r) {
+    const int64_t used = std::max<int64_t>(0, std::min<int64_t>(n, valid[r]));
+    if (used > 0) matmul(x + r * n * in, used, w, wt, b, in, out, y + r * n * out);
+    std::fill(y + (r * n + used) * out, y + (r + 1) * n * out, 0.f);
+  }
+  return 0;
+}
+
+// y [rows, out] = x [rows, in] . W^T (+ b), shapes already checked, rows, out and in positive. The fused ops'
+// epilogue (see `epilogue`): `up` [out, in] of W's dtype for SwiGLU, `residual` [rows, out] to add.
+void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* b, int64_t in, int64_t out,
+            float* y, const void* up, const float* residual) {
+  if ((up != nullptr || residual != nullptr) && rows > GEMV_MAX_ROWS) {  // the product(s), then the epilogue
+    std::vector<float> u(up != nullptr ? size_t(rows * out) : 0);
+    matmul(x, rows, w, wt, b, in, out, y);
+    if (up != nullptr) matmul(x, rows, up, wt, nullptr, in, out, u.data());
+    epilogue(y, rows, out, 0, out, up != nullptr ? u.data() : nullptr, out, residual);
+    return;
+  }
+  const GemmFn gemm = g_kernels.gemm[wt];
+  if (rows <= GEMV_MAX_ROWS || gemm == nullptr) {  // with the epilogue in each task (its buffer holds 16 rows)
+    GemvJob job;
+    job.fn = g_kernels.rows[wt];
+    job.x = x, job.rows = rows, job.w = w, job.b = b, job.in = in, job.out = out, job.y = y;
+    job.up = up, job.residual = residual;
+    job.step = task_rows(out);
+    job.shares.split((out + job.step - 1) / job.step, out >= MIN_PARALLEL_ROWS ? threads_to_use() : 1);
+    run(&job, out >= MIN_PARALLEL_ROWS);
+    return;
+  }
+  GemmJob job;
+  job.fn = gemm;
+  job.x = x, job.w = w, job.b = b, job.rows = rows, job.in = in, job.out = out, job.y = y;
+  job.col_tasks = (out + NC - 1) / NC;
+  // few outputs (k/v projections): split the rows of x too, so that every thread has work
+  const int threads = threads_to_use();
+  int64_t row_tasks = 1;
+  if (job.col_tasks < 4 * threads) row_tasks = std::min((4 * threads + job.col_tasks - 1) / job.col_tasks,
+                                                        (rows + 4 * MR - 1) / (4 * MR));
+  row_tasks = std::max<int64_t>(row_tasks, 1);
+  job.row_step = ((rows + row_tasks - 1) / row_tasks + MR - 1) / MR * MR;
+  job.tasks = job.col_tasks * ((rows + job.row_step - 1) / job.row_step);
+  run(&job, rows * out * in >= MIN_PARALLEL_WORK);
+}
+
+int embed(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 3) return 1;
+  const bool ids64 = std::strcmp(dtypes[0], "int64") == 0;
+  const WType wt = weight_type(dtypes[1]);
+  if ((!ids64 && std::strcmp(dtypes[0], "int32") != 0) || wt == W_NONE || !is_f32(dtypes[2])) return 2;
+  if (ndims[0] < 0 || ndims[1] != 2 || ndims[2] != ndims[0] + 1) return 3;
+  const int64_t vocab = shapes[1][0], width = shapes[1][1];
+  int64_t n = 1;
+  for (int d = 0; d < ndims[0]; ++d) {
+    if (shapes[2][d] != shapes[0][d]) return 4;
+    n *= shapes[0][d];
+  }
+  if (shapes[2][ndims[0]] != width) return 4;
+  for (int64_t i = 0; i < n; ++i) {  // all ids first: nothing is written for a bad call
+    const int64_t id = ids64 ? static_cast<const int64_t*>(params[0])[i] : static_cast<const int32_t*>(params[0])[i];
+    if (id < 0 || id >= vocab) return 5;
+  }
+  EmbedJob job;
+  job.widen = g_kernels.widen[wt];
+  job.ids = params[0];
+  job.ids64 = ids64;
+  job.table = static_cast<const char*>(params[1]);
+  job.row_bytes = width * (wt == W_F32 ? 4 : 2);
+  job.width = width;
+  job.n = n;
+  job.y = static_cast<float*>(params[2]);
+  run(&job, n * width >= MIN_PARALLEL_WORK);
+  return 0;
+}
+
+}  // namespace msllm

@@ -1,0 +1,133 @@
+// Every extern "C" entry of mslite-llm's CPU kernel library but atlas_ops.cc's (what MindSpore's aot Custom ops and
+// cpu_kernels/__init__.py call): thin wrappers over the kernel families' op bodies (ops.h), the code path, the thread
+// count and the in-graph timing. Nothing else lives here: a kernel change touches its family's file, not this one.
+// atlas_ops.cc keeps its own entries (the Ascend operators' stand-ins: plain C++, a self-contained file).
+//
+// Interface (MindSpore aot CPU): int F(int nparam, void** params, int* ndims, int64_t** shapes,
+// const char** dtypes, void* stream, void* extra); 0 on success, else 1 wrong number of tensors,
+// 2 unsupported dtype, 3 wrong ranks, 4 shapes that do not fit, 5 an id outside the table.
+//   MsliteLlmGemv:     params = x [M, I] f32, W [O, I] f32/f16/bf16, y [M, O] f32
+//   MsliteLlmGemvBias: params = x [M, I] f32, W [O, I] f32/f16/bf16, b [O] f32, y [M, O] f32
+//   MsliteLlmEmbed:    params = ids [N] int32/int64, table [V, E] f32/f16/bf16, y [N, E] f32
+//                      (ids may have any rank; y is ids' shape plus [E])
+// The decode step's fused ops (decode_ops.cc): MsliteLlmRmsNorm, MsliteLlmQkvRope, MsliteLlmGemvAdd,
+// MsliteLlmSwiGlu, MsliteLlmDecodeQkv, MsliteLlmNormSwiGlu, MsliteLlmDecodeTail; the attention (attention.cc):
+// MsliteLlmDecodeAttention; cpu_kernels/__init__.py lists their tensors. The int8/int4 matmuls (matmul_quant.cc, whose
+// comment lists their tensors and one more error code): MsliteLlmQuantMatmul, MsliteLlmQuantMatmulOffset,
+// MsliteLlmAtlasWeightQuantBatchMatmul.
+#include <chrono>
+
+#include "common.h"
+#include "ops.h"
+#include "pool.h"
+
+using namespace msllm;
+
+namespace {
+
+// ---- timing the kernels in a graph (benchmarks/bench_decode_step.py --in_graph) ------------------------------
+// With MSLITE_LLM_CPU_KERNELS_PROFILE=1 (read at load) each exported op adds its calls and wall time to a counter:
+// what our kernels cost inside MindSpore's graph, against the step's whole time. Off: one predictable branch. (The
+// float kernels' ops; the quantized matmuls are not counted.)
+enum Op { OP_GEMV, OP_GEMV_BIAS, OP_GEMM_VALID, OP_EMBED, OP_RMS_NORM, OP_QKV_ROPE, OP_GEMV_ADD, OP_SWIGLU,
+          OP_ATTENTION, OP_DECODE_QKV, OP_NORM_SWIGLU, OP_DECODE_TAIL, OP_COUNT };
+const bool g_profile = std::getenv("MSLITE_LLM_CPU_KERNELS_PROFILE") != nullptr;
+std::atomic<int64_t> g_profile_ns[OP_COUNT], g_profile_calls[OP_COUNT];
+
+template <class F>
+int timed(Op op, F&& f) {
+  if (!g_profile) return f();
+  const auto t0 = std::chrono::steady_clock::now();
+  const int rc = f();
+  g_profile_ns[op] += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+                          .count();
+  g_profile_calls[op] += 1;
+  return rc;
+}
+
+}  // namespace
+
+extern "C" {
+
+int MsliteLlmGemv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return timed(OP_GEMV, [&] { return gemv(nparam, params, ndims, shapes, dtypes, false, false); });
+}
+
+int MsliteLlmGemvBias(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return timed(OP_GEMV_BIAS, [&] { return gemv(nparam, params, ndims, shapes, dtypes, true, false); });
+}
+
+int MsliteLlmGemmValid(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  // with the bias: 5 params
+  return timed(OP_GEMM_VALID, [&] { return gemv(nparam, params, ndims, shapes, dtypes, nparam == 5, true); });
+}
+
+int MsliteLlmEmbed(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return timed(OP_EMBED, [&] { return embed(nparam, params, ndims, shapes, dtypes); });
+}
+
+int MsliteLlmRmsNorm(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return timed(OP_RMS_NORM, [&] { return rms_norm(nparam, params, ndims, shapes, dtypes); });
+}
+
+int MsliteLlmQkvRope(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return timed(OP_QKV_ROPE, [&] { return qkv_rope(nparam, params, ndims, shapes, dtypes); });
+}
+
+int MsliteLlmGemvAdd(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return timed(OP_GEMV_ADD, [&] { return gemv_add(nparam, params, ndims, shapes, dtypes); });
+}
+
+int MsliteLlmSwiGlu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return timed(OP_SWIGLU, [&] { return swiglu(nparam, params, ndims, shapes, dtypes); });
+}
+
+int MsliteLlmDecodeAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
+                             void*) {
+  return timed(OP_ATTENTION, [&] { return decode_attention(nparam, params, ndims, shapes, dtypes); });
+}
+
+int MsliteLlmDecodeQkv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return timed(OP_DECODE_QKV, [&] { return decode_qkv(nparam, params, ndims, shapes, dtypes); });
+}
+
+int MsliteLlmNormSwiGlu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return timed(OP_NORM_SWIGLU, [&] { return norm_swiglu(nparam, params, ndims, shapes, dtypes); });
+}
+
+int MsliteLlmDecodeTail(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return timed(OP_DECODE_TAIL, [&] { return decode_tail(nparam, params, ndims, shapes, dtypes); });
+}
+
+int MsliteLlmQuantMatmul(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return quant_matmul_op(nparam, params, ndims, shapes, dtypes, false);
+}
+
+int MsliteLlmQuantMatmulOffset(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
+                               void*) {
+  return quant_matmul_op(nparam, params, ndims, shapes, dtypes, true);
+}
+
+int MsliteLlmAtlasWeightQuantBatchMatmul(int nparam, void** params, int* ndims, int64_t** shapes,
+                                         const char** dtypes, void*, void*) {
+  return weight_quant_batch_matmul(nparam, params, ndims, shapes, dtypes);
+}
+
+// With MSLITE_LLM_CPU_KERNELS_PROFILE set: per op (in Op's order), calls and nanoseconds since the last reset into
+// calls[OP_COUNT] and ns[OP_COUNT]; returns OP_COUNT, or 0 when profiling is off. reset: zero the counters after.
+int MsliteLlmProfile(int64_t* calls, int64_t* ns, int reset) {
+  if (!g_profile) return 0;
+  for (int i = 0; i < OP_COUNT; ++i) {
+    calls[i] = reset ? g_profile_calls[i].exchange(0) : g_profile_calls[i].load();
+    ns[i] = reset ? g_profile_ns[i].exchange(0) : g_profile_ns[i].load();
+  }
+  return OP_COUNT;
+}
+
+// The code path this machine runs, for every family: "avx512", "avx2" (AVX2 + FMA + F16C), "neon" or "generic".
+const char* MsliteLlmIsa() { return isa_name(isa()); }
+
+// Threads the kernels use; 0 restores the default (the machine's cores). The runtime passes its CPU thread count.
+void MsliteLlmSetThreads(int threads) { set_threads(threads); }
+
+}  // extern "C"
