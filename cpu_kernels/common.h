@@ -93,7 +93,8 @@ inline const char* isa_name(Isa i) {
 struct f16 { uint16_t bits; };   // IEEE binary16
 struct bf16 { uint16_t bits; };  // the upper half of a float32
 
-enum WType { W_F32 = 0, W_F16 = 1, W_BF16 = 2, W_NONE = -1 };
+// W_QUANT: an int8/int4 weight with its scales, `w` a QuantWeight (matmul_quant.h); never a tensor's own dtype
+enum WType { W_F32 = 0, W_F16 = 1, W_BF16 = 2, W_QUANT = 3, W_NONE = -1 };
 
 inline WType weight_type(const char* dtype) {
   if (std::strcmp(dtype, "float32") == 0 || std::strcmp(dtype, "float") == 0) return W_F32;

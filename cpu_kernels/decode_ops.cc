@@ -6,7 +6,13 @@
 // were a quarter of the float32 step and nearly half of the bfloat16 one (docs/performance-log.md, "The decode step:
 // where the time goes, and fused ops", 2026-11-23). These fold the decode step's chains of small ops into one call
 // each. Float32 activations only.
+//
+// Weights: each matrix is one tensor (float32, float16 or bfloat16 [O, I]) or a quantized one's two or three,
+// q (int8 [O, I] / uint8 [O, I/2]), scale [G, O][, offset [G, O]] (matmul_quant.h; export/layers.py Linear.weights),
+// all of one call alike. How many tensors a weight takes is told by the first weight's dtype and the call's count
+// of tensors (weight_arity).
 #include "matmul16.h"
+#include "matmul_quant.h"
 #include "ops.h"
 #include "pool.h"
 
@@ -51,6 +57,60 @@ struct MultiGemvJob : Job {
   }
 };
 
+// A weight as a fused op is given it: `raw` of a float type, or `quant` (the rows kernels get data())
+struct WeightArg {
+  WType type = W_NONE;
+  const void* raw = nullptr;
+  QuantWeight quant;
+  int64_t out = 0, in = 0;
+  const void* data() const { return type == W_QUANT ? static_cast<const void*>(&quant) : raw; }
+};
+
+// Tensors per weight in a call of nparam tensors whose first weight is at `first`: 1 (a float dtype there), else 2
+// or 3 (q, scale[, offset]) as the count says for an op of `base` tensors with float weights (or `base_alt`, an op's
+// form with optional tensors) and `weights` weights; 0 when neither fits. Where the count fits both (qkv_rope's 18:
+// 12 + 2 x 3, or 15 + 3), the tensor after the scale decides: an offset is 2-D, the bias that would follow is 1-D.
+int weight_arity(int nparam, int* ndims, const char** dtypes, int first, int weights, int base, int base_alt = -1) {
+  if (!is_quant_dtype(dtypes[first])) return 1;
+  int found = 0;
+  for (int b : {base, base_alt})
+    for (int a : {2, 3})
+      if (b >= 0 && nparam == b + (a - 1) * weights) found |= 1 << a;
+  if (found == (1 << 2 | 1 << 3)) return ndims[first + 2] == 2 ? 3 : 2;
+  return found == 1 << 2 ? 2 : found == 1 << 3 ? 3 : 0;
+}
+
+// Reads the weight at params[*i] (advancing *i past its tensors): 0, or 2 (dtype), 3 (rank), 4 (shapes)
+int read_weight(void** params, int* ndims, int64_t** shapes, const char** dtypes, int arity, int* i, WeightArg* w) {
+  if (arity == 1) {
+    w->type = weight_type(dtypes[*i]);
+    if (w->type == W_NONE) return 2;
+    if (ndims[*i] != 2) return 3;
+    w->raw = params[*i], w->out = shapes[*i][0], w->in = shapes[*i][1];
+  } else {
+    if (const int bad = read_quant_weight(params, ndims, shapes, dtypes, *i, arity == 3, &w->quant)) return bad;
+    w->type = W_QUANT, w->out = w->quant.n, w->in = w->quant.k;
+  }
+  *i += arity;
+  return 0;
+}
+
+// Reads `count` weights of one type from params[*i] on, with the float tensor (bias) after each when `biases`
+int read_weights(void** params, int* ndims, int64_t** shapes, const char** dtypes, int arity, int* i, int count,
+                 WeightArg* ws, const float** biases = nullptr) {
+  for (int m = 0; m < count; ++m) {
+    if (const int bad = read_weight(params, ndims, shapes, dtypes, arity, i, ws + m)) return bad;
+    if (ws[m].type != ws[0].type) return 2;
+    if (biases != nullptr) {
+      if (!is_f32(dtypes[*i])) return 2;
+      if (ndims[*i] != 1) return 3;
+      if (shapes[*i][0] != ws[m].out) return 4;
+      biases[m] = static_cast<const float*>(params[(*i)++]);
+    }
+  }
+  return 0;
+}
+
 // y = x * rsqrt(mean(x^2) + eps) * w, per row (HF Qwen2RMSNorm in float32; the sum in double).
 void norm_rows(const float* x, int64_t rows, int64_t e, const float* w, float eps, float* y) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -90,27 +150,41 @@ void head_rms_norm(float* x, int64_t rows, int64_t heads, int64_t d, const float
   }
 }
 
-// q, k, v [rows, outs[m]] = x . W^T + b for the three (weights, bias) pairs in wb (W of type wt), then Qwen3's
-// per-head norms (qn, kn; null: none) and RoPE on q and k (head size d): the q/k/v ops' shared body. The GEMV
-// tasks of the three in one dispatch up to GEMV_MAX_ROWS rows, the GEMM form beyond.
-void project_qkv_rope(const float* x, int64_t rows, int64_t in, WType wt, void* const* wb, const int64_t outs[3],
+// q, k, v [rows, out of each] = x . W^T + b for the three weights ws (of one type) and biases, then Qwen3's per-head
+// norms (qn, kn; null: none) and RoPE on q and k (head size d): the q/k/v ops' shared body. The GEMV tasks of the
+// three in one dispatch up to GEMV_MAX_ROWS rows (quantized weights: x prepared once per layout), the GEMM beyond.
+void project_qkv_rope(const float* x, int64_t rows, int64_t in, const WeightArg* ws, const float* const* bs,
                       float* const ys[3], int64_t d, const float* cos, const float* sin, const float* qn,
                       const float* kn, float eps) {
+  const WType wt = ws[0].type;
   if (rows <= GEMV_MAX_ROWS || !has_gemm(wt)) {
+    QuantWeight prepared[3];
+    PreparedX px[3];
     MultiGemvJob job;
     job.fn = rows_kernel(wt);
     job.x = x, job.rows = rows, job.in = in;
-    for (int m = 0; m < 3; ++m) job.add(wb[2 * m], static_cast<const float*>(wb[2 * m + 1]), outs[m], ys[m]);
+    for (int m = 0; m < 3; ++m) {
+      const void* w = ws[m].data();
+      if (wt == W_QUANT) {
+        prepared[m] = ws[m].quant;
+        int same = 0;
+        while (same < m && !same_layout(px[same], ws[m].quant)) ++same;
+        if (same == m) prepare(x, rows, ws[m].quant, &px[m]);
+        prepared[m].x = &px[same];
+        w = &prepared[m];
+      }
+      job.add(w, bs[m], ws[m].out, ys[m]);
+    }
     job.run_all();
   } else {
-    for (int m = 0; m < 3; ++m) matmul(x, rows, wb[2 * m], wt, static_cast<const float*>(wb[2 * m + 1]), in, outs[m], ys[m]);
+    for (int m = 0; m < 3; ++m) matmul(x, rows, ws[m].data(), wt, bs[m], in, ws[m].out, ys[m]);
   }
   if (qn != nullptr) {
-    head_rms_norm(ys[0], rows, outs[0] / d, d, qn, eps);
-    head_rms_norm(ys[1], rows, outs[1] / d, d, kn, eps);
+    head_rms_norm(ys[0], rows, ws[0].out / d, d, qn, eps);
+    head_rms_norm(ys[1], rows, ws[1].out / d, d, kn, eps);
   }
-  rope(ys[0], rows, outs[0] / d, d, cos, sin);
-  rope(ys[1], rows, outs[1] / d, d, cos, sin);
+  rope(ys[0], rows, ws[0].out / d, d, cos, sin);
+  rope(ys[1], rows, ws[1].out / d, d, cos, sin);
 }
 
 }  // namespace
@@ -131,60 +205,62 @@ int rms_norm(int nparam, void** params, int* ndims, int64_t** shapes, const char
 
 // x [M, E]; Wq [H*D, E], bq; Wk [KH*D, E], bk; Wv, bv; cos, sin [M, D] [; q_norm, k_norm [D], eps [1]]
 // -> q [M, H*D], k, v [M, KH*D]: the three projections (one dispatch when M is small), the optional per-head
-// RMSNorm of q and k (Qwen3), and RoPE on q and k. 12 params without the norms, 15 with them.
+// RMSNorm of q and k (Qwen3), and RoPE on q and k. 12 tensors with float weights and without the norms, 15 with them
+// (each quantized weight adds one or two).
 int qkv_rope(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
-  if (nparam != 12 && nparam != 15) return 1;
-  const int inputs = nparam - 3;  // the outputs are the last three params
-  const bool norms = nparam == 15;
-  const WType wt = weight_type(dtypes[1]);
-  if (wt == W_NONE || weight_type(dtypes[3]) != wt || weight_type(dtypes[5]) != wt) return 2;
+  if (nparam < 4) return 1;
+  const int arity = weight_arity(nparam, ndims, dtypes, 1, 3, 12, 15);
+  if (arity == 0) return 1;
+  const bool norms = nparam == 15 + 3 * (arity - 1);
+  if (nparam != (norms ? 15 : 12) + 3 * (arity - 1)) return 1;
+  WeightArg ws[3];
+  const float* bs[3];
+  int i = 1;
+  if (const int bad = read_weights(params, ndims, shapes, dtypes, arity, &i, 3, ws, bs)) return bad;
+  const int ci = i, si = i + 1, outputs = nparam - 3;  // cos, sin; the outputs are the last three tensors
   for (int k = 0; k < nparam; ++k)
-    if (k != 1 && k != 3 && k != 5 && !is_f32(dtypes[k])) return 2;
-  for (int k : {0, 1, 3, 5, 7, 8})
+    if ((k == 0 || k >= ci) && !is_f32(dtypes[k])) return 2;
+  if (ndims[0] != 2 || ndims[ci] != 2 || ndims[si] != 2) return 3;
+  for (int k = outputs; k < nparam; ++k)
     if (ndims[k] != 2) return 3;
-  for (int k : {2, 4, 6})
-    if (ndims[k] != 1) return 3;
-  for (int k = inputs; k < nparam; ++k)
-    if (ndims[k] != 2) return 3;
-  if (norms && (ndims[9] != 1 || ndims[10] != 1 || ndims[11] > 1 || shapes[9][0] != shapes[7][1] ||
-                shapes[10][0] != shapes[7][1] || (ndims[11] == 1 && shapes[11][0] != 1)))
+  const int64_t rows = shapes[0][0], in = shapes[0][1], d = shapes[ci][1];
+  if (norms && (ndims[si + 1] != 1 || ndims[si + 2] != 1 || ndims[si + 3] > 1 || shapes[si + 1][0] != d ||
+                shapes[si + 2][0] != d || (ndims[si + 3] == 1 && shapes[si + 3][0] != 1)))
     return 4;
-  const int64_t rows = shapes[0][0], in = shapes[0][1], d = shapes[7][1];
-  int64_t outs[3];
-  for (int m = 0; m < 3; ++m) {
-    outs[m] = shapes[1 + 2 * m][0];
-    if (shapes[1 + 2 * m][1] != in || shapes[2 + 2 * m][0] != outs[m] || shapes[inputs + m][0] != rows ||
-        shapes[inputs + m][1] != outs[m])
-      return 4;
-  }
-  if (d <= 0 || d % 2 || outs[0] % d || outs[1] % d || outs[2] != outs[1] || shapes[7][0] != rows ||
-      shapes[8][0] != rows || shapes[8][1] != d)
+  for (int m = 0; m < 3; ++m)
+    if (ws[m].in != in || shapes[outputs + m][0] != rows || shapes[outputs + m][1] != ws[m].out) return 4;
+  if (d <= 0 || d % 2 || ws[0].out % d || ws[1].out % d || ws[2].out != ws[1].out || shapes[ci][0] != rows ||
+      shapes[si][0] != rows || shapes[si][1] != d)
     return 4;
-  const float* x = static_cast<const float*>(params[0]);
-  float* ys[3] = {static_cast<float*>(params[inputs]), static_cast<float*>(params[inputs + 1]),
-                  static_cast<float*>(params[inputs + 2])};
+  float* ys[3] = {static_cast<float*>(params[outputs]), static_cast<float*>(params[outputs + 1]),
+                  static_cast<float*>(params[outputs + 2])};
   if (rows <= 0 || in <= 0) return rows <= 0 ? 0 : 4;
-  project_qkv_rope(x, rows, in, wt, params + 1, outs, ys, d, static_cast<const float*>(params[7]),
-                   static_cast<const float*>(params[8]), norms ? static_cast<const float*>(params[9]) : nullptr,
-                   norms ? static_cast<const float*>(params[10]) : nullptr,
-                   norms ? *static_cast<const float*>(params[11]) : 0.f);
+  project_qkv_rope(static_cast<const float*>(params[0]), rows, in, ws, bs, ys, d,
+                   static_cast<const float*>(params[ci]), static_cast<const float*>(params[si]),
+                   norms ? static_cast<const float*>(params[si + 1]) : nullptr,
+                   norms ? static_cast<const float*>(params[si + 2]) : nullptr,
+                   norms ? *static_cast<const float*>(params[si + 3]) : 0.f);
   return 0;
 }
 
 // x [M, I], W [O, I], r [M, O] -> y = x . W^T + r: o_proj and down_proj with the residual add folded in.
 int gemv_add(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
-  if (nparam != 4) return 1;
-  const WType wt = weight_type(dtypes[1]);
-  if (wt == W_NONE || !is_f32(dtypes[0]) || !is_f32(dtypes[2]) || !is_f32(dtypes[3])) return 2;
-  for (int k = 0; k < 4; ++k)
-    if (ndims[k] != 2) return 3;
-  const int64_t rows = shapes[0][0], in = shapes[0][1], out = shapes[1][0];
-  if (shapes[1][1] != in || shapes[2][0] != rows || shapes[2][1] != out || shapes[3][0] != rows || shapes[3][1] != out)
+  if (nparam < 4) return 1;
+  const int arity = weight_arity(nparam, ndims, dtypes, 1, 1, 4);
+  if (arity == 0 || nparam != 3 + arity) return 1;
+  WeightArg w;
+  int i = 1;
+  if (const int bad = read_weight(params, ndims, shapes, dtypes, arity, &i, &w)) return bad;
+  if (!is_f32(dtypes[0]) || !is_f32(dtypes[i]) || !is_f32(dtypes[i + 1])) return 2;
+  if (ndims[0] != 2 || ndims[i] != 2 || ndims[i + 1] != 2) return 3;
+  const int64_t rows = shapes[0][0], in = shapes[0][1], out = w.out;
+  if (w.in != in || shapes[i][0] != rows || shapes[i][1] != out || shapes[i + 1][0] != rows ||
+      shapes[i + 1][1] != out)
     return 4;
   if (rows <= 0 || out <= 0) return 0;
   if (in <= 0) return 4;
-  matmul(static_cast<const float*>(params[0]), rows, params[1], wt, nullptr, in, out, static_cast<float*>(params[3]),
-         nullptr, static_cast<const float*>(params[2]));
+  matmul(static_cast<const float*>(params[0]), rows, w.data(), w.type, nullptr, in, out,
+         static_cast<float*>(params[i + 1]), nullptr, static_cast<const float*>(params[i]));
   return 0;
 }
 
@@ -192,53 +268,59 @@ int gemv_add(int nparam, void** params, int* ndims, int64_t** shapes, const char
 // biases, Qwen3's per-head norms, RoPE, and k and v written into the KV cache at each row's position, in place.
 // params: x [N, E], ln_w [E], eps [1], Wq, bq, Wk, bk, Wv, bv, cos [N, D], sin [N, D], key_cache, value_cache
 // [B, KH, S, D] float32, valid_length [N] int32 (the position written is valid_length - 1), [q_norm [D],
-// k_norm [D]], q [N, H*D] (the output). N <= B: row r of x is cache row r's token (the decode step); N = B x n: n
-// tokens of each cache row in turn (the CPU prefill graph: a prompt's tokens, valid_length their positions + 1).
+// k_norm [D]], q [N, H*D] (the output): 15 tensors with float weights, 17 with the norms. N <= B: row r of x is
+// cache row r's token (the decode step); N = B x n: n tokens of each cache row in turn (the CPU prefill graph: a
+// prompt's tokens, valid_length their positions + 1).
 // Writing the caches here saves the graph two ScatterNdUpdate per layer (MindSpore's CPU kernel: ~60 us each,
 // docs/performance-log.md, "The decode step: where the time goes, and fused ops", 2026-11-23) and the separate
 // norm's call.
 int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
-  if (nparam != 15 && nparam != 17) return 1;
-  const bool norms = nparam == 17;
-  const int out = nparam - 1;
-  const WType wt = weight_type(dtypes[3]);
-  if (wt == W_NONE || weight_type(dtypes[5]) != wt || weight_type(dtypes[7]) != wt) return 2;
+  if (nparam < 4) return 1;
+  const int arity = weight_arity(nparam, ndims, dtypes, 3, 3, 15, 17);
+  if (arity == 0) return 1;
+  const bool norms = nparam == 17 + 3 * (arity - 1);
+  if (nparam != (norms ? 17 : 15) + 3 * (arity - 1)) return 1;
+  WeightArg ws[3];
+  const float* bs[3];
+  int i = 3;
+  if (const int bad = read_weights(params, ndims, shapes, dtypes, arity, &i, 3, ws, bs)) return bad;
+  const int ci = i, si = i + 1, kci = i + 2, vci = i + 3, li = i + 4, out = nparam - 1;
   for (int k = 0; k < nparam; ++k)
-    if (k != 3 && k != 5 && k != 7 && k != 13 && !is_f32(dtypes[k])) return 2;
-  if (std::strcmp(dtypes[13], "int32") != 0) return 2;
-  if (ndims[0] != 2 || ndims[1] != 1 || ndims[2] > 1 || ndims[11] != 4 || ndims[12] != 4 || ndims[13] != 1 ||
+    if ((k < 3 || (k >= ci && k != li)) && !is_f32(dtypes[k])) return 2;
+  if (std::strcmp(dtypes[li], "int32") != 0) return 2;
+  if (ndims[0] != 2 || ndims[1] != 1 || ndims[2] > 1 || ndims[kci] != 4 || ndims[vci] != 4 || ndims[li] != 1 ||
       ndims[out] != 2)
     return 3;
   const int64_t rows = shapes[0][0], e = shapes[0][1];
-  const int64_t kv_heads = shapes[11][1], seq = shapes[11][2], d = shapes[11][3];
+  const int64_t kv_heads = shapes[kci][1], seq = shapes[kci][2], d = shapes[kci][3];
   for (int k = 0; k < 4; ++k)
-    if (shapes[12][k] != shapes[11][k]) return 4;
-  const int64_t cache_rows = shapes[11][0];
-  if (shapes[1][0] != e || cache_rows <= 0 || (rows > cache_rows && rows % cache_rows) || shapes[13][0] != rows ||
+    if (shapes[vci][k] != shapes[kci][k]) return 4;
+  const int64_t cache_rows = shapes[kci][0];
+  if (shapes[1][0] != e || cache_rows <= 0 || (rows > cache_rows && rows % cache_rows) || shapes[li][0] != rows ||
       d <= 0 || d % 2)
     return 4;
   const int64_t per_row = rows > cache_rows ? rows / cache_rows : 1;  // tokens of each cache row
-  if (norms && (ndims[14] != 1 || ndims[15] != 1 || shapes[14][0] != d || shapes[15][0] != d)) return 4;
-  const int64_t outs[3] = {shapes[3][0], shapes[5][0], shapes[7][0]};
-  for (int m = 0; m < 3; ++m)
-    if (ndims[3 + 2 * m] != 2 || shapes[3 + 2 * m][1] != e || ndims[4 + 2 * m] != 1 || shapes[4 + 2 * m][0] != outs[m])
-      return 4;
-  if (outs[1] != kv_heads * d || outs[2] != outs[1] || outs[0] % d || shapes[out][0] != rows ||
-      shapes[out][1] != outs[0] || ndims[9] != 2 || ndims[10] != 2 || shapes[9][0] != rows || shapes[9][1] != d ||
-      shapes[10][0] != rows || shapes[10][1] != d)
+  if (norms && (ndims[li + 1] != 1 || ndims[li + 2] != 1 || shapes[li + 1][0] != d || shapes[li + 2][0] != d))
     return 4;
-  const int32_t* valid = static_cast<const int32_t*>(params[13]);
+  for (int m = 0; m < 3; ++m)
+    if (ws[m].in != e) return 4;
+  if (ws[1].out != kv_heads * d || ws[2].out != ws[1].out || ws[0].out % d || shapes[out][0] != rows ||
+      shapes[out][1] != ws[0].out || ndims[ci] != 2 || ndims[si] != 2 || shapes[ci][0] != rows ||
+      shapes[ci][1] != d || shapes[si][0] != rows || shapes[si][1] != d)
+    return 4;
+  const int32_t* valid = static_cast<const int32_t*>(params[li]);
   for (int64_t r = 0; r < rows; ++r)
     if (valid[r] < 1 || valid[r] > seq) return 4;  // nothing is written for a bad call
   const float eps = *static_cast<const float*>(params[2]);
-  std::vector<float> xn(rows * e), kv(2 * rows * outs[1]);
+  const int64_t kv = ws[1].out;
+  std::vector<float> xn(rows * e), kvs(2 * rows * kv);
   norm_rows(static_cast<const float*>(params[0]), rows, e, static_cast<const float*>(params[1]), eps, xn.data());
-  float* const ys[3] = {static_cast<float*>(params[out]), kv.data(), kv.data() + rows * outs[1]};
-  project_qkv_rope(xn.data(), rows, e, wt, params + 3, outs, ys, d, static_cast<const float*>(params[9]),
-                   static_cast<const float*>(params[10]), norms ? static_cast<const float*>(params[14]) : nullptr,
-                   norms ? static_cast<const float*>(params[15]) : nullptr, eps);
+  float* const ys[3] = {static_cast<float*>(params[out]), kvs.data(), kvs.data() + rows * kv};
+  project_qkv_rope(xn.data(), rows, e, ws, bs, ys, d, static_cast<const float*>(params[ci]),
+                   static_cast<const float*>(params[si]), norms ? static_cast<const float*>(params[li + 1]) : nullptr,
+                   norms ? static_cast<const float*>(params[li + 2]) : nullptr, eps);
   for (int m = 1; m < 3; ++m) {
-    float* cache = static_cast<float*>(params[10 + m]);
+    float* cache = static_cast<float*>(params[m == 1 ? kci : vci]);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t h = 0; h < kv_heads; ++h)
         std::memcpy(cache + ((r / per_row * kv_heads + h) * seq + valid[r] - 1) * d, ys[m] + (r * kv_heads + h) * d,
@@ -247,70 +329,97 @@ int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const ch
   return 0;
 }
 
+namespace {
+
+// y [rows, out] = silu(x . Wg^T) * (x . Wu^T), x [rows, in] float32: shapes checked by the callers
+void swiglu_rows(const float* x, int64_t rows, const WeightArg& wg, const WeightArg& wu, float* y) {
+  matmul(x, rows, wg.data(), wg.type, nullptr, wg.in, wg.out, y, wu.data());
+}
+
+}  // namespace
+
 // The MLP's first half with its RMSNorm (MsliteLlmNormSwiGlu): h [B, E], ln_w [E], eps [1], Wg, Wu [O, E] ->
 // silu(n . Wg^T) * (n . Wu^T) [B, O] with n = RMSNorm(h): one call instead of two.
 int norm_swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
-  if (nparam != 6) return 1;
-  for (int k : {0, 1, 2, 5})
+  if (nparam < 4) return 1;
+  const int arity = weight_arity(nparam, ndims, dtypes, 3, 2, 6);
+  if (arity == 0 || nparam != 4 + 2 * arity) return 1;
+  WeightArg ws[2];
+  int i = 3;
+  if (const int bad = read_weights(params, ndims, shapes, dtypes, arity, &i, 2, ws)) return bad;
+  for (int k : {0, 1, 2, i})
     if (!is_f32(dtypes[k])) return 2;
-  if (ndims[0] != 2 || ndims[1] != 1 || ndims[2] > 1) return 3;
+  if (ndims[0] != 2 || ndims[1] != 1 || ndims[2] > 1 || ndims[i] != 2) return 3;
   const int64_t rows = shapes[0][0], e = shapes[0][1];
-  if (shapes[1][0] != e) return 4;
+  if (shapes[1][0] != e || ws[0].in != e || ws[1].in != e || ws[1].out != ws[0].out || shapes[i][0] != rows ||
+      shapes[i][1] != ws[0].out)
+    return 4;
+  if (rows <= 0 || ws[0].out <= 0) return 0;
+  if (e <= 0) return 4;
   std::vector<float> xn(rows * e);
   norm_rows(static_cast<const float*>(params[0]), rows, e, static_cast<const float*>(params[1]),
             *static_cast<const float*>(params[2]), xn.data());
-  int64_t shape[2] = {rows, e};
-  void* inner[4] = {xn.data(), params[3], params[4], params[5]};
-  int inner_ndims[4] = {2, ndims[3], ndims[4], ndims[5]};
-  int64_t* inner_shapes[4] = {shape, shapes[3], shapes[4], shapes[5]};
-  const char* inner_dtypes[4] = {"float32", dtypes[3], dtypes[4], dtypes[5]};
-  return swiglu(4, inner, inner_ndims, inner_shapes, inner_dtypes);
+  swiglu_rows(xn.data(), rows, ws[0], ws[1], static_cast<float*>(params[i]));
+  return 0;
 }
 
 // x [M, I]; Wg, Wu [O, I] -> y [M, O] = silu(x . Wg^T) * (x . Wu^T) (the MLP before down_proj).
 int swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
-  if (nparam != 4) return 1;
-  const WType wt = weight_type(dtypes[1]);
-  if (wt == W_NONE || weight_type(dtypes[2]) != wt || !is_f32(dtypes[0]) || !is_f32(dtypes[3])) return 2;
-  for (int k = 0; k < 4; ++k)
-    if (ndims[k] != 2) return 3;
-  const int64_t rows = shapes[0][0], in = shapes[0][1], out = shapes[1][0];
-  if (shapes[1][1] != in || shapes[2][0] != out || shapes[2][1] != in || shapes[3][0] != rows || shapes[3][1] != out)
-    return 4;
+  if (nparam < 4) return 1;
+  const int arity = weight_arity(nparam, ndims, dtypes, 1, 2, 4);
+  if (arity == 0 || nparam != 2 + 2 * arity) return 1;
+  WeightArg ws[2];
+  int i = 1;
+  if (const int bad = read_weights(params, ndims, shapes, dtypes, arity, &i, 2, ws)) return bad;
+  if (!is_f32(dtypes[0]) || !is_f32(dtypes[i])) return 2;
+  if (ndims[0] != 2 || ndims[i] != 2) return 3;
+  const int64_t rows = shapes[0][0], in = shapes[0][1], out = ws[0].out;
+  if (ws[0].in != in || ws[1].out != out || ws[1].in != in || shapes[i][0] != rows || shapes[i][1] != out) return 4;
   if (rows <= 0 || out <= 0) return 0;
   if (in <= 0) return 4;
-  matmul(static_cast<const float*>(params[0]), rows, params[1], wt, nullptr, in, out, static_cast<float*>(params[3]),
-         params[2]);
+  swiglu_rows(static_cast<const float*>(params[0]), rows, ws[0], ws[1], static_cast<float*>(params[i]));
   return 0;
 }
 
 // The rest of a layer after the attention in one op (MsliteLlmDecodeTail): h = x + attn . Wo^T, then
 // h + down(SwiGLU(RMSNorm(h))). params: attn [N, A], Wo [E, A], x [N, E] (the residual), ln_w [E], eps [1],
-// Wg, Wu [I, E], Wd [E, I], y [N, E]. For families without o_proj or MLP biases; one MindSpore launch where the
-// graph made three (~10-15 us each on 2 cores, 48 per step of the 0.5B shape: docs/performance-log.md, "Each thread
-// one stream, and the layer after the attention in one call", 2026-11-25).
+// Wg, Wu [I, E], Wd [E, I], y [N, E] (9 tensors with float weights). For families without o_proj or MLP biases; one
+// MindSpore launch where the graph made three (~10-15 us each on 2 cores, 48 per step of the 0.5B shape:
+// docs/performance-log.md, "Each thread one stream, and the layer after the attention in one call", 2026-11-25).
 int decode_tail(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
-  if (nparam != 9) return 1;
-  const WType wo = weight_type(dtypes[1]), wg = weight_type(dtypes[5]), wd = weight_type(dtypes[7]);
-  if (wo == W_NONE || wg == W_NONE || weight_type(dtypes[6]) != wg || wd == W_NONE) return 2;
-  for (int k : {0, 2, 3, 4, 8})
+  if (nparam < 4) return 1;
+  const int arity = weight_arity(nparam, ndims, dtypes, 1, 4, 9);
+  if (arity == 0 || nparam != 5 + 4 * arity) return 1;
+  WeightArg wo, ws[3];  // Wo; Wg, Wu, Wd
+  int i = 1;
+  if (const int bad = read_weight(params, ndims, shapes, dtypes, arity, &i, &wo)) return bad;
+  const int xi = i, li = i + 1, ei = i + 2;
+  i += 3;
+  if (const int bad = read_weight(params, ndims, shapes, dtypes, arity, &i, &ws[0])) return bad;
+  if (const int bad = read_weight(params, ndims, shapes, dtypes, arity, &i, &ws[1])) return bad;
+  if (const int bad = read_weight(params, ndims, shapes, dtypes, arity, &i, &ws[2])) return bad;
+  const int yi = i;
+  if (ws[1].type != ws[0].type) return 2;
+  for (int k : {0, xi, li, ei, yi})
     if (!is_f32(dtypes[k])) return 2;
-  for (int k : {0, 1, 2, 5, 6, 7, 8})
+  for (int k : {0, xi, yi})
     if (ndims[k] != 2) return 3;
-  if (ndims[3] != 1 || ndims[4] > 1) return 3;
-  const int64_t rows = shapes[0][0], a = shapes[0][1], e = shapes[1][0], inter = shapes[5][0];
-  if (shapes[1][1] != a || shapes[2][0] != rows || shapes[2][1] != e || shapes[3][0] != e || shapes[5][1] != e ||
-      shapes[6][0] != inter || shapes[6][1] != e || shapes[7][0] != e || shapes[7][1] != inter ||
-      shapes[8][0] != rows || shapes[8][1] != e)
+  if (ndims[li] != 1 || ndims[ei] > 1) return 3;
+  const int64_t rows = shapes[0][0], a = shapes[0][1], e = wo.out, inter = ws[0].out;
+  if (wo.in != a || shapes[xi][0] != rows || shapes[xi][1] != e || shapes[li][0] != e || ws[0].in != e ||
+      ws[1].out != inter || ws[1].in != e || ws[2].out != e || ws[2].in != inter || shapes[yi][0] != rows ||
+      shapes[yi][1] != e)
     return 4;
   if (rows <= 0 || e <= 0) return 0;
   if (a <= 0 || inter <= 0) return 4;
   std::vector<float> h(size_t(rows * e)), hn(size_t(rows * e)), m(size_t(rows * inter));
-  matmul(static_cast<const float*>(params[0]), rows, params[1], wo, nullptr, a, e, h.data(), nullptr,
-         static_cast<const float*>(params[2]));
-  norm_rows(h.data(), rows, e, static_cast<const float*>(params[3]), *static_cast<const float*>(params[4]), hn.data());
-  matmul(hn.data(), rows, params[5], wg, nullptr, e, inter, m.data(), params[6]);
-  matmul(m.data(), rows, params[7], wd, nullptr, inter, e, static_cast<float*>(params[8]), nullptr, h.data());
+  matmul(static_cast<const float*>(params[0]), rows, wo.data(), wo.type, nullptr, a, e, h.data(), nullptr,
+         static_cast<const float*>(params[xi]));
+  norm_rows(h.data(), rows, e, static_cast<const float*>(params[li]), *static_cast<const float*>(params[ei]),
+            hn.data());
+  swiglu_rows(hn.data(), rows, ws[0], ws[1], m.data());
+  matmul(m.data(), rows, ws[2].data(), ws[2].type, nullptr, inter, e, static_cast<float*>(params[yi]), nullptr,
+         h.data());
   return 0;
 }
 

@@ -26,6 +26,7 @@
 
 #include <type_traits>
 
+#include "matmul_quant.h"
 #include "ops.h"
 #include "pool.h"
 
@@ -699,9 +700,25 @@ struct EmbedJob : Job {
 
 }  // namespace
 
-RowsFn rows_kernel(WType wt) { return g_kernels.rows[wt]; }
+RowsFn rows_kernel(WType wt) { return wt == W_QUANT ? quant_rows_kernel() : g_kernels.rows[wt]; }
 
-bool has_gemm(WType wt) { return g_kernels.gemm[wt] != nullptr; }
+bool has_gemm(WType wt) { return wt == W_QUANT || g_kernels.gemm[wt] != nullptr; }
+
+namespace {
+
+// The GEMV form of matmul(): threads split the output rows, each task with the fused ops' epilogue on its rows
+void gemv_rows(RowsFn fn, const float* x, int64_t rows, const void* w, const float* b, int64_t in, int64_t out,
+               float* y, const void* up, const float* residual) {
+  GemvJob job;
+  job.fn = fn;
+  job.x = x, job.rows = rows, job.w = w, job.b = b, job.in = in, job.out = out, job.y = y;
+  job.up = up, job.residual = residual;
+  job.step = task_rows(out);
+  job.shares.split((out + job.step - 1) / job.step, out >= MIN_PARALLEL_ROWS ? threads_to_use() : 1);
+  run(&job, out >= MIN_PARALLEL_ROWS);
+}
+
+}  // namespace
 
 // x [M, I] . W[O, I]^T (+ b [O]) -> y [M, O]. With `prompt_rows` (the full graph's form, MsliteLlmGemmValid) a
 // valid_length [B] int32 input comes before y: x holds B rows of n = M / B tokens, right-padded, and only each
@@ -759,17 +776,22 @@ void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* 
     epilogue(y, rows, out, 0, out, up != nullptr ? u.data() : nullptr, out, residual);
     return;
   }
-  const GemmFn gemm = g_kernels.gemm[wt];
-  if (rows <= GEMV_MAX_ROWS || gemm == nullptr) {  // with the epilogue in each task (its buffer holds 16 rows)
-    GemvJob job;
-    job.fn = g_kernels.rows[wt];
-    job.x = x, job.rows = rows, job.w = w, job.b = b, job.in = in, job.out = out, job.y = y;
-    job.up = up, job.residual = residual;
-    job.step = task_rows(out);
-    job.shares.split((out + job.step - 1) / job.step, out >= MIN_PARALLEL_ROWS ? threads_to_use() : 1);
-    run(&job, out >= MIN_PARALLEL_ROWS);
-    return;
+  if (wt == W_QUANT) {  // matmul_quant.cc's: its rows kernel reads x prepared, once per call (and per layout)
+    const QuantWeight& wq = *static_cast<const QuantWeight*>(w);
+    if (up == nullptr && residual == nullptr) return quant_matmul(x, rows, wq, b, y);
+    QuantWeight wx = wq, ux = up != nullptr ? *static_cast<const QuantWeight*>(up) : wq;
+    PreparedX px, pu;
+    prepare(x, rows, wx, &px);
+    wx.x = &px;
+    if (up != nullptr) {
+      if (!same_layout(px, ux)) prepare(x, rows, ux, &pu);
+      ux.x = same_layout(px, ux) ? &px : &pu;
+    }
+    return gemv_rows(quant_rows_kernel(), x, rows, &wx, b, in, out, y, up != nullptr ? &ux : nullptr, residual);
   }
+  const GemmFn gemm = g_kernels.gemm[wt];
+  if (rows <= GEMV_MAX_ROWS || gemm == nullptr) return gemv_rows(g_kernels.rows[wt], x, rows, w, b, in, out, y, up,
+                                                                 residual);
   GemmJob job;
   job.fn = gemm;
   job.x = x, job.w = w, job.b = b, job.rows = rows, job.in = in, job.out = out, job.y = y;

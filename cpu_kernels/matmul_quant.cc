@@ -44,6 +44,7 @@
 //     x . W^T accumulated in float32 and rounded to T.
 #include "common.h"
 #include "dtypes.h"
+#include "matmul_quant.h"
 #include "ops.h"
 #include "pool.h"
 
@@ -55,8 +56,6 @@ constexpr int64_t KC = 256;  // inputs per dequantized block (even: an int4 bloc
 constexpr int64_t MB = 48;   // rows of x per task (a multiple of 3); MB x KC floats of x: L2
 constexpr int64_t PANEL_MIN_ROWS = 6;  // rows of x from which the AVX2 buffered form packs the tile and broadcasts x
                                         // (no sums across lanes): even with the dot products at 6, ~10 % ahead at 16
-constexpr int64_t FUSED_MAX_ROWS = 12;  // rows of x up to which the AVX2 form dequantizes in registers (decode; 2-3x
-                                        // the buffered form's speed at 1-4 rows, ahead up to 12, behind at 16)
 constexpr int64_t MIN_PARALLEL_WORK = int64_t(1) << 20;  // multiply-adds below which the caller runs alone (set
                                                          // when each call started its own threads; kept with the pool)
 
@@ -270,118 +269,327 @@ MSLLM_AVX2 void dots_avx2(const float* x, int64_t ldx, int64_t rows, const float
   }
 }
 
-// The decode form: R (1..4) rows of x against C weight rows over all K, each weight dequantized in registers as it is
-// loaded ((q + offset) * scale: the same float32 value the buffered forms store), so no float buffer and one pass over
-// the integers (int4: unpacked to int8 per block of KC first). Groups a multiple of 8 inputs. Weight rows past `cols`
-// repeat the last one (read, not written).
-template <int R, int C, bool INT4, bool OFFSET>
-MSLLM_AVX2 void fused_tile_avx2(const Problem& p, int64_t n0, int64_t cols, int64_t m0, int8_t* qbuf) {
-  const int64_t K = p.k, N = p.n;
-  int64_t n[C];
+#endif
+
+// ---- the decode form: integer dot products over 16-bit activations ---------------------------------------------
+// Up to QUANT_ROWS_MAX rows of x (the decode step, a few chunk rows) a matmul reads each weight once. Widening each
+// weight to float32 in registers (the buffered forms' arithmetic, and the 16-bit kernels') made it compute-bound on
+// AVX2: 3 instructions per 8 int8 weights, 7 per 16 int4 ones; 15 and 8.6 GMAC/s on one core of this project's
+// machine, where the 0.5B shape's decode at llama.cpp's Q4_0 pace needs ~22. So x is rounded to int16 once per call,
+// per block of 32 inputs with its own scale (max |x| / 32767), and the weights are widened to int16 only: vpmaddwd
+// multiplies 16 pairs and adds them in pairs, exactly, in int32. 32-40 and 17-24 GMAC/s on the same core; llama.cpp's
+// way, x as int8 Q8_0 blocks against the integers with vpmaddubsw, measured 19 (int8) and 49 (int4): int8 x would
+// speed int4 further, but rounds x 256 times as coarsely (docs/performance-log.md, "Quantized decode: int16
+// activations", 2026-11-26). What changes the result is x's rounding: at most max |x| / 65534 per input of its block
+// (a float32 rounding: 2^-24 of the value itself). The golden checks keep their float32 limit.
+//
+// Per call, x is prepared once (PreparedX): per row, the int16 inputs (int4: the even inputs, then the odd ones, as
+// a weight byte holds them), a scale per block of 32, and float sums of x per weight group (for the offsets, and for
+// int4, whose kernels read a nibble v as v ^ 8 = q + 8, 0..15, and subtract 8 x the group's sum). Per block: the
+// block's int32 dot product, as float, times its scale; per group, times the weight's scale, plus the group's
+// constant. The same integers and scales on every path; only the float sums' order differs.
+// Usable when groups and K are whole blocks; otherwise (odd shapes) a plain float32 form runs.
+
+constexpr int64_t QBLOCK = 32;
+
+bool int16_fits(const QuantWeight& w) { return w.k % QBLOCK == 0 && w.group % QBLOCK == 0; }
+
+const int16_t* prepared_row(const PreparedX& p, int64_t r) { return p.xq.data() + r * p.k; }
+const float* block_scales(const PreparedX& p, int64_t r) {
+  return p.scales.data() + r * (p.k / QBLOCK + 2 * (p.k / p.group));
+}
+// per row: G sums of x over each group, then (int4) G sums of x as rounded (the block scales times the int16 sums)
+const float* group_sums(const PreparedX& p, int64_t r) { return block_scales(p, r) + p.k / QBLOCK; }
+
+// The constant of output o's group gi: s * (offset * x's sum over the group, less 8 times the sum of x as rounded for
+// int4: the kernels' x . (q + 8) less that is x as rounded . q exactly, so x's rounding meets q, not q + 8, whose
+// larger magnitude doubled the error on SmolLM2)
+// (groups: w.k / w.group, passed in: a division per call cost int4 half its speed)
+inline float group_constant(const QuantWeight& w, int64_t groups, int64_t gi, int64_t o, float s, const float* sums) {
+  float c = w.offset ? w.offset[gi * w.n + o] * sums[gi] : 0.f;
+  if (w.int4) c -= 8.f * sums[groups + gi];
+  return s * c;
+}
+
+// One weight, float32 from its integers (the odd-shape form and the reference of the others)
+inline float weight_at(const QuantWeight& w, int64_t o, int64_t i) {
+  int q;
+  if (w.int4) {
+    const int b = static_cast<const uint8_t*>(w.q)[o * (w.k / 2) + i / 2];
+    q = (((i & 1) ? b >> 4 : b & 15) ^ 8) - 8;
+  } else {
+    q = static_cast<const int8_t*>(w.q)[o * w.k + i];
+  }
+  const int64_t gi = i / w.group;
+  return (float(q) + (w.offset ? w.offset[gi * w.n + o] : 0.f)) * w.scale[gi * w.n + o];
+}
+
+void qrows_float(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy, int64_t o0,
+                 int64_t o1) {
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t o = o0; o < o1; ++o) {
+      const float* x = w.x->x + m * w.k;
+      float t = 0.f;
+      for (int64_t i = 0; i < w.k; ++i) t += x[i] * weight_at(w, o, i);
+      y[m * ldy + o] = t + (b ? b[o] : 0.f);
+    }
+}
+
+// block blk's int32 dot product of weight row o with the prepared row xq (exact)
+inline int32_t block_dot(const QuantWeight& w, const int16_t* xq, int64_t o, int64_t blk) {
+  int32_t t = 0;
+  if (w.int4) {
+    const int64_t half = w.k / 2;
+    const uint8_t* q = static_cast<const uint8_t*>(w.q) + o * half;
+    for (int64_t j = blk * (QBLOCK / 2); j < (blk + 1) * (QBLOCK / 2); ++j) {
+      const int v = q[j] ^ 0x88;
+      t += int32_t(xq[j]) * (v & 15) + int32_t(xq[half + j]) * (v >> 4);
+    }
+  } else {
+    const int8_t* q = static_cast<const int8_t*>(w.q) + o * w.k;
+    for (int64_t i = blk * QBLOCK; i < (blk + 1) * QBLOCK; ++i) t += int32_t(xq[i]) * q[i];
+  }
+  return t;
+}
+
+void qrows_generic(const float*, int64_t rows, const void* wv, const float* b, int64_t, float* y, int64_t ldy,
+                   int64_t o0, int64_t o1) {
+  const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
+  if (!w.x->int16) return qrows_float(w, rows, b, y, ldy, o0, o1);
+  const int64_t groups = w.k / w.group, per = w.group / QBLOCK;
+  for (int64_t m = 0; m < rows; ++m) {
+    const int16_t* xq = prepared_row(*w.x, m);
+    const float *bs = block_scales(*w.x, m), *gs = group_sums(*w.x, m);
+    for (int64_t o = o0; o < o1; ++o) {
+      float total = 0.f;
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        float acc = 0.f;
+        for (int64_t blk = gi * per; blk < (gi + 1) * per; ++blk) acc += float(block_dot(w, xq, o, blk)) * bs[blk];
+        const float s = w.scale[gi * w.n + o];
+        total += acc * s + group_constant(w, groups, gi, o, s, gs);
+      }
+      y[m * ldy + o] = total + (b ? b[o] : 0.f);
+    }
+  }
+}
+
+// R rows of x (from m0) by C weight rows n[0..C-1] (past `cols`, repeats of the last: read, not written). The
+// per-ISA part is two functions: Wide widen(w, n, blk) (a block's 32 weights as int16) and dot(wide, xq, k, blk)
+// (the block's products, in lanes summing to its dot product).
+#ifdef MSLLM_X86
+struct WideAvx2 {
+  __m256i a, b;  // int8: inputs 0-15 and 16-31 of the block; int4: its even and its odd inputs
+};
+
+template <bool INT4>
+MSLLM_AVX2 inline WideAvx2 widen_avx2(const char* row, int64_t blk) {
+  if (INT4) {
+    const __m128i bytes = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + blk * (QBLOCK / 2))),
+                                        _mm_set1_epi8(char(0x88)));
+    const __m256i v = _mm256_cvtepu8_epi16(bytes);  // one widening: each int16 holds a byte, both nibbles
+    return {_mm256_and_si256(v, _mm256_set1_epi16(15)), _mm256_srli_epi16(v, 4)};
+  }
+  const char* q = row + blk * QBLOCK;
+  return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))),
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))};
+}
+
+template <bool INT4>
+MSLLM_AVX2 inline __m256 dot_avx2(const WideAvx2& v, const int16_t* xq, int64_t k, int64_t blk) {
+  const int16_t* x0 = INT4 ? xq + blk * (QBLOCK / 2) : xq + blk * QBLOCK;
+  const int16_t* x1 = INT4 ? x0 + k / 2 : x0 + 16;
+  return _mm256_cvtepi32_ps(
+      _mm256_add_epi32(_mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0)), v.a),
+                       _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x1)), v.b)));
+}
+
+MSLLM_AVX2 inline float hsum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+
+constexpr int64_t PREFETCH_TILES = 2;  // how far ahead, in tiles, each block's prefetch reads
+
+template <int R, int C, bool INT4>
+MSLLM_AVX2 void qtile_avx2(const QuantWeight& w, int64_t m0, const int64_t* n, int cols, const float* b, float* y,
+                           int64_t ldy) {
+  const PreparedX& x = *w.x;
+  const int64_t groups = w.k / w.group, per = w.group / QBLOCK;
+  const int64_t block_bytes = INT4 ? QBLOCK / 2 : QBLOCK, row_bytes = INT4 ? w.k / 2 : w.k;
+  const char* base = static_cast<const char*>(w.q);
+  const char* next = base + (n[C - 1] + 1 + (PREFETCH_TILES - 1) * C) * row_bytes;  // may run past W: a hint only
+  const char* row[C];
 #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) n[c] = n0 + std::min<int64_t>(c, cols - 1);
-  const float* x = p.x + m0 * K;
-  __m256 acc[R][C];
+  for (int c = 0; c < C; ++c) row[c] = base + n[c] * row_bytes;
+  const int16_t* xq[R];
+  const float *bs[R], *gs[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) xq[r] = prepared_row(x, m0 + r), bs[r] = block_scales(x, m0 + r), gs[r] = group_sums(x, m0 + r);
+  __m256 total[R][C];
+  float constant[R][C] = {};
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t kb = 0; kb < K; kb += KC) {
-    const int64_t kc = std::min(KC, K - kb);
-    const int8_t* src[C];  // src[c][i]: weight row c's integer at input kb + i
+    for (int c = 0; c < C; ++c) total[r][c] = _mm256_setzero_ps();
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m256 acc[R][C];
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      if (INT4) {
-        unpack_int4(static_cast<const uint8_t*>(p.q) + n[c] * (K / 2) + kb / 2, kc / 2, qbuf + c * KC);
-        src[c] = qbuf + c * KC;
-      } else {
-        src[c] = static_cast<const int8_t*>(p.q) + n[c] * K + kb;
-      }
-    }
-    for (int64_t i0 = 0, i1; i0 < kc; i0 = i1) {  // one piece per group
-      const int64_t gi = (kb + i0) / p.group;
-      i1 = std::min(kc, (gi + 1) * p.group - kb);
-      __m256 s[C], o[C];
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t blk = gi * per; blk < (gi + 1) * per; ++blk) {
+      // the rows a few tiles on follow these in memory: prefetch them, an equal share per block (as matmul16.cc's
+      // tiles: short rows are short streams for the hardware prefetcher; 1.6x on the 0.5B head, weights not in cache)
+      const char* ahead = next + blk * C * block_bytes;
+#pragma GCC unroll 8
+      for (int64_t off = 0; off < C * block_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+      __m256 sb[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) sb[r] = _mm256_set1_ps(bs[r][blk]);
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
-        s[c] = _mm256_broadcast_ss(p.scale + gi * N + n[c]);
-        o[c] = OFFSET ? _mm256_broadcast_ss(p.offset + gi * N + n[c]) : _mm256_setzero_ps();
+        const WideAvx2 v = widen_avx2<INT4>(row[c], blk);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(dot_avx2<INT4>(v, xq[r], w.k, blk), sb[r], acc[r][c]);
       }
-      for (int64_t i = i0; i < i1; i += 8) {
-        __m256 xv[R];
+    }
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * K + kb + i);
+    for (int c = 0; c < C; ++c) {
+      const float s = w.scale[gi * w.n + n[c]];
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) {
-          const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src[c] + i));
-          __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-          if (OFFSET) w = _mm256_add_ps(w, o[c]);
-          w = _mm256_mul_ps(w, s[c]);
-#pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(xv[r], w, acc[r][c]);
-        }
+      for (int r = 0; r < R; ++r) {
+        total[r][c] = _mm256_fmadd_ps(acc[r][c], _mm256_set1_ps(s), total[r][c]);
+        constant[r][c] += group_constant(w, groups, gi, n[c], s, gs[r]);
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    float* y = p.y + (m0 + r) * N + n0;
-#pragma GCC unroll 8
-    for (int c0 = 0; c0 < C; c0 += 4) {
-      alignas(16) float sums[4];
-      // C is 2, 4 or 8 (with 2, the last two sums repeat the second)
-      _mm_store_ps(sums, hsum4(acc[r][c0], acc[r][std::min(c0 + 1, C - 1)], acc[r][std::min(c0 + 2, C - 1)],
-                               acc[r][std::min(c0 + 3, C - 1)]));
-      for (int c = c0; c < c0 + 4 && c < C && c < cols; ++c) y[c] = sums[c - c0];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < cols; ++c)
+      y[(m0 + r) * ldy + n[c]] = hsum8(total[r][c]) + constant[r][c] + (b ? b[n[c]] : 0.f);
+}
+
+template <int R, int C, bool INT4>
+MSLLM_AVX2 void qtiles_avx2(const QuantWeight& w, int64_t m0, const float* b, float* y, int64_t ldy, int64_t o0,
+                            int64_t o1) {
+  for (int64_t o = o0; o < o1; o += C) {
+    const int cols = int(std::min<int64_t>(C, o1 - o));
+    int64_t n[C];
+    for (int c = 0; c < C; ++c) n[c] = o + std::min(c, cols - 1);
+    qtile_avx2<R, C, INT4>(w, m0, n, cols, b, y, ldy);
+  }
+}
+
+// 1 row of x by 4 weight rows, 2 by 3, 3 or 4 by 2: the accumulators fit the 16 ymm registers
+template <bool INT4>
+MSLLM_AVX2 void qrows_avx2_t(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy, int64_t o0,
+                             int64_t o1) {
+  for (int64_t m = 0; m < rows; m += 4) {
+    switch (std::min<int64_t>(4, rows - m)) {
+      case 1: qtiles_avx2<1, 4, INT4>(w, m, b, y, ldy, o0, o1); break;
+      case 2: qtiles_avx2<2, 3, INT4>(w, m, b, y, ldy, o0, o1); break;
+      case 3: qtiles_avx2<3, 2, INT4>(w, m, b, y, ldy, o0, o1); break;
+      default: qtiles_avx2<4, 2, INT4>(w, m, b, y, ldy, o0, o1); break;
     }
   }
 }
 
-template <int R, int C>
-MSLLM_AVX2 void fused_rows_avx2(const Problem& p, int64_t n0, int64_t n1, int64_t m0, int8_t* qbuf) {
-  for (int64_t c0 = n0; c0 < n1; c0 += C) {
-    const int64_t cols = std::min<int64_t>(C, n1 - c0);
-    if (p.int4)
-      p.offset ? fused_tile_avx2<R, C, true, true>(p, c0, cols, m0, qbuf)
-               : fused_tile_avx2<R, C, true, false>(p, c0, cols, m0, qbuf);
-    else
-      p.offset ? fused_tile_avx2<R, C, false, true>(p, c0, cols, m0, qbuf)
-               : fused_tile_avx2<R, C, false, false>(p, c0, cols, m0, qbuf);
-  }
-}
-
-// y's outputs [n0, n1) for the rows [m0, m1) of x, 4 rows at a time (the tile's integers are read again from cache
-// for each 4); qbuf 8 x KC bytes. Accumulators: 1 row by 8 weight rows, 2 by 4, 3 or 4 by 2.
-MSLLM_AVX2 void fused_avx2(const Problem& p, int64_t n0, int64_t n1, int64_t m0, int64_t m1, int8_t* qbuf) {
-  for (int64_t r0 = m0; r0 < m1; r0 += 4) {
-    switch (std::min<int64_t>(4, m1 - r0)) {
-      case 1: fused_rows_avx2<1, 8>(p, n0, n1, r0, qbuf); break;
-      case 2: fused_rows_avx2<2, 4>(p, n0, n1, r0, qbuf); break;
-      case 3: fused_rows_avx2<3, 2>(p, n0, n1, r0, qbuf); break;
-      default: fused_rows_avx2<4, 2>(p, n0, n1, r0, qbuf); break;
-    }
-  }
+MSLLM_AVX2 void qrows_avx2(const float*, int64_t rows, const void* wv, const float* b, int64_t, float* y, int64_t ldy,
+                           int64_t o0, int64_t o1) {
+  const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
+  if (!w.x->int16) return qrows_float(w, rows, b, y, ldy, o0, o1);
+  if (w.int4)
+    qrows_avx2_t<true>(w, rows, b, y, ldy, o0, o1);
+  else
+    qrows_avx2_t<false>(w, rows, b, y, ldy, o0, o1);
 }
 #endif
 
-// y's outputs [n0, n1) for the rows [m0, m1) of x (at most MB) without a float buffer; qbuf 8 x KC bytes
-typedef void (*FusedFn)(const Problem& p, int64_t n0, int64_t n1, int64_t m0, int64_t m1, int8_t* qbuf);
+#ifdef MSLLM_NEON
+// The same per block: the weights widened to int16 (vmovl), multiplied by x's int16 into int32 lanes (vmlal_s16),
+// converted and times the block's scale; the sums per output in float32x4.
+template <bool INT4>
+inline float32x4_t block_neon(const QuantWeight& w, int64_t n, int64_t blk, const int16_t* xq) {
+  int16x8_t v[4];  // int8: inputs 0-7, 8-15, 16-23, 24-31; int4: even 0-7, even 8-15, odd 0-7, odd 8-15
+  const int16_t* xs[4];
+  if (INT4) {
+    const uint8x16_t bytes = veorq_u8(vld1q_u8(static_cast<const uint8_t*>(w.q) + n * (w.k / 2) + blk * (QBLOCK / 2)),
+                                      vdupq_n_u8(0x88));
+    const uint8x16_t lo = vandq_u8(bytes, vdupq_n_u8(15)), hi = vshrq_n_u8(bytes, 4);
+    v[0] = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(lo)));
+    v[1] = vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(lo)));
+    v[2] = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(hi)));
+    v[3] = vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(hi)));
+    const int16_t* even = xq + blk * (QBLOCK / 2);
+    xs[0] = even, xs[1] = even + 8, xs[2] = even + w.k / 2, xs[3] = even + w.k / 2 + 8;
+  } else {
+    const int8_t* q = static_cast<const int8_t*>(w.q) + n * w.k + blk * QBLOCK;
+    const int8x16_t a = vld1q_s8(q), c = vld1q_s8(q + 16);
+    v[0] = vmovl_s8(vget_low_s8(a)), v[1] = vmovl_s8(vget_high_s8(a));
+    v[2] = vmovl_s8(vget_low_s8(c)), v[3] = vmovl_s8(vget_high_s8(c));
+    const int16_t* x0 = xq + blk * QBLOCK;
+    xs[0] = x0, xs[1] = x0 + 8, xs[2] = x0 + 16, xs[3] = x0 + 24;
+  }
+  int32x4_t t = vdupq_n_s32(0);
+  for (int i = 0; i < 4; ++i) {
+    const int16x8_t x = vld1q_s16(xs[i]);
+    t = vmlal_s16(t, vget_low_s16(x), vget_low_s16(v[i]));
+    t = vmlal_s16(t, vget_high_s16(x), vget_high_s16(v[i]));
+  }
+  return vcvtq_f32_s32(t);
+}
+
+template <bool INT4>
+void qrows_neon_t(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy, int64_t o0, int64_t o1) {
+  const PreparedX& x = *w.x;
+  const int64_t groups = w.k / w.group, per = w.group / QBLOCK;
+  for (int64_t m = 0; m < rows; ++m) {
+    const int16_t* xq = prepared_row(x, m);
+    const float *bs = block_scales(x, m), *gs = group_sums(x, m);
+    for (int64_t o = o0; o < o1; ++o) {
+      float total = 0.f;
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        float32x4_t acc = vdupq_n_f32(0.f);
+        for (int64_t blk = gi * per; blk < (gi + 1) * per; ++blk)
+          acc = vfmaq_n_f32(acc, block_neon<INT4>(w, o, blk, xq), bs[blk]);
+        const float s = w.scale[gi * w.n + o];
+        total += vaddvq_f32(acc) * s + group_constant(w, groups, gi, o, s, gs);
+      }
+      y[m * ldy + o] = total + (b ? b[o] : 0.f);
+    }
+  }
+}
+
+void qrows_neon(const float*, int64_t rows, const void* wv, const float* b, int64_t, float* y, int64_t ldy, int64_t o0,
+                int64_t o1) {
+  const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
+  if (!w.x->int16) return qrows_float(w, rows, b, y, ldy, o0, o1);
+  if (w.int4)
+    qrows_neon_t<true>(w, rows, b, y, ldy, o0, o1);
+  else
+    qrows_neon_t<false>(w, rows, b, y, ldy, o0, o1);
+}
+#endif
 
 struct Kernels {
   DequantFn dequant;
   DotsFn dots;
-  FusedFn fused;  // null: the buffered form takes every M
+  RowsFn rows;  // the decode form (below)
 };
 
 Kernels pick_kernels() {
   switch (isa()) {
 #ifdef MSLLM_X86
-    case ISA_AVX512:  // the AVX2 forms (no AVX-512 ones yet)
+    case ISA_AVX512:  // the AVX2 forms: no AVX-512 ones (this project's machine has no AVX-512 to test them on)
     case ISA_AVX2:
-      return {dequant_avx2, dots_avx2, fused_avx2};
+      return {dequant_avx2, dots_avx2, qrows_avx2};
+#endif
+#ifdef MSLLM_NEON
+    case ISA_NEON:
+      return {dequant_generic, dots_generic, qrows_neon};
 #endif
     default:
-      return {dequant_generic, dots_generic, nullptr};
+      return {dequant_generic, dots_generic, qrows_generic};
   }
 }
 
@@ -415,39 +623,50 @@ void run_task(const Problem& p, int64_t n0, int64_t n1, int64_t m0, int64_t m1, 
 }
 
 // y = x . W^T, shapes already checked, m, n and k positive: tiles of NT outputs by MB rows of x as the pool's tasks
-struct QuantJob : Job {
+struct GemmJob : Job {
   const Problem* problem;
-  bool fused;
   int64_t m_blocks;
   Shares shares;
 
   void work() override {
     alignas(64) float wbuf[NT * KC], panel[NT * KC];  // 16 KB each: on the stack, aligned for the vector stores
-    alignas(64) int8_t qbuf[8 * KC];
+    alignas(64) int8_t qbuf[KC];
     const Problem& p = *problem;
     shares.claim([&](int64_t t) {  // n-tile major: a thread's share is a stretch of consecutive weight rows
       const int64_t n0 = (t / m_blocks) * NT, n1 = std::min(p.n, n0 + NT);
       const int64_t m0 = (t % m_blocks) * MB, m1 = std::min(p.m, m0 + MB);
-      if (fused)
-        g_kernels.fused(p, n0, n1, m0, m1, qbuf);
-      else
-        run_task(p, n0, n1, m0, m1, wbuf, panel, qbuf);
+      run_task(p, n0, n1, m0, m1, wbuf, panel, qbuf);
     });
   }
 };
 
-void quant_matmul(const Problem& p) {
-  const bool fused = g_kernels.fused != nullptr && p.m <= FUSED_MAX_ROWS && p.group % 8 == 0 && p.round == F32;
+void quant_gemm(const Problem& p) {
   const int64_t n_tiles = (p.n + NT - 1) / NT, m_blocks = (p.m + MB - 1) / MB, tasks = n_tiles * m_blocks;
   const double work = double(p.m) * double(p.n) * double(p.k);
   const int threads = work < double(MIN_PARALLEL_WORK)
                           ? 1
                           : int(std::max<int64_t>(1, std::min<int64_t>(tasks, threads_to_use())));
-  QuantJob job;
-  job.problem = &p, job.fused = fused, job.m_blocks = m_blocks;
+  GemmJob job;
+  job.problem = &p, job.m_blocks = m_blocks;
   job.shares.split(tasks, threads);
   run(&job, threads > 1);
 }
+
+// The decode form in the pool: tasks of task_rows(n) outputs, every row of x in each (one weight stream per thread)
+struct RowsJob : Job {
+  const QuantWeight* w;
+  int64_t rows, step;
+  const float* b;
+  float* y;
+  Shares shares;
+
+  void work() override {
+    shares.claim([&](int64_t t) {
+      const int64_t o0 = t * step;
+      g_kernels.rows(nullptr, rows, w, b, w->k, y, w->n, o0, std::min(w->n, o0 + step));
+    });
+  }
+};
 
 // ---- the Custom ops ------------------------------------------------------------------------------
 
@@ -480,28 +699,113 @@ void compute(const Problem& p) {
     std::fill(p.y, p.y + p.m * p.n, 0.f);
     return;
   }
-  quant_matmul(p);
+  quant_gemm(p);
 }
 
 }  // namespace
 
+bool is_quant_dtype(const char* dtype) { return is_weight_dtype(dtype); }
+
+int read_quant_weight(void** params, int* ndims, int64_t** shapes, const char** dtypes, int i, bool offset,
+                      QuantWeight* w) {
+  if (!is_weight_dtype(dtypes[i]) || std::strcmp(dtypes[i + 1], "float32") ||
+      (offset && std::strcmp(dtypes[i + 2], "float32")))
+    return 2;
+  if (ndims[i] != 2 || ndims[i + 1] != 2 || (offset && ndims[i + 2] != 2)) return 3;
+  w->int4 = !std::strcmp(dtypes[i], "uint8");
+  w->n = shapes[i][0];
+  w->k = w->int4 ? 2 * shapes[i][1] : shapes[i][1];
+  const int64_t groups = shapes[i + 1][0];
+  if (groups < 1 || shapes[i + 1][1] != w->n || w->k % groups) return 4;
+  if (offset && (shapes[i + 2][0] != groups || shapes[i + 2][1] != w->n)) return 4;
+  w->group = w->k / groups;
+  w->q = params[i];
+  w->scale = static_cast<const float*>(params[i + 1]);
+  w->offset = offset ? static_cast<const float*>(params[i + 2]) : nullptr;
+  w->x = nullptr;
+  return 0;
+}
+
+bool same_layout(const PreparedX& p, const QuantWeight& w) {
+  return p.k == w.k && p.group == w.group && p.int4 == w.int4;
+}
+
+void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out) {
+  out->x = x, out->rows = rows, out->k = w.k, out->group = w.group, out->int4 = w.int4;
+  out->int16 = int16_fits(w);
+  if (!out->int16) return;
+  const int64_t k = w.k, blocks = k / QBLOCK, groups = k / w.group, half = k / 2;
+  out->xq.resize(size_t(rows * k));
+  out->scales.resize(size_t(rows * (blocks + 2 * groups)));
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* xr = x + m * k;
+    int16_t* q = out->xq.data() + m * k;
+    float* bs = out->scales.data() + m * (blocks + 2 * groups);
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      float top = 0.f;
+      for (int64_t i = blk * QBLOCK; i < (blk + 1) * QBLOCK; ++i) top = std::max(top, std::fabs(xr[i]));
+      const float inv = top > 0.f ? 32767.f / top : 0.f;
+      bs[blk] = top / 32767.f;
+      for (int64_t i = blk * QBLOCK; i < (blk + 1) * QBLOCK; ++i) {
+        // |x * inv| <= 32767 (a NaN or an infinity in x gives 0 here, and NaN in the sums below)
+        const int16_t v = int16_t(std::lrint(std::isfinite(xr[i] * inv) ? xr[i] * inv : 0.f));
+        q[w.int4 ? (i & 1) * half + i / 2 : i] = v;
+      }
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      double sum = 0.0, rounded = 0.0;
+      for (int64_t i = g * w.group; i < (g + 1) * w.group; ++i) sum += xr[i];
+      for (int64_t blk = g * w.group / QBLOCK; blk < (g + 1) * w.group / QBLOCK; ++blk) {
+        int64_t t = 0;
+        for (int64_t i = blk * QBLOCK; i < (blk + 1) * QBLOCK; ++i) t += q[w.int4 ? (i & 1) * half + i / 2 : i];
+        rounded += double(bs[blk]) * double(t);
+      }
+      bs[blocks + g] = float(sum);
+      bs[blocks + groups + g] = float(rounded);
+    }
+  }
+}
+
+RowsFn quant_rows_kernel() { return g_kernels.rows; }
+
+void quant_matmul(const float* x, int64_t rows, const QuantWeight& w, const float* b, float* y) {
+  if (rows <= 0 || w.n <= 0) return;
+  if (w.k <= 0) {
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t o = 0; o < w.n; ++o) y[m * w.n + o] = b ? b[o] : 0.f;
+    return;
+  }
+  if (rows <= QUANT_ROWS_MAX) {
+    PreparedX px;
+    prepare(x, rows, w, &px);
+    QuantWeight wx = w;
+    wx.x = &px;
+    RowsJob job;
+    job.w = &wx, job.rows = rows, job.b = b, job.y = y, job.step = task_rows(w.n);
+    const bool parallel = w.n >= MIN_PARALLEL_ROWS;
+    job.shares.split((w.n + job.step - 1) / job.step, parallel ? threads_to_use() : 1);
+    run(&job, parallel);
+    return;
+  }
+  Problem p;
+  p.x = x, p.m = rows, p.k = w.k, p.n = w.n, p.q = w.q, p.int4 = w.int4, p.scale = w.scale, p.offset = w.offset;
+  p.group = w.group, p.round = F32, p.y = y;
+  quant_gemm(p);
+  if (b != nullptr)
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t o = 0; o < w.n; ++o) y[m * w.n + o] += b[o];
+}
+
 int quant_matmul_op(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_offset) {
   if (nparam != (with_offset ? 5 : 4)) return 1;
-  const int oi = with_offset ? 3 : -1, yi = nparam - 1;
-  const char* f32 = "float32";
-  if (std::strcmp(dtypes[0], f32) || !is_weight_dtype(dtypes[1]) || std::strcmp(dtypes[2], f32) ||
-      (with_offset && std::strcmp(dtypes[oi], f32)) || std::strcmp(dtypes[yi], f32))
-    return 2;
-  for (int i = 0; i < nparam; ++i)
-    if (ndims[i] != 2) return 3;
-  Problem p;
-  if (const int bad = fit(params, shapes, dtypes, oi, yi, &p)) return bad;
-  p.x = static_cast<const float*>(params[0]);
-  p.scale = static_cast<const float*>(params[2]);
-  p.offset = with_offset ? static_cast<const float*>(params[oi]) : nullptr;
-  p.round = F32;
-  p.y = static_cast<float*>(params[yi]);
-  compute(p);
+  const int yi = nparam - 1;
+  if (!is_f32(dtypes[0]) || !is_f32(dtypes[yi])) return 2;
+  QuantWeight w;
+  if (const int bad = read_quant_weight(params, ndims, shapes, dtypes, 1, with_offset, &w)) return bad;
+  if (ndims[0] != 2 || ndims[yi] != 2) return 3;
+  const int64_t m = shapes[0][0];
+  if (shapes[0][1] != w.k || shapes[yi][0] != m || shapes[yi][1] != w.n) return 4;
+  quant_matmul(static_cast<const float*>(params[0]), m, w, nullptr, static_cast<float*>(params[yi]));
   return 0;
 }
 

@@ -311,3 +311,91 @@ def test_gemm_over_the_prompt_rows_only(bias):
     assert call_kernel(cpu_kernels.GEMM_VALID, x, w, np.arange(5, dtype=np.int32), y, dtypes=three) == 4  # 48 rows
     assert call_kernel(cpu_kernels.GEMM_VALID, x, w, valid.astype(np.int64), y,
                        dtypes=["float32", "float32", "int64", "float32"]) == 2
+
+
+# ---- quantized weights: each op given q, scale[, offset] as export/layers.py Linear.weights() passes them --------
+
+def _quantized(rng, w: np.ndarray, bits: int, group: int, offset: bool):
+    """(tensors the op takes for W [O, I], the float32 W they stand for): q int8 [O, I] or int4 uint8 [O, I/2] (low
+    nibble first), scale [G, O] float32 and, with offset, offset [G, O]; W = (q + offset) * scale."""
+    from test_quant_kernels import dequantize, pack_int4
+
+    o, i = w.shape
+    g = group or i
+    lo = -(1 << (bits - 1))
+    q = rng.integers(lo, -lo, (o, i)).astype(np.int8)
+    scale = np.ascontiguousarray(np.abs(w).reshape(o, i // g, g).max(-1).T / -lo + 1e-3, np.float32)  # [G, O]
+    off = rng.uniform(-1, 1, scale.shape).astype(np.float32) if offset else None
+    stored = q if bits == 8 else pack_int4(q)
+    tensors = [stored, scale] + ([off] if offset else [])
+    return tensors, dequantize(stored, scale, off).astype(np.float32)
+
+
+@pytest.mark.parametrize("bits,group,offset,rows", [(8, 0, False, 1), (4, 32, True, 1), (4, 0, False, 3),
+                                                     (8, 64, True, 20), (4, 32, False, 20)])
+def test_fused_ops_take_quantized_weights(bits, group, offset, rows):
+    """Every fused op with int8/int4 weights (per channel or in groups, with or without offsets; the decode form up to
+    16 rows, the buffered GEMM beyond) against the same op on the float32 weights they stand for: within the decode
+    form's rounding of x to int16 (matmul_quant.cc; test_quant_kernels.int16_rounding bounds one matmul, here a loose
+    2e-4 of each output's scale through the norms and SiLU), exact codes for a scale of the wrong shape."""
+    rng = np.random.default_rng(bits * 100 + group + rows)
+    e, h, kh, d, inter, s, eps = 128, 4, 2, 32, 192, 24, 1e-6
+    f32 = lambda *shape: rng.standard_normal(shape, dtype=np.float32)  # noqa: E731
+    eps_t = np.array([eps], np.float32)
+    x, ln = f32(rows, e), (1 + 0.1 * f32(e)).astype(np.float32)
+    weights = {name: _quantized(rng, 0.1 * f32(*shape), bits, group, offset)
+               for name, shape in (("q", (h * d, e)), ("k", (kh * d, e)), ("v", (kh * d, e)), ("o", (e, h * d)),
+                                   ("g", (inter, e)), ("u", (inter, e)), ("d", (e, inter)))}
+    quant = {n: t for n, (t, _) in weights.items()}
+    plain = {n: [w] for n, (_, w) in weights.items()}
+    biases = [f32(h * d), f32(kh * d), f32(kh * d)]
+    angle = rng.uniform(0, 6, (rows, d // 2)).astype(np.float32)
+    cos, sin = np.cos(np.tile(angle, 2)).astype(np.float32), np.sin(np.tile(angle, 2)).astype(np.float32)
+
+    def run(function, out_shapes, build):
+        """The op on quantized and on float weights: (outputs, outputs) after checking both return 0."""
+        results = []
+        for ws in (quant, plain):
+            outs = [np.full(shape, np.nan, np.float32) for shape in out_shapes]
+            args, types = build(ws)
+            names = [t or str(a.dtype) for t, a in zip(types or [None] * len(args), args)] + ["float32"] * len(outs)
+            assert call_kernel(function, *args, *outs, dtypes=names) == 0, function
+            results.append(outs)
+        return results
+
+    def agree(got, want, what):
+        tol = 2e-4 * np.abs(want).max() + 1e-6
+        assert np.abs(got - want).max() <= tol, f"{what}: {np.abs(got - want).max()} > {tol}"
+
+    qkv = lambda ws: [t for n, b in zip("qkv", biases) for t in ws[n] + [b]]  # noqa: E731
+    got, want = run(cpu_kernels.QKV_ROPE, [(rows, h * d), (rows, kh * d), (rows, kh * d)],
+                    lambda ws: ([x] + qkv(ws) + [cos, sin], None))
+    for a, b, what in zip(got, want, "qkv"):
+        agree(a, b, f"qkv_rope {what}")
+    caches = {}
+
+    def decode_qkv_args(ws):
+        caches[id(ws)] = [np.zeros((rows, kh, s, d), np.float32) for _ in range(2)]
+        valid = np.arange(1, rows + 1, dtype=np.int32) + 3
+        args = [x, ln, eps_t] + qkv(ws) + [cos, sin] + caches[id(ws)] + [valid]
+        return args, [None] * (len(args) - 1) + ["int32"]
+    got, want = run(cpu_kernels.DECODE_QKV, [(rows, h * d)], decode_qkv_args)
+    agree(got[0], want[0], "decode_qkv q")
+    for a, b in zip(caches[id(quant)], caches[id(plain)]):
+        agree(a, b, "decode_qkv cache")
+    attn, r = f32(rows, h * d), f32(rows, e)
+    got, want = run(cpu_kernels.GEMV_ADD, [(rows, e)], lambda ws: ([attn] + ws["o"] + [r], None))
+    agree(got[0], want[0], "gemv_add")
+    got, want = run(cpu_kernels.SWIGLU, [(rows, inter)], lambda ws: ([x] + ws["g"] + ws["u"], None))
+    agree(got[0], want[0], "swiglu")
+    got, want = run(cpu_kernels.NORM_SWIGLU, [(rows, inter)], lambda ws: ([x, ln, eps_t] + ws["g"] + ws["u"], None))
+    agree(got[0], want[0], "norm_swiglu")
+    got, want = run(cpu_kernels.DECODE_TAIL, [(rows, e)],
+                    lambda ws: ([attn] + ws["o"] + [r, ln, eps_t] + ws["g"] + ws["u"] + ws["d"], None))
+    agree(got[0], want[0], "decode_tail")
+    # a scale of the wrong shape is refused (4); a count that fits no arity (1)
+    y = np.zeros((rows, e), np.float32)
+    bad = [attn, quant["o"][0], quant["o"][1][:, :-1]] + quant["o"][2:] + [r, y]
+    assert call_kernel(cpu_kernels.GEMV_ADD, *bad, dtypes=[str(a.dtype) for a in bad]) == 4
+    short = [attn, quant["o"][0], r, y]
+    assert call_kernel(cpu_kernels.GEMV_ADD, *short, dtypes=[str(a.dtype) for a in short]) == 1

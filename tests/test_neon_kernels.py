@@ -30,19 +30,47 @@ def binary(tmp_path_factory):
     return out
 
 
-def run(binary, tmp_path, isa=None, attention=False):
-    """(the path the library chose, every case the driver wrote[, the attention cases])."""
+def run(binary, tmp_path, isa=None, attention=False, quant=False):
+    """(the path the library chose, every case the driver wrote[, the attention cases][, the quantized matmul's])."""
     path = str(tmp_path / f"cases-{isa or 'native'}.bin")
     att = str(tmp_path / f"attention-{isa or 'native'}.bin")
+    qm = str(tmp_path / f"quant-{isa or 'native'}.bin")
     env = {k: v for k, v in os.environ.items() if k != "MSLITE_LLM_CPU_KERNELS_ISA"}
     if isa:
         env["MSLITE_LLM_CPU_KERNELS_ISA"] = isa
-    proc = subprocess.run([QEMU, binary, path] + ([att] if attention else []), capture_output=True, text=True,
-                          env=env, timeout=600)
+    proc = subprocess.run([QEMU, binary, path] + ([att] if attention or quant else []) + ([qm] if quant else []),
+                          capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
+    if quant:
+        return proc.stdout.split()[0], parse_quant(qm)
     if attention:
         return proc.stdout.split()[0], parse(path), parse_attention(att)
     return proc.stdout.split()[0], parse(path)
+
+
+def parse_quant(path):
+    """The driver's quantized matmul cases, each with W dequantized here (float64) from q as stored."""
+    from test_quant_kernels import dequantize
+
+    data, cases, at = open(path, "rb").read(), [], 0
+
+    def take(n, dtype):
+        nonlocal at
+        a = np.frombuffer(data, dtype, n, at)
+        at += a.nbytes
+        return a
+
+    while at < len(data):
+        int4, group, offset, rows, k, n, rc = (int(v) for v in take(7, np.int64))
+        x = take(rows * k, np.float32).reshape(rows, k)
+        q = take(n * k // (2 if int4 else 1), np.uint8).reshape(n, -1)
+        q = q if int4 else q.view(np.int8)
+        scale = take(k // group * n, np.float32).reshape(-1, n)
+        off = take(k // group * n, np.float32).reshape(-1, n) if offset else None
+        y = take(rows * n, np.float32).reshape(rows, n)
+        cases.append(dict(int4=int4, group=group, offset=offset, rows=rows, k=k, rc=rc, x=x,
+                          w=dequantize(q, scale, off), wq=dequantize(q, scale), y=y))
+    return cases
 
 
 def parse_attention(path):
@@ -108,4 +136,26 @@ def test_neon_gemv_against_float64_and_the_plain_path(binary, tmp_path):
         ref = a["x"].astype(np.float64) @ a["w"].T + (a["b"] if a["bias"] else 0)
         scale = np.abs(a["x"]).sum(1, keepdims=True) * np.abs(a["w"]).max() + 1e-30  # the sum's magnitude
         assert np.all(np.abs(a["y"] - ref) <= 1e-5 * scale), where  # float32 sums of up to 899 products
+        assert np.all(np.abs(a["y"] - g["y"]) <= 2e-5 * scale), where
+
+
+def test_neon_quant_matmul_against_float64_and_the_plain_path(binary, tmp_path):
+    """The int8/int4 weight matmul's decode form (x rounded to int16 per block of 32, exact integer products; NEON's
+    vmlal_s16) and its plain float form (K = 100, not whole blocks), built for AArch64 and run under qemu: within the
+    bound of x's rounding of the float64 product (test_quant_kernels.int16_rounding), and with the plain C++ path of
+    the same binary, whose integers are the same, within float32 rounding of the sums."""
+    from test_quant_kernels import int16_rounding
+
+    isa, neon = run(binary, tmp_path, quant=True)
+    generic_isa, generic = run(binary, tmp_path, "generic", quant=True)
+    assert (isa, generic_isa) == ("neon", "generic")
+    assert len(neon) == len(generic) == 2 * (3 + 1) * 2 * 4  # bits x (3 groups of K = 256, per channel of 100) ...
+    for a, g in zip(neon, generic):
+        where = f"int{4 if a['int4'] else 8} group {a['group']} offset {a['offset']} rows {a['rows']} K {a['k']}"
+        assert a["rc"] == g["rc"] == 0, where
+        ref = a["x"].astype(np.float64) @ a["w"].T
+        scale = np.abs(a["x"]).sum(1, keepdims=True) * np.abs(a["w"]).max() + 1e-30  # the sum's magnitude
+        rounding = int16_rounding(a["x"], a["wq"], a["group"])
+        assert a["k"] % 32 or rounding.max() > 0, where  # the decode form ran where it can
+        assert np.all(np.abs(a["y"] - ref) <= rounding + 1e-5 * scale), where
         assert np.all(np.abs(a["y"] - g["y"]) <= 2e-5 * scale), where

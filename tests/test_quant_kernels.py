@@ -85,11 +85,25 @@ def as_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
     return a.astype(np.float32)
 
 
-def check(y, ref, what: str, roundoff: float = 0.0) -> None:
-    """Within 1e-5 of the reference's largest magnitude (plus the rounding of each output to its dtype)."""
+def int16_rounding(x: np.ndarray, wq: np.ndarray, group: int) -> np.ndarray:
+    """The most that the decode form's rounding of x can move each output [M, N], wq = q * scale [N, K] (W without
+    its offsets, which meet x's exact sums): up to 16 rows of x, with K and the group whole blocks of 32 inputs, x is
+    rounded to int16 per block of 32 (scale max |x| / 32767: at most half a step, max / 65534, per input) and the
+    products are exact integers (matmul_quant.cc, "the decode form"). So |error| <= sum over k of step_k / 2 *
+    |wq[n, k]|. 0 where the form does not run."""
+    m, k = x.shape
+    if m > 16 or k % 32 or group % 32:
+        return np.zeros((m, wq.shape[0]))
+    step = np.abs(x.astype(np.float64)).reshape(m, k // 32, 32).max(axis=2) / 32767  # [M, K / 32]
+    return (np.repeat(step, 32, axis=1) / 2) @ np.abs(wq).T
+
+
+def check(y, ref, what: str, roundoff: float = 0.0, rounding=0.0) -> None:
+    """Within 1e-5 of the reference's largest magnitude (plus the rounding of each output to its dtype, and the
+    decode form's rounding of x: int16_rounding)."""
     y = np.asarray(y, np.float64)
     assert y.shape == ref.shape, what
-    bad = ~(np.abs(y - ref) <= 1e-5 * np.abs(ref).max() + roundoff * np.abs(ref))  # NaN counts as bad
+    bad = ~(np.abs(y - ref) <= 1e-5 * np.abs(ref).max() + roundoff * np.abs(ref) + rounding)  # NaN counts as bad
     assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.size} outputs off, worst {np.abs(y - ref).max()}"
 
 
@@ -153,19 +167,22 @@ def test_quant_matmul_against_numpy(bits, with_offset):
             args = (x, q, scale) + ((offset,) if with_offset else ())
             y = run_custom(QMO if with_offset else QM, *args)
             assert y.dtype == np.float32
-            check(y, x.astype(np.float64) @ dequantize(q, scale, offset).T, f"int{bits} g={g} M={m}")
+            w = dequantize(q, scale, offset)
+            check(y, x.astype(np.float64) @ w.T, f"int{bits} g={g} M={m}",
+                  rounding=int16_rounding(x, dequantize(q, scale), g))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quant_matmul_at_decode_size_on_all_threads(bits):
-    """The 0.5B MLP's shape (outputs over threads), groups of 32 with offsets, 1 row (dequantized in registers) and 20
+    """The 0.5B MLP's shape (outputs over threads), groups of 32 with offsets, 1 row (the decode form) and 20
     (dequantized into the tile buffer)."""
     rng = np.random.default_rng(5 + bits)
     n, k = 4864, 896
     for m in (1, 20):
         x, q, scale, offset = case(rng, bits, m, n, k, k // 32, True)
-        check(run_custom(QMO, x, q, scale, offset), x.astype(np.float64) @ dequantize(q, scale, offset).T,
-              f"int{bits} M={m}")
+        w = dequantize(q, scale, offset)
+        check(run_custom(QMO, x, q, scale, offset), x.astype(np.float64) @ w.T, f"int{bits} M={m}",
+              rounding=int16_rounding(x, dequantize(q, scale), 32))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -246,7 +263,7 @@ def test_library_holds_the_quant_kernels_and_is_newer_than_their_sources():
         assert hasattr(lib, function) and function in cpu_kernels.FUNCTIONS
     here = os.path.dirname(cpu_kernels.__file__)
     newest = max(os.path.getmtime(os.path.join(here, f))
-                 for f in ("matmul_quant.cc", "pool.cc", "pool.h", "common.h", "dtypes.h", "registry.cc"))
+                 for f in ("matmul_quant.cc", "matmul_quant.h", "pool.cc", "pool.h", "common.h", "dtypes.h", "registry.cc"))
     assert os.path.getmtime(cpu_kernels.library_path()) >= newest, "rebuild: python setup.py build_ext --inplace"
 
 
@@ -319,7 +336,7 @@ def test_standin_rounds_the_dequantized_weight_to_the_activation_dtype(dtype):
 
 
 def matmul_case_results(threads_list=(None,)):
-    """y of a few cases (decode in registers, buffered, odd groups) for each thread count; checks them on the way."""
+    """y of a few cases (the decode form, buffered, odd groups: the plain float form) for each thread count; checks them on the way."""
     lib = ctypes.CDLL(cpu_kernels.library_path())
     results = []
     try:
@@ -332,7 +349,9 @@ def matmul_case_results(threads_list=(None,)):
                 x, q, scale, offset = case(rng, bits, m, n, k, k // g, True)
                 y = np.full((m, n), np.nan, np.float32)
                 assert call_kernel(QMO, x, q, scale, offset, y) == 0
-                check(y, x.astype(np.float64) @ dequantize(q, scale, offset).T, f"int{bits} M={m} N={n} K={k}")
+                w = dequantize(q, scale, offset)
+                check(y, x.astype(np.float64) @ w.T, f"int{bits} M={m} N={n} K={k}",
+                      rounding=int16_rounding(x, dequantize(q, scale), g))
                 results.append(((bits, m), y))
     finally:
         lib.MsliteLlmSetThreads(0)

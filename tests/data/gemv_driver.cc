@@ -17,6 +17,10 @@ int MsliteLlmGemvBias(int nparam, void** params, int* ndims, int64_t** shapes, c
                       void* extra);
 int MsliteLlmDecodeAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                              void* stream, void* extra);
+int MsliteLlmQuantMatmulOffset(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                               void* stream, void* extra);
+int MsliteLlmQuantMatmul(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                         void* extra);
 const char* MsliteLlmIsa();
 void MsliteLlmSetThreads(int threads);
 }
@@ -69,8 +73,44 @@ static void attention_cases(std::FILE* out) {
   }
 }
 
+// MsliteLlmQuantMatmul(Offset), 37 outputs: int8 and int4, groups of 32 and 128 and per channel over 256 inputs
+// (the decode form), per channel over 100 (the plain float form), with and without offsets, 1, 2, 3 and 5 rows:
+// (int4, group, offset, rows, k, n, rc), x, q as stored, scale, [offset,] y
+static void quant_cases(std::FILE* out) {
+  const int64_t n = 37;
+  for (int int4 = 0; int4 < 2; ++int4)
+    for (int64_t k : {256, 100})
+      for (int64_t group : {32, 128, 0})
+        for (int offset = 0; offset < 2; ++offset)
+          for (int64_t rows : {1, 2, 3, 5}) {
+            if (k == 100 && group != 0) continue;
+            const int64_t g = group ? group : k, groups = k / g, qbytes = int4 ? n * k / 2 : n * k;
+            std::vector<float> x(rows * k), scale(groups * n), off(groups * n), y(rows * n, -1.f);
+            std::vector<uint8_t> q(qbytes);
+            for (float& v : x) v = 2.f * uniform();
+            for (uint8_t& v : q) v = uint8_t(int(128.f * (uniform() + 1.f)) & 255);
+            for (float& v : scale) v = 0.01f * (uniform() + 1.5f);
+            for (float& v : off) v = 3.f * uniform();
+            int64_t sx[2] = {rows, k}, sq[2] = {n, int4 ? k / 2 : k}, ss[2] = {groups, n}, sy[2] = {rows, n};
+            void* params[5] = {x.data(), q.data(), scale.data(), offset ? off.data() : y.data(), y.data()};
+            int64_t* shapes[5] = {sx, sq, ss, offset ? ss : sy, sy};
+            int ndims[5] = {2, 2, 2, 2, 2};
+            const char* types[5] = {"float32", int4 ? "uint8" : "int8", "float32", "float32", "float32"};
+            const int rc = offset ? MsliteLlmQuantMatmulOffset(5, params, ndims, shapes, types, nullptr, nullptr)
+                                  : MsliteLlmQuantMatmul(4, params, ndims, shapes, types, nullptr, nullptr);
+            const int64_t head[7] = {int4, g, offset, rows, k, n, rc};
+            std::fwrite(head, sizeof head, 1, out);
+            std::fwrite(x.data(), 4, x.size(), out);
+            std::fwrite(q.data(), 1, q.size(), out);
+            std::fwrite(scale.data(), 4, scale.size(), out);
+            if (offset) std::fwrite(off.data(), 4, off.size(), out);
+            std::fwrite(y.data(), 4, y.size(), out);
+          }
+}
+
+// argv: the GEMV cases' file [, the attention cases' file [, the quantized matmul cases' file]]
 int main(int argc, char** argv) {
-  if (argc != 2 && argc != 3) return 2;
+  if (argc < 2 || argc > 4) return 2;
   std::FILE* out = std::fopen(argv[1], "wb");
   if (!out) return 2;
   std::printf("%s\n", MsliteLlmIsa());
@@ -110,6 +150,12 @@ int main(int argc, char** argv) {
     if (!att) return 2;
     attention_cases(att);
     std::fclose(att);
+  }
+  if (argc == 4) {
+    std::FILE* quant = std::fopen(argv[3], "wb");
+    if (!quant) return 2;
+    quant_cases(quant);
+    std::fclose(quant);
   }
   return 0;
 }

@@ -1,0 +1,58 @@
+// The quantized-weight matmul (matmul_quant.cc) as the other families use it: a weight the fused decode ops read as
+// q, scale[, offset] (decode_ops.cc), multiplied by matmul16.cc's matmul() as the weight type W_QUANT, whose rows
+// kernel reads x as `prepare` left it.
+#ifndef MSLITE_LLM_CPU_KERNELS_MATMUL_QUANT_H_
+#define MSLITE_LLM_CPU_KERNELS_MATMUL_QUANT_H_
+
+#include "common.h"
+
+namespace msllm {
+
+struct PreparedX;
+
+// W [n, k] as q int8 [n, k] or uint8 [n, k / 2] (int4: byte j holds inputs 2j, 2j + 1 in its low, high nibble, each
+// two's complement), scale (and offset) float32 [k / group, n]: W[o, i] = (q[o, i] + offset[i / group, o]) *
+// scale[i / group, o]. What a rows kernel of type W_QUANT gets as `w`; `x` is the call's x as `prepare` made it.
+struct QuantWeight {
+  const void* q = nullptr;
+  bool int4 = false;
+  const float* scale = nullptr;
+  const float* offset = nullptr;  // null: 0
+  int64_t n = 0, k = 0, group = 0;
+  const PreparedX* x = nullptr;
+};
+
+// x as the rows kernels read it (matmul_quant.cc says why and how); one per x and weight layout.
+struct PreparedX {
+  const float* x = nullptr;  // [rows, k] float32, as given
+  int64_t rows = 0, k = 0, group = 0;
+  bool int4 = false, int16 = false;  // int16: the integer form below was made (else the kernels read x)
+  std::vector<int16_t> xq;            // [rows, k]: int8 weights in input order; int4, the even inputs, then the odd
+  std::vector<float> scales;          // [rows, k / 32 + 2 k / group]: each block's scale, the sums of x per group, and
+                                      // of x as rounded per group
+};
+
+// Reads a quantized weight from an op's tensors: q at params[i], scale at i + 1 and, with `offset`, the offset at
+// i + 2 (float32 [G, N] each). 0, or the ops' error code: 2 a dtype, 3 a rank, 4 shapes that do not fit.
+int read_quant_weight(void** params, int* ndims, int64_t** shapes, const char** dtypes, int i, bool offset,
+                      QuantWeight* w);
+
+// Whether dtype is a quantized weight's q (int8, or uint8 for int4).
+bool is_quant_dtype(const char* dtype);
+
+// Makes `out` x [rows, w.k] as w's rows kernel reads it (reusable for any weight of the same k, group and int4).
+void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out);
+bool same_layout(const PreparedX& p, const QuantWeight& w);
+
+// The rows kernel (common.h's RowsFn) for W_QUANT: `w` a QuantWeight whose `x` is prepared; the `x` argument unused.
+RowsFn quant_rows_kernel();
+
+// y [rows, n] = x [rows, k] . W^T (+ b [n]) for any rows: the rows kernel in the pool up to QUANT_ROWS_MAX rows (x
+// prepared here), the buffered GEMM beyond.
+void quant_matmul(const float* x, int64_t rows, const QuantWeight& w, const float* b, float* y);
+
+constexpr int64_t QUANT_ROWS_MAX = 16;
+
+}  // namespace msllm
+
+#endif  // MSLITE_LLM_CPU_KERNELS_MATMUL_QUANT_H_
