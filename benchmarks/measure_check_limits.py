@@ -74,13 +74,47 @@ def measure(name: str, kwargs: dict, work: str, seq_length: int, buckets) -> dic
     return out
 
 
+def measure_quantized(name: str, kwargs: dict, work: str, seq_length: int, buckets) -> dict:
+    """The int8 and int4 CPU folders of one random checkpoint (their golden.json: float32 on the folder's own
+    integers), replayed through the ms backend and our kernels, whose quantized matmuls round x to int16 (the limit
+    lite_runtime.golden.INT16_ACTIVATIONS): each replay through the prefill graphs and through the chunk graphs, as
+    `check` runs them."""
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+    from export.random_checkpoint import make_checkpoint
+    from lite_runtime import pipeline
+    from lite_runtime.folder import load_folder
+    from lite_runtime.golden import INT16_ACTIVATIONS, load_golden, replay, replay_chunks
+
+    ckpt = os.path.join(work, "ckpt-" + name)
+    if not os.path.isdir(ckpt):
+        make_checkpoint(ckpt, **kwargs)
+    out = {"checkpoint": kwargs}
+    for bits in ("int8", "int4"):
+        folder = os.path.join(work, f"{bits}-{name}")
+        if not os.path.isdir(folder):
+            run_export(ExportConfig(checkpoint=ckpt, output=folder, name=name, seq_length=seq_length, batch_size=2,
+                                    device="cpu", quantize=bits, prefill_buckets=tuple(buckets)))
+        golden = load_golden(load_folder(folder))
+        start = time.perf_counter()
+        gen = pipeline("text_generation", model=folder, backend="ms", chunk_graphs=True)
+        rows = replay(gen, golden, INT16_ACTIVATIONS) + replay_chunks(gen.runner, golden, INT16_ACTIVATIONS)
+        out["ms_" + bits] = {**summarize(rows), "seconds": round(time.perf_counter() - start, 1)}
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", required=True, help="folder for the checkpoints and exported folders")
     p.add_argument("--with_05b", action="store_true", help="also the random Qwen2-0.5B shape (slow: fp16 on the CPU)")
-    p.add_argument("--output", default=os.path.join(RESULTS, "check-limits.json"),
-                   help="JSON file for the figures (default: benchmarks/results/check-limits.json)")
+    p.add_argument("--quantized", action="store_true",
+                   help="measure int8/int4 CPU folders through our kernels instead (the int16-activation limit)")
+    p.add_argument("--output", default=None,
+                   help="JSON file for the figures (default: benchmarks/results/check-limits.json, with --quantized "
+                        "check-limits-quantized.json)")
     args = p.parse_args(argv)
+    args.output = args.output or os.path.join(RESULTS, "check-limits-quantized.json" if args.quantized
+                                              else "check-limits.json")
     os.makedirs(args.work, exist_ok=True)
     shapes = dict(SHAPES)
     if args.with_05b:
@@ -88,6 +122,13 @@ def main(argv=None) -> int:
     results = {}
     for name, kwargs in shapes.items():
         seq, buckets = (1024, (32, 128)) if name == "qwen2-0.5b-shape" else (128, (16, 64))
+        if args.quantized:
+            results[name] = r = measure_quantized(name, kwargs, args.work, seq, buckets)
+            print(f"{name:18s} " + "  ".join(f"{k[3:]}: max rel {v['max_rel']:.2e}, diverged prompts "
+                                             f"{v['diverged_prompts']}, near-tie steps {v['near_tie_steps']}, failed "
+                                             f"{v['failed_prompts']}" for k, v in r.items() if k.startswith("ms_")),
+                  flush=True)
+            continue
         results[name] = measure(name, kwargs, args.work, seq, buckets)
         r = results[name]
         print(f"{name:18s} max rel: ms fp16 {r['ms_float16']['max_rel']:.2e}  hf fp16 {r['hf_float16']['max_rel']:.2e}  "

@@ -88,6 +88,18 @@ class Linear(nn.Cell):
         self.reduce = ops.AllReduce() if row_parallel else None
         self.kernel_bias = bias and not row_parallel  # the method adds the bias
 
+    def weights(self) -> tuple:
+        """W as the CPU kernels' fused decode ops take it: (weight,), or (q, scale[, offset]) when quantized
+        (cpu_kernels/decode_ops.cc tells them apart by dtype and by the number of tensors)."""
+        if self.weight_scale is None:
+            return (self.weight,)
+        return (self.weight, self.weight_scale) if self.weight_offset is None else (
+            self.weight, self.weight_scale, self.weight_offset)
+
+    def arity(self) -> int:
+        """How many tensors `weights()` gives (the fused ops' out_shape functions need the positions)."""
+        return 1 if self.weight_scale is None else 2 if self.weight_offset is None else 3
+
     def _add_bias(self, y):
         # explicit broadcasts everywhere: see BROADCASTS in the module docstring. The depend keeps
         # MindSpore from running every layer's broadcast at graph start.
@@ -143,7 +155,7 @@ class MLP(nn.Cell):
         if k.decode_ops and not bias:  # the decode step: gate, up, SiLU and the product in one kernel
             import cpu_kernels
 
-            self.swiglu = kernel_op(cpu_kernels.SWIGLU, lambda x, wg, wu: (x[0], wg[0]), lambda x, *_: x)
+            self.swiglu = kernel_op(cpu_kernels.SWIGLU, lambda x, wg, *_: (x[0], wg[0]), lambda x, *_: x)
         else:
             self.swiglu = None
 
@@ -185,8 +197,9 @@ class Attention(nn.Cell):
             import cpu_kernels
 
             f32 = ms.float32
-            self.qkv_rope = kernel_op(cpu_kernels.QKV_ROPE, lambda x, wq, bq, wk, bk, wv, bv, *_: (
-                [x[0], wq[0]], [x[0], wk[0]], [x[0], wv[0]]), lambda *_: (f32, f32, f32))
+            a = self.q_proj.arity()  # tensors per weight: x, Wq.., bq, Wk.., bk, Wv.., bv, ...
+            self.qkv_rope = kernel_op(cpu_kernels.QKV_ROPE, lambda *s: (
+                [s[0][0], s[1][0]], [s[0][0], s[2 + a][0]], [s[0][0], s[3 + 2 * a][0]]), lambda *_: (f32, f32, f32))
             # without a qkv bias the kernel adds zeros (graph constants, not parameters: the names stay HF's)
             self.zero_bias = None if bias else (Tensor(np.zeros(self.h * self.d, np.float32)),
                                                 Tensor(np.zeros(self.kh * self.d, np.float32)))
@@ -320,32 +333,33 @@ class Attention(nn.Cell):
         return (p[0].bias, p[1].bias, p[2].bias) if self.zero_bias is None else (
             self.zero_bias[0], self.zero_bias[1], self.zero_bias[1])
 
+    def _qkv_weights(self) -> tuple:
+        """Wq.., bq, Wk.., bk, Wv.., bv as the fused ops take them (Linear.weights: one tensor, or a quantized
+        weight's two or three)."""
+        bq, bk, bv = self._biases()
+        return (self.q_proj.weights() + (bq,) + self.k_proj.weights() + (bk,) + self.v_proj.weights() + (bv,))
+
     def decode_step(self, x, norm, cos, sin, valid_length, rows=None):
         """The decode step through cpu_kernels, up to o_proj: `norm` (the layer's input RMSNorm), q/k/v, RoPE and the
         cache writes at valid_length - 1 in one op (MsliteLlmDecodeQkv, in place), then the attention over each row's
         valid positions. With `rows` [B*n] (each token's cache row), x is n tokens of each row and valid_length [B*n]
         their positions + 1: the CPU prefill graph, causal by the lengths."""
-        p = (self.q_proj, self.k_proj, self.v_proj)
-        bq, bk, bv = self._biases()
+        args = (x, norm.weight, norm.eps_tensor) + self._qkv_weights() + (
+            cos, sin, self.key_cache, self.value_cache, valid_length)
         if self.q_norm is None:
-            q = self.decode_qkv(x, norm.weight, norm.eps_tensor, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv,
-                                cos, sin, self.key_cache, self.value_cache, valid_length)
+            q = self.decode_qkv(*args)
         else:
-            q = self.decode_qkv(x, norm.weight, norm.eps_tensor, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv,
-                                cos, sin, self.key_cache, self.value_cache, valid_length, self.q_norm.weight,
-                                self.k_norm.weight)
+            q = self.decode_qkv(*(args + (self.q_norm.weight, self.k_norm.weight)))
         if rows is not None:
             return self.rows_attention(q, self.key_cache, self.value_cache, valid_length, rows)
         return self.attention(q, self.key_cache, self.value_cache, valid_length)
 
     def _kernel_qkv(self, x, cos, sin):
         """q, k, v [N, H*D], [N, KH*D] through cpu_kernels' one op (projections, bias, Qwen3's norms, RoPE)."""
-        p = (self.q_proj, self.k_proj, self.v_proj)
-        bq, bk, bv = self._biases()
+        args = (x,) + self._qkv_weights() + (cos, sin)
         if self.q_norm is None:
-            return self.qkv_rope(x, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv, cos, sin)
-        return self.qkv_rope(x, p[0].weight, bq, p[1].weight, bk, p[2].weight, bv, cos, sin, self.q_norm.weight,
-                             self.k_norm.weight, self.norm_eps)
+            return self.qkv_rope(*args)
+        return self.qkv_rope(*(args + (self.q_norm.weight, self.k_norm.weight, self.norm_eps)))
 
 
 class DecoderLayer(nn.Cell):
@@ -359,14 +373,15 @@ class DecoderLayer(nn.Cell):
         if k.decode_ops:  # the decode step: o_proj and down_proj each with the residual add, one kernel
             import cpu_kernels
 
-            self.project_add = kernel_op(cpu_kernels.GEMV_ADD, lambda x, w, r: r, lambda x, *_: x)
+            self.project_add = kernel_op(cpu_kernels.GEMV_ADD, lambda *s: s[-1], lambda x, *_: x)  # x, W.., r
             # post_attention_layernorm, gate, up, SiLU and the product in one kernel (no MLP bias)
             self.norm_swiglu = None if self.mlp.swiglu is None else kernel_op(
-                cpu_kernels.NORM_SWIGLU, lambda h, w, e, wg, wu: (h[0], wg[0]), lambda h, *_: h)
+                cpu_kernels.NORM_SWIGLU, lambda h, w, e, wg, *_: (h[0], wg[0]), lambda h, *_: h)
             # and all of it in one kernel where neither o_proj nor the MLP has a bias or an AllReduce
             o, mlp = self.self_attn.o_proj, self.mlp
             plain = all(lin.bias is None and lin.reduce is None for lin in (o, mlp.down_proj))
-            self.tail = kernel_op(cpu_kernels.DECODE_TAIL, lambda a, wo, x, *_: x, lambda a, *_: a) if (
+            a = o.arity()  # attn, Wo.., x, ...
+            self.tail = kernel_op(cpu_kernels.DECODE_TAIL, lambda *s: s[1 + a], lambda a, *_: a) if (
                 plain and self.norm_swiglu is not None) else None
         else:
             self.project_add = self.norm_swiglu = self.tail = None
@@ -393,11 +408,12 @@ class DecoderLayer(nn.Cell):
         kernel where neither o_proj nor the MLP has a bias or a tensor-parallel AllReduce)."""
         norm, mlp = self.post_attention_layernorm, self.mlp
         if self.tail is not None:
-            return self.tail(attn, self.self_attn.o_proj.weight, x, norm.weight, norm.eps_tensor, mlp.gate_proj.weight,
-                             mlp.up_proj.weight, mlp.down_proj.weight)
+            return self.tail(*((attn,) + self.self_attn.o_proj.weights() + (x, norm.weight, norm.eps_tensor)
+                               + mlp.gate_proj.weights() + mlp.up_proj.weights() + mlp.down_proj.weights()))
         h = self._project_add(self.self_attn.o_proj, attn, x)
         if self.norm_swiglu is not None:
-            mlp = self.norm_swiglu(h, norm.weight, norm.eps_tensor, self.mlp.gate_proj.weight, self.mlp.up_proj.weight)
+            mlp = self.norm_swiglu(*((h, norm.weight, norm.eps_tensor) + self.mlp.gate_proj.weights()
+                                     + self.mlp.up_proj.weights()))
         else:
             normed = norm.few_rows(h)
             mlp = ew_mul(ew_silu(self.mlp.gate_proj.few_rows(normed)), self.mlp.up_proj.few_rows(normed))
@@ -407,7 +423,7 @@ class DecoderLayer(nn.Cell):
         """residual + linear(x) in the decode step: one kernel, unless the projection has a bias (Llama's
         attention_bias / mlp_bias), which that kernel does not add, or is row-parallel (its AllReduce comes first)."""
         if linear.bias is None and linear.reduce is None:
-            return self.project_add(x, linear.weight, residual)
+            return self.project_add(*((x,) + linear.weights() + (residual,)))
         return ew_add(residual, linear.few_rows(x))
 
     def decode(self, x, cos, sin, mask, index, b, valid_length):  # x [B, E]

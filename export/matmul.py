@@ -7,7 +7,8 @@ format is a new method here, never a flag threaded through the layers. The metho
 - KernelMatmul: mslite-llm's CPU kernel (cpu_kernels/gemv.cc), float32, float16 or bfloat16 matrices widened in
   registers, in the decode step and (for 16-bit matrices, or a few rows) in the full graph;
 - QuantMatmul: int8/int4 weights with scales (export/quantize.py has the format): Ascend's WeightQuantBatchMatmul in
-  Atlas graphs (a CPU stand-in at load: lite_runtime/backends/standins.py), cpu_kernels/quant.cc in CPU graphs.
+  Atlas graphs (a CPU stand-in at load: lite_runtime/backends/standins.py), cpu_kernels/matmul_quant.cc in CPU graphs
+  (where the fused decode ops read the same integers).
 
 `Form` is what a network is built of, chosen once by CausalLM from the export's settings: whether the CPU kernels'
 fused decode ops run the layers, the method factory of the linear layers and of the tables (embedding, head).
@@ -192,15 +193,17 @@ def choose_form(kernels: bool, prompt_kernels: bool, weight_dtype, quant=None, a
     compute dtype), `quant` (export/quantize.QuantMethod of the linear layers, or None), `embedding` (the
     embedding's own QuantMethod, export/quantize.py embedding_method, or None)."""
     if quant is not None:
-        # a quantized folder: the layers run the plain form around one quantized matmul each (the fused decode ops
-        # read 16-bit matrices; quantized ones are issue 32's); the tables are int8 per row
+        # a quantized folder: one quantized matmul per linear layer; the tables are int8 per row. On the CPU the fused
+        # decode ops run the layers, reading the integers as the matmul does (cpu_kernels/decode_ops.cc: a weight is
+        # its q, scale[, offset]); on Atlas the plain form around WeightQuantBatchMatmul (or the fused form, from
+        # export/atlas_layers.py)
         def linear(with_bias: bool) -> MatmulMethod:
             return QuantMatmul(quant.bits, quant.group_size, quant.symmetric, atlas)
 
         def table(with_bias: bool) -> MatmulMethod:
             return QuantMatmul(8, 0, True, atlas)
 
-        return Form(False, linear, table, None, embedding)
+        return Form(kernels and not atlas, linear, table, None, embedding)
     if kernels:
         def kernel(with_bias: bool) -> MatmulMethod:
             return KernelMatmul(prompt_kernels, weight_dtype, with_bias)

@@ -23,7 +23,8 @@ from lite_runtime.backends import CHOICES, mslite_importable
 from lite_runtime.backends.standins import describe
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError
-from lite_runtime.golden import TOLERANCES, Reference, RowResult, Tolerance, load_golden, replay, replay_chunks
+from lite_runtime.golden import (TOLERANCES, Reference, RowResult, Tolerance, load_golden, replay, replay_chunks,
+                                 tolerance_for)
 from lite_runtime.versions import environment
 
 SEND_BACK = ("rerun with --json report.json and send that file, with the folder's manifest.json and yaml, "
@@ -85,7 +86,7 @@ class Report:
     def verdict(self) -> str:
         steps = sum(r.steps for r in self.rows)
         worst = max((r.max_rel for r in self.rows), default=0.0)
-        limit = f"({self.dtype} limit {self.tolerance.rel:.0e})"
+        limit = f"({self.tolerance.dtype} limit {self.tolerance.rel:.0e})"
         ties = sum(len(r.near_ties) for r in self.rows)
         tie_note = f"; {ties} near-tie step(s) reported, not failed" if ties else ""
         prompts = _count(len({r.prompt for r in self.rows}), "prompt")
@@ -145,7 +146,9 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
     if reference is None:
         raise InferError(f"{folder.path}: no golden references (golden.json); the folder was exported before "
                          "mslite-llm wrote them: re-export it with python -m export to check it")
-    tolerance = TOLERANCES.get(config.compute_dtype)  # a CPU folder with 16-bit weights: float32's, on rounded weights
+    # a CPU folder with 16-bit weights: float32's, on rounded weights; a quantized CPU folder: int16 activations'
+    tolerance = tolerance_for(config.compute_dtype, folder.quantization is not None,
+                              folder.infer.get("device") == "cpu" and bool(folder.infer.get("cpu_kernels")))
     if tolerance is None:
         raise InferError(f"{folder.yaml_path}: dtype {config.compute_dtype!r} has no check limits; known: "
                          f"{', '.join(TOLERANCES)}")
