@@ -44,6 +44,11 @@ def _collector_paused():
     finally:
         if was_enabled:
             gc.enable()
+        # and what they left is moved out of the collector's reach (gc.freeze): a decode step makes a few hundred
+        # short-lived objects, and the collections they trigger walked MindSpore's objects again, ~5 % of an int4
+        # decode step of the 0.5B shape (docs/performance-log.md, "Quantized decode: int16 activations",
+        # 2026-11-26). Frozen objects are never collected; the ones frozen here live as long as the process.
+        gc.freeze()
 
 
 def _mindspore():
