@@ -7,8 +7,9 @@ Why alternating: this machine's memory bandwidth moves by up to +-40 % between m
 plain read measured 33-57 GB/s; docs/performance-log.md, "The CPU decode step on the AVX2 path", 2026-11-24), so
 one run of each engine, minutes apart, says little. Each round runs both (the order flips every round); the figure
 that counts is the median of the per-round ratios.
-Ours: the folder's decode step through the `ms` backend (the runner's inc graph, tokens fed back greedily, after a
-128-token prompt), tokens/s. llama.cpp: `llama-bench -p 0 -n <tokens> -r 1` (generation from an empty context).
+Ours: the folder's decode step through the `ms` backend after a 128-token prompt, tokens/s: by default the runner's
+inc graph, tokens fed back greedily; --api generate or infer: through pipe.generate, or pipe.infer([sequence]) once
+per token (the step API). llama.cpp: `llama-bench -p 0 -n <tokens> -r 1` (generation from an empty context).
 Not a test.
 """
 from __future__ import annotations
@@ -25,13 +26,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def ours(folder: str, tokens: int) -> float:
+def ours(folder: str, tokens: int, api: str = "runner") -> float:
+    """Decode tok/s at batch 1 after a 128-token prompt, through `api`: "runner" (the inc graph, tokens fed back by
+    argmax), "generate" (pipe.generate's decode loop) or "infer" (pipe.infer([sequence]) once per token, the step API
+    a caller driving its own loop uses)."""
     import numpy as np
 
     from lite_runtime import pipeline
 
-    runner = pipeline("text_generation", model=folder, backend="ms", verify_checksums=False, warm_up="all").runner
+    pipe = pipeline("text_generation", model=folder, backend="ms", verify_checksums=False, warm_up="all")
     prompt = [int(t) for t in np.random.default_rng(0).integers(1, 300, 128)]
+    if api == "generate":
+        pipe.generate([prompt], max_new_tokens=4, eos_token_id=[])  # warm
+        out = pipe.generate([prompt], max_new_tokens=tokens + 1, eos_token_id=[])
+        return out.decode_steps / out.decode_seconds
+    if api == "infer":
+        seq = list(prompt)
+        for _ in range(2):  # the prefill, then a warm step
+            seq.append(pipe.infer([seq]).next_tokens[0])
+        start = time.perf_counter()
+        for _ in range(tokens):
+            seq.append(pipe.infer([seq]).next_tokens[0])
+        return tokens / (time.perf_counter() - start)
+    runner = pipe.runner
     token = int(np.argmax(runner.prefill([prompt])[0]))
     token = int(np.argmax(runner.step([token], [len(prompt) + 1])[0]))  # warm
     start = time.perf_counter()
@@ -53,6 +70,8 @@ def main(argv=None) -> int:
     p.add_argument("--llama_bench", required=True)
     p.add_argument("--isa", choices=("native", "avx2", "generic"), default="native",
                    help="our kernels' path (MSLITE_LLM_CPU_KERNELS_ISA); build llama.cpp to match (llama_cpp.py --isa)")
+    p.add_argument("--api", choices=("runner", "generate", "infer"), default="runner",
+                   help="our decode loop: the runner's inc graph (default), pipe.generate, or pipe.infer per token")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -65,7 +84,7 @@ def main(argv=None) -> int:
         sys.path.insert(0, os.path.abspath(args.child))
         import cpu_kernels
 
-        tok_s = ours(args.folder, args.tokens)
+        tok_s = ours(args.folder, args.tokens, args.api)
         print(json.dumps({"tok_s": tok_s, "isa": cpu_kernels.isa(), "kernels": cpu_kernels.library_path()}))
         return 0
     env = {k: v for k, v in os.environ.items() if k != "MSLITE_LLM_CPU_KERNELS_ISA"}
@@ -74,7 +93,7 @@ def main(argv=None) -> int:
     def ours_in(root: str, folder: str) -> dict:
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", root,
                               "--folder", folder, "--gguf", args.gguf, "--llama_bench", args.llama_bench, "--tokens",
-                              str(args.tokens)], capture_output=True, text=True, env=env, check=True, cwd=root)
+                              str(args.tokens), "--api", args.api], capture_output=True, text=True, env=env, check=True, cwd=root)
         result = json.loads(out.stdout.strip().splitlines()[-1])
         if not result["kernels"].startswith(os.path.abspath(root)):  # the baseline ran its own kernels, or says so
             raise SystemExit(f"{root}: the child loaded kernels from {result['kernels']}")

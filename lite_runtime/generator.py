@@ -19,7 +19,7 @@ import numpy as np
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError, MissingDependencyError
 from lite_runtime.runner import ModelRunner
-from lite_runtime.sampling import GenerationSettings, choose, process
+from lite_runtime.sampling import GenerationSettings, pick, probability, process
 from lite_runtime.tokenizer import FolderTokenizer, chat_problem, has_folder_tokenizer
 
 log = logging.getLogger(__name__)
@@ -27,12 +27,17 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class InferOutput:
-    """One step: per row, the chosen next token, its probability under the processed scores, and the
-    graph's raw float32 logits [rows, vocab_size] (before any repetition penalty or sampling warper)."""
+    """One step: per row, the chosen next token, the graph's raw float32 logits [rows, vocab_size] (before any
+    repetition penalty or sampling warper), and `probs`: each token's probability under the scores it was chosen
+    from, computed when read (a softmax over the vocabulary per row: paid only by who asks for it)."""
 
     next_tokens: List[int]
-    probs: List[float]
     logits: Optional[np.ndarray] = field(default=None, repr=False)
+    scores: List[np.ndarray] = field(default_factory=list, repr=False)  # per row, what the token was chosen from
+
+    @property
+    def probs(self) -> List[float]:
+        return [probability(s, t) for s, t in zip(self.scores, self.next_tokens)]
 
 
 class GenerateOutput(list):
@@ -124,7 +129,22 @@ class TextGenerator:
         return self.runner.prefill(rows)
 
     # --- checks -----------------------------------------------------------------------------------
-    def _check_rows(self, rows: Sequence[Sequence[int]]) -> List[List[int]]:
+    @staticmethod
+    def _extends(row, held: List[int]) -> bool:
+        """Whether row is held plus one more entry (compared in C: no per-token Python)."""
+        if isinstance(row, (str, bytes)) or len(row) != len(held) + 1:
+            return False
+        if hasattr(row, "tolist"):
+            row = row.tolist()
+        try:
+            return list(row[:-1]) == held
+        except TypeError:
+            return False
+
+    def _check_rows(self, rows: Sequence[Sequence[int]], held: Sequence[Optional[List[int]]] = ()) -> List[List[int]]:
+        """rows as lists of ints, each checked. `held`: what the cache rows hold (checked when they were sent), so
+        a row that extends its cache row by one token (infer() driving a decode loop) has only that token checked,
+        not its whole sequence on every step."""
         if isinstance(rows, (str, bytes)):
             raise InferError("input_ids is a string; generate() and infer() take token ids: call the pipeline "
                              "itself for text, pipe(text), or tokenize it first")
@@ -137,24 +157,32 @@ class TextGenerator:
                              f"send at most {self.batch_size} or re-export with --batch_size {len(rows)}")
         out = []
         for i, row in enumerate(rows):
-            if isinstance(row, (str, bytes)):
-                raise InferError(f"row {i} is a string; input_ids are token ids: call pipe(text) for text")
-            row = row.tolist() if hasattr(row, "tolist") else list(row)
-            bad = next((t for t in row if not isinstance(t, (int, np.integer)) or isinstance(t, bool)), None)
-            if bad is not None:
-                raise InferError(f"row {i} has a token id {bad!r} that is not an integer; input_ids are integer "
-                                 "token ids from the tokenizer")
-            row = [int(t) for t in row]
-            if not row:
-                raise InferError(f"row {i} is empty; every prompt needs at least one token")
-            if len(row) > self.seq_length:
-                raise InferError(f"row {i} has {len(row)} tokens, more than the graphs' seq_length "
-                                 f"{self.seq_length}; shorten the prompt or re-export with a larger --seq_length")
-            vocab = self.config.vocab_size
-            if vocab and not all(0 <= t < vocab for t in row):
-                raise InferError(f"row {i} has a token id outside [0, {vocab}); was it made by another tokenizer?")
-            out.append(row)
+            if i < len(held) and held[i] is not None and len(held[i]) < self.seq_length and \
+                    self._extends(row, held[i]):
+                out.append(held[i] + self._check_row(i, row[-1:]))
+            else:
+                out.append(self._check_row(i, row))
         return out
+
+    def _check_row(self, i: int, row) -> List[int]:
+        """Row i of input_ids as a list of ints, or an InferError naming what is wrong with it."""
+        if isinstance(row, (str, bytes)):
+            raise InferError(f"row {i} is a string; input_ids are token ids: call pipe(text) for text")
+        row = row.tolist() if hasattr(row, "tolist") else list(row)
+        bad = next((t for t in row if not isinstance(t, (int, np.integer)) or isinstance(t, bool)), None)
+        if bad is not None:
+            raise InferError(f"row {i} has a token id {bad!r} that is not an integer; input_ids are integer "
+                             "token ids from the tokenizer")
+        row = [int(t) for t in row]
+        if not row:
+            raise InferError(f"row {i} is empty; every prompt needs at least one token")
+        if len(row) > self.seq_length:
+            raise InferError(f"row {i} has {len(row)} tokens, more than the graphs' seq_length "
+                             f"{self.seq_length}; shorten the prompt or re-export with a larger --seq_length")
+        vocab = self.config.vocab_size
+        if vocab and not all(0 <= t < vocab for t in row):
+            raise InferError(f"row {i} has a token id outside [0, {vocab}); was it made by another tokenizer?")
+        return row
 
     def _limits(self, rows: List[List[int]], s: GenerationSettings) -> List[int]:
         """Tokens each row may generate: max_new_tokens, else max_length - prompt, else up to seq_length."""
@@ -212,13 +240,13 @@ class TextGenerator:
 
     def infer(self, input_ids: Sequence[Sequence[int]], **kwargs) -> InferOutput:
         """One step for callers that drive the loop: the next token of each row and its probability."""
-        s = self.defaults.updated(**kwargs)
-        rows = self._check_rows(input_ids)
-        rng = np.random.default_rng(s.seed)
+        s = self.defaults.updated(**kwargs) if kwargs else self.defaults
+        rows = self._check_rows(input_ids, self.runner.held)
+        rng = np.random.default_rng(s.seed) if s.do_sample else None
         with self.runner.request():
             logits = self._forward(rows)
-        picks = [choose(process(logits[i], rows[i], s), s.do_sample, rng) for i in range(len(rows))]
-        return InferOutput([t for t, _ in picks], [p for _, p in picks], logits)
+        scores = [process(logits[i], rows[i], s) for i in range(len(rows))]
+        return InferOutput([pick(scores[i], s.do_sample, rng) for i in range(len(rows))], logits, scores)
 
     def generate(self, input_ids: Sequence[Sequence[int]], streamer=None, **kwargs) -> GenerateOutput:
         """Per row, the prompt ids followed by the generated ids, stopping at eos or the limit."""
@@ -226,7 +254,7 @@ class TextGenerator:
         rows = self._check_rows(input_ids)
         limits = self._limits(rows, s)
         eos = set(s.eos_token_id or ())
-        rng = np.random.default_rng(s.seed)
+        rng = np.random.default_rng(s.seed) if s.do_sample else None
         seqs = [list(r) for r in rows]
         reasons: List[Optional[str]] = [None] * len(rows)
         out = GenerateOutput(seqs, [], [len(r) for r in rows])
@@ -241,7 +269,7 @@ class TextGenerator:
                 new: Dict[int, int] = {}
                 for i in range(len(rows)):
                     if reasons[i] is None:
-                        token, _ = choose(process(logits[i], seqs[i], s), s.do_sample, rng)
+                        token = pick(process(logits[i], seqs[i], s), s.do_sample, rng)
                         seqs[i].append(token)
                         new[i] = token
                         if token in eos:

@@ -118,12 +118,24 @@ def process(scores: np.ndarray, seen: Sequence[int], s: GenerationSettings) -> n
     return scores
 
 
-def choose(scores: np.ndarray, do_sample: bool, rng: np.random.Generator) -> Tuple[int, float]:
+def choose(scores: np.ndarray, do_sample: bool, rng: Optional[np.random.Generator]) -> Tuple[int, float]:
     """(token, its probability under the processed scores): argmax, or a draw when sampling."""
+    token = pick(scores, do_sample, rng)
+    return token, probability(scores, token)
+
+
+def pick(scores: np.ndarray, do_sample: bool, rng: Optional[np.random.Generator]) -> int:
+    """The next token: argmax (no softmax over the vocabulary: ~1 ms of a decode step at 151,936 tokens), or a draw
+    from softmax(scores) when sampling (rng needed then)."""
+    if not do_sample:
+        return int(np.argmax(scores))
     probs = softmax(scores)
-    if do_sample:
-        token = int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"))
-        token = min(token, len(probs) - 1)
-    else:
-        token = int(np.argmax(scores))
-    return token, float(probs[token])
+    token = int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"))
+    return min(token, len(probs) - 1)
+
+
+def probability(scores: np.ndarray, token: int) -> float:
+    """softmax(scores)[token], in float64."""
+    z = np.asarray(scores, np.float64)
+    peak = z.max()
+    return float(np.exp(z[token] - peak) / np.exp(z - peak).sum())

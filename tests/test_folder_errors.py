@@ -195,6 +195,23 @@ def test_prompt_too_long_and_limits_that_cannot_fit(pipes):
     assert len(out.sequences[0]) == 32 and out.finish_reasons == ["length"]
 
 
+def test_a_step_checks_the_token_it_adds(pipes):
+    """infer() driving a decode loop checks only the token a row adds to what its cache row holds (the rest was
+    checked when it was sent): that token is still refused as a whole row's would be, and a row that does not
+    extend its cache row is checked whole."""
+    pipe = pipes["gqa_tied"]
+    rows = [[5, 6, 7], [8, 9]]
+    step = pipe.infer(rows)
+    grown = [r + [t] for r, t in zip(rows, step.next_tokens)]
+    assert error_of(pipe.infer, [grown[0], grown[1][:-1] + [99999]]) == (
+        "row 1 has a token id outside [0, 512); was it made by another tokenizer?")
+    assert error_of(pipe.infer, [grown[0], grown[1][:-1] + [2.5]]) == (
+        "row 1 has a token id 2.5 that is not an integer; input_ids are integer token ids from the tokenizer")
+    assert error_of(pipe.infer, [grown[0], [True] + grown[1][1:]]) == (
+        "row 1 has a token id True that is not an integer; input_ids are integer token ids from the tokenizer")
+    assert pipe.infer(grown).next_tokens == pipe.infer(grown).next_tokens  # the second is a prefill of the same
+
+
 def test_graph_paths_without_a_folder(exported, checkpoints):
     folder = exported["mha_untied"]
     names = ("mha_untied_prefill_graph.mindir", "mha_untied_inc_graph.mindir")

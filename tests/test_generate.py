@@ -1,6 +1,7 @@
 """pipeline(...).generate / infer / __call__ against HF generate on the same checkpoint (ms backend)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from reference import hf_generate, prompts
@@ -33,6 +34,9 @@ def test_infer_then_generate_and_generate_then_infer(pipes):
         for r, t in zip(rows, step.next_tokens):
             r.append(t)
         assert all(0.0 < p <= 1.0 for p in step.probs)
+        z = step.logits[:len(rows)].astype("float64")  # greedy, no penalty: the probability is softmax(logits)'s
+        e = np.exp(z - z.max(1, keepdims=True))
+        assert step.probs == pytest.approx([e[i, t] / e[i].sum() for i, t in enumerate(step.next_tokens)], rel=1e-9)
     assert rows == want
     assert pipe.generate(ROWS, max_new_tokens=6).sequences == want
     assert pipe.infer([want[0][:-1], want[1][:-1]]).next_tokens == [want[0][-1], want[1][-1]]
