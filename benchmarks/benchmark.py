@@ -165,11 +165,15 @@ def ensure_checkpoint(args) -> str:
     return path
 
 
+QUANTIZED = ("int8", "int4")  # --dtypes entries exported with --quantize (float32 compute, the CPU kernels' int8/int4)
+
+
 def export(checkpoint: str, folder: str, args, batch: int, dtype: str) -> Dict[str, Any]:
     if os.path.isfile(os.path.join(folder, "manifest.json")) and not args.reexport:
         return {"reused": True}
+    dtype_args = ["--quantize", dtype] if dtype in QUANTIZED else ["--dtype", dtype]
     cmd = [sys.executable, "-m", "export", "-q", "--checkpoint", checkpoint, "--output", folder, "--device", "cpu",
-           "--dtype", dtype, "--seq_length", str(args.seq_length), "--batch_size", str(batch), "--overwrite"]
+           *dtype_args, "--seq_length", str(args.seq_length), "--batch_size", str(batch), "--overwrite"]
     if args.buckets != "auto":
         cmd += ["--prefill_buckets", args.buckets]
     if args.cpu_kernels != "auto":
@@ -194,8 +198,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--seq_length", type=int, default=2048)
     p.add_argument("--buckets", default="auto", help="python -m export --prefill_buckets (default: auto, as a new "
                                                       "user gets)")
-    p.add_argument("--dtypes", default="float32,bfloat16,float16",
-                   help="folders to measure: float32 at every --batches size, 16-bit weights at batch 1")
+    p.add_argument("--dtypes", default="float32,bfloat16,float16,int8,int4",
+                   help="folders to measure: float32, int8 and int4 (python -m export --quantize, the default group "
+                        "sizes) at every --batches size, 16-bit weights at batch 1")
     p.add_argument("--prompt_lengths", type=ints, default=[16, 100, 512])
     p.add_argument("--first_prompt", type=int, default=100)
     p.add_argument("--decode_prompt", type=int, default=128)
@@ -205,7 +210,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--cpu_kernels", choices=("auto", "on", "off"), default="auto",
                    help="python -m export --cpu_kernels: off measures MindSpore's own MatMul in the decode step")
-    p.add_argument("--llama_cpp", action="store_true", help="add llama.cpp (f32 and f16 GGUF) as columns")
+    p.add_argument("--llama_cpp", action="store_true", help="add llama.cpp as columns: f32 and f16 GGUFs, and Q8_0, "
+                                                             "Q4_0 and Q4_K_M by llama-quantize from f16")
     p.add_argument("--isa", choices=tuple(ISA_ENV), default="native",
                    help="the x86 code path every engine runs: native (each picks the best this CPU has), avx2 (our "
                         "kernels' and torch's AVX2 path, llama.cpp built for AVX2: what an AVX2-only machine runs, "
@@ -228,7 +234,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     report: Dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "checkpoint": checkpoint,
                               "settings": vars(args), "exports": {}, "ours": {}, "hf": None}
     warm_imports()
-    runs = [(d, b) for d in args.dtypes.split(",") for b in (args.batches if d == "float32" else args.batches[:1])]
+    runs = [(d, b) for d in args.dtypes.split(",")
+            for b in (args.batches if d in ("float32",) + QUANTIZED else args.batches[:1])]
     for dtype, batch in runs:
         key = f"{dtype}_b{batch}"
         folder = os.path.join(args.work, f"model_{key}" + ("_matmul" if args.cpu_kernels == "off" else ""))
@@ -244,7 +251,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         print("measuring llama.cpp (the first run builds it and converts the checkpoint: minutes)", flush=True)
         report["llama_cpp"] = llama_cpp.measure(checkpoint, os.path.join(args.work, "llama_cpp"), args.threads,
-                                                prompt_tokens=args.prompt_lengths, dtypes=("f32", "f16"),
+                                                prompt_tokens=args.prompt_lengths, dtypes=LLAMA_TYPES,
                                                 isa="avx2" if args.isa == "avx2" else "native")
     report["paths"] = paths_line(report, args)
     report["weight_bytes"] = sum(os.path.getsize(os.path.join(checkpoint, f)) for f in os.listdir(checkpoint)
@@ -304,7 +311,7 @@ def print_table(r: Dict[str, Any]) -> None:
             if dtype == "float32":
                 col["same tokens"] = ours["tokens"] == hf["decode"][str(batch)]["tokens"]
     llama = r.get("llama_cpp") or {}
-    for dtype in ("f32", "f16"):
+    for dtype in LLAMA_TYPES:
         if dtype in llama:
             fig = llama[dtype]
             cols[f"llama.cpp {dtype}"] = {"decode b1": fig["decode_tok_s"], "size_gib": fig.get("gguf_bytes", 0) / 2**30,
@@ -331,6 +338,10 @@ def print_table(r: Dict[str, Any]) -> None:
     print_goals(cols, r["settings"]["prompt_lengths"])
 
 
+LLAMA_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_k_m")  # llama.cpp's columns (llama_cpp.measure)
+SAME_BITS = {"int8": "q8_0", "int4": "q4_0"}  # our quantized folder -> llama.cpp's type of the same bits
+
+
 def print_goals(cols: Dict[str, Dict[str, Any]], prompt_lengths: List[int]) -> None:
     """The issue's goals as ratios (> 1: this project is better), for the columns that were measured."""
     def ratio(label, num_col, num_key, den_col, den_key, goal):
@@ -352,6 +363,16 @@ def print_goals(cols: Dict[str, Dict[str, Any]], prompt_lengths: List[int]) -> N
         ratio(f"folder, llama.cpp f16 GGUF / ours {dtype}", "llama.cpp f16", "size_gib", col, "size_gib", ">= 1")
         ratio(f"peak RSS, ours {dtype} / ours fp32", col, "rss", "ours float32", "rss", "about 0.5")
         ratio(f"peak RSS, llama.cpp f16 / ours {dtype}", "llama.cpp f16", "rss", col, "rss", ">= 1")
+    for dtype, gguf in SAME_BITS.items():  # issue 32: at the same bits
+        col, theirs = f"ours {dtype}", f"llama.cpp {gguf}"
+        ratio(f"decode b1, ours {dtype} / llama.cpp {gguf.upper()}", col, "decode b1", theirs, "decode b1", ">= 1")
+        if dtype == "int4":
+            ratio(f"decode b1, ours {dtype} / llama.cpp Q4_K_M", col, "decode b1", "llama.cpp q4_k_m", "decode b1",
+                  "reported")
+        for n in prompt_lengths:
+            ratio(f"prefill {n}, llama.cpp {gguf.upper()} / ours {dtype}", theirs, f"prefill {n}", col, f"prefill {n}",
+                  ">= 0.9")
+        ratio(f"decode, ours {dtype} batch 4 / batch 1 (total tok/s)", col, "decode b4", col, "decode b1", ">= 3")
 
 
 if __name__ == "__main__":

@@ -428,6 +428,10 @@ def perplexity(binary: str, gguf: str, text_file: str, ctx: int = 512, threads: 
             "seconds": round(seconds, 2), "seconds_per_pass": float(per_pass[1]) if per_pass else None}
 
 
+# quantized GGUF types measure() makes with llama-quantize from the f16 conversion (its argument -> llama-quantize's)
+QUANT_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M"}
+
+
 def measure(checkpoint: str, work_dir: str = DEFAULT_WORK, threads: int = 2, prompt_tokens=(16, 100),
             dtypes=("f32", "f16"), repetitions: int = 3, isa: str = "native") -> Dict[str, Any]:
     """llama.cpp's figures on `checkpoint` for each GGUF dtype, or {"skipped": reason}; never raises.
@@ -449,7 +453,13 @@ def measure(checkpoint: str, work_dir: str = DEFAULT_WORK, threads: int = 2, pro
         if installed:
             result["pip_installed"] = installed
         for dtype in dtypes:
-            gguf = convert(src, checkpoint, dtype, work_dir)
+            if dtype in QUANT_TYPES:  # llama-quantize on the f16 GGUF, its defaults (what a user gets)
+                f16 = convert(src, checkpoint, "f16", work_dir)
+                done = quantize(build_tool(src, "llama-quantize", isa), f16["gguf"], QUANT_TYPES[dtype], threads)
+                gguf = {"gguf": done["gguf"], "notes": f16["notes"] + [f"llama-quantize {QUANT_TYPES[dtype]} of the "
+                                                                        "f16 GGUF, its defaults"]}
+            else:
+                gguf = convert(src, checkpoint, dtype, work_dir)
             _say(f"llama-bench {dtype}: {threads} threads, prompts {list(prompt_tokens)}, "
                  f"{DECODE_TOKENS} decode tokens, {repetitions} repetitions")
             figures = bench(binary, gguf["gguf"], threads, prompt_tokens, repetitions)
@@ -467,7 +477,8 @@ def main(argv=None) -> int:
     p.add_argument("--work_dir", default=DEFAULT_WORK, help="cache for the source, build and GGUF files")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt_tokens", default="16,100", help="comma-separated prompt lengths")
-    p.add_argument("--dtypes", default="f32,f16", help="comma-separated GGUF types (f32, f16, bf16, q8_0)")
+    p.add_argument("--dtypes", default="f32,f16", help="comma-separated GGUF types (f32, f16, bf16; q8_0, q4_0, q4_1, q4_k_m by "
+                                                 "llama-quantize from f16)")
     p.add_argument("--repetitions", type=int, default=3)
     p.add_argument("--isa", choices=tuple(ISA_FLAGS), default="native", help="the build's x86 code path")
     args = p.parse_args(argv)
