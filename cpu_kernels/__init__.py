@@ -2,7 +2,9 @@
 
 Only `--device cpu` folders use them: matmuls (GEMV for a few rows, a blocked GEMM for more) and the
 embedding lookup, with float32, float16 or bfloat16 weights widened to float32 (see matmul16.cc for why), and matmuls
-of int8/int4 weights dequantized per tile (matmul_quant.cc). common.h says which C++ file holds which kernels.
+of int8/int4 weights (matmul_quant.cc: up to 16 rows, x rounded to int16 per block of 32 and integer products; beyond,
+dequantized per tile). The fused decode ops take each weight as one float tensor or as a quantized one's q, scale[,
+offset]. common.h says which C++ file holds which kernels.
 A graph stores the library as a bare file name (`LIBRARY_FILE:<function>`); MindSpore needs a
 path that exists, so the `ms` backend rewrites it to this machine's copy when it loads the graph.
 Importable without MindSpore.
@@ -41,8 +43,18 @@ QUANT_MATMUL = "MsliteLlmQuantMatmul"  # x [M, K] float32, q, scale [G, N] float
 QUANT_MATMUL_OFFSET = "MsliteLlmQuantMatmulOffset"  # the same with offset [G, N] float32 after scale
 ATLAS_WEIGHT_QUANT_BATCH_MATMUL = "MsliteLlmAtlasWeightQuantBatchMatmul"  # WeightQuantBatchMatmul's CPU stand-in:
 #   x [M, K] T, q [N, ...], scale [G, N] T[, offset [G, N] T], attrs [antiquant_group_size] -> [M, N] T (W rounded to T)
+# the fused ops under the names a quantized folder's graphs call: the same ops (each weight one float tensor or q, scale[,
+# offset]); the names make an installation whose ops read float weights only refuse such a folder at load
+QUANTIZED_OPS = {QKV_ROPE: "MsliteLlmQuantQkvRope", GEMV_ADD: "MsliteLlmQuantGemvAdd", DECODE_QKV: "MsliteLlmQuantDecodeQkv",
+                 NORM_SWIGLU: "MsliteLlmQuantNormSwiGlu", DECODE_TAIL: "MsliteLlmQuantDecodeTail"}
 FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
-             NORM_SWIGLU, DECODE_TAIL, QUANT_MATMUL, QUANT_MATMUL_OFFSET, ATLAS_WEIGHT_QUANT_BATCH_MATMUL)
+             NORM_SWIGLU, DECODE_TAIL, QUANT_MATMUL, QUANT_MATMUL_OFFSET, ATLAS_WEIGHT_QUANT_BATCH_MATMUL,
+             *QUANTIZED_OPS.values())
+
+
+def fused_op(function: str, quantized: bool) -> str:
+    """The name a graph calls fused op `function` by: QUANTIZED_OPS' where its weights are quantized."""
+    return QUANTIZED_OPS.get(function, function) if quantized else function
 BUILD_HINT = "reinstall with a C++ compiler present (apt install g++; pip install -e .)"
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

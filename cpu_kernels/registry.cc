@@ -99,6 +99,34 @@ int MsliteLlmDecodeTail(int nparam, void** params, int* ndims, int64_t** shapes,
   return timed(OP_DECODE_TAIL, [&] { return decode_tail(nparam, params, ndims, shapes, dtypes); });
 }
 
+// The fused ops under the names quantized folders' graphs call (cpu_kernels.QUANTIZED_OPS): the same bodies, which
+// read a weight's q, scale[, offset]. An installation from before they could lacks these names, so it refuses such a
+// folder when it loads, naming them (cpu_kernels.unknown_functions), instead of failing at the first step.
+int MsliteLlmQuantQkvRope(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* s,
+                          void* e) {
+  return MsliteLlmQkvRope(nparam, params, ndims, shapes, dtypes, s, e);
+}
+
+int MsliteLlmQuantGemvAdd(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* s,
+                          void* e) {
+  return MsliteLlmGemvAdd(nparam, params, ndims, shapes, dtypes, s, e);
+}
+
+int MsliteLlmQuantDecodeQkv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* s,
+                            void* e) {
+  return MsliteLlmDecodeQkv(nparam, params, ndims, shapes, dtypes, s, e);
+}
+
+int MsliteLlmQuantNormSwiGlu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* s,
+                             void* e) {
+  return MsliteLlmNormSwiGlu(nparam, params, ndims, shapes, dtypes, s, e);
+}
+
+int MsliteLlmQuantDecodeTail(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* s,
+                             void* e) {
+  return MsliteLlmDecodeTail(nparam, params, ndims, shapes, dtypes, s, e);
+}
+
 int MsliteLlmQuantMatmul(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
   return quant_matmul_op(nparam, params, ndims, shapes, dtypes, false);
 }

@@ -198,7 +198,8 @@ class Attention(nn.Cell):
 
             f32 = ms.float32
             a = self.q_proj.arity()  # tensors per weight: x, Wq.., bq, Wk.., bk, Wv.., bv, ...
-            self.qkv_rope = kernel_op(cpu_kernels.QKV_ROPE, lambda *s: (
+            quant = is_quantized(self.q_proj.method)  # the fused ops by their quantized names (cpu_kernels.QUANTIZED_OPS)
+            self.qkv_rope = kernel_op(cpu_kernels.fused_op(cpu_kernels.QKV_ROPE, quant), lambda *s: (
                 [s[0][0], s[1][0]], [s[0][0], s[2 + a][0]], [s[0][0], s[3 + 2 * a][0]]), lambda *_: (f32, f32, f32))
             # without a qkv bias the kernel adds zeros (graph constants, not parameters: the names stay HF's)
             self.zero_bias = None if bias else (Tensor(np.zeros(self.h * self.d, np.float32)),
@@ -209,8 +210,8 @@ class Attention(nn.Cell):
             self.rows_attention = kernel_op(cpu_kernels.DECODE_ATTENTION, lambda q, *_: q, lambda q, *_: q)
             # the decode step: the input norm, q/k/v, RoPE and the cache writes in one op, which writes the cache
             # Parameters it is given in place (marked so: MindSpore orders it before the attention's reads)
-            self.decode_qkv = kernel_op(cpu_kernels.DECODE_QKV, lambda x, ln, eps, wq, *_: [x[0], wq[0]],
-                                        lambda x, *_: x)
+            self.decode_qkv = kernel_op(cpu_kernels.fused_op(cpu_kernels.DECODE_QKV, quant),
+                                        lambda x, ln, eps, wq, *_: [x[0], wq[0]], lambda x, *_: x)
             self.decode_qkv.add_prim_attr("side_effect_mem", True)
         else:
             self.qkv_rope = self.attention = self.rows_attention = self.decode_qkv = None
@@ -373,15 +374,19 @@ class DecoderLayer(nn.Cell):
         if k.decode_ops:  # the decode step: o_proj and down_proj each with the residual add, one kernel
             import cpu_kernels
 
-            self.project_add = kernel_op(cpu_kernels.GEMV_ADD, lambda *s: s[-1], lambda x, *_: x)  # x, W.., r
+            quant = is_quantized(self.mlp.down_proj.method)
+            self.project_add = kernel_op(cpu_kernels.fused_op(cpu_kernels.GEMV_ADD, quant), lambda *s: s[-1],
+                                         lambda x, *_: x)  # x, W.., r
             # post_attention_layernorm, gate, up, SiLU and the product in one kernel (no MLP bias)
             self.norm_swiglu = None if self.mlp.swiglu is None else kernel_op(
-                cpu_kernels.NORM_SWIGLU, lambda h, w, e, wg, *_: (h[0], wg[0]), lambda h, *_: h)
+                cpu_kernels.fused_op(cpu_kernels.NORM_SWIGLU, quant), lambda h, w, e, wg, *_: (h[0], wg[0]),
+                lambda h, *_: h)
             # and all of it in one kernel where neither o_proj nor the MLP has a bias or an AllReduce
             o, mlp = self.self_attn.o_proj, self.mlp
             plain = all(lin.bias is None and lin.reduce is None for lin in (o, mlp.down_proj))
             a = o.arity()  # attn, Wo.., x, ...
-            self.tail = kernel_op(cpu_kernels.DECODE_TAIL, lambda *s: s[1 + a], lambda a, *_: a) if (
+            self.tail = kernel_op(cpu_kernels.fused_op(cpu_kernels.DECODE_TAIL, quant), lambda *s: s[1 + a],
+                                  lambda a, *_: a) if (
                 plain and self.norm_swiglu is not None) else None
         else:
             self.project_add = self.norm_swiglu = self.tail = None

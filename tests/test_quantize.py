@@ -105,7 +105,7 @@ def _float_weights(checkpoint: str) -> dict:
 
 
 @pytest.mark.parametrize("family,bits,group", [("qwen2", 8, None), ("qwen3", 4, None), ("llama", 4, 32)])
-def test_a_quantized_cpu_folder_is_what_its_checkpoint_rounds_to(tmp_path, capsys, family, bits, group):
+def test_a_quantized_cpu_folder_is_what_its_checkpoint_rounds_to(tmp_path, capsys, monkeypatch, family, bits, group):
     from export.compare import folder_linears
     from lite_runtime.folder import load_folder
 
@@ -136,6 +136,30 @@ def test_a_quantized_cpu_folder_is_what_its_checkpoint_rounds_to(tmp_path, capsy
     _check_and_compare(ckpt, folder, capsys)
     if family == "qwen2":
         _assert_agreement_is_hf(ckpt, folder, golden)
+        _assert_refused_by_kernels_without_quantized_ops(folder, monkeypatch)
+
+
+def _assert_refused_by_kernels_without_quantized_ops(folder: str, monkeypatch) -> None:
+    """The decode step calls the fused ops by their quantized names (cpu_kernels.QUANTIZED_OPS); an installation whose
+    ops read float weights only lacks them and refuses the folder at load, naming them."""
+    import cpu_kernels
+    from lite_runtime import InferError
+    from lite_runtime.backends.ms import _relocate_kernels
+    from test_cpu_kernels import graph_model
+
+    path = os.path.join(folder, "m_inc_graph.mindir")
+    calls = {a.s.decode().rpartition(":")[2] for p in graph_model(path).primitives for a in p.attribute
+             if a.name == "func_name"}
+    quantized = {cpu_kernels.QUANTIZED_OPS[cpu_kernels.DECODE_QKV], cpu_kernels.QUANTIZED_OPS[cpu_kernels.DECODE_TAIL]}
+    assert quantized <= calls and not calls & {cpu_kernels.DECODE_QKV, cpu_kernels.DECODE_TAIL}, calls
+    monkeypatch.setattr(cpu_kernels, "FUNCTIONS", tuple(f for f in cpu_kernels.FUNCTIONS
+                                                         if f not in cpu_kernels.QUANTIZED_OPS.values()))
+    with pytest.raises(InferError) as err:
+        _relocate_kernels(graph_model(path), path)
+    assert str(err.value) == (
+        f"{path}: the graph calls CPU kernels this installation of mslite-llm does not have "
+        f"({', '.join(sorted(quantized))}): the folder was exported by another version; run it with that version, "
+        "or re-export it with this one")
 
 
 def _assert_agreement_is_hf(checkpoint: str, folder: str, golden: dict) -> None:
