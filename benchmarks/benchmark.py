@@ -267,6 +267,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 def paths_line(report: Dict[str, Any], args) -> str:
     """Which code path each engine ran: our kernels' (as the worker's library reported it), torch's, llama.cpp's."""
     ours = sorted({r.get("kernels_isa") or "not built" for r in report["ours"].values()})
+    if "avx512" in ours and any(k.split("_b")[0] in QUANTIZED for k in report["ours"]):
+        ours = [i + " (int8/int4 folders: the AVX2 forms)" if i == "avx512" else i for i in ours]
     torch = report["hf"].get("torch_isa", "?")
     llama = (report.get("llama_cpp") or {}).get("isa")
     onednn = ISA_ENV[args.isa].get("ONEDNN_MAX_CPU_ISA")
