@@ -43,10 +43,11 @@ QUANT_MATMUL = "MsliteLlmQuantMatmul"  # x [M, K] float32, q, scale [G, N] float
 QUANT_MATMUL_OFFSET = "MsliteLlmQuantMatmulOffset"  # the same with offset [G, N] float32 after scale
 ATLAS_WEIGHT_QUANT_BATCH_MATMUL = "MsliteLlmAtlasWeightQuantBatchMatmul"  # WeightQuantBatchMatmul's CPU stand-in:
 #   x [M, K] T, q [N, ...], scale [G, N] T[, offset [G, N] T], attrs [antiquant_group_size] -> [M, N] T (W rounded to T)
-# the fused ops under the names a quantized folder's graphs call: the same ops (each weight one float tensor or q, scale[,
-# offset]); the names make an installation whose ops read float weights only refuse such a folder at load
-QUANTIZED_OPS = {QKV_ROPE: "MsliteLlmQuantQkvRope", GEMV_ADD: "MsliteLlmQuantGemvAdd", DECODE_QKV: "MsliteLlmQuantDecodeQkv",
-                 NORM_SWIGLU: "MsliteLlmQuantNormSwiGlu", DECODE_TAIL: "MsliteLlmQuantDecodeTail"}
+# the fused ops under the names a quantized folder's graphs call: the same ops (each weight one float tensor or q,
+# scale[, offset]); the names make an installation whose ops read float weights only refuse such a folder at load
+QUANTIZED_OPS = {QKV_ROPE: "MsliteLlmQuantQkvRope", GEMV_ADD: "MsliteLlmQuantGemvAdd",
+                 DECODE_QKV: "MsliteLlmQuantDecodeQkv", NORM_SWIGLU: "MsliteLlmQuantNormSwiGlu",
+                 DECODE_TAIL: "MsliteLlmQuantDecodeTail"}
 FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
              NORM_SWIGLU, DECODE_TAIL, QUANT_MATMUL, QUANT_MATMUL_OFFSET, ATLAS_WEIGHT_QUANT_BATCH_MATMUL,
              *QUANTIZED_OPS.values())

@@ -198,7 +198,7 @@ class Attention(nn.Cell):
 
             f32 = ms.float32
             a = self.q_proj.arity()  # tensors per weight: x, Wq.., bq, Wk.., bk, Wv.., bv, ...
-            quant = is_quantized(self.q_proj.method)  # the fused ops by their quantized names (cpu_kernels.QUANTIZED_OPS)
+            quant = is_quantized(self.q_proj.method)  # the fused ops by their quantized names (cpu_kernels)
             self.qkv_rope = kernel_op(cpu_kernels.fused_op(cpu_kernels.QKV_ROPE, quant), lambda *s: (
                 [s[0][0], s[1][0]], [s[0][0], s[2 + a][0]], [s[0][0], s[3 + 2 * a][0]]), lambda *_: (f32, f32, f32))
             # without a qkv bias the kernel adds zeros (graph constants, not parameters: the names stay HF's)
