@@ -30,7 +30,7 @@ namespace {
 // what our kernels cost inside MindSpore's graph, against the step's whole time. Off: one predictable branch. (The
 // float kernels' ops; the quantized matmuls are not counted.)
 enum Op { OP_GEMV, OP_GEMV_BIAS, OP_GEMM_VALID, OP_EMBED, OP_RMS_NORM, OP_QKV_ROPE, OP_GEMV_ADD, OP_SWIGLU,
-          OP_ATTENTION, OP_DECODE_QKV, OP_NORM_SWIGLU, OP_DECODE_TAIL, OP_COUNT };
+          OP_ATTENTION, OP_DECODE_QKV, OP_NORM_SWIGLU, OP_DECODE_TAIL, OP_QUANT_MATMUL, OP_COUNT };
 const bool g_profile = std::getenv("MSLITE_LLM_CPU_KERNELS_PROFILE") != nullptr;
 std::atomic<int64_t> g_profile_ns[OP_COUNT], g_profile_calls[OP_COUNT];
 
@@ -128,12 +128,12 @@ int MsliteLlmQuantDecodeTail(int nparam, void** params, int* ndims, int64_t** sh
 }
 
 int MsliteLlmQuantMatmul(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
-  return quant_matmul_op(nparam, params, ndims, shapes, dtypes, false);
+  return timed(OP_QUANT_MATMUL, [&] { return quant_matmul_op(nparam, params, ndims, shapes, dtypes, false); });
 }
 
 int MsliteLlmQuantMatmulOffset(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
                                void*) {
-  return quant_matmul_op(nparam, params, ndims, shapes, dtypes, true);
+  return timed(OP_QUANT_MATMUL, [&] { return quant_matmul_op(nparam, params, ndims, shapes, dtypes, true); });
 }
 
 int MsliteLlmAtlasWeightQuantBatchMatmul(int nparam, void** params, int* ndims, int64_t** shapes,
