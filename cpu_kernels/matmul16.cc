@@ -435,6 +435,63 @@ MSLLM_AVX2 void gemm_block_avx2(const float* x, const void* wv, const float* b, 
     }
   }
 }
+
+// pack_b for int8/int4 weights (a QuantWeight): 8 rows at a time dequantized into `rows` (8 x kc floats, by
+// matmul_quant.cc's dequantize_rows), then transposed into the panels as pack_b does
+MSLLM_AVX2 void pack_b_quant(const QuantWeight& w, int64_t n0, int64_t ncols, int64_t k0, int64_t kc, float* bp,
+                             float* rows) {
+  const int64_t kc8 = kc & ~int64_t(7);
+  for (int64_t p = 0; p * NR < ncols; ++p) {
+    float* panel = bp + p * NR * kc;
+    const int64_t valid = std::min<int64_t>(NR, ncols - p * NR);
+    for (int64_t h = 0; h < NR; h += 8) {
+      const int64_t got = std::max<int64_t>(0, std::min<int64_t>(8, valid - h));
+      if (got > 0) dequantize_rows(w, n0 + p * NR + h, got, k0, kc, rows, kc);
+      std::fill(rows + got * kc, rows + 8 * kc, 0.f);
+      for (int64_t k = 0; k < kc8; k += 8) {
+        __m256 r[8];
+        for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(rows + j * kc + k);
+        transpose8(r);
+        for (int j = 0; j < 8; ++j) _mm256_store_ps(panel + (k + j) * NR + h, r[j]);
+      }
+      for (int64_t k = kc8; k < kc; ++k)
+        for (int j = 0; j < 8; ++j) panel[k * NR + h + j] = rows[j * kc + k];
+    }
+  }
+}
+
+// gemm_block_avx2 for a QuantWeight: the prompt's int8/int4 matmuls at the float GEMM's pace (the buffered form of
+// matmul_quant.cc, tiles of 16 outputs, ran at half of it), the weights dequantized once per packed block
+template <const MicroFn* MICRO>
+MSLLM_AVX2 void gemm_block_quant_avx2(const float* x, const void* wv, const float* b, int64_t in, int64_t out, float* y,
+                                      int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
+  const int64_t ncols = n1 - n0, panels = (ncols + NR - 1) / NR;
+  const int64_t blocks = (in + KC - 1) / KC, block = ((in + blocks - 1) / blocks + 7) / 8 * 8;
+  float* bp = t_scratch.get(size_t(block * (NC + 8)));  // the packed block, then 8 dequantized rows
+  if (bp == nullptr) {  // no memory for the packed block: the decode form's way needs little
+    quant_matmul(x + m0 * in, m1 - m0, w, b, y + m0 * out);  // (every output: a task of all n; rare, and correct)
+    return;
+  }
+  float* rows = bp + block * NC;
+  for (int64_t pc = 0; pc < in; pc += block) {
+    const int64_t kc = std::min(block, in - pc);
+    pack_b_quant(w, n0, ncols, pc, kc, bp, rows);
+    for (int64_t ic = m0; ic < m1; ic += MC) {
+      const int64_t mc = std::min(MC, m1 - ic);
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t nc = std::min<int64_t>(NR, ncols - p * NR);
+        const float* panel = bp + p * NR * kc;
+        const float* bias = (b != nullptr && pc == 0) ? b + n0 + p * NR : nullptr;
+        int64_t ir = ic;
+        for (; ir + MR <= ic + mc; ir += MR)
+          MICRO[MR](kc, x + ir * in + pc, in, panel, y + ir * out + n0 + p * NR, out, nc, pc == 0, bias);
+        if (ir < ic + mc)
+          MICRO[ic + mc - ir](kc, x + ir * in + pc, in, panel, y + ir * out + n0 + p * NR, out, nc, pc == 0, bias);
+      }
+    }
+  }
+}
 #endif
 
 typedef void (*GemmFn)(const float* x, const void* w, const float* b, int64_t in, int64_t out, float* y, int64_t m0,
@@ -583,12 +640,13 @@ struct Kernels {
   RowsFn rows[3];
   GemmFn gemm[3];  // null: no GEMM form, the rows form takes every M
   WidenFn widen[3];
+  GemmFn gemm_quant;  // int8/int4 weights (a QuantWeight) past QUANT_ROWS_MAX rows; null: matmul_quant.cc's own
 };
 
 Kernels pick_kernels() {
   const Kernels generic = {{rows_generic<float>, rows_generic<f16>, rows_generic<bf16>},
                            {nullptr, nullptr, nullptr},
-                           {widen_rows_generic<float>, widen_rows_generic<f16>, widen_rows_generic<bf16>}};
+                           {widen_rows_generic<float>, widen_rows_generic<f16>, widen_rows_generic<bf16>}, nullptr};
   switch (isa()) {
 #ifdef MSLLM_X86
     // AVX-512: the GEMM's tiles, and the GEMV for one row of x; the packing and the GEMV for more rows stay AVX2
@@ -596,17 +654,17 @@ Kernels pick_kernels() {
       return {{rows_avx512<float>, rows_avx512<f16>, rows_avx512<bf16>},
               {gemm_block_avx2<float, k_micro512>, gemm_block_avx2<f16, k_micro512>,
                gemm_block_avx2<bf16, k_micro512>},
-              {widen_rows_avx2<float>, widen_rows_avx2<f16>, widen_rows_avx2<bf16>}};
+              {widen_rows_avx2<float>, widen_rows_avx2<f16>, widen_rows_avx2<bf16>}, gemm_block_quant_avx2<k_micro512>};
     case ISA_AVX2:
       return {{rows_avx2<float>, rows_avx2<f16>, rows_avx2<bf16>},
               {gemm_block_avx2<float, k_micro>, gemm_block_avx2<f16, k_micro>, gemm_block_avx2<bf16, k_micro>},
-              {widen_rows_avx2<float>, widen_rows_avx2<f16>, widen_rows_avx2<bf16>}};
+              {widen_rows_avx2<float>, widen_rows_avx2<f16>, widen_rows_avx2<bf16>}, gemm_block_quant_avx2<k_micro>};
 #endif
 #ifdef MSLLM_NEON
     case ISA_NEON:
       return {{rows_neon<float>, rows_neon<f16>, rows_neon<bf16>},
               {nullptr, nullptr, nullptr},
-              {widen_rows_neon<float>, widen_rows_neon<f16>, widen_rows_neon<bf16>}};
+              {widen_rows_neon<float>, widen_rows_neon<f16>, widen_rows_neon<bf16>}, nullptr};
 #endif
     default:
       return generic;
@@ -706,6 +764,9 @@ bool has_gemm(WType wt) { return wt == W_QUANT || g_kernels.gemm[wt] != nullptr;
 
 namespace {
 
+void gemm_tasks(GemmFn gemm, const float* x, int64_t rows, const void* w, const float* b, int64_t in, int64_t out,
+                float* y);
+
 // The GEMV form of matmul(): threads split the output rows, each task with the fused ops' epilogue on its rows
 void gemv_rows(RowsFn fn, const float* x, int64_t rows, const void* w, const float* b, int64_t in, int64_t out,
                float* y, const void* up, const float* residual) {
@@ -778,6 +839,8 @@ void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* 
   }
   if (wt == W_QUANT) {  // matmul_quant.cc's: its rows kernel reads x prepared, once per call (and per layout)
     const QuantWeight& wq = *static_cast<const QuantWeight*>(w);
+    if (rows > QUANT_ROWS_MAX && g_kernels.gemm_quant != nullptr)  // the prompt: the float GEMM on packed weights
+      return gemm_tasks(g_kernels.gemm_quant, x, rows, w, b, in, out, y);
     if (up == nullptr && residual == nullptr) return quant_matmul(x, rows, wq, b, y);
     QuantWeight wx = wq, ux = up != nullptr ? *static_cast<const QuantWeight*>(up) : wq;
     PreparedX px, pu;
@@ -792,6 +855,14 @@ void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* 
   const GemmFn gemm = g_kernels.gemm[wt];
   if (rows <= GEMV_MAX_ROWS || gemm == nullptr) return gemv_rows(g_kernels.rows[wt], x, rows, w, b, in, out, y, up,
                                                                  residual);
+  gemm_tasks(gemm, x, rows, w, b, in, out, y);
+}
+
+namespace {
+
+// The GEMM form of matmul(): tasks of NC outputs (and of rows of x when there are few outputs) over the pool
+void gemm_tasks(GemmFn gemm, const float* x, int64_t rows, const void* w, const float* b, int64_t in, int64_t out,
+                float* y) {
   GemmJob job;
   job.fn = gemm;
   job.x = x, job.w = w, job.b = b, job.rows = rows, job.in = in, job.out = out, job.y = y;
@@ -805,6 +876,29 @@ void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* 
   job.row_step = ((rows + row_tasks - 1) / row_tasks + MR - 1) / MR * MR;
   job.tasks = job.col_tasks * ((rows + job.row_step - 1) / job.row_step);
   run(&job, rows * out * in >= MIN_PARALLEL_WORK);
+}
+
+}  // namespace
+
+// x [M, K] f32, q (int8 [N, K] / uint8 [N, K / 2]), scale [G, N] f32[, offset [G, N] f32] -> y [M, N] f32
+// (MsliteLlmQuantMatmul[Offset]): matmul_quant.cc's decode form up to 16 rows, the GEMM above beyond.
+int quant_matmul_op(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_offset) {
+  if (nparam != (with_offset ? 5 : 4)) return 1;
+  const int yi = nparam - 1;
+  if (!is_f32(dtypes[0]) || !is_f32(dtypes[yi])) return 2;
+  QuantWeight w;
+  if (const int bad = read_quant_weight(params, ndims, shapes, dtypes, 1, with_offset, &w)) return bad;
+  if (ndims[0] != 2 || ndims[yi] != 2) return 3;
+  const int64_t m = shapes[0][0];
+  if (shapes[0][1] != w.k || shapes[yi][0] != m || shapes[yi][1] != w.n) return 4;
+  float* y = static_cast<float*>(params[yi]);
+  if (m <= 0 || w.n <= 0) return 0;
+  if (w.k <= 0) {  // an empty sum
+    std::fill(y, y + m * w.n, 0.f);
+    return 0;
+  }
+  matmul(static_cast<const float*>(params[0]), m, &w, W_QUANT, nullptr, w.k, w.n, y);
+  return 0;
 }
 
 int embed(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {

@@ -11,15 +11,16 @@
 // q int8 [N, K] (-128..127), or uint8 [N, K / 2] (int4): byte j of row n holds q[n, 2j] in its low nibble and
 // q[n, 2j + 1] in its high nibble, each a two's-complement 4-bit value (-8..7); K even. scale, offset [G, N].
 //
-// How: tasks are tiles of NT outputs by MB rows of x; the float weight matrix is never whole. All arithmetic is
-// float32 with float32 accumulation, and every form uses the same float32 weight, (q + offset) * scale.
-//   Few rows of x (decode, M <= FUSED_MAX_ROWS; AVX2, groups a multiple of 8): each weight is dequantized in registers
-//     as it is loaded and multiplied into 1-4 rows of x (1 row by 8 weight rows, 2 by 4, 3-4 by 2): one pass over the
-//     integers, nothing stored (2-3x the buffered form at 1-4 rows).
-//   Otherwise, per task and block of KC inputs: the tile's weights are dequantized into a per-thread buffer of
-//     NT x KC floats (L1), then either dot products of 3 rows of x by 4 weight rows (1 by 8 for one row) run over
-//     it, or (AVX2, from PANEL_MIN_ROWS rows) it is transposed into a panel and 6 rows of x at a time are broadcast
-//     against its 16 outputs; each weight is dequantized once per MB rows of x.
+// How, by the rows of x (M):
+//   M <= QUANT_ROWS_MAX (16: the decode step, chunk rows, short prompts): "the decode form" below, x rounded to int16
+//     per block of 32 and exact integer products, each weight read once per call.
+//   More rows (the prompt): on AVX2/AVX-512, matmul16.cc's float32 GEMM on weights dequantized as it packs them
+//     (dequantize_rows, 8 rows at a time); elsewhere, and for WeightQuantBatchMatmul's stand-in (which rounds each
+//     weight to its T), the buffered form: tasks are tiles of NT outputs by MB rows of x, per block of KC inputs the
+//     tile's weights dequantized into a per-thread buffer of NT x KC floats (L1), then dot products of 3 rows of x by
+//     4 weight rows (1 by 8 for one row) over it, or (AVX2, from PANEL_MIN_ROWS rows) a panel of its 16 outputs
+//     against 6 broadcast rows of x; each weight dequantized once per MB rows of x.
+//   Every float form uses the same float32 weight, (q + offset) * scale, with float32 sums.
 //
 // Threads: the library's pool (pool.h), with its one thread count. Each thread takes its own contiguous share of
 // tiles first (one weight stream per thread: pool.h's Shares), then what is left of the others'; a call with little
@@ -786,6 +787,23 @@ void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out)
 
 RowsFn quant_rows_kernel() { return g_kernels.rows; }
 
+void dequantize_rows(const QuantWeight& w, int64_t n0, int64_t rows, int64_t k0, int64_t kc, float* dst, int64_t ld) {
+  alignas(64) int8_t qbuf[KC];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = n0 + r;
+    for (int64_t i = 0; i < kc; i += KC) {  // int4: unpacked KC inputs at a time
+      const int64_t len = std::min(KC, kc - i);
+      const int8_t* src = static_cast<const int8_t*>(w.q) + n * w.k + k0 + i;
+      if (w.int4) {
+        unpack_int4(static_cast<const uint8_t*>(w.q) + n * (w.k / 2) + (k0 + i) / 2, len / 2, qbuf);
+        src = qbuf;
+      }
+      g_kernels.dequant(src, k0 + i, len, w.group, w.scale + n, w.offset ? w.offset + n : nullptr, w.n,
+                        dst + r * ld + i);
+    }
+  }
+}
+
 void quant_matmul(const float* x, int64_t rows, const QuantWeight& w, const float* b, float* y) {
   if (rows <= 0 || w.n <= 0) return;
   if (w.k <= 0) {
@@ -812,19 +830,6 @@ void quant_matmul(const float* x, int64_t rows, const QuantWeight& w, const floa
   if (b != nullptr)
     for (int64_t m = 0; m < rows; ++m)
       for (int64_t o = 0; o < w.n; ++o) y[m * w.n + o] += b[o];
-}
-
-int quant_matmul_op(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_offset) {
-  if (nparam != (with_offset ? 5 : 4)) return 1;
-  const int yi = nparam - 1;
-  if (!is_f32(dtypes[0]) || !is_f32(dtypes[yi])) return 2;
-  QuantWeight w;
-  if (const int bad = read_quant_weight(params, ndims, shapes, dtypes, 1, with_offset, &w)) return bad;
-  if (ndims[0] != 2 || ndims[yi] != 2) return 3;
-  const int64_t m = shapes[0][0];
-  if (shapes[0][1] != w.k || shapes[yi][0] != m || shapes[yi][1] != w.n) return 4;
-  quant_matmul(static_cast<const float*>(params[0]), m, w, nullptr, static_cast<float*>(params[yi]));
-  return 0;
 }
 
 int weight_quant_batch_matmul(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {

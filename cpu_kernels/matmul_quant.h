@@ -53,6 +53,10 @@ void quant_matmul(const float* x, int64_t rows, const QuantWeight& w, const floa
 
 constexpr int64_t QUANT_ROWS_MAX = 16;
 
+// W's rows [n0, n0 + rows) over the inputs [k0, k0 + kc), as float32 (q + offset) * scale: dst[r * ld + i] (k0 and
+// kc even for int4). What matmul16.cc's GEMM packs for the prompt's matmuls.
+void dequantize_rows(const QuantWeight& w, int64_t n0, int64_t rows, int64_t k0, int64_t kc, float* dst, int64_t ld);
+
 }  // namespace msllm
 
 #endif  // MSLITE_LLM_CPU_KERNELS_MATMUL_QUANT_H_

@@ -153,7 +153,7 @@ def case(rng, bits: int, m: int, n: int, k: int, groups: int, with_offset: bool)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("with_offset", [False, True])
 def test_quant_matmul_against_numpy(bits, with_offset):
-    """Per channel and groups of 32/64/128 by 1, 3, 17 and 130 rows of x (decode, the buffered forms, tasks over
+    """Per channel and groups of 32/64/128 by 1, 3, 17 and 130 rows of x (the decode form, the GEMM, tasks over
     threads), an odd number of outputs (33: a partial tile). Each run takes a checkerboard half of the 16 (group, rows)
     pairs (MindSpore compiles each shape): every pair runs as int8 and as int4, once with offset and once without."""
     rng = np.random.default_rng(bits * 10 + with_offset)
@@ -174,8 +174,8 @@ def test_quant_matmul_against_numpy(bits, with_offset):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quant_matmul_at_decode_size_on_all_threads(bits):
-    """The 0.5B MLP's shape (outputs over threads), groups of 32 with offsets, 1 row (the decode form) and 20
-    (dequantized into the tile buffer)."""
+    """The 0.5B MLP's shape (outputs over threads), groups of 32 with offsets, 1 row (the decode form) and 20 (the
+    GEMM on dequantized panels; the buffered form on the plain C++ path)."""
     rng = np.random.default_rng(5 + bits)
     n, k = 4864, 896
     for m in (1, 20):
