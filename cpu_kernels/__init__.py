@@ -41,6 +41,9 @@ DECODE_TAIL = "MsliteLlmDecodeTail"  # attn [N, A], Wo [E, A], x [N, E], ln_w [E
 #   scale (and offset) [G, N] per group of K/G inputs, W = (q + offset) * scale
 QUANT_MATMUL = "MsliteLlmQuantMatmul"  # x [M, K] float32, q, scale [G, N] float32 -> x . W^T [M, N] float32; any M
 QUANT_MATMUL_OFFSET = "MsliteLlmQuantMatmulOffset"  # the same with offset [G, N] float32 after scale
+QUANT_MATMUL_VALID = "MsliteLlmQuantMatmulValid"  # x, q, scale, valid_length [B] int32 -> y: the full graph's form,
+#   x holding B rows of n tokens, only each row's first valid_length computed, the padding rows zero (as GEMM_VALID)
+QUANT_MATMUL_OFFSET_VALID = "MsliteLlmQuantMatmulOffsetValid"  # the same with offset
 ATLAS_WEIGHT_QUANT_BATCH_MATMUL = "MsliteLlmAtlasWeightQuantBatchMatmul"  # WeightQuantBatchMatmul's CPU stand-in:
 #   x [M, K] T, q [N, ...], scale [G, N] T[, offset [G, N] T], attrs [antiquant_group_size] -> [M, N] T (W rounded to T)
 # the fused ops under the names a quantized folder's graphs call: the same ops (each weight one float tensor or q,
@@ -49,7 +52,8 @@ QUANTIZED_OPS = {QKV_ROPE: "MsliteLlmQuantQkvRope", GEMV_ADD: "MsliteLlmQuantGem
                  DECODE_QKV: "MsliteLlmQuantDecodeQkv", NORM_SWIGLU: "MsliteLlmQuantNormSwiGlu",
                  DECODE_TAIL: "MsliteLlmQuantDecodeTail"}
 FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
-             NORM_SWIGLU, DECODE_TAIL, QUANT_MATMUL, QUANT_MATMUL_OFFSET, ATLAS_WEIGHT_QUANT_BATCH_MATMUL,
+             NORM_SWIGLU, DECODE_TAIL, QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
+             ATLAS_WEIGHT_QUANT_BATCH_MATMUL,
              *QUANTIZED_OPS.values())
 
 

@@ -881,23 +881,38 @@ void gemm_tasks(GemmFn gemm, const float* x, int64_t rows, const void* w, const 
 }  // namespace
 
 // x [M, K] f32, q (int8 [N, K] / uint8 [N, K / 2]), scale [G, N] f32[, offset [G, N] f32] -> y [M, N] f32
-// (MsliteLlmQuantMatmul[Offset]): matmul_quant.cc's decode form up to 16 rows, the GEMM above beyond.
-int quant_matmul_op(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_offset) {
-  if (nparam != (with_offset ? 5 : 4)) return 1;
-  const int yi = nparam - 1;
-  if (!is_f32(dtypes[0]) || !is_f32(dtypes[yi])) return 2;
+// (MsliteLlmQuantMatmul[Offset]): matmul_quant.cc's decode form up to 16 rows, the GEMM above beyond. With
+// `prompt_rows` (MsliteLlmQuantMatmul[Offset]Valid, the full graph's form, as MsliteLlmGemmValid) a valid_length [B]
+// int32 comes before y: x holds B rows of n = M / B tokens, right-padded, and only each row's first valid_length
+// tokens are computed, the padding rows zeroed (a 100-token prompt in the 128-token graph costs 100 rows).
+int quant_matmul_op(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_offset,
+                    bool prompt_rows) {
+  if (nparam != (with_offset ? 5 : 4) + (prompt_rows ? 1 : 0)) return 1;
+  const int yi = nparam - 1, vi = nparam - 2;
+  if (!is_f32(dtypes[0]) || !is_f32(dtypes[yi]) || (prompt_rows && std::strcmp(dtypes[vi], "int32") != 0)) return 2;
   QuantWeight w;
   if (const int bad = read_quant_weight(params, ndims, shapes, dtypes, 1, with_offset, &w)) return bad;
-  if (ndims[0] != 2 || ndims[yi] != 2) return 3;
-  const int64_t m = shapes[0][0];
-  if (shapes[0][1] != w.k || shapes[yi][0] != m || shapes[yi][1] != w.n) return 4;
+  if (ndims[0] != 2 || ndims[yi] != 2 || (prompt_rows && ndims[vi] != 1)) return 3;
+  const int64_t m = shapes[0][0], batch = prompt_rows ? shapes[vi][0] : 1;
+  if (shapes[0][1] != w.k || shapes[yi][0] != m || shapes[yi][1] != w.n || batch <= 0 || m % batch) return 4;
+  const float* x = static_cast<const float*>(params[0]);
   float* y = static_cast<float*>(params[yi]);
   if (m <= 0 || w.n <= 0) return 0;
   if (w.k <= 0) {  // an empty sum
     std::fill(y, y + m * w.n, 0.f);
     return 0;
   }
-  matmul(static_cast<const float*>(params[0]), m, &w, W_QUANT, nullptr, w.k, w.n, y);
+  if (!prompt_rows) {
+    matmul(x, m, &w, W_QUANT, nullptr, w.k, w.n, y);
+    return 0;
+  }
+  const int32_t* valid = static_cast<const int32_t*>(params[vi]);
+  const int64_t n = m / batch;
+  for (int64_t r = 0; r < batch; ++r) {
+    const int64_t used = std::max<int64_t>(0, std::min<int64_t>(n, valid[r]));
+    if (used > 0) matmul(x + r * n * w.k, used, &w, W_QUANT, nullptr, w.k, w.n, y + r * n * w.n);
+    std::fill(y + (r * n + used) * w.n, y + (r + 1) * n * w.n, 0.f);
+  }
   return 0;
 }
 

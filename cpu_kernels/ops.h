@@ -25,8 +25,9 @@ int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const ch
 int norm_swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 int decode_tail(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 
-// matmul_quant.cc: int8/int4 weights
-int quant_matmul_op(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_offset);
+// int8/int4 weights: the op body in matmul16.cc (its matmul() dispatches by rows), the rest in matmul_quant.cc
+int quant_matmul_op(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_offset,
+                    bool prompt_rows);
 int weight_quant_batch_matmul(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 
 }  // namespace msllm

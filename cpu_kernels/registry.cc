@@ -128,12 +128,22 @@ int MsliteLlmQuantDecodeTail(int nparam, void** params, int* ndims, int64_t** sh
 }
 
 int MsliteLlmQuantMatmul(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
-  return timed(OP_QUANT_MATMUL, [&] { return quant_matmul_op(nparam, params, ndims, shapes, dtypes, false); });
+  return timed(OP_QUANT_MATMUL, [&] { return quant_matmul_op(nparam, params, ndims, shapes, dtypes, false, false); });
 }
 
 int MsliteLlmQuantMatmulOffset(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
                                void*) {
-  return timed(OP_QUANT_MATMUL, [&] { return quant_matmul_op(nparam, params, ndims, shapes, dtypes, true); });
+  return timed(OP_QUANT_MATMUL, [&] { return quant_matmul_op(nparam, params, ndims, shapes, dtypes, true, false); });
+}
+
+int MsliteLlmQuantMatmulValid(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
+                              void*) {
+  return timed(OP_QUANT_MATMUL, [&] { return quant_matmul_op(nparam, params, ndims, shapes, dtypes, false, true); });
+}
+
+int MsliteLlmQuantMatmulOffsetValid(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                                    void*, void*) {
+  return timed(OP_QUANT_MATMUL, [&] { return quant_matmul_op(nparam, params, ndims, shapes, dtypes, true, true); });
 }
 
 int MsliteLlmAtlasWeightQuantBatchMatmul(int nparam, void** params, int* ndims, int64_t** shapes,

@@ -146,6 +146,11 @@ class QuantMatmul(MatmulMethod):
             name = cpu_kernels.QUANT_MATMUL if symmetric else cpu_kernels.QUANT_MATMUL_OFFSET
             self.op = ops.Custom(cpu_kernels.local_func(name), out_shape=lambda x, w, s, *_: (x[0], s[1]),
                                  out_dtype=lambda x, *_: x, func_type="aot")
+            # the full graph: only each row's prompt tokens computed (a 100-token prompt in the 128-token graph:
+            # 0.77x -> ~1x llama.cpp's Q4_0 prefill time at the 0.5B shape; docs/performance-log.md, section 30)
+            name = cpu_kernels.QUANT_MATMUL_VALID if symmetric else cpu_kernels.QUANT_MATMUL_OFFSET_VALID
+            self.op_valid = ops.Custom(cpu_kernels.local_func(name), out_shape=lambda x, w, s, *_: (x[0], s[1]),
+                                       out_dtype=lambda x, *_: x, func_type="aot")
 
     def storage(self, out_features: int, in_features: int, dtype):
         if self.bits == 4:
@@ -161,6 +166,9 @@ class QuantMatmul(MatmulMethod):
     def construct(self, x, weight, scale=None, offset=None, bias=None, valid_length=None, few=False):
         if self.atlas:
             y = self.op(x, weight, scale, offset, None, None, None)
+        elif valid_length is not None and not few:  # the full graph: the padding rows are skipped
+            y = self.op_valid(x, weight, scale, valid_length) if offset is None else self.op_valid(
+                x, weight, scale, offset, valid_length)
         elif offset is None:
             y = self.op(x, weight, scale)
         else:

@@ -397,3 +397,29 @@ def test_the_plain_cpp_path_gives_the_same_answers():
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_full_graphs_form_computes_only_each_rows_prompt(bits):
+    """MsliteLlmQuantMatmul[Offset]Valid (the full graph's form, as MsliteLlmGemmValid): x holds B rows of n tokens and
+    only each row's first valid_length are computed, each as the plain op computes it (the decode form up to 16 of
+    them, the GEMM beyond); the padding rows are zero (whatever x holds there); valid_length must be int32."""
+    rng = np.random.default_rng(30 + bits)
+    b, n, k, outs = 3, 24, 256, 40
+    x, q, scale, offset = case(rng, bits, b * n, outs, k, k // 32, True)
+    valid = np.array([24, 5, 0], np.int32)
+    y = np.full((b * n, outs), np.nan, np.float32)
+    assert call_kernel(cpu_kernels.QUANT_MATMUL_OFFSET_VALID, x, q, scale, offset, valid, y) == 0
+    for r, used in enumerate(valid):
+        rows = slice(r * n, r * n + used)
+        one = np.full((used, outs), np.nan, np.float32)
+        if used:
+            assert call_kernel(QMO, np.ascontiguousarray(x[rows]), q, scale, offset, one) == 0
+            assert np.array_equal(y[rows], one)  # the same sums as the plain op on those rows
+        assert not y[r * n + used:(r + 1) * n].any()  # the padding rows: zeros
+    w = dequantize(q, scale, offset)
+    check(y[:24], x[:24].astype(np.float64) @ w.T, f"int{bits} valid rows")
+    y2 = np.zeros_like(y)
+    assert call_kernel(cpu_kernels.QUANT_MATMUL_VALID, x, q, scale, valid, y2) == 0  # symmetric: no offset
+    assert call_kernel(cpu_kernels.QUANT_MATMUL_VALID, x, q, scale, valid.astype(np.int64), y2) == 2
+    assert call_kernel(cpu_kernels.QUANT_MATMUL_VALID, x, q, scale, np.zeros(5, np.int32), y2) == 4  # 72 rows / 5
