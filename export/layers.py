@@ -197,10 +197,11 @@ class Attention(nn.Cell):
             import cpu_kernels
 
             f32 = ms.float32
-            a = self.q_proj.arity()  # tensors per weight: x, Wq.., bq, Wk.., bk, Wv.., bv, ...
+            per = self.q_proj.arity()  # tensors per weight: x, Wq.., bq, Wk.., bk, Wv.., bv, ...
             quant = is_quantized(self.q_proj.method)  # the fused ops by their quantized names (cpu_kernels)
             self.qkv_rope = kernel_op(cpu_kernels.fused_op(cpu_kernels.QKV_ROPE, quant), lambda *s: (
-                [s[0][0], s[1][0]], [s[0][0], s[2 + a][0]], [s[0][0], s[3 + 2 * a][0]]), lambda *_: (f32, f32, f32))
+                [s[0][0], s[1][0]], [s[0][0], s[2 + per][0]], [s[0][0], s[3 + 2 * per][0]]),
+                lambda *_: (f32, f32, f32))
             # without a qkv bias the kernel adds zeros (graph constants, not parameters: the names stay HF's)
             self.zero_bias = None if bias else (Tensor(np.zeros(self.h * self.d, np.float32)),
                                                 Tensor(np.zeros(self.kh * self.d, np.float32)))
@@ -384,9 +385,9 @@ class DecoderLayer(nn.Cell):
             # and all of it in one kernel where neither o_proj nor the MLP has a bias or an AllReduce
             o, mlp = self.self_attn.o_proj, self.mlp
             plain = all(lin.bias is None and lin.reduce is None for lin in (o, mlp.down_proj))
-            a = o.arity()  # attn, Wo.., x, ...
-            self.tail = kernel_op(cpu_kernels.fused_op(cpu_kernels.DECODE_TAIL, quant), lambda *s: s[1 + a],
-                                  lambda a, *_: a) if (
+            wo = o.arity()  # tensors of Wo: attn, Wo.., x, ...
+            self.tail = kernel_op(cpu_kernels.fused_op(cpu_kernels.DECODE_TAIL, quant), lambda *s: s[1 + wo],
+                                  lambda attn, *_: attn) if (
                 plain and self.norm_swiglu is not None) else None
         else:
             self.project_add = self.norm_swiglu = self.tail = None
