@@ -404,12 +404,33 @@ const MicroFn k_micro[MR + 1] = {nullptr, micro<1>, micro<2>, micro<3>, micro<4>
 const MicroFn k_micro512[MR + 1] = {nullptr, micro512<1>, micro512<2>, micro512<3>, micro512<4>, micro512<5>,
                                     micro512<6>};
 
+// One packed block's tiles: rows [m0, m1) of x against its panels (inputs [pc, pc + kc) of ncols outputs from n0)
+// into y; the first block stores (with the bias), the others add.
+template <const MicroFn* MICRO>
+MSLLM_AVX2 inline void block_tiles(const float* x, const float* b, int64_t in, int64_t out, float* y, int64_t m0,
+                                   int64_t m1, int64_t n0, int64_t ncols, int64_t pc, int64_t kc, const float* bp) {
+  const int64_t panels = (ncols + NR - 1) / NR;
+  for (int64_t ic = m0; ic < m1; ic += MC) {
+    const int64_t mc = std::min(MC, m1 - ic);
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t nc = std::min<int64_t>(NR, ncols - p * NR);
+      const float* panel = bp + p * NR * kc;
+      const float* bias = (b != nullptr && pc == 0) ? b + n0 + p * NR : nullptr;
+      int64_t ir = ic;
+      for (; ir + MR <= ic + mc; ir += MR)
+        MICRO[MR](kc, x + ir * in + pc, in, panel, y + ir * out + n0 + p * NR, out, nc, pc == 0, bias);
+      if (ir < ic + mc)
+        MICRO[ic + mc - ir](kc, x + ir * in + pc, in, panel, y + ir * out + n0 + p * NR, out, nc, pc == 0, bias);
+    }
+  }
+}
+
 // y[m0..m1, n0..n1) = x[m0..m1) . W[n0..n1)^T (+ b): one GEMM task, with the tiles of MICRO.
 template <class T, const MicroFn* MICRO>
 MSLLM_AVX2 void gemm_block_avx2(const float* x, const void* wv, const float* b, int64_t in, int64_t out, float* y,
                                 int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const T* w = static_cast<const T*>(wv);
-  const int64_t ncols = n1 - n0, panels = (ncols + NR - 1) / NR;
+  const int64_t ncols = n1 - n0;
   // the inputs in blocks of equal size (a multiple of 8), at most KC
   const int64_t blocks = (in + KC - 1) / KC, block = ((in + blocks - 1) / blocks + 7) / 8 * 8;
   float* bp = t_scratch.get(size_t(block * NC));
@@ -420,19 +441,7 @@ MSLLM_AVX2 void gemm_block_avx2(const float* x, const void* wv, const float* b, 
   for (int64_t pc = 0; pc < in; pc += block) {
     const int64_t kc = std::min(block, in - pc);
     pack_b(w, in, n0, ncols, pc, kc, bp);
-    for (int64_t ic = m0; ic < m1; ic += MC) {
-      const int64_t mc = std::min(MC, m1 - ic);
-      for (int64_t p = 0; p < panels; ++p) {
-        const int64_t nc = std::min<int64_t>(NR, ncols - p * NR);
-        const float* panel = bp + p * NR * kc;
-        const float* bias = (b != nullptr && pc == 0) ? b + n0 + p * NR : nullptr;
-        int64_t ir = ic;
-        for (; ir + MR <= ic + mc; ir += MR)
-          MICRO[MR](kc, x + ir * in + pc, in, panel, y + ir * out + n0 + p * NR, out, nc, pc == 0, bias);
-        if (ir < ic + mc)
-          MICRO[ic + mc - ir](kc, x + ir * in + pc, in, panel, y + ir * out + n0 + p * NR, out, nc, pc == 0, bias);
-      }
-    }
+    block_tiles<MICRO>(x, b, in, out, y, m0, m1, n0, ncols, pc, kc, bp);
   }
 }
 
@@ -466,30 +475,30 @@ template <const MicroFn* MICRO>
 MSLLM_AVX2 void gemm_block_quant_avx2(const float* x, const void* wv, const float* b, int64_t in, int64_t out, float* y,
                                       int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
-  const int64_t ncols = n1 - n0, panels = (ncols + NR - 1) / NR;
+  const int64_t ncols = n1 - n0;
   const int64_t blocks = (in + KC - 1) / KC, block = ((in + blocks - 1) / blocks + 7) / 8 * 8;
   float* bp = t_scratch.get(size_t(block * (NC + 8)));  // the packed block, then 8 dequantized rows
-  if (bp == nullptr) {  // no memory for the packed block: the decode form's way needs little
-    quant_matmul(x + m0 * in, m1 - m0, w, b, y + m0 * out);  // (every output: a task of all n; rare, and correct)
+  if (bp == nullptr) {  // no memory for the packed block: each weight row dequantized in pieces on the stack, dotted
+    alignas(32) float row[256];  // (an even number of inputs per piece: int4's bytes)
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = m0; m < m1; ++m) y[m * out + n] = b ? b[n] : 0.f;
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t k0 = 0; k0 < in; k0 += 256) {
+        const int64_t len = std::min<int64_t>(256, in - k0);
+        dequantize_rows(w, n, 1, k0, len, row, len);
+        for (int64_t m = m0; m < m1; ++m) {
+          float t = 0.f;
+          for (int64_t i = 0; i < len; ++i) t += x[m * in + k0 + i] * row[i];
+          y[m * out + n] += t;
+        }
+      }
     return;
   }
   float* rows = bp + block * NC;
   for (int64_t pc = 0; pc < in; pc += block) {
     const int64_t kc = std::min(block, in - pc);
     pack_b_quant(w, n0, ncols, pc, kc, bp, rows);
-    for (int64_t ic = m0; ic < m1; ic += MC) {
-      const int64_t mc = std::min(MC, m1 - ic);
-      for (int64_t p = 0; p < panels; ++p) {
-        const int64_t nc = std::min<int64_t>(NR, ncols - p * NR);
-        const float* panel = bp + p * NR * kc;
-        const float* bias = (b != nullptr && pc == 0) ? b + n0 + p * NR : nullptr;
-        int64_t ir = ic;
-        for (; ir + MR <= ic + mc; ir += MR)
-          MICRO[MR](kc, x + ir * in + pc, in, panel, y + ir * out + n0 + p * NR, out, nc, pc == 0, bias);
-        if (ir < ic + mc)
-          MICRO[ic + mc - ir](kc, x + ir * in + pc, in, panel, y + ir * out + n0 + p * NR, out, nc, pc == 0, bias);
-      }
-    }
+    block_tiles<MICRO>(x, b, in, out, y, m0, m1, n0, ncols, pc, kc, bp);
   }
 }
 #endif
