@@ -123,6 +123,20 @@ inline float to_f32(f16 v) {
   return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
 }
 
+// a . b over n floats, four partial sums (the plain C++ forms of the float and the quantized matmuls)
+inline float dot_generic(const float* a, const float* b, int64_t n) {
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    s0 += a[i] * b[i];
+    s1 += a[i + 1] * b[i + 1];
+    s2 += a[i + 2] * b[i + 2];
+    s3 += a[i + 3] * b[i + 3];
+  }
+  for (; i < n; ++i) s0 += a[i] * b[i];
+  return (s0 + s1) + (s2 + s3);
+}
+
 // ---- the rows kernels' signature ---------------------------------------------------------------
 
 // y[r * ldy + o] = x_r . W_o (+ b_o) for output rows [o0, o1) and every row r of x. Any number of rows. W [out, in]

@@ -160,21 +160,14 @@ void project_qkv_rope(const float* x, int64_t rows, int64_t in, const WeightArg*
   if (rows <= GEMV_MAX_ROWS || !has_gemm(wt)) {
     QuantWeight prepared[3];
     PreparedX px[3];
+    if (wt == W_QUANT) {
+      for (int m = 0; m < 3; ++m) prepared[m] = ws[m].quant;
+      prepare_each(x, rows, prepared, 3, px);
+    }
     MultiGemvJob job;
     job.fn = rows_kernel(wt);
     job.x = x, job.rows = rows, job.in = in;
-    for (int m = 0; m < 3; ++m) {
-      const void* w = ws[m].data();
-      if (wt == W_QUANT) {
-        prepared[m] = ws[m].quant;
-        int same = 0;
-        while (same < m && !same_layout(px[same], ws[m].quant)) ++same;
-        if (same == m) prepare(x, rows, ws[m].quant, &px[m]);
-        prepared[m].x = &px[same];
-        w = &prepared[m];
-      }
-      job.add(w, bs[m], ws[m].out, ys[m]);
-    }
+    for (int m = 0; m < 3; ++m) job.add(wt == W_QUANT ? &prepared[m] : ws[m].data(), bs[m], ws[m].out, ys[m]);
     job.run_all();
   } else {
     for (int m = 0; m < 3; ++m) matmul(x, rows, ws[m].data(), wt, bs[m], in, ws[m].out, ys[m]);

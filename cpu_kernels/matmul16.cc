@@ -73,19 +73,6 @@ thread_local Scratch t_scratch;
 
 // ---- generic C++ ------------------------------------------------------------------------------
 
-inline float dot_generic(const float* a, const float* c, int64_t in) {
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-  int64_t i = 0;
-  for (; i + 4 <= in; i += 4) {
-    s0 += a[i] * c[i];
-    s1 += a[i + 1] * c[i + 1];
-    s2 += a[i + 2] * c[i + 2];
-    s3 += a[i + 3] * c[i + 3];
-  }
-  for (; i < in; ++i) s0 += a[i] * c[i];
-  return (s0 + s1) + (s2 + s3);
-}
-
 template <class T>
 void rows_generic(const float* x, int64_t rows, const void* wv, const float* b, int64_t in, float* y, int64_t ldy,
                   int64_t o0, int64_t o1) {
@@ -851,15 +838,10 @@ void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* 
     if (rows > QUANT_ROWS_MAX && g_kernels.gemm_quant != nullptr)  // the prompt: the float GEMM on packed weights
       return gemm_tasks(g_kernels.gemm_quant, x, rows, w, b, in, out, y);
     if (up == nullptr && residual == nullptr) return quant_matmul(x, rows, wq, b, y);
-    QuantWeight wx = wq, ux = up != nullptr ? *static_cast<const QuantWeight*>(up) : wq;
-    PreparedX px, pu;
-    prepare(x, rows, wx, &px);
-    wx.x = &px;
-    if (up != nullptr) {
-      if (!same_layout(px, ux)) prepare(x, rows, ux, &pu);
-      ux.x = same_layout(px, ux) ? &px : &pu;
-    }
-    return gemv_rows(quant_rows_kernel(), x, rows, &wx, b, in, out, y, up != nullptr ? &ux : nullptr, residual);
+    QuantWeight ws[2] = {wq, up != nullptr ? *static_cast<const QuantWeight*>(up) : wq};
+    PreparedX px[2];
+    prepare_each(x, rows, ws, up != nullptr ? 2 : 1, px);
+    return gemv_rows(quant_rows_kernel(), x, rows, &ws[0], b, in, out, y, up != nullptr ? &ws[1] : nullptr, residual);
   }
   const GemmFn gemm = g_kernels.gemm[wt];
   if (rows <= GEMV_MAX_ROWS || gemm == nullptr) return gemv_rows(g_kernels.rows[wt], x, rows, w, b, in, out, y, up,

@@ -102,19 +102,6 @@ void dequant_generic(const int8_t* q, int64_t k0, int64_t len, int64_t group, co
   }
 }
 
-float dot_generic(const float* a, const float* b, int64_t n) {
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    s0 += a[i] * b[i];
-    s1 += a[i + 1] * b[i + 1];
-    s2 += a[i + 2] * b[i + 2];
-    s3 += a[i + 3] * b[i + 3];
-  }
-  for (; i < n; ++i) s0 += a[i] * b[i];
-  return (s0 + s1) + (s2 + s3);
-}
-
 void dots_generic(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t kc, float* y, int64_t ldy,
                   int64_t cols, bool add, float*) {
   for (int64_t r = 0; r < rows; ++r)
@@ -282,7 +269,8 @@ MSLLM_AVX2 void dots_avx2(const float* x, int64_t ldx, int64_t rows, const float
 // way, x as int8 Q8_0 blocks against the integers with vpmaddubsw, measured 19 (int8) and 49 (int4): int8 x would
 // speed int4 further, but rounds x 256 times as coarsely (docs/performance-log.md, "Quantized decode: int16
 // activations", 2026-11-26). What changes the result is x's rounding: at most max |x| / 65534 per input of its block
-// (a float32 rounding: 2^-24 of the value itself). The golden checks keep their float32 limit.
+// (a float32 rounding: 2^-24 of the value itself), so check holds these folders to a limit of their own
+// (lite_runtime/golden.py INT16_ACTIVATIONS).
 //
 // Per call, x is prepared once (PreparedX): per row, the int16 inputs (int4: the even inputs, then the odd ones, as
 // a weight byte holds them), a scale per block of 32, and float sums of x per weight group (for the offsets, and for
@@ -326,28 +314,16 @@ inline void add_group_constants(const QuantWeight& w, int64_t rows, float* y, in
   }
 }
 
-// One weight, float32 from its integers (the odd-shape form and the reference of the others)
-inline float weight_at(const QuantWeight& w, int64_t o, int64_t i) {
-  int q;
-  if (w.int4) {
-    const int b = static_cast<const uint8_t*>(w.q)[o * (w.k / 2) + i / 2];
-    q = (((i & 1) ? b >> 4 : b & 15) ^ 8) - 8;
-  } else {
-    q = static_cast<const int8_t*>(w.q)[o * w.k + i];
-  }
-  const int64_t gi = i / w.group;
-  return (float(q) + (w.offset ? w.offset[gi * w.n + o] : 0.f)) * w.scale[gi * w.n + o];
-}
-
+// The odd shapes' form (K or the group not whole blocks of 32): each weight row dequantized (dequantize_rows, the
+// buffered forms' float32 weights) and dotted with each row of x as given
 void qrows_float(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy, int64_t o0,
                  int64_t o1) {
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t o = o0; o < o1; ++o) {
-      const float* x = w.x->x + m * w.k;
-      float t = 0.f;
-      for (int64_t i = 0; i < w.k; ++i) t += x[i] * weight_at(w, o, i);
-      y[m * ldy + o] = t + (b ? b[o] : 0.f);
-    }
+  std::vector<float> row(size_t(w.k));
+  for (int64_t o = o0; o < o1; ++o) {
+    dequantize_rows(w, o, 1, 0, w.k, row.data(), w.k);
+    for (int64_t m = 0; m < rows; ++m)
+      y[m * ldy + o] = dot_generic(w.x->x + m * w.k, row.data(), w.k) + (b ? b[o] : 0.f);
+  }
 }
 
 // block blk's int32 dot product of weight row o with the prepared row xq (exact)
@@ -744,8 +720,15 @@ int read_quant_weight(void** params, int* ndims, int64_t** shapes, const char** 
   return 0;
 }
 
-bool same_layout(const PreparedX& p, const QuantWeight& w) {
-  return p.k == w.k && p.group == w.group && p.int4 == w.int4;
+void prepare_each(const float* x, int64_t rows, QuantWeight* ws, int n, PreparedX* px) {
+  for (int i = 0; i < n; ++i) {
+    int same = 0;  // the first weight before this one with its layout (px[j] prepared only for such firsts)
+    while (same < i && !(px[same].x != nullptr && px[same].k == ws[i].k && px[same].group == ws[i].group &&
+                         px[same].int4 == ws[i].int4))
+      ++same;
+    if (same == i) prepare(x, rows, ws[i], &px[i]);
+    ws[i].x = &px[same];
+  }
 }
 
 void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out) {
@@ -813,9 +796,8 @@ void quant_matmul(const float* x, int64_t rows, const QuantWeight& w, const floa
   }
   if (rows <= QUANT_ROWS_MAX) {
     PreparedX px;
-    prepare(x, rows, w, &px);
     QuantWeight wx = w;
-    wx.x = &px;
+    prepare_each(x, rows, &wx, 1, &px);
     RowsJob job;
     job.w = &wx, job.rows = rows, job.b = b, job.y = y, job.step = task_rows(w.n);
     const bool parallel = w.n >= MIN_PARALLEL_ROWS;

@@ -42,7 +42,10 @@ bool is_quant_dtype(const char* dtype);
 
 // Makes `out` x [rows, w.k] as w's rows kernel reads it (reusable for any weight of the same k, group and int4).
 void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out);
-bool same_layout(const PreparedX& p, const QuantWeight& w);
+
+// x prepared for each of ws[0..n) (weights read by one dispatch: q/k/v, gate/up), once per layout into px[0..n);
+// each ws[i].x set
+void prepare_each(const float* x, int64_t rows, QuantWeight* ws, int n, PreparedX* px);
 
 // The rows kernel (common.h's RowsFn) for W_QUANT: `w` a QuantWeight whose `x` is prepared; the `x` argument unused.
 RowsFn quant_rows_kernel();
