@@ -118,12 +118,6 @@ def process(scores: np.ndarray, seen: Sequence[int], s: GenerationSettings) -> n
     return scores
 
 
-def choose(scores: np.ndarray, do_sample: bool, rng: Optional[np.random.Generator]) -> Tuple[int, float]:
-    """(token, its probability under the processed scores): argmax, or a draw when sampling."""
-    token = pick(scores, do_sample, rng)
-    return token, probability(scores, token)
-
-
 def pick(scores: np.ndarray, do_sample: bool, rng: Optional[np.random.Generator]) -> int:
     """The next token: argmax (no softmax over the vocabulary: ~1 ms of a decode step at 151,936 tokens), or a draw
     from softmax(scores) when sampling (rng needed then)."""

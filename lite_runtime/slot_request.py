@@ -22,7 +22,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from lite_runtime.sampling import GenerationSettings, choose, process
+from lite_runtime.sampling import GenerationSettings, pick, process
 
 
 class TokenLogprob(NamedTuple):
@@ -101,11 +101,11 @@ def next_token(request: SlotRequest, logits: np.ndarray, tokenizer) -> Optional[
     constraint = request.constraint
     if request.settings.do_sample:
         scores = process(logits if constraint is None else constraint.mask(logits), seen, request.settings)
-        token, _ = choose(scores, True, request.rng)
-    else:  # what choose() picks, without the softmax over the vocabulary it does for the probability
-        token = int(np.argmax(process(logits, seen, request.settings)))
+        token = pick(scores, True, request.rng)
+    else:
+        token = pick(process(logits, seen, request.settings), False, None)
         if constraint is not None and not constraint.allows(token):  # else the masked argmax is the same token
-            token = int(np.argmax(process(constraint.mask(logits), seen, request.settings)))
+            token = pick(process(constraint.mask(logits), seen, request.settings), False, None)
     request.generated.append(token)
     request.token_times.append(time.monotonic())
     if request.logprobs is not None and token not in request.eos:
