@@ -52,15 +52,9 @@ def parse_quant(path):
     """The driver's quantized matmul cases, each with W dequantized here (float64) from q as stored."""
     from test_quant_kernels import dequantize
 
-    data, cases, at = open(path, "rb").read(), [], 0
-
-    def take(n, dtype):
-        nonlocal at
-        a = np.frombuffer(data, dtype, n, at)
-        at += a.nbytes
-        return a
-
-    while at < len(data):
+    take, more = reader(path)
+    cases = []
+    while more():
         int4, group, offset, rows, k, n, rc = (int(v) for v in take(7, np.int64))
         x = take(rows * k, np.float32).reshape(rows, k)
         q = take(n * k // (2 if int4 else 1), np.uint8).reshape(n, -1)
@@ -73,17 +67,26 @@ def parse_quant(path):
     return cases
 
 
+def reader(path):
+    """(take, more) over a file the driver wrote: take(n, dtype) the next n values, more() whether any are left."""
+    data, at = open(path, "rb").read(), 0
+
+    def take(n, dtype):
+        nonlocal at
+        a = np.frombuffer(data, dtype, n, at)
+        at += a.nbytes
+        return a
+
+    return take, lambda: at < len(data)
+
+
 def parse_attention(path):
-    data, cases, at = open(path, "rb").read(), [], 0
-    h, kh, s = 14, 2, 160
-    while at < len(data):
-        d, n, rc = (int(v) for v in np.frombuffer(data, np.int64, 3, at))
-        at += 24
-        arrays = []
-        for shape in ((n, h * d), (2, kh, s, d), (2, kh, s, d), (n, h * d)):
-            a = np.frombuffer(data, np.float32, int(np.prod(shape)), at).reshape(shape)
-            at += a.nbytes
-            arrays.append(a)
+    take, more = reader(path)
+    cases, (h, kh, s) = [], (14, 2, 160)
+    while more():
+        d, n, rc = (int(v) for v in take(3, np.int64))
+        arrays = [take(int(np.prod(shape)), np.float32).reshape(shape)
+                  for shape in ((n, h * d), (2, kh, s, d), (2, kh, s, d), (n, h * d))]
         cases.append(dict(d=d, n=n, rc=rc, q=arrays[0], k=arrays[1], v=arrays[2], out=arrays[3]))
     return cases
 
@@ -101,15 +104,9 @@ def test_neon_attention_against_float64(binary, tmp_path):
 
 
 def parse(path):
-    data, cases, at = open(path, "rb").read(), [], 0
-
-    def take(n, dtype):
-        nonlocal at
-        a = np.frombuffer(data, dtype, n, at)
-        at += a.nbytes
-        return a
-
-    while at < len(data):
+    take, more = reader(path)
+    cases = []
+    while more():
         d, rows, inp, out, bias, rc = (int(v) for v in take(6, np.int64))
         x = take(rows * inp, np.float32).reshape(rows, inp)
         if d == 0:
