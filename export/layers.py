@@ -98,7 +98,7 @@ class Linear(nn.Cell):
 
     def arity(self) -> int:
         """How many tensors `weights()` gives (the fused ops' out_shape functions need the positions)."""
-        return 1 if self.weight_scale is None else 2 if self.weight_offset is None else 3
+        return len(self.weights())
 
     def _add_bias(self, y):
         # explicit broadcasts everywhere: see BROADCASTS in the module docstring. The depend keeps
