@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "previous turn. auto (default): 8,128 on cpu (2,128 for 16-bit weights), 256 on Atlas (GE "
                         "compiles each graph for "
                         "minutes), at most --seq_length; none: no chunk graph (a folder the server refuses)")
+    p.add_argument("--score_sizes", default="auto",
+                   help="tokens of the score graphs, comma-separated: chunk graphs that return the logits of every "
+                        "position of their piece, for speculative decoding (a verify of up to size - 1 draft "
+                        "tokens), prompt logprobs (echo) and python -m lite_runtime.perplexity. auto (default): 8,128 "
+                        "on cpu, 256 on Atlas, at most --seq_length; none: no score graph")
     p.add_argument("--cpu_kernels", choices=("auto", "on", "off"), default="auto",
                    help="--device cpu, float32: run the decode step's matmuls with mslite-llm's own multi-threaded "
                         "GEMV kernel (built at pip install) instead of MindSpore's MatMul: about 1.2x the decode "
@@ -131,7 +136,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                            batch_size=args.batch_size, dtype=dtype, device=args.device, overwrite=args.overwrite,
                            prefill_buckets=parse_sizes(args.prefill_buckets, "--prefill_buckets"), cpu_kernels=args.cpu_kernels,
                            tp_size=args.tp_size, graph=None if args.graph == "auto" else args.graph,
-                           chunk_sizes=parse_sizes(args.chunk_sizes, "--chunk_sizes"), quantize=args.quantize,
+                           chunk_sizes=parse_sizes(args.chunk_sizes, "--chunk_sizes"),
+                           score_sizes=parse_sizes(args.score_sizes, "--score_sizes"), quantize=args.quantize,
                            group_size=args.group_size)
         # the bars are drawn on a terminal only; piped, each stage is one plain line instead (-v logs them already)
         plain = not args.quiet and not args.verbose and not sys.stderr.isatty()

@@ -268,6 +268,10 @@ class ExportConfig:
     # and prefix reuse); None: the profile's (export/devices.py default_chunks); (): none. Tensor-parallel folders
     # have none
     chunk_sizes: Optional[Tuple[int, ...]] = None
+    # tokens of the score graphs: the chunk graph returning the logits of every position of its piece (speculative
+    # decoding's verify, prompt logprobs, perplexity); None: the profile's (export/devices.py default_scores); ():
+    # none. Tensor-parallel folders have none
+    score_sizes: Optional[Tuple[int, ...]] = None
     # weight-only quantization of the linear layers (export/quantize.py): None (a quantized checkpoint keeps its
     # method, a float one stays float), none, int8 or int4; group_size None: the default for the bits
     quantize: Optional[str] = None
@@ -323,6 +327,10 @@ class ExportConfig:
             if not 1 <= size <= self.seq_length:
                 raise ExportError(f"--chunk_sizes: {size} must be between 1 and --seq_length {self.seq_length} (or "
                                   "none: no chunk graph, a folder that cannot be served)")
+        for size in self.score_sizes or ():
+            if not 1 <= size <= self.seq_length:
+                raise ExportError(f"--score_sizes: {size} must be between 1 and --seq_length {self.seq_length} (or "
+                                  "none: no score graph, a folder without speculative decoding and prompt logprobs)")
         for bucket in self.prefill_buckets or ():
             if not 1 <= bucket < self.seq_length:
                 raise ExportError(f"--prefill_buckets: {bucket} must be between 1 and --seq_length - 1 "

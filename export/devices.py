@@ -30,6 +30,8 @@ class DeviceProfile:
     # tokens of the chunk graphs (default_chunks): the smallest goes in with the running rows' decode steps, the
     # largest runs when no row decodes
     chunks: Tuple[int, ...] = (256,)
+    # tokens of the score graphs (default_scores): all-positions chunk graphs
+    scores: Tuple[int, ...] = (256,)
     # weight-only quantization (--quantize): the bits its WeightQuantBatchMatmul (or, on the CPU, our kernels) takes,
     # and whether per-group scales: A2/A3 int8 and int4, per channel and per group; the 310P series int8 per channel
     # (CANN's aclnnWeightQuantBatchMatmulV2 support table); the Atlas 800 (910A, a training series) has none
@@ -55,7 +57,7 @@ PROFILES: Dict[str, DeviceProfile] = {
     "atlas_300i_duo": DeviceProfile("atlas_300i_duo", "Atlas 300I Duo", "Ascend310P", ("float16",), quant_bits=(8,)),
     # CPU folders compute in float32; float16 and bfloat16 store the matrices in 16 bits (ExportConfig.compute_dtype)
     "cpu": DeviceProfile("cpu", "CPU", "", ("float32", "bfloat16", "float16"), bucket_first=16, bucket_factor=2,
-                         chunks=(8, 128), quant_bits=(8, 4), quant_groups=True),
+                         chunks=(8, 128), scores=(8, 128), quant_bits=(8, 4), quant_groups=True),
 }
 DEFAULT_PROFILE = "atlas_800i_a2"
 
@@ -118,6 +120,21 @@ def default_chunks(profile: DeviceProfile, seq_length: int, dtype: str) -> Tuple
     if profile.name == "cpu" and dtype != "float32":
         sizes = (2,) + sizes[1:]
     return tuple(sorted({min(c, seq_length) for c in sizes}))
+
+
+def default_scores(profile: DeviceProfile, seq_length: int) -> Tuple[int, ...]:
+    """Tokens of the score graphs an export gets without --score_sizes: the profile's, at most seq_length.
+
+    A score graph is a chunk graph that returns the logits of every position of its piece ([B + C, V]), for
+    speculative decoding (a verify of K draft tokens and the last one: K + 1 positions), prompt logprobs and
+    perplexity (a prompt in pieces). What the piece adds over a step is its arithmetic, the head's included:
+    - CPU: 8 (a verify of up to 7 draft tokens; a piece of 8 costs 1.0-1.3x a float32 step, docs/performance-log.md
+      "Chunked prefill and prefix reuse") and 128 (prompts scored in pieces; at 8 a long prompt would pay 16 times
+      the weights' reads). Two graphs, because a verify in the 128 graph would pay 128 rows of arithmetic.
+    - Atlas: 256 alone, as the chunk graph (default_chunks): a verify's 8 tokens and a 256-token piece both cost
+      about one step's reading of the weights there, and GE compiles every graph for minutes at load.
+    """
+    return tuple(sorted({min(c, seq_length) for c in profile.scores}))
 
 
 def graph_form(profile: DeviceProfile, dtype: str, asked: Optional[str], head_dim: int, kv_groups: int) -> str:

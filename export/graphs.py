@@ -30,10 +30,12 @@ class CompiledGraph:
 
 
 def graph_plan(cfg: ExportConfig) -> List[Tuple[str, int]]:
-    """(role, tokens) of every graph of one rank: a prefill graph per bucket and seq_length, the inc graph, and a
-    chunk graph per chunk size (a decode step and one row's prompt piece at an offset, for lite_runtime.serve)."""
+    """(role, tokens) of every graph of one rank: a prefill graph per bucket and seq_length, the inc graph, a
+    chunk graph per chunk size (a decode step and one row's prompt piece at an offset, for lite_runtime.serve), and a
+    score graph per score size (the chunk graph returning every position of its piece)."""
     buckets = sorted(set(cfg.prefill_buckets or ()) | {cfg.seq_length})
-    return [("prefill", n) for n in buckets] + [("inc", 1)] + [("chunk", n) for n in cfg.chunk_sizes or ()]
+    return [("prefill", n) for n in buckets] + [("inc", 1)] + [("chunk", n) for n in cfg.chunk_sizes or ()] + \
+        [("score", n) for n in cfg.score_sizes or ()]
 
 
 class Network:
@@ -80,15 +82,17 @@ class Network:
                               "pip install 'mindspore>=2.7,<2.11'") from None
         from mindspore.train import mind_ir_pb2
 
-        cell = {"prefill": PrefillGraph, "inc": DecodeGraph, "chunk": ChunkGraph}[role](self.net)
+        cell = ChunkGraph(self.net, every=role == "score") if role in ("chunk", "score") else \
+            {"prefill": PrefillGraph, "inc": DecodeGraph}[role](self.net)
         # Compiling ends with Cell.init_parameters_data(), which gives every lazy Parameter its data: calloc'd zeros
         # no page of which is touched for most dtypes, but qint4x2 zeros are written (a 7B int4 network: 3.3 GiB,
         # measured 2026-11-26). The proto holds no data either way, so the graph cell initializes none.
         cell.init_parameters_data = lambda *args, **kwargs: {}
         rows = self.cfg.batch_size
-        args = [ms.Tensor(np.zeros((rows, 1 if role == "chunk" else tokens), np.int32)),
+        piece = role in ("chunk", "score")
+        args = [ms.Tensor(np.zeros((rows, 1 if piece else tokens), np.int32)),
                 ms.Tensor(np.full((rows,), 1 if role == "prefill" else 2, np.int32))]
-        if role == "chunk":  # the piece: chunk_ids, chunk_length, start, slot
+        if piece:  # the piece: chunk_ids, chunk_length, start, slot
             args += [ms.Tensor(np.zeros((1, tokens), np.int32)), ms.Tensor(np.ones((1,), np.int32)),
                      ms.Tensor(np.zeros((1,), np.int32)), ms.Tensor(np.zeros((1,), np.int32))]
         level = ms.get_context("jit_syntax_level")

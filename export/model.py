@@ -162,7 +162,7 @@ class CausalLM(nn.Cell):
         last = ops.gather(x, self.rows[:b] * n + valid_length - 1, 0)  # [B, E]
         return self._logits(last)
 
-    def chunk(self, input_ids, valid_length, chunk_ids, chunk_length, start, slot):
+    def chunk(self, input_ids, valid_length, chunk_ids, chunk_length, start, slot, every: bool = False):
         """The decode step of every row and a piece of one row's prompt in one call: the weights are read once for
         both (on a device where a step is bound by reading them, a separate piece would cost the running rows a
         whole second step). Rows 0..B-1 of the activations are the step's, then the piece's tokens."""
@@ -203,6 +203,8 @@ class CausalLM(nn.Cell):
         # (the cache writes), pick [n] (the piece's padding repeats its last token); the form's own keys beside them
         for layer in self.model.layers:
             x = layer.chunk(x, cos, sin, ctx, b, n)
+        if every:  # the score graph: every row's and every piece position's, [B + n, V] (padding positions too)
+            return self._logits(x, decode=True)
         return self._logits(ops.gather(x, last, 0), decode=True)  # [B + 1, V]
 
     def decode(self, input_ids, valid_length):
@@ -247,14 +249,18 @@ class ChunkGraph(nn.Cell):
     """The chunk graph: the decode step of every row (input_ids [B, 1], valid_length [B], as the inc graph) and C
     tokens of one row's prompt (chunk_ids [1, C], chunk_length [1] of them valid) written from position start [1]
     into row slot [1], so a server prefills a prompt piece by piece inside the decode steps of the other rows, and
-    from the end of a prefix the row already holds. Same parameters; logits [B + 1, V]."""
+    from the end of a prefix the row already holds. Same parameters; logits [B + 1, V].
 
-    def __init__(self, net: CausalLM) -> None:
+    `every` (the score graph): the same call returning the logits of every piece position, [B + C, V] (row B + i:
+    after the piece's token i; those past chunk_length are padding's), for speculative decoding's verify, prompt
+    logprobs and perplexity (docs/architecture.md, "score graphs")."""
+
+    def __init__(self, net: CausalLM, every: bool = False) -> None:
         super().__init__(auto_prefix=False)
-        self.net = net
+        self.net, self.every = net, every
 
     def construct(self, input_ids, valid_length, chunk_ids, chunk_length, start, slot):
-        return self.net.chunk(input_ids, valid_length, chunk_ids, chunk_length, start, slot)
+        return self.net.chunk(input_ids, valid_length, chunk_ids, chunk_length, start, slot, self.every)
 
 
 class DecodeGraph(nn.Cell):

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from tqdm import tqdm
 
 from export.config import ExportConfig, ModelConfig
-from export.devices import default_buckets, default_chunks, get_profile, graph_form, usage_lines
+from export.devices import default_buckets, default_chunks, default_scores, get_profile, graph_form, usage_lines
 from export.errors import ExportError
 from export import folder as checkpoint_files
 from lite_runtime.memory import anon_bytes
@@ -157,12 +157,15 @@ def resolve(cfg: ExportConfig, model_cfg: ModelConfig) -> ExportConfig:
     if buckets is None:
         buckets = default_buckets(profile, cfg.seq_length)
     graph = graph_form(profile, cfg.dtype, cfg.graph, model_cfg.head_dim, model_cfg.kv_groups)
-    chunks = cfg.chunk_sizes
+    chunks, scores = cfg.chunk_sizes, cfg.score_sizes
     if cfg.tp_size > 1:  # the server does not serve tensor-parallel folders (lite_runtime/serve/cli.py)
-        chunks = ()
-    elif chunks is None:
-        chunks = default_chunks(profile, cfg.seq_length, cfg.dtype)
-    return dataclasses.replace(cfg, prefill_buckets=buckets, graph=graph, chunk_sizes=chunks)
+        chunks = scores = ()
+    else:
+        if chunks is None:
+            chunks = default_chunks(profile, cfg.seq_length, cfg.dtype)
+        if scores is None:
+            scores = default_scores(profile, cfg.seq_length)
+    return dataclasses.replace(cfg, prefill_buckets=buckets, graph=graph, chunk_sizes=chunks, score_sizes=scores)
 
 
 # what each stage does, in order, for a person watching (run_export's on_stage)
@@ -407,7 +410,7 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
                          increment_model_path=inc.file,
                          prefill_buckets=sorted(e.tokens for e in rank0 if e.role == "prefill"),
                          tp_size=cfg.tp_size, cpu_kernels=kernels, graph=cfg.graph,
-                         chunk_sizes=list(cfg.chunk_sizes),
+                         chunk_sizes=list(cfg.chunk_sizes), score_sizes=list(cfg.score_sizes),
                          quantization=_quant_record(quant, model_cfg))
     export = {**dataclasses.asdict(cfg), "checkpoint": os.path.abspath(cfg.checkpoint),
               "output": os.path.abspath(cfg.output), "mindspore_version": ms.__version__,

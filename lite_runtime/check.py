@@ -24,6 +24,7 @@ from lite_runtime.backends.standins import describe
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError
 from lite_runtime.golden import (TOLERANCES, Reference, RowResult, Tolerance, load_golden, replay, replay_chunks,
+                             replay_scores,
                                  tolerance_for)
 from lite_runtime.versions import environment
 
@@ -90,8 +91,9 @@ class Report:
         ties = sum(len(r.near_ties) for r in self.rows)
         tie_note = f"; {ties} near-tie step(s) reported, not failed" if ties else ""
         prompts = _count(len({r.prompt for r in self.rows}), "prompt")
-        slots = any(r.graph.startswith("chunk_") for r in self.rows)  # replay_chunks ran the prompts a second way
-        paths = " (each through the prefill graphs and through the chunk graphs)" if slots else ""
+        ways = [w for w in ("chunk", "score") if any(r.graph.startswith(w + "_") for r in self.rows)]
+        slots = bool(ways)  # replay_chunks / replay_scores ran the prompts other ways
+        paths = f" (each through the prefill graphs and through the {' and the '.join(ways)} graphs)" if slots else ""
         if self.passed:
             return (f"PASS {self.name} on backend {self.backend}: {prompts}{paths}, {steps} steps, greedy "
                     f"tokens identical, top-k logits within {worst:.1e} relative {limit}{tie_note}")
@@ -161,9 +163,11 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
     rows = replay(generator, reference, tolerance, progress=progress)
     if slots:
         rows += replay_chunks(generator.runner, reference, tolerance, progress=progress)
+    if generator.runner.score_sizes:  # the score graphs: every position of a piece (speculation, echo, perplexity)
+        rows += replay_scores(generator.runner, reference, tolerance, progress=progress)
     info = {"environment": environment(generator.backend_name), "exported_with": folder.exported_with,
             "folder": {k: folder.infer.get(k) for k in ("device", "soc", "dtype", "seq_length", "batch_size",
-                                                        "prefill_buckets", "chunk_sizes", "cpu_kernels", "tp_size", "graph")},
+                                                        "prefill_buckets", "chunk_sizes", "score_sizes", "cpu_kernels", "tp_size", "graph")},
             "load_seconds": round(loaded, 2), "replay_seconds": round(time.perf_counter() - start - loaded, 2)}
     try:
         with open(folder.ge_config_path, encoding="utf-8", errors="replace") as fh:

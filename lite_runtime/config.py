@@ -52,6 +52,10 @@ class InferConfig:
     # load the folder's chunk graph (one row's prompt piece at an offset: continuous batching, chunked prefill and
     # prefix reuse, as lite_runtime.serve does). Off for pipeline(): on Atlas GE compiles every loaded graph for minutes
     chunk_graphs: bool = False
+    # load the folder's score graphs (a chunk graph returning every position's logits: speculative decoding, prompt
+    # logprobs, perplexity). On by default: the ms backend compiles them on first use; on Atlas GE compiles each at
+    # load (one graph of 256 tokens by default), so pass False where none of the three is wanted
+    score_graphs: bool = True
     # load the prefill graphs (pipeline(), check); the server runs only the chunk and inc graphs, so on Atlas GE does
     # not compile the prefill graphs for it (minutes each)
     prefill_graphs: bool = True
@@ -99,7 +103,9 @@ class InferConfig:
 
     def graph_paths(self) -> Dict[str, str]:
         """Every graph to load, by key (`prefill_<tokens>`, `inc`, `chunk_<tokens>`): the prefill graphs longest first
-        (unless prefill_graphs is off), inc, then (with chunk_graphs) the chunk graph."""
+        (unless prefill_graphs is off), inc, then (with chunk_graphs) the chunk graphs, then the score graphs (every
+        position's logits: speculative decoding, prompt logprobs, perplexity), which the ms backend compiles only
+        when first used."""
         if self.folder is not None:
             paths = self.folder.graph_paths(int(self.rank_id) if self.tp_size > 1 else 0)
         else:
@@ -110,8 +116,9 @@ class InferConfig:
             return sorted((k for k in paths if graph_role(k) == role), key=lambda k: -graph_tokens(k))
 
         chunks = longest_first("chunk") if self.chunk_graphs else []
+        scores = longest_first("score")[::-1] if self.score_graphs else []
         prefills = longest_first("prefill") if self.prefill_graphs else []
-        return {k: paths[k] for k in prefills + ["inc"] + chunks}
+        return {k: paths[k] for k in prefills + ["inc"] + chunks + scores}
 
     def validate(self) -> None:
         if not self.compute_dtype:

@@ -28,7 +28,7 @@ DATA_HEADER = 64
 DATA_ALIGN = 64
 # every folder has prefill and inc graphs, and one chunk graph unless tensor-parallel; folders exported before the
 # chunk graph (2026-11-24) may have slot graphs, which nothing runs any more (a one-row prefill is a chunk at 0)
-ROLES = ("prefill", "inc", "chunk", "slot")
+ROLES = ("prefill", "inc", "chunk", "score", "slot")
 REQUIRED_ROLES = ("prefill", "inc")
 
 
@@ -132,12 +132,13 @@ def data_location(name: str) -> str:
 
 def graph_key(role: str, tokens: int) -> str:
     """`prefill_<tokens>` for each full graph (one per prompt-length bucket), `inc` for the incremental one,
-    `chunk_<tokens>` for the chunk graph (one row's prompt piece at an offset: continuous batching)."""
+    `chunk_<tokens>` for the chunk graph (one row's prompt piece at an offset: continuous batching), `score_<tokens>`
+    for the score graph (the chunk graph returning every position of its piece)."""
     return "inc" if role == "inc" else f"{role}_{tokens}"
 
 
 def graph_role(key: str) -> str:
-    """`prefill`, `inc` or `chunk` (the inverse of graph_key's role)."""
+    """`prefill`, `inc`, `chunk` or `score` (the inverse of graph_key's role)."""
     return key.split("_", 1)[0]
 
 
@@ -327,7 +328,8 @@ def _check_specs_against_yaml(folder: ModelFolder) -> None:
     b, s, vocab = folder.batch_size, folder.seq_length, int(infer["vocab_size"])
     for key, spec in folder.graphs.items():
         rows = 1 if spec.role == "slot" else b  # a slot graph (older folders) prefilled one row of the cache
-        ids = (b, 1) if spec.role == "chunk" else (rows, spec.tokens)  # the chunk graph: a step, and a piece
+        piece = spec.role in ("chunk", "score")
+        ids = (b, 1) if piece else (rows, spec.tokens)  # the chunk and score graphs: a step, and a piece
         for t in spec.inputs:
             want = {"input_ids": ids, "valid_length": (rows,), "slot": (1,), "start": (1,), "chunk_length": (1,),
                     "chunk_ids": (1, spec.tokens)}.get(t.name)
@@ -335,7 +337,8 @@ def _check_specs_against_yaml(folder: ModelFolder) -> None:
                 raise ModelFolderError(f"{folder.yaml_path}: batch_size {b} / seq_length {s} disagree with the "
                                        f"{spec.role} graph's {t.name} shape {list(t.shape)} "
                                        f"({os.path.basename(spec.path)}); re-export the folder")
-        if spec.outputs[0].shape != (rows + (spec.role == "chunk"), vocab):
+        extra = {"chunk": 1, "score": spec.tokens}.get(spec.role, 0)  # the piece's last position, or all of them
+        if spec.outputs[0].shape != (rows + extra, vocab):
             raise ModelFolderError(f"{folder.yaml_path}: batch_size {b} / vocab_size {vocab} disagree with the "
                                    f"{spec.role} graph's logits shape {list(spec.outputs[0].shape)}; re-export")
     if graph_key("prefill", s) not in folder.graphs:

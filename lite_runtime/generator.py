@@ -19,7 +19,8 @@ import numpy as np
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError, MissingDependencyError
 from lite_runtime.runner import ModelRunner
-from lite_runtime.sampling import GenerationSettings, pick, probability, process
+from lite_runtime.sampling import GenerationSettings, pick, probability, process, softmax
+from lite_runtime.speculative import DraftFolder, Pacer, PromptLookup, SpecStats, accept, same_vocabulary
 from lite_runtime.tokenizer import FolderTokenizer, chat_problem, has_folder_tokenizer
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class GenerateOutput(list):
         self.decode_seconds = 0.0
         self.decode_steps = 0
         self.new_tokens = 0
+        self.speculative: Optional[SpecStats] = None  # drafted and accepted tokens, when speculation was asked
 
     @property
     def sequences(self) -> List[List[int]]:
@@ -248,8 +250,14 @@ class TextGenerator:
         scores = [process(logits[i], rows[i], s) for i in range(len(rows))]
         return InferOutput([pick(scores[i], s.do_sample, rng) for i in range(len(rows))], logits, scores)
 
-    def generate(self, input_ids: Sequence[Sequence[int]], streamer=None, **kwargs) -> GenerateOutput:
-        """Per row, the prompt ids followed by the generated ids, stopping at eos or the limit."""
+    def generate(self, input_ids: Sequence[Sequence[int]], streamer=None, prompt_lookup_num_tokens: Optional[int] = None,
+                 assistant_model=None, **kwargs) -> GenerateOutput:
+        """Per row, the prompt ids followed by the generated ids, stopping at eos or the limit.
+
+        Speculative decoding (HF's names; lite_runtime/speculative.py), one row at a time: `prompt_lookup_num_tokens`
+        K drafts up to K tokens from the sequence itself, `assistant_model` (a folder, or a pipeline of one, with the
+        same tokenizer) drafts with that model; the tokens are what decoding without them gives (greedy) or
+        distributed as it (sampling)."""
         s = self.defaults.updated(**kwargs)
         rows = self._check_rows(input_ids)
         limits = self._limits(rows, s)
@@ -258,6 +266,9 @@ class TextGenerator:
         seqs = [list(r) for r in rows]
         reasons: List[Optional[str]] = [None] * len(rows)
         out = GenerateOutput(seqs, [], [len(r) for r in rows])
+        proposer = self._proposer(prompt_lookup_num_tokens, assistant_model, len(rows))
+        if proposer is not None:
+            return self._generate_speculative(rows[0], s, limits[0], eos, rng, out, streamer, *proposer)
         with self.runner.request():
             if streamer is not None:
                 streamer.put(np.array(rows) if len(rows) == 1 else [np.array(r) for r in rows])
@@ -287,4 +298,122 @@ class TextGenerator:
             if streamer is not None:
                 streamer.end()
         out.finish_reasons = [str(r) for r in reasons]
+        return out
+
+    # --- speculative decoding (lite_runtime/speculative.py) --------------------------------------------
+    def draft_generator(self, assistant_model) -> "TextGenerator":
+        """The draft's TextGenerator: a pipeline or TextGenerator as given, a folder loaded once (on this one's
+        backend) and kept; refused when its tokenizer or vocabulary is not this folder's."""
+        if isinstance(assistant_model, TextGenerator):
+            draft = assistant_model
+        elif isinstance(getattr(assistant_model, "generator", None), TextGenerator):
+            draft = assistant_model.generator
+        else:
+            import os
+
+            path = os.fspath(assistant_model)
+            cache = self.__dict__.setdefault("_drafts", {})
+            draft = cache.get(path)
+            if draft is None:
+                from lite_runtime.config import InferConfig
+
+                if not os.path.isdir(path):
+                    raise InferError(f"assistant_model {path!r} is not a model folder; pass a folder written by "
+                                     "python -m export (the same tokenizer), or a pipeline of one")
+                draft = TextGenerator(InferConfig.from_folder(path, backend=self.backend_name))
+                same_vocabulary(self, draft)
+                cache[path] = draft
+                return draft
+        same_vocabulary(self, draft)
+        return draft
+
+    def _proposer(self, lookup_tokens, assistant_model, rows: int):
+        """(proposer, K) for a generate call that asked for speculation, else None."""
+        if lookup_tokens is None and assistant_model is None:
+            return None
+        if lookup_tokens is not None and assistant_model is not None:
+            raise InferError("pass prompt_lookup_num_tokens or assistant_model, not both")
+        if rows != 1:
+            raise InferError(f"speculative decoding runs one row at a time, and {rows} were given; generate them "
+                             "one by one")
+        if not self.runner.score_sizes:
+            raise InferError(self.runner.missing("score"))
+        k = int(lookup_tokens) if lookup_tokens is not None else self.runner.score_sizes[0] - 1
+        if lookup_tokens is not None and not 1 <= k <= self.runner.score_sizes[-1] - 1:
+            raise InferError(f"prompt_lookup_num_tokens {lookup_tokens} must be between 1 and "
+                             f"{self.runner.score_sizes[-1] - 1} (the folder's largest score graph, "
+                             f"{self.runner.score_sizes[-1]} tokens, checks that many and the last token)")
+        # a draft model: K from HF's num_assistant_tokens default (5) up to what the smallest score graph checks (a
+        # verify costs its piece's arithmetic); prompt lookup: up to the K asked
+        if assistant_model is not None:
+            return DraftFolder(self.draft_generator(assistant_model)), max(k, 1), min(5, max(k, 1))
+        return PromptLookup(), k, k
+
+    def _generate_speculative(self, row: List[int], s: GenerationSettings, limit: int, eos, rng, out: GenerateOutput,
+                              streamer, proposer, k_max: int, k_start: int) -> GenerateOutput:
+        """generate() of one row with speculation (lite_runtime/speculative.py, module doc)."""
+        runner = self.runner
+        seq = out[0]
+        stats = out.speculative = SpecStats()
+        pacer = Pacer(k_max, k_start)
+        reason: Optional[str] = None
+        forced: Optional[int] = None
+        with runner.request():
+            if streamer is not None:
+                streamer.put(np.array([row]))
+            start = time.perf_counter()
+            logits = runner.prefill([row])[0]
+            out.prefill_seconds = time.perf_counter() - start
+            start = time.perf_counter()
+
+            def add(token: int) -> Optional[str]:
+                seq.append(token)
+                out.new_tokens += 1
+                if streamer is not None:
+                    streamer.put(np.array([token]))
+                if token in eos:
+                    return "eos"
+                return "length" if len(seq) - len(row) >= limit else None
+
+            while reason is None:
+                token = forced if forced is not None else pick(process(logits, seq, s), s.do_sample, rng)
+                forced = None
+                reason = add(token)
+                if reason is not None:
+                    break
+                tick = time.perf_counter()
+                k = min(pacer.k, limit - (len(seq) - len(row)) - 1, self.seq_length - len(seq),
+                        runner.score_sizes[-1] - 1)
+                drafts, qs = proposer.propose(seq, k, s, rng) if pacer.speculate() and k >= 1 else ([], [])
+                out.decode_steps += 1
+                if not drafts:
+                    logits = self._step({0: token})[0]
+                    pacer.plain(time.perf_counter() - tick)
+                    continue
+                _, verify = runner.chunk(0, [token] + drafts, len(seq) - 1, *runner.scratch_step(), every=True)
+                kept = 0
+                for i, d in enumerate(drafts):
+                    scores = process(verify[i], seq, s)
+                    if s.do_sample:
+                        forced = accept(softmax(scores), qs[i], d, rng)
+                    else:
+                        best = int(np.argmax(scores))
+                        forced = None if best == d else best
+                    if forced is not None:
+                        break
+                    kept += 1
+                    reason = add(d)
+                    if reason is not None:
+                        break
+                if forced is None and reason is None:
+                    logits = np.array(verify[kept])  # a copy: the graph's output buffer is reused by the next call
+                runner.held[0] = list(seq)  # what the row holds: the kept tokens (rejected positions lie past it)
+                stats.rounds += 1
+                stats.drafted += len(drafts)
+                stats.accepted += kept
+                pacer.round(time.perf_counter() - tick, len(drafts), kept)
+            out.decode_seconds = time.perf_counter() - start
+            if streamer is not None:
+                streamer.end()
+        out.finish_reasons = [reason]
         return out

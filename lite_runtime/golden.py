@@ -292,3 +292,33 @@ def replay_chunks(runner, reference: Reference, tol: Tolerance, progress=None) -
             r.close(tol)
         results.extend(mine)
     return results
+
+
+def replay_scores(runner, reference: Reference, tol: Tolerance, progress=None) -> List[RowResult]:
+    """The reference rows once more through the score graphs (every position's logits: speculative decoding's verify,
+    prompt logprobs, perplexity), teacher-forced: each row's prompt and reference tokens go into cache row 0 as
+    pieces, the first half of the sequence in pieces of the largest score graph, the rest in pieces of the smallest
+    (as a verify of draft tokens goes in), and the logits at every position from the prompt's last on are judged
+    against that step of the reference: a whole continuation per piece. One RowResult per row; graph
+    `score_<C>[+<C>]`."""
+    results: List[RowResult] = []
+    sizes = runner.score_sizes
+    graph = "+".join(graph_key("score", n) if i == 0 else str(n) for i, n in enumerate(sizes))
+    for batch in reference.batches:
+        for ref in batch.rows:
+            mine = RowResult(len(results), graph, len(ref.prompt))
+            seq = list(ref.prompt) + list(ref.tokens[:-1])
+            first = len(ref.prompt) - 1  # the position whose logits give step 0
+            half = max(1, len(seq) // 2)
+            pieces = [(start, min(start + size, end)) for begin, end, size in ((0, half, sizes[-1]),
+                                                                               (half, len(seq), sizes[0]))
+                      for start in range(begin, end, size)]
+            for start, end in pieces:
+                _, logits = runner.chunk(0, seq[start:end], start, *runner.scratch_step(), every=True)
+                for pos in range(max(start, first), end):
+                    mine.judge(pos - first, logits[pos - start], ref, tol)
+                    if progress is not None:
+                        progress(1)
+            mine.close(tol)
+            results.append(mine)
+    return results

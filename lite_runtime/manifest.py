@@ -58,6 +58,7 @@ class InferSection:
     ge_config_path: str = GE_CONFIG
     graph: str = "plain"  # the graph form: plain, or fused (Ascend's fused operators; CPU stand-ins on the ms backend)
     chunk_sizes: List[int] = dataclasses.field(default_factory=list)  # of the chunk graphs (the server's prefill pieces)
+    score_sizes: List[int] = dataclasses.field(default_factory=list)  # of the score graphs (every position's logits)
     # the linear layers' weight-only quantization {bits, group_size, symmetric, source} (export/quantize.py), or None
     quantization: Optional[Dict[str, Any]] = None
 

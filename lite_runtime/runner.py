@@ -7,6 +7,7 @@ decode steps of the others). Three graph calls, each returning the float32 logit
     prefill(rows)                   the prefill graph of the smallest bucket that fits: rows 0..n-1 (padding rows after)
     step(tokens, lengths)           the inc graph: row i's token at position lengths[i] - 1
     chunk(slot, tokens, start, ...) the chunk graph: a step as `step`, and one row's tokens at [start, start + len)
+    chunk(..., every=True)          the score graph: the same, returning the logits after every token of the piece
 
 `held[row]` is the list of tokens whose keys and values sit at positions [0, len) of that row, or None when unknown.
 Every call keeps it true (a write at position p keeps what lies before p), so the generator reuses the cache when a
@@ -70,6 +71,7 @@ class ModelRunner:
         # prompt-length buckets: a batch prefills on the smallest full graph its longest prompt fits
         self.prefill_sizes = sorted(graph_tokens(k) for k in paths if graph_role(k) == "prefill")
         self.chunk_sizes = sorted(graph_tokens(k) for k in paths if graph_role(k) == "chunk")
+        self.score_sizes = sorted(graph_tokens(k) for k in paths if graph_role(k) == "score")
         self.held: List[Optional[List[int]]] = [None] * self.batch_size
         self._checked = set()  # graphs whose engine specs were checked (and compiled, or about to be)
         self._inputs_checked = set()  # graphs whose first inputs were checked against their specs
@@ -217,30 +219,47 @@ class ModelRunner:
         return logits
 
     def chunk(self, slot: int, tokens: Sequence[int], start: int, step_tokens: Sequence[int],
-              step_lengths: Sequence[int], record: Sequence[bool]) -> Tuple[np.ndarray, np.ndarray]:
+              step_lengths: Sequence[int], record: Sequence[bool], every: bool = False) -> Tuple[np.ndarray, np.ndarray]:
         """A decode step of every row (as `step`; row `slot`'s part must be scratch) and `tokens` into row `slot` at
         positions [start, start + len), in one call of the smallest chunk graph that holds them; positions before
         `start` must hold the prompt's first tokens. Returns the step's float32 logits [B, V] and the piece's last
-        token's [V]."""
-        if not self.chunk_sizes:
-            raise InferError(f"{self.config.prefill_model_path}: this folder has no chunk graph (exported before "
-                             "them, or with --chunk_sizes none), which serving needs; re-export it with python -m "
-                             "export" if self.config.chunk_graphs else
-                             "the chunk graphs were not loaded: pass chunk_graphs=True to pipeline()")
-        size = next((n for n in self.chunk_sizes if n >= len(tokens)), None)
+        token's [V]; with `every`, through the smallest score graph, the logits after each of the piece's tokens
+        [len, V] instead (a view of the graph's output: copy what outlives the next call)."""
+        role = "score" if every else "chunk"
+        sizes = self.score_sizes if every else self.chunk_sizes
+        if not sizes:
+            raise InferError(self.missing(role))
+        size = next((n for n in sizes if n >= len(tokens)), None)
         if not tokens or size is None or not 0 <= start <= self.seq_length - len(tokens):
-            raise InferError(f"a piece of {len(tokens)} tokens at position {start} does not fit the chunk graphs "
-                             f"({', '.join(map(str, self.chunk_sizes))} tokens) in rows of {self.seq_length}")
+            raise InferError(f"a piece of {len(tokens)} tokens at position {start} does not fit the {role} graphs "
+                             f"({', '.join(map(str, sizes))} tokens) in rows of {self.seq_length}")
         if record[slot]:
             raise InferError(f"row {slot} takes a piece and a step token in one call; its step part must be scratch")
         arrays = self.inputs.chunk(step_tokens, step_lengths, tokens, size, start, slot, self.pad)
         with self.request():
             before, self.held = self.held, [None] * self.batch_size
-            logits = self._run(graph_key("chunk", size), arrays)
+            logits = self._run(graph_key(role, size), arrays)
             held = self._stepped(before, step_tokens, step_lengths, record)  # the step's writes come first
             held[slot] = _written(held[slot], start, list(tokens), True)
             self.held = held
-        return logits[:self.batch_size], logits[self.batch_size]
+        b = self.batch_size
+        return logits[:b], (logits[b:b + len(tokens)] if every else logits[b])
+
+    def missing(self, role: str) -> str:
+        """Why a folder has no graph of `role` loaded, and what to do."""
+        what = {"chunk": "which serving needs", "score": "which speculative decoding, prompt logprobs (echo) and "
+                "perplexity need"}[role]
+        if role == "chunk" and not self.config.chunk_graphs:
+            return "the chunk graphs were not loaded: pass chunk_graphs=True to pipeline()"
+        if role == "score" and not self.config.score_graphs:
+            return "the score graphs were not loaded: pass score_graphs=True to pipeline()"
+        return (f"{self.config.prefill_model_path}: this folder has no {role} graph (exported before them, or with "
+                f"--{role}_sizes none), {what}; re-export it with python -m export")
+
+    def scratch_step(self) -> Tuple[List[int], List[int], List[bool]]:
+        """A step in which every row writes scratch (`scratch_length`): tokens, lengths and record for `chunk`."""
+        b = self.batch_size
+        return [self.pad] * b, [self.scratch_length(r) for r in range(b)], [False] * b
 
     def _stepped(self, before, tokens, lengths, record) -> List[Optional[List[int]]]:
         return [_written(h, int(p) - 1, [int(t)], record is None or record[i])

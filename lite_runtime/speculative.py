@@ -1,0 +1,233 @@
+"""Speculative decoding: propose K tokens cheaply, check them in one call of the target's score graph.
+
+The score graph (export/model.py ChunkGraph `every`) takes the row's last chosen token and the K draft tokens as a
+piece at the row's own position and returns the logits after each of them: K + 1 positions of the target for one
+reading of its weights. The tokens the target agrees with are kept, and the logits after the last kept one choose
+the next token as a plain step would. Rejected positions need no cleanup: the row's length is a graph input, so
+what lies past it is never read before it is written again (ModelRunner.held is cut back to the kept tokens).
+
+Proposers (HF's names):
+- prompt lookup (`prompt_lookup_num_tokens`): the tokens that followed the last n-gram (3, 2, then 1 tokens) where
+  it occurred earlier in the sequence, as transformers' PromptLookupCandidateGenerator finds them (the earliest
+  occurrence with a continuation). No second model; strong when the answer copies its input (rewriting,
+  correcting, editing code).
+- a draft folder (`assistant_model`): a smaller or quantized folder with the same tokenizer, e.g. the same model's
+  own int4 folder. Its row 0 is kept in step with the sequence by the cheapest call that brings it there (a step,
+  a piece through its score graph, or a prefill).
+
+Greedy: a draft token is kept when it is the target's argmax there, so the output is token for token what decoding
+without speculation gives. Sampling: the speculative-sampling rule (Leviathan et al. 2023; Chen et al. 2023): keep
+draft token d drawn from q with probability min(1, p(d) / q(d)), else draw the next token from the residual
+max(0, p - q) renormalised and stop; p and q are the target's and the draft's distributions after the same
+processors (repetition penalty, temperature, top-k, top-p). Prompt lookup's q is a point mass on d. The output is
+then distributed as the target's own sampling (`accept`; tests/test_speculative.py checks it statistically).
+
+K adapts as transformers' "heuristic" schedule does (+2 after a round that kept every draft token, -1 otherwise,
+between 1 and the asked number), and `Pacer` switches speculation off while it is slower than plain steps: it
+times both, per token, and after a losing stretch runs plain steps for a while (doubling) before it tries again, so
+free generation where drafts are rarely right costs at most a few rounds of speculation in each stretch.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from lite_runtime.errors import InferError
+from lite_runtime.sampling import GenerationSettings, process, softmax
+
+log = logging.getLogger(__name__)
+
+NGRAM_MAX = 3  # prompt lookup: the longest n-gram matched first (transformers' default is 2)
+
+
+def common_prefix(a: Optional[Sequence[int]], b: Sequence[int]) -> int:
+    if not a:
+        return 0
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def lookup(seq: Sequence[int], k: int, ngram_max: int = NGRAM_MAX) -> List[int]:
+    """Prompt lookup: up to k tokens that followed the sequence's last n-gram where it first occurred before (n from
+    ngram_max down to 1); [] when it never did."""
+    if k <= 0 or len(seq) < 2:
+        return []
+    arr = np.asarray(seq, np.int64)
+    for n in range(min(ngram_max, len(arr) - 1), 0, -1):
+        tail = arr[-n:]
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # every n-gram that has a token after it
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if hits.size:
+            begin = int(hits[0]) + n
+            return arr[begin:begin + k].tolist()
+    return []
+
+
+def accept(p: np.ndarray, q: Optional[np.ndarray], token: int, rng: np.random.Generator) -> Optional[int]:
+    """The speculative-sampling rule for one draft token: None when `token` (drawn from q; q None: a point mass on it)
+    is kept, else the token drawn from the residual max(0, p - q) renormalised. p and q are probability vectors."""
+    q_token = 1.0 if q is None else float(q[token])
+    p_token = float(p[token])
+    if q_token > 0 and rng.random() * q_token < p_token:  # u < p / q, with u uniform in [0, 1)
+        return None
+    if q is None:
+        residual = p.astype(np.float64).copy()
+        residual[token] = 0.0
+    else:
+        residual = np.maximum(p.astype(np.float64) - q, 0.0)
+    total = residual.sum()
+    if total <= 0:  # p == q exactly (nothing left to correct): a draw from p
+        residual, total = p.astype(np.float64), float(p.sum())
+    return min(int(np.searchsorted(np.cumsum(residual), rng.random() * total, side="right")), len(p) - 1)
+
+
+@dataclass
+class SpecStats:
+    """What speculation did in one generate call (GenerateOutput.speculative) or a server's lifetime (/metrics)."""
+
+    rounds: int = 0  # score-graph calls that checked drafts
+    drafted: int = 0  # draft tokens checked
+    accepted: int = 0  # of them, kept
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class Pacer:
+    """Whether to speculate now, and how many tokens (module doc): K by transformers' heuristic, and speculation off
+    while its time per token loses to a plain step's."""
+
+    WARM = 2  # plain steps timed before the first round
+    PATIENCE = 3  # losing rounds in a row before speculation pauses
+    PAUSE = 16  # plain steps of the first pause (doubles after each failed retry, up to MAX_PAUSE)
+    MAX_PAUSE = 256
+
+    def __init__(self, k_max: int, k: Optional[int] = None) -> None:
+        self.k_max = max(1, int(k_max))
+        self.k = min(self.k_max, max(1, int(k or k_max)))
+        self.step_time: Optional[float] = None  # seconds per token of a plain step (running mean)
+        self.spec_time: Optional[float] = None  # seconds per token of a speculative round (running mean)
+        self.plain_left = self.WARM
+        self.losing = 0
+        self.pause = self.PAUSE
+
+    def speculate(self) -> bool:
+        return self.plain_left <= 0
+
+    def plain(self, seconds: float) -> None:
+        self.step_time = seconds if self.step_time is None else 0.8 * self.step_time + 0.2 * seconds
+        self.plain_left -= 1
+
+    def round(self, seconds: float, drafted: int, kept: int) -> None:
+        """A round that checked `drafted` tokens and kept `kept` (it made kept + 1 tokens) in `seconds`."""
+        per = seconds / (kept + 1)
+        self.spec_time = per if self.spec_time is None else 0.7 * self.spec_time + 0.3 * per
+        self.k = min(self.k_max, self.k + 2) if kept == drafted else max(1, self.k - 1)
+        if self.step_time is not None and per > self.step_time:
+            self.losing += 1
+            if self.losing >= self.PATIENCE:
+                self.plain_left, self.losing = self.pause, 0
+                self.pause = min(self.pause * 2, self.MAX_PAUSE)
+                self.spec_time = None
+        else:
+            self.losing = 0
+            if self.spec_time is not None and self.step_time is not None and self.spec_time < self.step_time:
+                self.pause = self.PAUSE
+
+
+class PromptLookup:
+    """Drafts from the sequence itself (lookup). q is a point mass on each proposed token."""
+
+    name = "prompt_lookup"
+
+    def propose(self, seq: List[int], k: int, settings: GenerationSettings,
+                rng: Optional[np.random.Generator]) -> Tuple[List[int], List[Optional[np.ndarray]]]:
+        drafts = lookup(seq, k)
+        return drafts, [None] * len(drafts)
+
+
+class DraftFolder:
+    """Drafts from another folder's TextGenerator (the same tokenizer), greedy or sampled with the request's
+    settings; keeps the draft's row 0 holding the sequence."""
+
+    name = "assistant_model"
+
+    def __init__(self, generator) -> None:
+        self.generator = generator
+        self.runner = generator.runner
+
+    def logits_after(self, seq: List[int]) -> Optional[np.ndarray]:
+        """The draft's logits after `seq` [V] (its row 0 made to hold it), or None when seq does not fit its graphs."""
+        r = self.runner
+        if len(seq) > r.seq_length - 1:
+            return None
+        kept = min(common_prefix(r.held[0], seq), len(seq) - 1)
+        new = seq[kept:]
+        with r.request():
+            if kept and len(new) == 1:
+                tokens, lengths, record = r.scratch_step()
+                tokens[0], lengths[0], record[0] = new[0], len(seq), True
+                return r.step(tokens, lengths, record)[0]
+            if kept and r.score_sizes and len(new) <= r.score_sizes[-1]:
+                return r.chunk(0, new, kept, *r.scratch_step(), every=True)[1][-1]
+            if not r.prefill_sizes or len(seq) > r.prefill_sizes[-1]:
+                return None
+            return r.prefill([seq])[0]
+
+    def propose(self, seq: List[int], k: int, settings: GenerationSettings,
+                rng: Optional[np.random.Generator]) -> Tuple[List[int], List[Optional[np.ndarray]]]:
+        drafts: List[int] = []
+        qs: List[Optional[np.ndarray]] = []
+        for _ in range(k):
+            logits = self.logits_after(seq + drafts)
+            if logits is None:
+                break
+            scores = process(logits, seq + drafts, settings)
+            if settings.do_sample:
+                q = softmax(scores)
+                token = min(int(np.searchsorted(np.cumsum(q), rng.random() * q.sum(), side="right")), len(q) - 1)
+                qs.append(q)
+            else:
+                token = int(np.argmax(scores))
+                qs.append(None)
+            drafts.append(token)
+        return drafts, qs
+
+
+def same_vocabulary(target, draft) -> None:
+    """Refuse a draft folder whose tokenizer or vocabulary is not the target's, naming both."""
+    tc, dc = target.config, draft.config
+    where = f"{dc.model_dir or dc.prefill_model_path} (vocab_size {dc.vocab_size})"
+    mine = f"{tc.model_dir or tc.prefill_model_path} (vocab_size {tc.vocab_size})"
+    if int(tc.vocab_size or 0) != int(dc.vocab_size or 0):
+        raise InferError(f"assistant_model {where} has another vocabulary than the model {mine}; a draft folder "
+                         "needs the same tokenizer and vocabulary")
+    try:
+        a, b = _vocab(target.tokenizer), _vocab(draft.tokenizer)
+    except InferError:
+        return  # a folder without a tokenizer: token ids only, checked by vocab_size alone
+    if a != b:
+        differ = sorted(set(a.items()) ^ set(b.items()))[:3]
+        raise InferError(f"assistant_model {where} has another tokenizer than the model {mine} (e.g. "
+                         f"{', '.join(f'{t!r}: {i}' for t, i in differ)}); a draft folder needs the same tokenizer")
+
+
+def _vocab(tokenizer) -> dict:
+    inner = getattr(tokenizer, "_tok", None)
+    if inner is not None:
+        return inner.get_vocab(with_added_tokens=True)
+    return dict(tokenizer.get_vocab())
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - start
