@@ -37,7 +37,8 @@ import time
 from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 from lite_runtime.errors import InferError
-from lite_runtime.slot_request import SlotRequest, TokenLogprob, held_back, next_token, token_logprob  # noqa: F401
+from lite_runtime.slot_request import (SlotRequest, TokenLogprob, held_back, next_token, score_piece,  # noqa: F401
+                                      send_echo, token_logprob)
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,8 @@ class BatchEngine:
         self._clock += 1
         self.last_used[row] = self._clock
         request.slot, request.started = row, time.monotonic()
-        request.cached = request.prefilled = min(self._reusable(row, request.prompt), len(request.prompt) - 1)
+        reuse = 0 if request.prompt_logprobs is not None else self._reusable(row, request.prompt)  # echo: all scored
+        request.cached = request.prefilled = min(reuse, len(request.prompt) - 1)
         self.prefix_queries += len(request.prompt)
         self.prefix_hits += request.cached
         self.peak_busy = max(self.peak_busy, sum(s is not None for s in self.slots))
@@ -230,9 +232,16 @@ class BatchEngine:
         if waiting:
             piece = min(waiting, key=lambda r: r.started)
             start = piece.prefilled
-            size = self.prefill_chunk if decoding else self.runner.chunk_sizes[-1]
+            every = piece.prompt_logprobs is not None  # echo's logprobs: every position, through the score graphs
+            if every:
+                size = self.runner.score_sizes[0] if decoding else self.runner.score_sizes[-1]
+            else:
+                size = self.prefill_chunk if decoding else self.runner.chunk_sizes[-1]
             tokens_in = piece.prompt[start:start + size]
-            logits, last = self.runner.chunk(piece.slot, tokens_in, start, tokens, lengths, record)
+            logits, last = self.runner.chunk(piece.slot, tokens_in, start, tokens, lengths, record, every=every)
+            if every:
+                score_piece(piece, start, last)
+                last = last[-1]
             self.pieces += 1
             piece.prefilled += len(tokens_in)
         else:
@@ -242,7 +251,12 @@ class BatchEngine:
             if request is not None and record[row]:
                 self._advance(row, request, logits[row])
         if piece is not None and piece.prefilled == len(piece.prompt):  # its first token: it decodes from the next
-            self._advance(piece.slot, piece, last)
+            if piece.echo is not None:
+                send_echo(piece)
+            if piece.max_tokens == 0:  # echo alone: the prompt (and its logprobs) is the answer
+                self._end(piece.slot, piece, reason="length")
+            else:
+                self._advance(piece.slot, piece, last)
 
     def _advance(self, row: int, request: SlotRequest, logits) -> None:
         reason = next_token(request, logits, self.generator.tokenizer)

@@ -27,8 +27,8 @@ from lite_runtime.sampling import GenerationSettings, pick, process
 
 class TokenLogprob(NamedTuple):
     token: int
-    logprob: float
-    top: List[Tuple[int, float]]  # the `logprobs` most likely tokens, most likely first
+    logprob: Optional[float]  # None: the prompt's first token (echo), which nothing predicts
+    top: Optional[List[Tuple[int, float]]]  # the `logprobs` most likely tokens, most likely first; None with logprob
 
 
 @dataclass
@@ -41,6 +41,10 @@ class SlotRequest:
     eos: Sequence[int] = ()
     logprobs: Optional[int] = None  # None: none; k: each token's log-probability and the k most likely
     constraint: Any = None  # mask(scores) -> scores, accept(token), finished() -> bool
+    echo: Optional[str] = None  # completions' echo: this text (the prompt's) is sent before the completion
+    # echo with logprobs: the prompt goes in through the score graphs (every position's logits) from position 0, and
+    # each prompt token's TokenLogprob is sent with the echo (the first's logprob None); this many alternatives
+    prompt_logprobs: Optional[int] = None
     cancelled: bool = False  # set by the caller (client gone); the engine frees the row at its next step
     deadline: Optional[float] = None  # time.monotonic() past which the engine ends it ("timeout" error)
     # filled in by the engine
@@ -55,6 +59,7 @@ class SlotRequest:
     cached: int = 0  # prompt tokens its row already held (prefix reuse): not prefilled again
     prefilled: int = 0  # prompt tokens in its row so far (cached ones included)
     token_logprobs: List[TokenLogprob] = field(default_factory=list)
+    prompt_entries: List[TokenLogprob] = field(default_factory=list)  # prompt_logprobs: one per prompt token so far
     _sent_logprobs: int = 0  # token_logprobs already sent with text
 
     def __post_init__(self) -> None:
@@ -92,6 +97,23 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
         part = part[np.lexsort((part, -x[part]))]  # most likely first; ties by id
         best = [(int(i), float(x[i] - lse)) for i in part]
     return TokenLogprob(int(token), float(x[token] - lse), best)
+
+
+def score_piece(request: SlotRequest, start: int, rows: np.ndarray) -> None:
+    """The prompt logprobs a piece of the prompt at `start` gives: rows[j] [V] are the logits after prompt token
+    start + j, which predict token start + j + 1."""
+    prompt = request.prompt
+    if start == 0 and not request.prompt_entries:
+        request.prompt_entries.append(TokenLogprob(prompt[0], None, None))
+    for j in range(len(rows)):
+        nxt = start + j + 1
+        if nxt < len(prompt):
+            request.prompt_entries.append(token_logprob(rows[j], prompt[nxt], request.prompt_logprobs))
+
+
+def send_echo(request: SlotRequest) -> None:
+    """The echo's event: the prompt's text, with its tokens' logprobs when asked."""
+    request.emit(("text", request.echo, request.prompt_entries if request.prompt_logprobs is not None else None))
 
 
 def next_token(request: SlotRequest, logits: np.ndarray, tokenizer) -> Optional[str]:

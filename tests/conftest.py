@@ -97,3 +97,26 @@ def atlas_exported(tmp_path_factory, checkpoints):
                                 batch_size=2, dtype=dtype, device="atlas_800i_a2", prefill_buckets=(8,), graph=graph))
         folders[key] = out
     return folders
+
+
+@pytest.fixture(scope="session")
+def score_folders(tmp_path_factory, checkpoints):
+    """gqa_tied at seq_length 64 with score graphs of 4 and 16 tokens (verifies of up to 3 and 15 drafts); mha_untied
+    the same (another model, the same tokenizer: a poor draft); gqa_tied without score graphs; and a checkpoint with
+    another tokenizer but the same vocab_size."""
+    from export import random_checkpoint
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+
+    root = tmp_path_factory.mktemp("speculative")
+    other_tok = random_checkpoint.make_checkpoint(str(root / "other_tok_ckpt"), seed=3,
+                                                  tokenizer=random_checkpoint.build_tokenizer(vocab_size=300))
+    plans = {"target": (checkpoints["gqa_tied"], (4, 16)), "draft": (checkpoints["mha_untied"], (4, 16)),
+             "no_score": (checkpoints["gqa_tied"], ()), "other_tok": (other_tok, (4,))}
+    out = {}
+    for name, (ckpt, scores) in plans.items():
+        out[name] = str(root / name)
+        run_export(ExportConfig(checkpoint=ckpt, output=out[name], name=name, seq_length=64, batch_size=2,
+                                dtype="float32", device="cpu", prefill_buckets=(), chunk_sizes=(8,),
+                                score_sizes=scores))
+    return out

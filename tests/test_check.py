@@ -19,7 +19,7 @@ from hiding import hide
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # folders with a chunk graph (all but tensor-parallel ones): the prompts run twice, through the prefill graphs and
 # through the chunk graph (the server's)
-SLOTS = " (each through the prefill graphs and through the chunk graphs)"
+SLOTS = " (each through the prefill graphs and through the chunk and the score graphs)"
 PASS = re.compile(r"^PASS (\S+) on backend ms: (\d+) prompts" + re.escape(SLOTS) + r", (\d+) steps, greedy tokens "
                   r"identical, top-k logits within (\S+) relative \((\w+) limit (\S+)\)$")
 

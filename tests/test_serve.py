@@ -205,7 +205,7 @@ BAD = [
         f"to at most {SEQ - 10}", "max_tokens", "context_length_exceeded")),
     ("two prompts", {"prompt": ["a", "b"]}, _error(
         "'prompt' must be one string or one list of token ids: send one prompt per request", "prompt")),
-    ("unsupported", {"prompt": "a", "echo": True}, _error("'echo' is not supported by this server", "echo")),
+    ("unsupported", {"prompt": "a", "best_of": 2}, _error("'best_of' is not supported by this server", "best_of")),
     ("logprobs > 20", {"prompt": "a", "logprobs": 21}, _error("'logprobs' must be in [0, 20], got 21", "logprobs")),
     ("out of range", {"prompt": "a", "top_p": 0}, _error("'top_p' must be in (0, 1], got 0", "top_p")),
 ]

@@ -162,7 +162,7 @@ class Sampling(Request):
     """What completions and chat share."""
 
     model: Optional[str] = Field(None, description="the served model's id (GET /v1/models); any other is a 404")
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = Field(None, ge=0, description="0 only with echo (the prompt's logprobs alone)")
     n: int = Field(1, ge=1, description="choices, each its own cache row; at most the folder's batch size")
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -206,7 +206,8 @@ class CompletionRequest(Sampling):
         description="one prompt: a string or a list of token ids (a list of one of those is that one)")
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS,
                                     description="each token's log-probability and this many alternatives")
-    echo: Optional[bool] = Field(None, description="false only")
+    echo: Optional[bool] = Field(None, description="the prompt before the completion; with logprobs, every prompt "
+                                                    "token's (the first's null), as lm-evaluation-harness scores")
     best_of: Optional[int] = Field(None, description="1 only")
     suffix: Optional[str] = Field(None, description="empty only")
 
@@ -224,7 +225,9 @@ class CompletionRequest(Sampling):
 
     @model_validator(mode="after")
     def _completion_noops(self):
-        for name, noop in (("echo", (False,)), ("best_of", (1,)), ("suffix", ("",))):
+        if self.max_tokens == 0 and not self.echo:
+            raise refuse("max_tokens", "'max_tokens' 0 needs 'echo': true (the prompt's logprobs alone)")
+        for name, noop in (("best_of", (1,)), ("suffix", ("",))):
             value = getattr(self, name)
             if value is not None and value not in noop:
                 raise refuse(name, f"'{name}' is not supported by this server")
@@ -242,6 +245,8 @@ class ChatCompletionRequest(Sampling):
 
     @model_validator(mode="after")
     def _chat_rules(self):
+        if self.max_tokens == 0:
+            raise refuse("max_tokens", "'max_tokens' must be at least 1 in chat (0 is for completions with 'echo')")
         if self.top_logprobs and not self.logprobs:
             raise refuse("top_logprobs", "'top_logprobs' needs 'logprobs': true")
         if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":

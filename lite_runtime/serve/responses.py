@@ -111,6 +111,9 @@ class Answer:
             return None
         top = []
         for e in entries:
+            if e.top is None:  # echo's first prompt token: nothing predicts it
+                top.append(None)
+                continue
             alternatives: Dict[str, float] = {}
             for t, lp in e.top:
                 alternatives.setdefault(self.pieces(t)[0], lp)

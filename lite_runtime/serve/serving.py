@@ -38,6 +38,8 @@ class Plan:
     logprobs: Optional[int] = None  # None: none; k: the chosen token's and k alternatives
     grammar: Any = None  # a compiled grammar (grammar.py): each choice gets its own matcher
     tools: Optional[ToolFormat] = None  # parse the answer's tool calls in this form
+    echo: Optional[str] = None  # completions' echo: the prompt's text, sent before the completion
+    prompt_logprobs: Optional[int] = None  # echo with logprobs: every prompt token's, and this many alternatives
 
     @property
     def chat(self) -> bool:
@@ -133,7 +135,9 @@ class Service:
             raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's graphs hold {seq} tokens per "
                                 "request, prompt and completion together: shorten it", param=field,
                            code="context_length_exceeded")
-        if max_tokens is None:
+        if max_tokens == 0:  # echo alone (protocol.py): the prompt, and its logprobs when asked
+            pass
+        elif max_tokens is None:
             max_tokens = room if endpoint == "chat" else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
         elif max_tokens > seq:
             raise APIError(400, f"'{max_name}' {max_tokens} is beyond this model's seq_length {seq}", param=max_name)
@@ -162,6 +166,14 @@ class Service:
         ids = self.generator.encode(prompt) if isinstance(prompt, str) else self._in_vocabulary(prompt, "prompt")
         plan = self._common(req, ids, "completions", req.max_tokens, "max_tokens")
         plan.logprobs = req.logprobs
+        if req.echo:
+            plan.echo = prompt if isinstance(prompt, str) else self.generator.tokenizer.decode(ids)
+            if req.logprobs is not None:
+                if not self.engine.runner.score_sizes:
+                    raise APIError(400, "'echo' with 'logprobs' needs the folder's score graphs (every prompt "
+                                        "position's logits), which this folder was exported without: re-export it "
+                                        "with python -m export (--score_sizes auto)", param="echo")
+                plan.prompt_logprobs = req.logprobs
         return plan
 
     def chat_plan(self, req: ChatCompletionRequest) -> Plan:
@@ -278,7 +290,7 @@ class Service:
         for i, settings in enumerate(plan.settings):
             requests.append(SlotRequest(prompt=plan.prompt, max_tokens=plan.max_tokens, settings=settings,
                                         deadline=deadline, emit=for_choice(i), stop=plan.stop, eos=eos,
-                                        logprobs=plan.logprobs,
+                                        logprobs=plan.logprobs, echo=plan.echo, prompt_logprobs=plan.prompt_logprobs,
                                         constraint=plan.grammar.matcher() if plan.grammar is not None else None))
         try:
             self.engine.submit_many(requests)
