@@ -37,6 +37,7 @@ import time
 from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 from lite_runtime.errors import InferError
+from lite_runtime.speculative import Pacer, SpecStats
 from lite_runtime.slot_request import (SlotRequest, TokenLogprob, held_back, next_token, score_piece,  # noqa: F401
                                       send_echo, token_logprob)
 
@@ -66,7 +67,7 @@ class BatchEngine:
     to first token (a timing side channel), or to measure what reuse buys."""
 
     def __init__(self, generator, max_queue: int = 64, prefill_chunk: Optional[int] = None,
-                 prefix_reuse: bool = True) -> None:
+                 prefix_reuse: bool = True, speculative_tokens: Optional[int] = None) -> None:
         self.generator = generator
         self.runner = runner = generator.runner
         self.rows, self.seq_length = runner.batch_size, runner.seq_length
@@ -92,6 +93,9 @@ class BatchEngine:
         self.completed = 0  # requests ended, by any reason
         self.prefix_queries = 0  # prompt tokens of requests that took a row
         self.prefix_hits = 0  # of them, tokens found in the row (not prefilled again)
+        # speculative decoding: draft tokens at most per verify (default: what the smallest score graph checks)
+        self.speculative_tokens = speculative_tokens or max((runner.score_sizes or [2])[0] - 1, 1)
+        self.spec = SpecStats()  # drafted and accepted tokens, every request (/metrics)
         self._thread = threading.Thread(target=self._loop, name="mslite-llm-engine", daemon=True)
         self._thread.start()
 
@@ -245,7 +249,14 @@ class BatchEngine:
             self.pieces += 1
             piece.prefilled += len(tokens_in)
         else:
+            alone = [r for r in range(self.rows) if record[r]]
+            if len(alone) == 1 and self.slots[alone[0]].proposer is not None and self.runner.score_sizes:
+                if self._speculate(alone[0], self.slots[alone[0]]):
+                    return
+            tick = time.perf_counter()
             logits = self.runner.step(tokens, lengths, record)
+            if len(alone) == 1 and self.slots[alone[0]].pacer is not None:
+                self.slots[alone[0]].pacer.plain(time.perf_counter() - tick)
         self.steps += decoding
         for row, request in enumerate(self.slots):
             if request is not None and record[row]:
@@ -257,6 +268,44 @@ class BatchEngine:
                 self._end(piece.slot, piece, reason="length")
             else:
                 self._advance(piece.slot, piece, last)
+
+    def _speculate(self, row: int, request: SlotRequest) -> bool:
+        """One verify round for the only decoding request (lite_runtime/speculative.py): its proposer's drafts and its
+        last token through the score graph, then its tokens chosen position by position as a step would choose them
+        (next_token: sampling, logprobs, grammar, stops), kept while they are the drafts. A token drawn from the
+        target's own distribution at each position keeps the output the target's (greedy: token-identical; sampled:
+        for a draft that is a point mass, prompt lookup's, this is the speculative-sampling rule). False when it did
+        not run (no draft, or the pacer says plain steps): the caller steps."""
+        if request.pacer is None:
+            request.pacer = Pacer(self.speculative_tokens)
+        pacer = request.pacer
+        seq = request.prompt + request.generated
+        k = min(pacer.k, request.max_tokens - len(request.generated), self.seq_length - len(seq),
+                self.runner.score_sizes[-1] - 1)
+        if not pacer.speculate() or k < 1:
+            return False
+        tick = time.perf_counter()
+        drafts, _ = request.proposer.propose(seq, k, request.settings, request.rng)
+        if not drafts:
+            return False
+        _, verify = self.runner.chunk(row, [seq[-1]] + drafts, len(seq) - 1, *self.runner.scratch_step(), every=True)
+        self.steps += 1
+        kept, reason = 0, None
+        for i in range(len(drafts) + 1):
+            reason = next_token(request, verify[i], self.generator.tokenizer)
+            if reason is not None or i == len(drafts) or request.generated[-1] != drafts[i]:
+                break
+            kept += 1
+        self.runner.held[row] = seq + drafts[:kept]  # the row's valid tokens: rejected drafts lie past them
+        self.spec.rounds += 1
+        self.spec.drafted += len(drafts)
+        self.spec.accepted += kept
+        request.spec_drafted += len(drafts)
+        request.spec_accepted += kept
+        pacer.round(time.perf_counter() - tick, len(drafts), kept)
+        if reason is not None:
+            self._end(row, request, reason=reason)
+        return True
 
     def _advance(self, row: int, request: SlotRequest, logits) -> None:
         reason = next_token(request, logits, self.generator.tokenizer)

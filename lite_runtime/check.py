@@ -167,7 +167,8 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
         rows += replay_scores(generator.runner, reference, tolerance, progress=progress)
     info = {"environment": environment(generator.backend_name), "exported_with": folder.exported_with,
             "folder": {k: folder.infer.get(k) for k in ("device", "soc", "dtype", "seq_length", "batch_size",
-                                                        "prefill_buckets", "chunk_sizes", "score_sizes", "cpu_kernels", "tp_size", "graph")},
+                                                        "prefill_buckets", "chunk_sizes", "score_sizes", "cpu_kernels", "tp_size",
+                                                        "graph")},
             "load_seconds": round(loaded, 2), "replay_seconds": round(time.perf_counter() - start - loaded, 2)}
     try:
         with open(folder.ge_config_path, encoding="utf-8", errors="replace") as fh:

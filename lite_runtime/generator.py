@@ -250,8 +250,8 @@ class TextGenerator:
         scores = [process(logits[i], rows[i], s) for i in range(len(rows))]
         return InferOutput([pick(scores[i], s.do_sample, rng) for i in range(len(rows))], logits, scores)
 
-    def generate(self, input_ids: Sequence[Sequence[int]], streamer=None, prompt_lookup_num_tokens: Optional[int] = None,
-                 assistant_model=None, **kwargs) -> GenerateOutput:
+    def generate(self, input_ids: Sequence[Sequence[int]], streamer=None,
+                 prompt_lookup_num_tokens: Optional[int] = None, assistant_model=None, **kwargs) -> GenerateOutput:
         """Per row, the prompt ids followed by the generated ids, stopping at eos or the limit.
 
         Speculative decoding (HF's names; lite_runtime/speculative.py), one row at a time: `prompt_lookup_num_tokens`

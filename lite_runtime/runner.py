@@ -219,7 +219,8 @@ class ModelRunner:
         return logits
 
     def chunk(self, slot: int, tokens: Sequence[int], start: int, step_tokens: Sequence[int],
-              step_lengths: Sequence[int], record: Sequence[bool], every: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+              step_lengths: Sequence[int], record: Sequence[bool],
+              every: bool = False) -> Tuple[np.ndarray, np.ndarray]:
         """A decode step of every row (as `step`; row `slot`'s part must be scratch) and `tokens` into row `slot` at
         positions [start, start + len), in one call of the smallest chunk graph that holds them; positions before
         `start` must hold the prompt's first tokens. Returns the step's float32 logits [B, V] and the piece's last

@@ -45,6 +45,12 @@ class SlotRequest:
     # echo with logprobs: the prompt goes in through the score graphs (every position's logits) from position 0, and
     # each prompt token's TokenLogprob is sent with the echo (the first's logprob None); this many alternatives
     prompt_logprobs: Optional[int] = None
+    # speculative decoding (lite_runtime/speculative.py): a proposer (PromptLookup, DraftFolder) or None; it drafts
+    # while this request is the only one decoding (BatchEngine._speculate), with its own Pacer
+    proposer: Any = None
+    pacer: Any = None
+    spec_drafted: int = 0  # draft tokens checked for it
+    spec_accepted: int = 0  # of them, kept
     cancelled: bool = False  # set by the caller (client gone); the engine frees the row at its next step
     deadline: Optional[float] = None  # time.monotonic() past which the engine ends it ("timeout" error)
     # filled in by the engine

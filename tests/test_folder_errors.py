@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from lite_runtime import InferConfig, InferError, InputOfInfer, InferTask, ModelFolderError, pipeline
+from lite_runtime import InferConfig, InferError, InputOfInfer, InferTask, pipeline
 
 
 @pytest.fixture

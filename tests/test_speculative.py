@@ -1,5 +1,5 @@
-"""Speculative decoding (lite_runtime/speculative.py) through the score graphs: greedy output token-identical to decoding
-without it (and to HF's), the speculative-sampling rule's output distributed as the target's, the pacer, and the
+"""Speculative decoding (lite_runtime/speculative.py) through the score graphs: greedy output token-identical to
+decoding without it (and to HF's), the speculative-sampling rule's output distributed as the target's, the pacer, and the
 draft folder's refusals."""
 from __future__ import annotations
 
@@ -124,3 +124,56 @@ def test_refusals(target, score_folders):
     bare = pipeline("text_generation", model=score_folders["no_score"], backend="ms")
     with pytest.raises(InferError, match="no score graph .*re-export it with python -m export"):
         bare.generate([row], max_new_tokens=4, prompt_lookup_num_tokens=3)
+
+
+# --- the server ---------------------------------------------------------------------------------------------------
+def test_server_speculation_is_token_identical_and_counted(score_folders, checkpoints):
+    """--speculative prompt_lookup: a request decoding alone drafts from its prompt; its tokens are HF's greedy ones,
+    streamed or not, and /metrics counts the drafted and accepted tokens; `speculative: false` declines."""
+    import httpx
+
+    from serving import served
+
+    row = repetitive(7)
+    want = hf_generate(checkpoints["gqa_tied"], row, max_new_tokens=24, do_sample=False)[len(row):]
+    with served(score_folders["target"], speculative="prompt_lookup") as server:
+        tokenizer = server.service.generator.tokenizer
+        for extra in ({}, {"stream": True}, {"speculative": False}):
+            body = {"prompt": row, "max_tokens": 24, "temperature": 0, "logprobs": 0, **extra}
+            if extra.get("stream"):
+                text = ""
+                with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            import json
+
+                            text += json.loads(line[6:])["choices"][0]["text"]
+            else:
+                text = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+            assert text == tokenizer.decode(want, skip_special_tokens=True), extra
+        metrics = httpx.get(server.url + "/metrics").text
+        drafted = float(next(line.split()[1] for line in metrics.splitlines()
+                             if line.startswith("mslite_llm:spec_decode_num_draft_tokens_total")))
+        accepted = float(next(line.split()[1] for line in metrics.splitlines()
+                              if line.startswith("mslite_llm:spec_decode_num_accepted_tokens_total")))
+        assert drafted == server.service.engine.spec.drafted > 0 and 0 < accepted <= drafted
+
+
+def test_server_draft_model_and_refusals(score_folders, checkpoints):
+    import httpx
+
+    from lite_runtime.serve import load_service
+    from serving import served
+
+    row = prompts(1, [8], seed=9)[0]
+    want = hf_generate(checkpoints["gqa_tied"], row, max_new_tokens=16, do_sample=False)[len(row):]
+    with served(score_folders["target"], draft_model=score_folders["draft"]) as server:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": row, "max_tokens": 16, "temperature": 0})
+        assert r.json()["choices"][0]["text"] == server.service.generator.tokenizer.decode(want,
+                                                                                           skip_special_tokens=True)
+        assert server.service.engine.spec.drafted > 0
+    with pytest.raises(InferError, match="another tokenizer"):
+        load_service(score_folders["target"], backend="ms", draft_model=score_folders["other_tok"])
+    with served(score_folders["no_score"]) as bare:
+        r = httpx.post(bare.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2, "speculative": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "speculative"

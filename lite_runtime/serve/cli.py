@@ -28,7 +28,8 @@ def is_loopback(host: str) -> bool:
 def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] = None, max_queue: int = 64,
                  model_name: Optional[str] = None, metrics_public: bool = False, max_body_bytes: Optional[int] = None,
                  request_timeout: Optional[float] = None, prefill_chunk: Optional[int] = None,
-                 prefix_reuse: bool = True, **config: Any):
+                 prefix_reuse: bool = True, speculative: Optional[str] = None, draft_model: Optional[str] = None,
+                 speculative_tokens: Optional[int] = None, **config: Any):
     """Load the folder's chunk and inc graphs (all the server runs), compile them, start the engine."""
     from lite_runtime import InferConfig, pipeline
     from lite_runtime.batching import BatchEngine
@@ -43,7 +44,22 @@ def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] =
                          "every rank has to take every step, and the server drives one process; run it with "
                          "pipeline() or scripts/run_infer_main.py under msrun (README, \"Two cards\")")
     generator = pipeline("text_generation", model=settings)
-    engine = BatchEngine(generator, max_queue=max_queue, prefill_chunk=prefill_chunk, prefix_reuse=prefix_reuse)  # a folder without chunk graph:
+    draft = None
+    if speculative not in (None, "off", "prompt_lookup", "draft"):
+        raise InferError(f"--speculative {speculative!r} is not one of off, prompt_lookup, draft")
+    if speculative == "draft" or draft_model:
+        if not draft_model:
+            raise InferError("--speculative draft needs --draft_model <folder> (the same tokenizer)")
+        speculative = "draft"
+        draft = generator.draft_generator(draft_model)  # refused here when its tokenizer is not the model's
+    if speculative and speculative != "off" and not generator.runner.score_sizes:
+        raise InferError(generator.runner.missing("score"))
+    if speculative_tokens is not None and generator.runner.score_sizes and \
+            not 1 <= speculative_tokens <= generator.runner.score_sizes[-1] - 1:
+        raise InferError(f"--speculative_tokens {speculative_tokens} must be between 1 and "
+                         f"{generator.runner.score_sizes[-1] - 1} (the folder's largest score graph checks that many)")
+    engine = BatchEngine(generator, max_queue=max_queue, prefill_chunk=prefill_chunk, prefix_reuse=prefix_reuse,
+                         speculative_tokens=speculative_tokens)  # a folder without chunk graph:
     try:                                                                                # refused, with what to do
         start = time.perf_counter()
         keys = [graph_key("chunk", n) for n in generator.runner.chunk_sizes] + ["inc"]
@@ -63,7 +79,8 @@ def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] =
 
     service = Service(generator, engine, model_name or recorded or directory, api_key, metrics_public=metrics_public,
                       max_body_bytes=max_body_bytes or MAX_BODY_BYTES, request_timeout=request_timeout,
-                      aliases=[n for n in (recorded, directory) if n])
+                      aliases=[n for n in (recorded, directory) if n],
+                      speculative=None if speculative in (None, "off") else speculative, draft=draft)
     warning = service.chat_warning()
     if warning:
         log.warning(warning)
@@ -128,6 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on (default): a request whose prompt begins with what a free cache row holds (the previous "
                         "turn of a chat) keeps that row's cache and prefills only the rest; off: every prompt is "
                         "prefilled whole (one user's prompt then never shortens another's time to first token)")
+    p.add_argument("--speculative", choices=("off", "prompt_lookup", "draft"), default="off",
+                   help="speculative decoding while one request decodes alone: prompt_lookup drafts from the "
+                        "request's own text (rewrites, edits, code), draft from --draft_model; checked by the "
+                        "folder's score graphs, paced off where it loses (default: off; a request's "
+                        "\"speculative\": true asks for it, false declines)")
+    p.add_argument("--draft_model", default=None,
+                   help="a draft folder with the same tokenizer, e.g. the model's own int4 export (implies "
+                        "--speculative draft)")
+    p.add_argument("--speculative_tokens", type=int, default=None,
+                   help="draft tokens per check at most (default: the folder's smallest score graph's size - 1)")
     p.add_argument("--model_name", default=None,
                    help="the model id /v1/models lists and responses carry (default: the folder's name as exported, "
                         "python -m export --name; requests may also use that name and the folder's directory name)")
@@ -161,6 +188,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                model_name=args.model_name, metrics_public=args.metrics_public,
                                max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
                                prefill_chunk=args.prefill_chunk, prefix_reuse=args.prefix_reuse == "on",
+                               speculative=args.speculative, draft_model=args.draft_model,
+                               speculative_tokens=args.speculative_tokens,
                                device_id=args.device_id)
     except InferError as exc:
         print(f"error: {exc}", file=sys.stderr)

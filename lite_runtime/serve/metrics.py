@@ -43,6 +43,10 @@ class Metrics:
                                       registry=r)
         self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens found in the row (not prefilled again)",
                                    registry=r)
+        # speculative decoding (vLLM: spec_decode_num_draft_tokens / spec_decode_num_accepted_tokens)
+        self.spec_drafted = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens checked by the score graph",
+                                    registry=r)
+        self.spec_accepted = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens kept", registry=r)
         self.rejections = Counter(PREFIX + "queue_rejections", "Requests refused with 503: queue full", registry=r)
         self.invalid = Counter(PREFIX + "invalid_requests", "Requests refused with a 4xx", ["endpoint"], registry=r)
         Gauge(PREFIX + "num_requests_running", "Choices holding a cache row", registry=r).set_function(
@@ -58,6 +62,8 @@ class Metrics:
         for request in requests:
             times = request.token_times
             self.generation_tokens.inc(len(request.generated))
+            self.spec_drafted.inc(request.spec_drafted)
+            self.spec_accepted.inc(request.spec_accepted)
             if times:
                 self.ttft.observe(times[0] - request.submitted)
             for a, b in zip(times, times[1:]):

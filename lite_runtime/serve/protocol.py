@@ -174,6 +174,9 @@ class Sampling(Request):
     seed: Optional[int] = Field(None, description="choice i samples with seed + i")
     response_format: Optional[ResponseFormat] = None
     user: Optional[str] = None
+    speculative: Optional[bool] = Field(None, description="extension: speculative decoding for this request (the "
+                                        "server's --speculative draft, else prompt lookup); absent: the server's "
+                                        "default")
     # accepted at their no-op value only
     presence_penalty: Optional[float] = Field(None, description="0 only (use repetition_penalty)")
     frequency_penalty: Optional[float] = Field(None, description="0 only (use repetition_penalty)")

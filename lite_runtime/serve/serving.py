@@ -40,6 +40,7 @@ class Plan:
     tools: Optional[ToolFormat] = None  # parse the answer's tool calls in this form
     echo: Optional[str] = None  # completions' echo: the prompt's text, sent before the completion
     prompt_logprobs: Optional[int] = None  # echo with logprobs: every prompt token's, and this many alternatives
+    speculative: bool = False  # draft while it decodes alone (Service.proposer; lite_runtime/speculative.py)
 
     @property
     def chat(self) -> bool:
@@ -51,7 +52,8 @@ class Service:
 
     def __init__(self, generator, engine: BatchEngine, model_name: str, api_key: Optional[str] = None,
                  metrics_public: bool = False, max_body_bytes: int = MAX_BODY_BYTES,
-                 request_timeout: Optional[float] = None, aliases: Sequence[str] = ()) -> None:
+                 request_timeout: Optional[float] = None, aliases: Sequence[str] = (),
+                 speculative: Optional[str] = None, draft=None) -> None:
         self.generator, self.engine, self.model_name, self.api_key = generator, engine, model_name, api_key
         # other names a request's "model" may use (the folder's directory name: cli.load_service); /v1/models and
         # every response give model_name
@@ -61,6 +63,9 @@ class Service:
         self.draining = False  # set at SIGTERM / SIGINT: new requests get a 503 (cli.py)
         self.created = int(time.time())
         self.metrics = Metrics(engine)
+        # speculative decoding: "prompt_lookup", "draft" (`draft`: the draft folder's TextGenerator) or None (off by
+        # default; a request's `speculative: true` still asks for it: prompt lookup where the server has no draft)
+        self.speculative, self.draft = speculative, draft
         self._grammars = None
         self.chat_problem = chat_problem(generator.tokenizer)  # None: chat renders (checked once, at start-up)
 
@@ -157,6 +162,10 @@ class Service:
             raise APIError(400, str(exc)) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         plan = Plan(endpoint, prompt, max_tokens, settings, req.stops(), req.stream, include_usage)
+        plan.speculative = bool(self.speculative) if req.speculative is None else req.speculative
+        if plan.speculative and not self.engine.runner.score_sizes:
+            raise APIError(400, "'speculative' needs the folder's score graphs, which this folder was exported "
+                                "without: re-export it with python -m export (--score_sizes auto)", param="speculative")
         if req.response_format is not None and req.response_format.type != "text":
             plan.grammar = self.grammars.response_format(req.response_format)
         return plan
@@ -236,6 +245,18 @@ class Service:
         except Exception as exc:  # noqa: BLE001  (a template's raise_exception, e.g. roles out of order)
             raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
 
+    def proposer(self):
+        """A new request's drafter: the draft folder's (shared: the engine thread alone calls it) or prompt lookup."""
+        from lite_runtime.speculative import DraftFolder, PromptLookup
+
+        if self.draft is not None:
+            if not isinstance(self._draft_proposer, DraftFolder):
+                self._draft_proposer = DraftFolder(self.draft)
+            return self._draft_proposer
+        return PromptLookup()
+
+    _draft_proposer = None
+
     # --- /tokenize, /detokenize (vLLM's shape) ------------------------------------------------------------
     def tokenize(self, req: TokenizeRequest) -> Dict[str, Any]:
         """`prompt` (add_special_tokens default true) or `messages` through the chat template (add_generation_prompt
@@ -291,6 +312,7 @@ class Service:
             requests.append(SlotRequest(prompt=plan.prompt, max_tokens=plan.max_tokens, settings=settings,
                                         deadline=deadline, emit=for_choice(i), stop=plan.stop, eos=eos,
                                         logprobs=plan.logprobs, echo=plan.echo, prompt_logprobs=plan.prompt_logprobs,
+                                        proposer=self.proposer() if plan.speculative else None,
                                         constraint=plan.grammar.matcher() if plan.grammar is not None else None))
         try:
             self.engine.submit_many(requests)
