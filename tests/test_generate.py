@@ -82,7 +82,8 @@ def test_prefill_buckets_give_the_same_tokens(pipes, exported, checkpoints):
     with open(os.path.join(exported["gqa_tied_buckets"], "manifest.json")) as fh:
         manifest = json.load(fh)
     assert sorted((g["role"], g["tokens"]) for g in manifest["graphs"]) == [
-        ("chunk", 8), ("chunk", 32), ("inc", 1), ("prefill", 8), ("prefill", 16), ("prefill", 32)]
+        ("chunk", 8), ("chunk", 32), ("inc", 1), ("prefill", 8), ("prefill", 16), ("prefill", 32), ("score", 8),
+        ("score", 32)]
     assert len({g["variables"] for g in manifest["graphs"]}) == 1  # one weights file for all the graphs
     assert [bucketed.prefill_size(n) for n in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
     for lengths in ([3, 8], [5, 12], [16, 2], [20, 9]):

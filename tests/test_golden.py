@@ -118,7 +118,7 @@ def test_export_with_golden_needs_no_torch(tmp_path, checkpoints):
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     # seq_length 24 on cpu gets the default 16-token bucket: one more graph, and a golden prompt per graph
-    assert proc.stdout.startswith(f"exported {out}: 14 files, ") and "golden references: 2 prompts in " in proc.stdout
+    assert proc.stdout.startswith(f"exported {out}: 16 files, ") and "golden references: 2 prompts in " in proc.stdout
     assert golden_of(str(out))["batches"][0]["rows"][0]["tokens"]
 
 

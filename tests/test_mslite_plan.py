@@ -38,7 +38,7 @@ def test_build_plan_groups_before_building(tmp_path, exported):
     ini = os.path.join(GE_CONFIG_DIR, "atlas_800i_a2.ini")
     config = InferConfig.from_folder(str(folder), target="Ascend", ge_config_path=ini)
     paths = config.graph_paths()
-    keys = ("prefill_32", "prefill_16", "prefill_8", "inc")
+    keys = ("prefill_32", "prefill_16", "prefill_8", "inc", "score_8", "score_32")  # score graphs: score_graphs=True
     assert tuple(paths) == keys
     assert build_plan(config) == (
         [("Model", k) for k in keys] + [("ModelGroup", "SHARE_WEIGHT"), ("add_model", keys)]
@@ -48,7 +48,7 @@ def test_build_plan_groups_before_building(tmp_path, exported):
     # weights and cache; GE compiles no prefill graph for a server, which never runs one
     served = InferConfig.from_folder(str(folder), target="Ascend", ge_config_path=ini, chunk_graphs=True,
                                      prefill_graphs=False)
-    keys = ("inc", "chunk_32", "chunk_8")
+    keys = ("inc", "chunk_32", "chunk_8", "score_8", "score_32")
     assert tuple(served.graph_paths()) == keys
     assert build_plan(served)[:len(keys) + 2] == [("Model", k) for k in keys] + [("ModelGroup", "SHARE_WEIGHT"),
                                                                                ("add_model", keys)]
@@ -211,7 +211,7 @@ def test_graph_boundary_is_int32_in_float32_out_in_every_dtype(atlas_exported, d
     with open(os.path.join(folder, "manifest.json")) as fh:
         graphs = json.load(fh)["graphs"]
     assert sorted((g["role"], g["tokens"]) for g in graphs) == [("chunk", 32), ("inc", 1), ("prefill", 8),
-                                                                 ("prefill", 32)]
+                                                                 ("prefill", 32), ("score", 32)]
     for g in graphs:
         model = mind_ir_pb2.ModelProto()
         with open(os.path.join(folder, g["file"]), "rb") as fh:
@@ -220,7 +220,7 @@ def test_graph_boundary_is_int32_in_float32_out_in_every_dtype(atlas_exported, d
         spec = {"inputs": [t.to_dict() for t in inputs], "outputs": [t.to_dict() for t in outputs]}
         assert spec == {"inputs": g["inputs"], "outputs": g["outputs"]}
         chunk = [("chunk_ids", "int32"), ("chunk_length", "int32"), ("start", "int32"), ("slot", "int32")] \
-            if g["role"] == "chunk" else []
+            if g["role"] in ("chunk", "score") else []
         assert [(t["name"], t["dtype"]) for t in spec["inputs"]] == [("input_ids", "int32"), ("valid_length", "int32"),
                                                                    *chunk]
         assert [(t["name"], t["dtype"]) for t in spec["outputs"]] == [("logits", "float32")]
@@ -248,7 +248,9 @@ def test_ge_compile_cache_is_keyed_by_the_folders_content(tmp_path, exported):
     assert plan == {"dir": want_dir, "session_options": {"ge.graph_compiler_cache_dir": want_dir},
                     "graph_keys": {"prefill_32": "gqa_tied_buckets_prefill_32_rank1",
                                    "prefill_16": "gqa_tied_buckets_prefill_16_rank1",
-                                   "prefill_8": "gqa_tied_buckets_prefill_8_rank1", "inc": "gqa_tied_buckets_inc_rank1"}}
+                                   "prefill_8": "gqa_tied_buckets_prefill_8_rank1", "inc": "gqa_tied_buckets_inc_rank1",
+                                   "score_8": "gqa_tied_buckets_score_8_rank1",
+                                   "score_32": "gqa_tied_buckets_score_32_rank1"}}
     steps = [step for step in build_plan(config, plan) if step[0] == "build_from_file"]
     assert [step[5] for step in steps] == [  # identical session options in every graph of the group, a key each
         {"ge_session_options": {"ge.graph_compiler_cache_dir": want_dir},
