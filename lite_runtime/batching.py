@@ -275,20 +275,22 @@ class BatchEngine:
         (next_token: sampling, logprobs, grammar, stops), kept while they are the drafts. A token drawn from the
         target's own distribution at each position keeps the output the target's (greedy: token-identical; sampled:
         for a draft that is a point mass, prompt lookup's, this is the speculative-sampling rule). False when it did
-        not run (no draft, or the pacer says plain steps): the caller steps."""
+        not run (no draft, or the pacer's loss budget says a plain step): the caller steps."""
         if request.pacer is None:
             request.pacer = Pacer(self.speculative_tokens)
         pacer = request.pacer
         seq = request.prompt + request.generated
-        k = min(pacer.k, request.max_tokens - len(request.generated), self.seq_length - len(seq),
+        k = min(pacer.plan(), request.max_tokens - len(request.generated), self.seq_length - len(seq),
                 self.runner.score_sizes[-1] - 1)
-        if not pacer.speculate() or k < 1:
+        if k < 1:
             return False
         tick = time.perf_counter()
         drafts, _ = request.proposer.propose(seq, k, request.settings, request.rng)
         if not drafts:
             return False
+        checking = time.perf_counter()
         _, verify = self.runner.chunk(row, [seq[-1]] + drafts, len(seq) - 1, *self.runner.scratch_step(), every=True)
+        verified = time.perf_counter() - checking
         self.steps += 1
         kept, reason = 0, None
         for i in range(len(drafts) + 1):
@@ -302,7 +304,7 @@ class BatchEngine:
         self.spec.accepted += kept
         request.spec_drafted += len(drafts)
         request.spec_accepted += kept
-        pacer.round(time.perf_counter() - tick, len(drafts), kept)
+        pacer.round(time.perf_counter() - tick, verified, len(drafts), kept)
         if reason is not None:
             self._end(row, request, reason=reason)
         return True

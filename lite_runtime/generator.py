@@ -382,15 +382,17 @@ class TextGenerator:
                 if reason is not None:
                     break
                 tick = time.perf_counter()
-                k = min(pacer.k, limit - (len(seq) - len(row)) - 1, self.seq_length - len(seq),
+                k = min(pacer.plan(), limit - (len(seq) - len(row)) - 1, self.seq_length - len(seq),
                         runner.score_sizes[-1] - 1)
-                drafts, qs = proposer.propose(seq, k, s, rng) if pacer.speculate() and k >= 1 else ([], [])
+                drafts, qs = proposer.propose(seq, k, s, rng) if k >= 1 else ([], [])
                 out.decode_steps += 1
                 if not drafts:
                     logits = self._step({0: token})[0]
                     pacer.plain(time.perf_counter() - tick)
                     continue
+                checking = time.perf_counter()
                 _, verify = runner.chunk(0, [token] + drafts, len(seq) - 1, *runner.scratch_step(), every=True)
+                verified = time.perf_counter() - checking
                 kept = 0
                 for i, d in enumerate(drafts):
                     scores = process(verify[i], seq, s)
@@ -411,7 +413,7 @@ class TextGenerator:
                 stats.rounds += 1
                 stats.drafted += len(drafts)
                 stats.accepted += kept
-                pacer.round(time.perf_counter() - tick, len(drafts), kept)
+                pacer.round(time.perf_counter() - tick, verified, len(drafts), kept)
             out.decode_seconds = time.perf_counter() - start
             if streamer is not None:
                 streamer.end()

@@ -23,9 +23,10 @@ processors (repetition penalty, temperature, top-k, top-p). Prompt lookup's q is
 then distributed as the target's own sampling (`accept`; tests/test_speculative.py checks it statistically).
 
 K adapts as transformers' "heuristic" schedule does (+2 after a round that kept every draft token, -1 otherwise,
-between 1 and the asked number), and `Pacer` switches speculation off while it is slower than plain steps: it
-times both, per token, and after a losing stretch runs plain steps for a while (doubling) before it tries again, so
-free generation where drafts are rarely right costs at most a few rounds of speculation in each stretch.
+between 1 and the asked number), and `Pacer` holds speculation to a loss budget: it times plain steps, verifies and
+draft tokens as it goes, sets each round against what plain steps would have cost for the tokens it made, and
+drafts only while a round's worst case fits in a few percent of the generation's plain time. Free generation where
+drafts are rarely right therefore loses at most about that budget and one round.
 """
 from __future__ import annotations
 
@@ -102,45 +103,60 @@ class SpecStats:
 
 
 class Pacer:
-    """Whether to speculate now, and how many tokens (module doc): K by transformers' heuristic, and speculation off
-    while its time per token loses to a plain step's."""
+    """How many tokens to draft next, 0 for a plain step (module doc). K follows transformers' heuristic (+2 after a
+    round that kept every draft, -1 otherwise, within 1..k_max), and a loss budget keeps speculation from making a
+    generation slower than plain steps by more than a few percent: every round's time is set against what plain
+    steps would have taken for the tokens it made (`lost`, net of gains, credit capped), and a round runs only while
+    its worst case (nothing kept: K draft steps and a verify for one token) fits in what is left of BUDGET of the
+    plain-step time of the tokens made so far plus ALLOWANCE steps. So a request whose drafts keep failing stops
+    drafting, tries again once enough plain tokens have refilled the budget, and loses at most about BUDGET plus one
+    round; the costs are measured as it goes (plain step, verify, one draft token)."""
 
     WARM = 2  # plain steps timed before the first round
-    PATIENCE = 3  # losing rounds in a row before speculation pauses
-    PAUSE = 16  # plain steps of the first pause (doubles after each failed retry, up to MAX_PAUSE)
-    MAX_PAUSE = 256
+    BUDGET = 0.03  # of the plain-step time of the tokens made, that speculation may lose net
+    ALLOWANCE = 2.0  # plain steps it may lose before it has made anything
+    CREDIT = 4.0  # plain steps of gains kept as credit at most
 
     def __init__(self, k_max: int, k: Optional[int] = None) -> None:
         self.k_max = max(1, int(k_max))
         self.k = min(self.k_max, max(1, int(k or k_max)))
-        self.step_time: Optional[float] = None  # seconds per token of a plain step (running mean)
-        self.spec_time: Optional[float] = None  # seconds per token of a speculative round (running mean)
-        self.plain_left = self.WARM
-        self.losing = 0
-        self.pause = self.PAUSE
+        self.step_time: Optional[float] = None  # seconds of a plain step (running mean)
+        self.verify_time: Optional[float] = None  # seconds of a verify call (running mean)
+        self.draft_time = 0.0  # seconds to propose one draft token (running mean; ~0 for prompt lookup)
+        self.tokens = 0  # tokens made, plain and speculative
+        self.lost = 0.0  # seconds lost to speculation, net of its gains
+        self.warm = self.WARM
 
-    def speculate(self) -> bool:
-        return self.plain_left <= 0
+    def plan(self) -> int:
+        """Draft tokens for the next round: 0 means a plain step."""
+        if self.warm > 0 or self.step_time is None:
+            return 0
+        step = self.step_time
+        room = (self.BUDGET * self.tokens + self.ALLOWANCE) * step - self.lost
+        verify = self.verify_time if self.verify_time is not None else 2 * step
+        for k in range(self.k, 0, -1):
+            if k * self.draft_time + verify - step <= room:  # the round's loss if nothing is kept
+                return k
+        return 0
 
     def plain(self, seconds: float) -> None:
         self.step_time = seconds if self.step_time is None else 0.8 * self.step_time + 0.2 * seconds
-        self.plain_left -= 1
+        self.tokens += 1
+        self.warm -= 1
 
-    def round(self, seconds: float, drafted: int, kept: int) -> None:
-        """A round that checked `drafted` tokens and kept `kept` (it made kept + 1 tokens) in `seconds`."""
-        per = seconds / (kept + 1)
-        self.spec_time = per if self.spec_time is None else 0.7 * self.spec_time + 0.3 * per
+    def round(self, seconds: float, verify_seconds: float, drafted: int, kept: int) -> None:
+        """A round that checked `drafted` tokens and kept `kept` (it made kept + 1 tokens) in `seconds`, of which the
+        verify call took `verify_seconds`."""
+        made = kept + 1
+        self.tokens += made
+        step = self.step_time or seconds
+        self.lost = max(self.lost + seconds - made * step, -self.CREDIT * step)
+        self.verify_time = verify_seconds if self.verify_time is None else \
+            0.7 * self.verify_time + 0.3 * verify_seconds
+        if drafted:
+            per = max(seconds - verify_seconds, 0.0) / drafted
+            self.draft_time = 0.7 * self.draft_time + 0.3 * per if self.draft_time else per
         self.k = min(self.k_max, self.k + 2) if kept == drafted else max(1, self.k - 1)
-        if self.step_time is not None and per > self.step_time:
-            self.losing += 1
-            if self.losing >= self.PATIENCE:
-                self.plain_left, self.losing = self.pause, 0
-                self.pause = min(self.pause * 2, self.MAX_PAUSE)
-                self.spec_time = None
-        else:
-            self.losing = 0
-            if self.spec_time is not None and self.step_time is not None and self.spec_time < self.step_time:
-                self.pause = self.PAUSE
 
 
 class PromptLookup:

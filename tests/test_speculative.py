@@ -93,21 +93,34 @@ def test_lookup_finds_the_first_earlier_ngram():
     assert lookup([1, 2, 3], 4) == []
 
 
-def test_pacer_turns_speculation_off_while_it_loses_and_retries():
-    pacer = Pacer(7, 3)
-    assert not pacer.speculate()
-    pacer.plain(0.010)
-    pacer.plain(0.010)
-    assert pacer.speculate()
-    pacer.round(0.030, 3, 3)  # 4 tokens in 30 ms: 7.5 ms a token, a win; K grows by 2
-    assert pacer.k == 5 and pacer.speculate()
-    for _ in range(Pacer.PATIENCE):
-        pacer.round(0.016, 5, 0)  # 16 ms a token: losing
-    assert not pacer.speculate()
-    for _ in range(Pacer.PAUSE):
-        assert not pacer.speculate()
-        pacer.plain(0.010)
-    assert pacer.speculate() and pacer.pause == 2 * Pacer.PAUSE
+def test_pacer_holds_speculation_to_its_loss_budget():
+    """Plain steps first (timed); rounds run while their worst case fits the budget; losing rounds stop it, plain
+    tokens refill the budget and it tries again with the K that fits; a winning round earns credit."""
+    step = 0.010
+    pacer = Pacer(7, 5)
+    assert pacer.plan() == 0
+    pacer.plain(step)
+    pacer.plain(step)
+    assert pacer.plan() == 5  # prompt lookup: drafting is free, a verify (2 steps assumed) fits the allowance
+    pacer.round(0.015, 0.015, 5, 5)  # 6 tokens in 1.5 steps: a win, K grows by 2
+    assert pacer.k == 7 and pacer.lost < 0
+    losses = 0
+    while pacer.plan():
+        pacer.round(0.015, 0.015, pacer.plan(), 0)  # one token for 1.5 steps: 0.5 step lost a round
+        losses += 1
+    # the credit (4 steps) and the allowance (2 steps) spent at 0.5 step a round
+    assert 1 <= losses <= 14 and pacer.lost <= (Pacer.BUDGET * pacer.tokens + Pacer.ALLOWANCE) * step
+    plain = 0
+    while not pacer.plan():
+        pacer.plain(step)
+        plain += 1
+    assert plain >= 10  # refilled at BUDGET of a step per token
+    # a draft model's round costs its K draft tokens too: K is cut to what the budget's room holds
+    drafty = Pacer(7, 5)
+    drafty.plain(step)
+    drafty.plain(step)
+    drafty.round(0.045, 0.015, 3, 0)  # 3 drafts at 10 ms and a verify: 3.5 steps lost for one token
+    assert drafty.draft_time == pytest.approx(0.010) and drafty.plan() == 0
 
 
 def test_refusals(target, score_folders):
