@@ -91,9 +91,11 @@ class Report:
         ties = sum(len(r.near_ties) for r in self.rows)
         tie_note = f"; {ties} near-tie step(s) reported, not failed" if ties else ""
         prompts = _count(len({r.prompt for r in self.rows}), "prompt")
-        ways = [w for w in ("chunk", "score") if any(r.graph.startswith(w + "_") for r in self.rows)]
-        slots = bool(ways)  # replay_chunks / replay_scores ran the prompts other ways
-        paths = f" (each through the prefill graphs and through the {' and the '.join(ways)} graphs)" if slots else ""
+        chunks = any(r.graph.startswith("chunk_") for r in self.rows)  # replay_chunks ran every prompt a second way
+        scores = any(r.graph.startswith("score_") for r in self.rows)  # replay_scores: one prompt per batch
+        slots = chunks or scores
+        paths = (" (each through the prefill graphs" + (" and through the chunk graphs" if chunks else "")
+                 + ("; one per bucket through the score graphs" if scores else "") + ")") if slots else ""
         if self.passed:
             return (f"PASS {self.name} on backend {self.backend}: {prompts}{paths}, {steps} steps, greedy "
                     f"tokens identical, top-k logits within {worst:.1e} relative {limit}{tie_note}")

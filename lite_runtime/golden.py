@@ -296,7 +296,9 @@ def replay_chunks(runner, reference: Reference, tol: Tolerance, progress=None) -
 
 def replay_scores(runner, reference: Reference, tol: Tolerance, progress=None) -> List[RowResult]:
     """The reference rows once more through the score graphs (every position's logits: speculative decoding's verify,
-    prompt logprobs, perplexity), teacher-forced: each row's prompt and reference tokens go into cache row 0 as
+    prompt logprobs, perplexity), teacher-forced: the first row of each reference batch (one prompt per prefill
+    bucket: short and long prompts both, at a third of the time of every row; the graphs' arithmetic is the chunk
+    graphs', which replay_chunks holds on every row); its prompt and reference tokens go into cache row 0 as
     pieces, the first half of the sequence in pieces of the largest score graph, the rest in pieces of the smallest
     (as a verify of draft tokens goes in), and the logits at every position from the prompt's last on are judged
     against that step of the reference: a whole continuation per piece. One RowResult per row; graph
@@ -304,9 +306,13 @@ def replay_scores(runner, reference: Reference, tol: Tolerance, progress=None) -
     results: List[RowResult] = []
     sizes = runner.score_sizes
     graph = "+".join(graph_key("score", n) if i == 0 else str(n) for i, n in enumerate(sizes))
+    row_index = 0
     for batch in reference.batches:
-        for ref in batch.rows:
-            mine = RowResult(len(results), graph, len(ref.prompt))
+        for i, ref in enumerate(batch.rows):
+            row_index += 1
+            if i:
+                continue
+            mine = RowResult(row_index - 1, graph, len(ref.prompt))
             seq = list(ref.prompt) + list(ref.tokens[:-1])
             first = len(ref.prompt) - 1  # the position whose logits give step 0
             half = max(1, len(seq) // 2)
