@@ -280,7 +280,8 @@ class BatchEngine:
             request.pacer = Pacer(self.speculative_tokens)
         pacer = request.pacer
         seq = request.prompt + request.generated
-        k = min(pacer.plan(), request.max_tokens - len(request.generated), self.seq_length - len(seq),
+        left = request.max_tokens - len(request.generated)
+        k = min(pacer.plan(request.proposer.lacking(seq), left), request.max_tokens - len(request.generated), self.seq_length - len(seq),
                 self.runner.score_sizes[-1] - 1)
         if k < 1:
             return False

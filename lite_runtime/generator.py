@@ -382,7 +382,8 @@ class TextGenerator:
                 if reason is not None:
                     break
                 tick = time.perf_counter()
-                k = min(pacer.plan(), limit - (len(seq) - len(row)) - 1, self.seq_length - len(seq),
+                left = limit - (len(seq) - len(row))
+                k = min(pacer.plan(proposer.lacking(seq), left), limit - (len(seq) - len(row)) - 1, self.seq_length - len(seq),
                         runner.score_sizes[-1] - 1)
                 drafts, qs = proposer.propose(seq, k, s, rng) if k >= 1 else ([], [])
                 out.decode_steps += 1

@@ -107,12 +107,16 @@ class Pacer:
     round that kept every draft, -1 otherwise, within 1..k_max), and a loss budget keeps speculation from making a
     generation slower than plain steps by more than a few percent: every round's time is set against what plain
     steps would have taken for the tokens it made (`lost`, net of gains, credit capped), and a round runs only while
-    its worst case (nothing kept: K draft steps and a verify for one token) fits in what is left of BUDGET of the
-    plain-step time of the tokens made so far plus ALLOWANCE steps. So a request whose drafts keep failing stops
-    drafting, tries again once enough plain tokens have refilled the budget, and loses at most about BUDGET plus one
-    round; the costs are measured as it goes (plain step, verify, one draft token)."""
+    its worst case (nothing kept: a draft model's catch-up, K draft tokens and a verify, for one token) fits in what
+    is left of BUDGET of the request's plain-step time (the tokens made and those it may still make) plus ALLOWANCE
+    steps. A request whose drafts keep failing stops drafting and loses at most about BUDGET of a request that runs
+    to its limit, plus one round; the costs are measured as it goes (plain step, verify, one draft token)."""
 
     WARM = 2  # plain steps timed before the first round
+    # a token a draft model has not seen yet costs it about this many plain steps to take in (a prompt's token in
+    # pieces of 128: SmolLM2-135M float32, 10.8 steps a piece, docs/performance-log.md section 31): counted in a
+    # round's worst case, so a draft does not start on a long prompt unless the budget holds its catch-up
+    INGEST = 0.1
     BUDGET = 0.03  # of the plain-step time of the tokens made, that speculation may lose net
     ALLOWANCE = 2.0  # plain steps it may lose before it has made anything
     CREDIT = 4.0  # plain steps of gains kept as credit at most
@@ -127,12 +131,15 @@ class Pacer:
         self.lost = 0.0  # seconds lost to speculation, net of its gains
         self.warm = self.WARM
 
-    def plan(self) -> int:
-        """Draft tokens for the next round: 0 means a plain step."""
+    def plan(self, lacking: int = 0, remaining: int = 0) -> int:
+        """Draft tokens for the next round: 0 means a plain step. `lacking`: tokens the proposer must take in first
+        (a draft model behind the sequence); `remaining`: tokens the request may still make (the budget is of the
+        whole request's plain time, so a draft model's catch-up on the prompt may be spent up front)."""
         if self.warm > 0 or self.step_time is None:
             return 0
         step = self.step_time
-        room = (self.BUDGET * self.tokens + self.ALLOWANCE) * step - self.lost
+        room = (self.BUDGET * (self.tokens + remaining) + self.ALLOWANCE) * step - self.lost \
+            - lacking * self.INGEST * step
         verify = self.verify_time if self.verify_time is not None else 2 * step
         for k in range(self.k, 0, -1):
             if k * self.draft_time + verify - step <= room:  # the round's loss if nothing is kept
@@ -164,6 +171,9 @@ class PromptLookup:
 
     name = "prompt_lookup"
 
+    def lacking(self, seq: List[int]) -> int:
+        return 0
+
     def propose(self, seq: List[int], k: int, settings: GenerationSettings,
                 rng: Optional[np.random.Generator]) -> Tuple[List[int], List[Optional[np.ndarray]]]:
         drafts = lookup(seq, k)
@@ -179,6 +189,10 @@ class DraftFolder:
     def __init__(self, generator) -> None:
         self.generator = generator
         self.runner = generator.runner
+
+    def lacking(self, seq: List[int]) -> int:
+        """Tokens of `seq` the draft's row 0 does not hold yet (what its next proposal takes in first)."""
+        return len(seq) - common_prefix(self.runner.held[0], seq)
 
     def logits_after(self, seq: List[int]) -> Optional[np.ndarray]:
         """The draft's logits after `seq` [V] (its row 0 made to hold it), or None when seq does not fit its graphs."""
