@@ -124,7 +124,10 @@ class Pacer:
     def __init__(self, k_max: int, k: Optional[int] = None) -> None:
         self.k_max = max(1, int(k_max))
         self.k = min(self.k_max, max(1, int(k or k_max)))
-        self.step_time: Optional[float] = None  # seconds of a plain step (running mean)
+        # seconds of a plain step: the fastest seen (a slow outlier must not make losing rounds look like wins, and
+        # while rounds win no plain step refreshes it; steps slow a little as the row grows, so this errs toward
+        # counting a round as lost)
+        self.step_time: Optional[float] = None
         self.verify_time: Optional[float] = None  # seconds of a verify call (running mean)
         self.draft_time = 0.0  # seconds to propose one draft token (running mean; ~0 for prompt lookup)
         self.tokens = 0  # tokens made, plain and speculative
@@ -147,7 +150,7 @@ class Pacer:
         return 0
 
     def plain(self, seconds: float) -> None:
-        self.step_time = seconds if self.step_time is None else 0.8 * self.step_time + 0.2 * seconds
+        self.step_time = seconds if self.step_time is None else min(self.step_time, seconds)
         self.tokens += 1
         self.warm -= 1
 
