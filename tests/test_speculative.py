@@ -140,16 +140,17 @@ def test_refusals(target, score_folders):
 
 
 # --- the server ---------------------------------------------------------------------------------------------------
-def test_server_speculation_is_token_identical_and_counted(score_folders, checkpoints):
-    """--speculative prompt_lookup: a request decoding alone drafts from its prompt; its tokens are HF's greedy ones,
-    streamed or not, and /metrics counts the drafted and accepted tokens; `speculative: false` declines."""
+def test_server_speculation_is_token_identical_and_counted(target, score_folders, checkpoints):
+    """Prompt lookup (the server's default): a request decoding alone drafts from its prompt; its tokens are HF's
+    greedy ones, streamed or not, and a seeded sampled request's are pipeline().generate's with that seed; /metrics
+    counts the drafted and accepted tokens; `speculative: false` declines."""
     import httpx
 
     from serving import served
 
     row = repetitive(7)
     want = hf_generate(checkpoints["gqa_tied"], row, max_new_tokens=24, do_sample=False)[len(row):]
-    with served(score_folders["target"], speculative="prompt_lookup") as server:
+    with served(score_folders["target"]) as server:
         tokenizer = server.service.generator.tokenizer
         for extra in ({}, {"stream": True}, {"speculative": False}):
             body = {"prompt": row, "max_tokens": 24, "temperature": 0, "logprobs": 0, **extra}
@@ -164,6 +165,13 @@ def test_server_speculation_is_token_identical_and_counted(score_folders, checkp
             else:
                 text = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
             assert text == tokenizer.decode(want, skip_special_tokens=True), extra
+        # sampled with a seed: each token is still one draw, in order, from the model's distribution: the same tokens
+        # as pipeline().generate with that seed, drafts or not
+        body = {"prompt": row, "max_tokens": 24, "temperature": 0.8, "seed": 3, "logprobs": 0}
+        sampled = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        plain = target.generate([row], max_new_tokens=24, do_sample=True, temperature=0.8, seed=3)
+        assert all(e is not None for e in sampled["logprobs"]["token_logprobs"]) and sampled["text"] == \
+            tokenizer.decode(plain[0][len(row):], skip_special_tokens=True)
         metrics = httpx.get(server.url + "/metrics").text
         drafted = float(next(line.split()[1] for line in metrics.splitlines()
                              if line.startswith("mslite_llm:spec_decode_num_draft_tokens_total")))

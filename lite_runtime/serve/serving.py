@@ -63,8 +63,9 @@ class Service:
         self.draining = False  # set at SIGTERM / SIGINT: new requests get a 503 (cli.py)
         self.created = int(time.time())
         self.metrics = Metrics(engine)
-        # speculative decoding: "prompt_lookup", "draft" (`draft`: the draft folder's TextGenerator) or None (off by
-        # default; a request's `speculative: true` still asks for it: prompt lookup where the server has no draft)
+        # speculative decoding: "prompt_lookup" (the default where the folder has score graphs: cli.load_service),
+        # "draft" (`draft`: the draft folder's TextGenerator) or None (off; a request's `speculative: true` still asks
+        # for it: prompt lookup where the server has no draft)
         self.speculative, self.draft = speculative, draft
         self._grammars = None
         self.chat_problem = chat_problem(generator.tokenizer)  # None: chat renders (checked once, at start-up)
