@@ -37,7 +37,7 @@ import time
 from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 from lite_runtime.errors import InferError
-from lite_runtime.speculative import Pacer, SpecStats
+from lite_runtime.speculative import Pacer, SpecStats, common_prefix
 from lite_runtime.slot_request import (SlotRequest, TokenLogprob, held_back, next_token, score_piece,  # noqa: F401
                                       send_echo, token_logprob)
 
@@ -46,16 +46,6 @@ log = logging.getLogger(__name__)
 
 class QueueFull(Exception):
     """Every row is busy and the queue is at its bound."""
-
-
-def common_prefix(a: Optional[Sequence[int]], b: Sequence[int]) -> int:
-    if not a:
-        return 0
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class BatchEngine:
