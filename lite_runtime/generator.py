@@ -225,7 +225,13 @@ class TextGenerator:
         single = isinstance(inputs, str)
         texts = [inputs] if single else list(inputs)
         ids = [self.encode(t, apply_chat_template, add_special_tokens) for t in texts]
-        out = self.generate(ids, streamer=streamer, **kwargs)
+        speculative = kwargs.get("prompt_lookup_num_tokens") is not None or kwargs.get("assistant_model") is not None
+        if speculative and len(ids) > 1:  # speculation runs one row at a time: the texts one after another
+            outs = [self.generate([row], streamer=streamer, **kwargs) for row in ids]
+            out = GenerateOutput([o[0] for o in outs], [o.finish_reasons[0] for o in outs],
+                                 [o.prompt_lengths[0] for o in outs])
+        else:
+            out = self.generate(ids, streamer=streamer, **kwargs)
         texts = [self.tokenizer.decode(seq if return_full_text else seq[n:], skip_special_tokens=True)
                  for seq, n in zip(out.sequences, out.prompt_lengths)]
         self.last_output = out

@@ -130,6 +130,9 @@ def test_refusals(target, score_folders):
     assert score_folders["other_tok"] in str(err.value) and score_folders["target"] in str(err.value)
     with pytest.raises(InferError, match="one row at a time"):
         target.generate([row, row], max_new_tokens=4, prompt_lookup_num_tokens=3)
+    # texts through the pipeline's call go one after another instead
+    texts = ["hello there", "the cat sat on the mat, the cat sat"]
+    assert target(texts, max_new_tokens=6, prompt_lookup_num_tokens=3) == target(texts, max_new_tokens=6)
     with pytest.raises(InferError, match=r"prompt_lookup_num_tokens 16 must be between 1 and 15"):
         target.generate([row], max_new_tokens=4, prompt_lookup_num_tokens=16)
     from lite_runtime import pipeline

@@ -47,8 +47,9 @@ def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] =
     draft = None
     if speculative not in ("auto", "off", "prompt_lookup", "draft"):
         raise InferError(f"--speculative {speculative!r} is not one of auto, off, prompt_lookup, draft")
-    if speculative == "auto":  # prompt lookup where the folder can check drafts (docs/serving.md)
-        speculative = "prompt_lookup" if generator.runner.score_sizes and not draft_model else 'off'
+    if speculative == "auto":  # prompt lookup where it was measured to pay (docs/serving.md, "Speculative decoding")
+        speculative = "prompt_lookup" if lookup_pays(generator.config) and generator.runner.score_sizes \
+            and not draft_model else 'off'
     if speculative == "draft" or draft_model:
         if not draft_model:
             raise InferError("--speculative draft needs --draft_model <folder> (the same tokenizer)")
@@ -87,6 +88,17 @@ def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] =
     if warning:
         log.warning(warning)
     return service
+
+
+def lookup_pays(config) -> bool:
+    """Whether `--speculative auto` turns prompt lookup on for this folder: CPU folders of float32 weights, where a
+    verify of 8 tokens costs 1.35-1.8 steps and rewriting or editing a text went 1.85x (SmolLM2, docs/performance.md).
+    Not on 16-bit or quantized CPU folders (a step reads fewer bytes and the verify's arithmetic does not shrink:
+    bfloat16 SmolLM2 measured 0.97x on the same tasks), nor on Atlas (not measured); `--speculative prompt_lookup`
+    turns it on anywhere."""
+    folder = config.folder
+    quantized = folder is not None and folder.quantization is not None
+    return config.target == "CPU" and config.dtype == "float32" and not quantized
 
 
 def draining_server(uvicorn, config, service, drain_timeout: float):
@@ -151,8 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding while one request decodes alone: prompt_lookup drafts from the "
                         "request's own text (rewrites, edits, code: 1.85x on SmolLM2), draft from --draft_model; "
                         "checked by the folder's score graphs, held to a loss budget where drafts fail (3 %% of a "
-                        "request's time); answers are token for token the same. auto (default): prompt_lookup "
-                        "when the folder has score graphs, else off. A request's \"speculative\": false declines")
+                        "request's time); answers are token for token the same. auto (default): prompt_lookup on "
+                        "CPU folders of float32 weights (where it was measured to pay), else off. A request's "
+                        "\"speculative\": false declines, true asks")
     p.add_argument("--draft_model", default=None,
                    help="a draft folder with the same tokenizer, e.g. the model's own int4 export (implies "
                         "--speculative draft)")
