@@ -237,6 +237,14 @@ def replay(generator, reference: Reference, tol: Tolerance, progress=None) -> Li
     return results
 
 
+def halves(n: int, sizes: List[int]) -> List[Tuple[int, int]]:
+    """[start, end) of the pieces of n tokens as the replays write them: the first half in pieces of the largest size
+    (a prompt going in alone), the rest in pieces of the smallest (a chat's next turn, a verify)."""
+    half = max(1, n // 2)
+    return [(start, min(start + size, end)) for begin, end, size in ((0, half, sizes[-1]), (half, n, sizes[0]))
+            for start in range(begin, end, size)]
+
+
 def replay_chunks(runner, reference: Reference, tol: Tolerance, progress=None) -> List[RowResult]:
     """The reference rows again, the way the server runs them (lite_runtime.batching), teacher-forced: row i goes
     into cache row B-1-i piece by piece through the chunk graphs, each piece in the same call as a decode step of
@@ -263,10 +271,7 @@ def replay_chunks(runner, reference: Reference, tol: Tolerance, progress=None) -
                 progress(1)
 
         def pieces(prompt: List[int]) -> List[tuple]:
-            half = max(1, len(prompt) // 2)
-            return [(start, prompt[start:min(start + size, end)])
-                    for begin, end, size in ((0, half, sizes[-1]), (half, len(prompt), sizes[0]))
-                    for start in range(begin, end, size)]
+            return [(start, prompt[start:end]) for start, end in halves(len(prompt), sizes)]
 
         joining, queue = 0, pieces(rows[0])
         while joining < len(refs) or any(0 < d < len(r.tokens) for d, r in zip(done, refs)):
@@ -315,11 +320,7 @@ def replay_scores(runner, reference: Reference, tol: Tolerance, progress=None) -
             mine = RowResult(row_index - 1, graph, len(ref.prompt))
             seq = list(ref.prompt) + list(ref.tokens[:-1])
             first = len(ref.prompt) - 1  # the position whose logits give step 0
-            half = max(1, len(seq) // 2)
-            pieces = [(start, min(start + size, end)) for begin, end, size in ((0, half, sizes[-1]),
-                                                                               (half, len(seq), sizes[0]))
-                      for start in range(begin, end, size)]
-            for start, end in pieces:
+            for start, end in halves(len(seq), sizes):
                 _, logits = runner.chunk(0, seq[start:end], start, *runner.scratch_step(), every=True)
                 for pos in range(max(start, first), end):
                     mine.judge(pos - first, logits[pos - start], ref, tol)

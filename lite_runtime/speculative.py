@@ -31,7 +31,6 @@ drafts are rarely right therefore loses at most about that budget and one round.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -172,8 +171,6 @@ class Pacer:
 class PromptLookup:
     """Drafts from the sequence itself (lookup). q is a point mass on each proposed token."""
 
-    name = "prompt_lookup"
-
     def lacking(self, seq: List[int]) -> int:
         return 0
 
@@ -186,8 +183,6 @@ class PromptLookup:
 class DraftFolder:
     """Drafts from another folder's TextGenerator (the same tokenizer), greedy or sampled with the request's
     settings; keeps the draft's row 0 holding the sequence."""
-
-    name = "assistant_model"
 
     def __init__(self, generator) -> None:
         self.generator = generator
@@ -259,8 +254,3 @@ def _vocab(tokenizer) -> dict:
         return inner.get_vocab(with_added_tokens=True)
     return dict(tokenizer.get_vocab())
 
-
-def timed(fn, *args):
-    start = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - start
