@@ -19,7 +19,7 @@ import numpy as np
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError, MissingDependencyError
 from lite_runtime.runner import ModelRunner
-from lite_runtime.sampling import GenerationSettings, pick, probability, process, softmax
+from lite_runtime.sampling import GenerationSettings, check_vocabulary, pick, probability, process, softmax
 from lite_runtime.speculative import DraftFolder, Pacer, PromptLookup, SpecStats, accept, same_vocabulary
 from lite_runtime.tokenizer import FolderTokenizer, chat_problem, has_folder_tokenizer
 
@@ -246,14 +246,22 @@ class TextGenerator:
     def last_output(self, out: Optional[GenerateOutput]) -> None:
         self._local.last_output = out
 
+    def _settings(self, kwargs) -> GenerationSettings:
+        """The folder's defaults updated by a call's arguments (HF's names), token ids checked against the
+        vocabulary."""
+        s = self.defaults.updated(**kwargs) if kwargs else self.defaults
+        if self.config.vocab_size:
+            check_vocabulary(s, self.config.vocab_size)
+        return s
+
     def infer(self, input_ids: Sequence[Sequence[int]], **kwargs) -> InferOutput:
         """One step for callers that drive the loop: the next token of each row and its probability."""
-        s = self.defaults.updated(**kwargs) if kwargs else self.defaults
+        s = self._settings(kwargs)
         rows = self._check_rows(input_ids, self.runner.held)
         rng = np.random.default_rng(s.seed) if s.do_sample else None
         with self.runner.request():
             logits = self._forward(rows)
-        scores = [process(logits[i], rows[i], s) for i in range(len(rows))]
+        scores = [process(logits[i], rows[i], s, len(rows[i])) for i in range(len(rows))]
         return InferOutput([pick(scores[i], s.do_sample, rng) for i in range(len(rows))], logits, scores)
 
     def generate(self, input_ids: Sequence[Sequence[int]], streamer=None,
@@ -264,10 +272,10 @@ class TextGenerator:
         K drafts up to K tokens from the sequence itself, `assistant_model` (a folder, or a pipeline of one, with the
         same tokenizer) drafts with that model; the tokens are what decoding without them gives (greedy) or
         distributed as it (sampling)."""
-        s = self.defaults.updated(**kwargs)
+        s = self._settings(kwargs)
         rows = self._check_rows(input_ids)
         limits = self._limits(rows, s)
-        eos = set(s.eos_token_id or ())
+        eos = set() if s.ignore_eos else set(s.eos_token_id or ())
         rng = np.random.default_rng(s.seed) if s.do_sample else None
         seqs = [list(r) for r in rows]
         reasons: List[Optional[str]] = [None] * len(rows)
@@ -286,7 +294,7 @@ class TextGenerator:
                 new: Dict[int, int] = {}
                 for i in range(len(rows)):
                     if reasons[i] is None:
-                        token = pick(process(logits[i], seqs[i], s), s.do_sample, rng)
+                        token = pick(process(logits[i], seqs[i], s, len(rows[i])), s.do_sample, rng)
                         seqs[i].append(token)
                         new[i] = token
                         if token in eos:
@@ -382,7 +390,7 @@ class TextGenerator:
                 return "length" if len(seq) - len(row) >= limit else None
 
             while reason is None:
-                token = forced if forced is not None else pick(process(logits, seq, s), s.do_sample, rng)
+                token = forced if forced is not None else pick(process(logits, seq, s, len(row)), s.do_sample, rng)
                 forced = None
                 reason = add(token)
                 if reason is not None:
@@ -402,7 +410,7 @@ class TextGenerator:
                 verified = time.perf_counter() - checking
                 kept = 0
                 for i, d in enumerate(drafts):
-                    scores = process(verify[i], seq, s)
+                    scores = process(verify[i], seq, s, len(row))
                     if s.do_sample:
                         forced = accept(softmax(scores), qs[i], d, rng)
                     else:

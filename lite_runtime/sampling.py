@@ -1,7 +1,11 @@
 """Generation settings and the logits processors, in numpy, with the semantics of transformers' own.
 
-Order as HF generate: repetition penalty (a processor, also applied in greedy mode), then,
-only when sampling, temperature, top-k and top-p (warpers), then softmax and a draw.
+Order as HF generate: sequence bias, repetition penalty, then the OpenAI penalties (presence, frequency: no HF
+processor; between the penalties, as vLLM applies them), suppressed tokens (processors, also applied in greedy
+mode), then, only when sampling, temperature, top-k, top-p and min-p (warpers), then softmax and a draw.
+HF's names where HF has them (`sequence_bias`, `suppress_tokens`, `min_p`, `eos_token_id`); OpenAI's for
+`presence_penalty` and `frequency_penalty`, vLLM's for `ignore_eos`. tests/test_sampling.py holds each processor
+to transformers' own, and the OpenAI penalties to their formula on fixed logits.
 """
 from __future__ import annotations
 
@@ -9,7 +13,9 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import math
 
 import numpy as np
 
@@ -27,7 +33,16 @@ class GenerationSettings:
     top_p: float = 1.0
     temperature: float = 1.0
     repetition_penalty: float = 1.0
+    min_p: float = 0.0  # HF's MinPLogitsWarper: drop tokens under min_p x the top token's probability (0: off)
+    # OpenAI's penalties over the generated tokens (not the prompt): logit - count * frequency - (count > 0) * presence
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # HF's sequence_bias: ((token ids), bias) pairs; a bias is added to the last id's logit where the ids before it
+    # end the sequence so far (one id: always). Given as {ids or id: bias} or [[ids, bias], ...] (generation_config)
+    sequence_bias: Optional[Tuple[Tuple[Tuple[int, ...], float], ...]] = None
+    suppress_tokens: Optional[Tuple[int, ...]] = None  # HF's: these ids are never chosen (-inf)
     eos_token_id: Optional[Tuple[int, ...]] = None
+    ignore_eos: bool = False  # vLLM's: an eos token does not end the generation (max_new_tokens does)
     pad_token_id: Optional[int] = None
     seed: Optional[int] = None
 
@@ -48,9 +63,11 @@ class GenerationSettings:
         if unknown:
             raise InferError(f"unknown generation argument(s) {', '.join(unknown)}; valid: {', '.join(sorted(fields))}")
         values = {k: v for k, v in kwargs.items() if v is not None}
-        if "eos_token_id" in values:
-            eos = values["eos_token_id"]
-            values["eos_token_id"] = tuple(int(e) for e in ([eos] if isinstance(eos, (int, np.integer)) else eos))
+        for key in ("eos_token_id", "suppress_tokens"):
+            if key in values:
+                values[key] = _ids(key, values[key])
+        if "sequence_bias" in values:
+            values["sequence_bias"] = _sequence_bias(values["sequence_bias"])
         new = dataclasses.replace(self, **values)
         new.validate()
         return new
@@ -64,10 +81,88 @@ class GenerationSettings:
             raise InferError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.repetition_penalty <= 0:
             raise InferError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise InferError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        for key in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and -2 <= value <= 2):
+                raise InferError(f"{key} must be in [-2, 2] (OpenAI's range), got {value}")
         for key in ("max_new_tokens", "max_length"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise InferError(f"{key} must be >= 1, got {value}")
+
+
+def _ids(key: str, value: Any) -> Tuple[int, ...]:
+    """One token id or a list of them, as a tuple of ints; an InferError naming `key` otherwise."""
+    items = [value] if isinstance(value, (int, np.integer)) else value
+    try:
+        out = tuple(int(i) for i in items if not isinstance(i, bool) and int(i) == i and i >= 0)
+        if len(out) != len(list(items)):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise InferError(f"{key} must be a token id or a list of token ids (integers >= 0), got {value!r}") from None
+    return out
+
+
+def _sequence_bias(value: Any) -> Tuple[Tuple[Tuple[int, ...], float], ...]:
+    """HF's sequence_bias in its two forms ({(ids): bias}, [[ids, bias], ...]), single ids allowed as keys, as
+    ((ids), bias) pairs; an InferError naming the entry otherwise. A repeated sequence: the last bias (a dict's)."""
+    pairs = value.items() if isinstance(value, dict) else value
+    out: Dict[Tuple[int, ...], float] = {}
+    try:
+        for ids, bias in pairs:
+            key = _ids("sequence_bias", ids)
+            if not key or isinstance(bias, bool) or not math.isfinite(float(bias)):
+                raise ValueError
+            out[key] = float(bias)
+    except (TypeError, ValueError, InferError):
+        raise InferError(f"sequence_bias must map token ids (one id or a tuple of them) to finite biases, as "
+                         f"{{(id, ...): bias}} or [[ids, bias], ...]; got {value!r}"[:300]) from None
+    return tuple(out.items())
+
+
+def check_vocabulary(s: "GenerationSettings", vocab: int) -> None:
+    """An InferError naming the setting whose token id is outside [0, vocab) (HF raises it at the first step)."""
+    for key, ids in (("eos_token_id", s.eos_token_id), ("suppress_tokens", s.suppress_tokens),
+                     ("sequence_bias", [i for seq, _ in s.sequence_bias or () for i in seq])):
+        bad = next((i for i in ids or () if i >= vocab), None)
+        if bad is not None:
+            raise InferError(f"{key} has the token id {bad}, outside this model's vocabulary [0, {vocab})")
+
+
+def sequence_bias(scores: np.ndarray, seen: Sequence[int], bias) -> np.ndarray:
+    """HF's SequenceBiasLogitsProcessor on one row: each ((ids), b) adds b to ids[-1]'s score where ids[:-1] end
+    `seen` (a single id: always)."""
+    if not bias:
+        return scores
+    out = scores.copy()
+    for ids, b in bias:
+        n = len(ids) - 1
+        if n == 0 or n <= len(seen) and list(seen[len(seen) - n:]) == list(ids[:-1]):
+            out[ids[-1]] += np.float32(b)
+    return out
+
+
+def openai_penalties(scores: np.ndarray, generated: Sequence[int], presence: float, frequency: float) -> np.ndarray:
+    """OpenAI's presence and frequency penalties: logit[j] - count[j] * frequency - (count[j] > 0) * presence, the
+    counts over the generated tokens."""
+    if not (presence or frequency) or not len(generated):
+        return scores
+    ids, counts = np.unique(np.asarray(generated, np.int64), return_counts=True)
+    out = scores.copy()
+    out[ids] -= (counts * np.float32(frequency) + np.float32(presence)).astype(np.float32)
+    return out
+
+
+def min_p_filter(scores: np.ndarray, p: float) -> np.ndarray:
+    """HF's MinPLogitsWarper: tokens whose probability is below p x the top token's -inf (the top one kept)."""
+    if p <= 0:
+        return scores
+    probs = softmax(scores)
+    remove = probs < p * probs.max()
+    remove[int(np.argmax(probs))] = False
+    return np.where(remove, -np.inf, scores).astype(scores.dtype)
 
 
 def repetition_penalty(scores: np.ndarray, seen: Sequence[int], penalty: float) -> np.ndarray:
@@ -108,13 +203,19 @@ def softmax(scores: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
-def process(scores: np.ndarray, seen: Sequence[int], s: GenerationSettings) -> np.ndarray:
-    """The scores the next token is chosen from (float32 [V])."""
-    scores = repetition_penalty(np.asarray(scores, np.float32), seen, s.repetition_penalty)
+def process(scores: np.ndarray, seen: Sequence[int], s: GenerationSettings, prompt_length: int = 0) -> np.ndarray:
+    """The scores the next token is chosen from (float32 [V]); `seen` the sequence so far, its first
+    `prompt_length` tokens the prompt (the OpenAI penalties count the rest)."""
+    scores = sequence_bias(np.asarray(scores, np.float32), seen, s.sequence_bias)
+    scores = repetition_penalty(scores, seen, s.repetition_penalty)
+    scores = openai_penalties(scores, seen[prompt_length:], s.presence_penalty, s.frequency_penalty)
+    if s.suppress_tokens:
+        scores = scores.copy()  # never the caller's array (asarray of float32 logits is the graph's buffer)
+        scores[list(s.suppress_tokens)] = -np.inf
     if s.do_sample:
         if s.temperature != 1.0:
             scores = (scores / np.float32(s.temperature)).astype(np.float32)
-        scores = top_p_filter(top_k_filter(scores, s.top_k), s.top_p)
+        scores = min_p_filter(top_p_filter(top_k_filter(scores, s.top_k), s.top_p), s.min_p)
     return scores
 
 

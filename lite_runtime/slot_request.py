@@ -49,6 +49,9 @@ class SlotRequest:
     # while this request is the only one decoding (BatchEngine._speculate), with its own Pacer
     proposer: Any = None
     pacer: Any = None
+    # a reasoning model's block on token ids (lite_runtime/reasoning.py ThinkState): its thinking budget, and where the
+    # constraint's grammar begins (the answer); None: no reasoning parser
+    think: Any = None
     spec_drafted: int = 0  # draft tokens checked for it
     spec_accepted: int = 0  # of them, kept
     cancelled: bool = False  # set by the caller (client gone); the engine frees the row at its next step
@@ -125,22 +128,24 @@ def send_echo(request: SlotRequest) -> None:
 def next_token(request: SlotRequest, logits: np.ndarray, tokenizer) -> Optional[str]:
     """Choose the request's next token from its row's logits [V], send the text it completes; the finish reason
     ("stop" or "length") when the request is done, else None."""
-    seen = request.prompt + request.generated
-    constraint = request.constraint
-    if request.settings.do_sample:
-        scores = process(logits if constraint is None else constraint.mask(logits), seen, request.settings)
-        token = pick(scores, True, request.rng)
+    think = request.think
+    token = think.next_forced() if think is not None else None  # a thinking budget's close (lite_runtime/reasoning.py)
+    grammar = request.constraint if think is None or think.answering or think.may_open() is not None else None
+    if token is None:
+        token = _choose(request, logits, grammar, think.may_open() if think is not None and grammar else None)
     else:
-        token = pick(process(logits, seen, request.settings), False, None)
-        if constraint is not None and not constraint.allows(token):  # else the masked argmax is the same token
-            token = pick(process(constraint.mask(logits), seen, request.settings), False, None)
+        grammar = None
     request.generated.append(token)
     request.token_times.append(time.monotonic())
     if request.logprobs is not None and token not in request.eos:
         request.token_logprobs.append(token_logprob(logits, token, request.logprobs))
-    if constraint is not None:
-        constraint.accept(token)
-    if token in request.eos or constraint is not None and constraint.finished():
+    if think is not None:
+        think.observe(request.generated)
+        if grammar is not None and think.state == "reasoning":  # the token opened a block: not the grammar's
+            grammar = None
+    if grammar is not None:
+        grammar.accept(token)
+    if token in request.eos or grammar is not None and grammar.finished():
         send_text(request, tokenizer, final=True)
         return "stop"
     if send_text(request, tokenizer, final=False):
@@ -149,6 +154,26 @@ def next_token(request: SlotRequest, logits: np.ndarray, tokenizer) -> Optional[
         send_text(request, tokenizer, final=True)
         return "length"
     return None
+
+
+def _choose(request: SlotRequest, logits: np.ndarray, grammar, opener: Optional[int]) -> int:
+    """The token the settings choose, within `grammar`'s mask when given (`opener`, a reasoning block's first token,
+    allowed beside it)."""
+    seen, n, s = request.prompt + request.generated, len(request.prompt), request.settings
+
+    def masked() -> np.ndarray:
+        out = grammar.mask(logits)
+        if opener is not None:
+            out = np.array(out)
+            out[opener] = logits[opener]
+        return out
+
+    if s.do_sample:
+        return pick(process(logits if grammar is None else masked(), seen, s, n), True, request.rng)
+    token = pick(process(logits, seen, s, n), False, None)
+    if grammar is not None and token != opener and not grammar.allows(token):  # else the masked argmax is the same
+        token = pick(process(masked(), seen, s, n), False, None)
+    return token
 
 
 def send_text(request: SlotRequest, tokenizer, final: bool) -> bool:

@@ -29,7 +29,8 @@ def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] =
                  model_name: Optional[str] = None, metrics_public: bool = False, max_body_bytes: Optional[int] = None,
                  request_timeout: Optional[float] = None, prefill_chunk: Optional[int] = None,
                  prefix_reuse: bool = True, speculative: str = "auto", draft_model: Optional[str] = None,
-                 speculative_tokens: Optional[int] = None, **config: Any):
+                 speculative_tokens: Optional[int] = None, reasoning_parser: str = "auto",
+                 max_reasoning_tokens: Optional[int] = None, **config: Any):
     """Load the folder's chunk and inc graphs (all the server runs), compile them, start the engine."""
     from lite_runtime import InferConfig, pipeline
     from lite_runtime.batching import BatchEngine
@@ -44,6 +45,11 @@ def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] =
                          "every rank has to take every step, and the server drives one process; run it with "
                          "pipeline() or scripts/run_infer_main.py under msrun (README, \"Two cards\")")
     generator = pipeline("text_generation", model=settings)
+    reasoning = reasoning_parser_of(generator, reasoning_parser)  # refused before any graph compiles
+    if max_reasoning_tokens is not None and (reasoning is None or max_reasoning_tokens < 0):
+        raise InferError(f"--max_reasoning_tokens {max_reasoning_tokens}: " + (
+            "must be >= 0" if reasoning is not None else "this folder's model does not reason (no reasoning "
+            "parser: its chat template has no <think> block, or --reasoning_parser none); drop the flag"))
     draft = None
     if speculative not in ("auto", "off", "prompt_lookup", "draft"):
         raise InferError(f"--speculative {speculative!r} is not one of auto, off, prompt_lookup, draft")
@@ -83,11 +89,33 @@ def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] =
     service = Service(generator, engine, model_name or recorded or directory, api_key, metrics_public=metrics_public,
                       max_body_bytes=max_body_bytes or MAX_BODY_BYTES, request_timeout=request_timeout,
                       aliases=[n for n in (recorded, directory) if n],
-                      speculative=None if speculative == "off" else speculative, draft=draft)
+                      speculative=None if speculative == "off" else speculative, draft=draft,
+                      reasoning=reasoning, thinking_budget=max_reasoning_tokens)
+    if reasoning is not None:
+        log.info("reasoning parser %s: chat answers carry the model's thinking (%s ... %s) as reasoning_content",
+                 reasoning.name, reasoning.start, reasoning.end)
     warning = service.chat_warning()
     if warning:
         log.warning(warning)
     return service
+
+
+def reasoning_parser_of(generator, choice: str = "auto"):
+    """The folder's reasoning format (lite_runtime/reasoning.py), or None; an InferError when `choice` names a parser
+    its chat template cannot use, or when the markers are special tokens that decoding drops (the parser reads text)."""
+    from lite_runtime.reasoning import reasoning_format
+
+    template = getattr(generator.tokenizer, "chat_template", None)
+    fmt = reasoning_format(template if isinstance(template, str) else None, generator.config.model_name, choice)
+    if fmt is None:
+        return None
+    tokenizer = generator.tokenizer
+    for marker in (fmt.start, fmt.end):
+        ids = tokenizer.encode(marker, add_special_tokens=False)
+        if tokenizer.decode(ids, skip_special_tokens=True) != marker:
+            raise InferError(f"reasoning parser {fmt.name}: the tokenizer drops {marker} from decoded text (a special "
+                             "token), so the reasoning cannot be told from the answer; pass --reasoning_parser none")
+    return fmt
 
 
 def lookup_pays(config) -> bool:
@@ -171,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "--speculative draft)")
     p.add_argument("--speculative_tokens", type=int, default=None,
                    help="draft tokens per check at most (default: the folder's smallest score graph's size - 1)")
+    p.add_argument("--reasoning_parser", choices=("auto", "none", "qwen3", "deepseek_r1"), default="auto",
+                   help="reasoning models: the thinking (<think> ... </think>) is returned as "
+                        "message.reasoning_content (and .reasoning), the answer as content. auto (default): on when the folder's chat template "
+                        "has the markers (Qwen3, DeepSeek-R1 distills); none: the whole text is content")
+    p.add_argument("--max_reasoning_tokens", type=int, default=None,
+                   help="a thinking budget for every chat request (a request's max_reasoning_tokens or "
+                        "reasoning_budget wins): at this many reasoning tokens the block is closed and the model "
+                        "answers (default: no limit)")
     p.add_argument("--model_name", default=None,
                    help="the model id /v1/models lists and responses carry (default: the folder's name as exported, "
                         "python -m export --name; requests may also use that name and the folder's directory name)")
@@ -206,6 +242,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                prefill_chunk=args.prefill_chunk, prefix_reuse=args.prefix_reuse == "on",
                                speculative=args.speculative, draft_model=args.draft_model,
                                speculative_tokens=args.speculative_tokens,
+                               reasoning_parser=args.reasoning_parser, max_reasoning_tokens=args.max_reasoning_tokens,
                                device_id=args.device_id)
     except InferError as exc:
         print(f"error: {exc}", file=sys.stderr)

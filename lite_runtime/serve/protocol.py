@@ -1,9 +1,9 @@
 """The OpenAI API's request bodies as pydantic models, and its error shape: what /docs shows is what is checked.
 
 Types are strict (a string is not an integer, `true` is not a number) and numbers finite (`NaN` and `Infinity`,
-which Python's json reads, are refused). Fields this server implements only at their no-op value (`echo`,
-`best_of`, `suffix`, the OpenAI penalties, `logit_bias`) are accepted at it and refused otherwise, naming the
-field; other unknown fields are ignored, as OpenAI's own server does. Every refusal becomes one OpenAI-shaped
+which Python's json reads, are refused). Fields this server implements only at their no-op value (`best_of`,
+`suffix`) are accepted at it and refused otherwise, naming the field; other unknown fields are ignored, as
+OpenAI's own server does. Every refusal becomes one OpenAI-shaped
 400 through `validation_error` (the app's one handler), in the words of the field: "'top_p' must be in (0, 1],
 got 0". Checks that need the model (the prompt against seq_length, token ids against the vocabulary) are the
 serving layer's (serving.py).
@@ -17,6 +17,10 @@ from pydantic_core import PydanticCustomError
 
 MAX_STOP = 4  # stop strings per request, as OpenAI
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API
+MAX_BIAS = 100  # logit_bias values lie in [-100, 100]; -100 bans the token (OpenAI's "ban or exclusive selection")
+# chat_template_kwargs may not set what the server renders the template with (HF's apply_chat_template arguments)
+RESERVED_TEMPLATE_KEYS = ("messages", "tools", "add_generation_prompt", "tokenize", "documents",
+                          "continue_final_message")
 
 
 class APIError(Exception):
@@ -142,6 +146,10 @@ class ChatMessage(Body):
     name: Optional[str] = None
     tool_calls: Optional[List[ToolCall]] = None
     tool_call_id: Optional[str] = None
+    # an assistant turn's reasoning, as this server returns it (vLLM's two names): Qwen3's template renders it for
+    # the turns after the last user message
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -155,6 +163,15 @@ class ChatMessage(Body):
 
     def text(self) -> Optional[str]:
         return "".join(p.text for p in self.content) if isinstance(self.content, list) else self.content
+
+
+def _template_kwargs(value):
+    """chat_template_kwargs, refused when a key is one the server renders the template with."""
+    for key in value or {}:
+        if key in RESERVED_TEMPLATE_KEYS:
+            raise refuse("chat_template_kwargs", f"'chat_template_kwargs' may not set {key!r}: the server renders the "
+                                                 f"template with its own (send them as the request's fields)")
+    return value
 
 
 # --- the requests -------------------------------------------------------------------------------------------
@@ -177,10 +194,18 @@ class Sampling(Request):
     speculative: Optional[bool] = Field(None, description="extension: speculative decoding for this request (the "
                                         "server's --speculative draft, else prompt lookup); absent: the server's "
                                         "default")
-    # accepted at their no-op value only
-    presence_penalty: Optional[float] = Field(None, description="0 only (use repetition_penalty)")
-    frequency_penalty: Optional[float] = Field(None, description="0 only (use repetition_penalty)")
-    logit_bias: Optional[Dict[str, float]] = Field(None, description="empty only")
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2, description="OpenAI's: minus this from the logit of "
+                                              "every token already generated")
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, description="OpenAI's: minus this times how often "
+                                               "the token was generated so far")
+    logit_bias: Optional[Dict[str, float]] = Field(None, description=f"token id (a decimal string) -> a bias in "
+                                                   f"[-{MAX_BIAS}, {MAX_BIAS}] added to its logit; -{MAX_BIAS} bans it")
+    min_p: Optional[float] = Field(None, ge=0, le=1, description="extension (vLLM's, HF's meaning): drop tokens "
+                                   "less likely than min_p times the most likely one; 0 disables it")
+    stop_token_ids: Optional[List[StrictInt]] = Field(None, description="extension (vLLM's): these tokens end the "
+                                                      "answer as eos does (not in its text)")
+    ignore_eos: Optional[bool] = Field(None, description="extension (vLLM's): eos does not end the answer; "
+                                       "max_tokens, a stop or stop_token_ids do")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -191,14 +216,17 @@ class Sampling(Request):
             return value
         raise refuse("stop", f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings")
 
-    @model_validator(mode="after")
-    def _noops(self):
-        for name, noop in (("presence_penalty", (0,)), ("frequency_penalty", (0,)), ("logit_bias", ({},))):
-            value = getattr(self, name)
-            if value is not None and value not in noop:
-                hint = " (use repetition_penalty)" if name.endswith("_penalty") else ""
-                raise refuse(name, f"'{name}' is not supported by this server{hint}")
-        return self
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value):
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise refuse("logit_bias", f"'logit_bias' key {_shown(key)} is not a token id: keys are token ids "
+                                           "written as decimal strings, e.g. {\"50256\": -100}")
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise refuse("logit_bias", f"'logit_bias' value for key {_shown(key)} must be in [-{MAX_BIAS}, "
+                                           f"{MAX_BIAS}], got {_shown(bias)}")
+        return value
 
     def stops(self) -> List[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -245,11 +273,32 @@ class ChatCompletionRequest(Sampling):
     tools: Optional[List[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: Optional[Dict[str, Any]] = Field(None, description="extension (vLLM's): more variables "
+                                                           "for the chat template, e.g. {\"enable_thinking\": false} "
+                                                           "(Qwen3)")
+    max_reasoning_tokens: Optional[int] = Field(None, ge=0, description="extension: a thinking budget; at this many "
+                                                "reasoning tokens the block is closed and the answer follows")
+    reasoning_budget: Optional[int] = Field(None, ge=-1, description="extension (llama.cpp's name): the same; -1 "
+                                            "means no limit")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value):
+        return _template_kwargs(value)
+
+    def thinking_budget(self) -> Optional[int]:
+        """The thinking budget asked (either name), None for no limit."""
+        if self.max_reasoning_tokens is not None:
+            return self.max_reasoning_tokens
+        return None if self.reasoning_budget in (None, -1) else self.reasoning_budget
 
     @model_validator(mode="after")
     def _chat_rules(self):
         if self.max_tokens == 0:
             raise refuse("max_tokens", "'max_tokens' must be at least 1 in chat (0 is for completions with 'echo')")
+        if self.max_reasoning_tokens is not None and self.reasoning_budget not in (None, -1, self.max_reasoning_tokens):
+            raise refuse("reasoning_budget", "'reasoning_budget' and 'max_reasoning_tokens' are two names of the "
+                                             "thinking budget and disagree: send one")
         if self.top_logprobs and not self.logprobs:
             raise refuse("top_logprobs", "'top_logprobs' needs 'logprobs': true")
         if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
@@ -271,6 +320,12 @@ class TokenizeRequest(Request):
     add_special_tokens: Optional[bool] = Field(None, description="default: true for prompt, false for messages")
     add_generation_prompt: bool = True
     tools: Optional[List[Tool]] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value):
+        return _template_kwargs(value)
 
     @model_validator(mode="after")
     def _one_of(self):

@@ -1,6 +1,8 @@
 """The engine's events of one request's choices, in OpenAI's response and stream-chunk shapes.
 
-Per choice: text deltas (through the tool-call parser when the request has tools), the tokens' logprobs
+Per choice: text deltas (through the reasoning parser when the folder's template thinks, lite_runtime/reasoning.py:
+the reasoning as `reasoning_content` and `reasoning` (vLLM's older and newer names), the answer as `content`; and the
+answer through the tool-call parser when the request has tools), the tokens' logprobs
 (completions: `tokens` / `token_logprobs` / `top_logprobs` / `text_offset`; chat: `content` of
 {token, logprob, bytes, top_logprobs}), the finish reason (`tool_calls` when the answer is calls). A token's
 text is its bytes (the byte-level BPE's own) decoded as UTF-8, a partial character as U+FFFD.
@@ -12,6 +14,7 @@ import uuid
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Tuple
 
+from lite_runtime.reasoning import ReasoningParser
 from lite_runtime.serve.serving import Plan
 from lite_runtime.serve.tools import ToolCallParser
 
@@ -67,18 +70,30 @@ class Choice:
         self._chars = 0
         self.finish: Optional[str] = None
         self.parser = ToolCallParser(answer.plan.tools) if answer.plan.tools else None
+        plan = answer.plan
+        self.thinking = ReasoningParser(plan.reasoning, plan.opened) if plan.chat and plan.reasoning else None
 
     def add(self, text: str, logprobs) -> List[tuple]:
-        """The tool parser's events of the new text, or [("content", text)]; the logprob entries are kept."""
+        """The events of the new text: ("reasoning", text), and the answer's through the tool parser or as
+        ("content", text); the logprob entries are kept."""
         for entry in logprobs or ():
             self.offsets.append(self._chars)
             self._chars += len(self.answer.pieces(entry.token)[0])
             self.logprobs.append(entry)
         self.text += text
-        return self.parser.feed(text) if self.parser else ([("content", text)] if text else [])
+        return self._answer(self.thinking.feed(text) if self.thinking else [("content", text)] if text else [])
+
+    def _answer(self, events: List[tuple], final: bool = False) -> List[tuple]:
+        """Reasoning events as they are, content through the tool parser (finished when `final`)."""
+        if self.parser is None:
+            return events
+        out: List[tuple] = []
+        for event in events:
+            out += self.parser.feed(event[1]) if event[0] == "content" else [event]
+        return out + (self.parser.finish() if final else [])
 
     def end(self, reason: str) -> List[tuple]:
-        events = self.parser.finish() if self.parser else []
+        events = self._answer(self.thinking.finish() if self.thinking else [], final=True)
         calls = self.parser.calls if self.parser else []
         self.finish = "tool_calls" if calls and reason == "stop" else reason
         return events
@@ -162,6 +177,8 @@ class Answer:
     def _delta(self, choice: Choice, event: tuple) -> Dict[str, Any]:
         if event[0] == "content":
             return {"content": event[1]}
+        if event[0] == "reasoning":
+            return {"reasoning_content": event[1], "reasoning": event[1]}
         if event[0] == "call":
             _, i, call_id, name = event
             return {"tool_calls": [{"index": i, "id": call_id, "type": "function",
@@ -201,6 +218,10 @@ class Answer:
                 choices.append({"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish})
                 continue
             message: Dict[str, Any] = {"role": "assistant", "content": c.text}
+            if c.thinking is not None:
+                thought = c.thinking.reasoning or None  # an empty block (a budget of 0) is no reasoning
+                message.update(content=c.thinking.content if c.thinking.content or not c.thinking.seen else None,
+                               reasoning_content=thought, reasoning=thought)
             if c.parser is not None:
                 message["content"] = c.parser.message_content()
                 if c.parser.calls:

@@ -10,13 +10,14 @@ import dataclasses
 import hmac
 import json
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from lite_runtime.batching import BatchEngine, QueueFull, SlotRequest
 from lite_runtime.errors import InferError, MissingDependencyError
 from lite_runtime.serve.metrics import Metrics
-from lite_runtime.serve.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+from lite_runtime.serve.protocol import (MAX_BIAS, APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                          DetokenizeRequest, NamedToolChoice, Sampling, TokenizeRequest)
+from lite_runtime.reasoning import ReasoningFormat, ThinkState, opens_block
 from lite_runtime.serve.tools import ToolFormat, tool_format
 from lite_runtime.tokenizer import chat_problem
 
@@ -41,6 +42,12 @@ class Plan:
     echo: Optional[str] = None  # completions' echo: the prompt's text, sent before the completion
     prompt_logprobs: Optional[int] = None  # echo with logprobs: every prompt token's, and this many alternatives
     speculative: bool = False  # draft while it decodes alone (Service.proposer; lite_runtime/speculative.py)
+    eos: Tuple[int, ...] = ()  # the tokens that end an answer: the folder's eos (unless ignore_eos), stop_token_ids
+    # chat with a reasoning parser (lite_runtime/reasoning.py): its format, whether the prompt opened a block, and the
+    # thinking budget (None: no limit)
+    reasoning: Optional[ReasoningFormat] = None
+    opened: bool = False
+    thinking_budget: Optional[int] = None
 
     @property
     def chat(self) -> bool:
@@ -53,7 +60,8 @@ class Service:
     def __init__(self, generator, engine: BatchEngine, model_name: str, api_key: Optional[str] = None,
                  metrics_public: bool = False, max_body_bytes: int = MAX_BODY_BYTES,
                  request_timeout: Optional[float] = None, aliases: Sequence[str] = (),
-                 speculative: Optional[str] = None, draft=None) -> None:
+                 speculative: Optional[str] = None, draft=None, reasoning: Optional[ReasoningFormat] = None,
+                 thinking_budget: Optional[int] = None) -> None:
         self.generator, self.engine, self.model_name, self.api_key = generator, engine, model_name, api_key
         # other names a request's "model" may use (the folder's directory name: cli.load_service); /v1/models and
         # every response give model_name
@@ -67,6 +75,9 @@ class Service:
         # "draft" (`draft`: the draft folder's TextGenerator) or None (off; a request's `speculative: true` still asks
         # for it: prompt lookup where the server has no draft)
         self.speculative, self.draft = speculative, draft
+        # the chat template's reasoning parser (cli.load_service: lite_runtime/reasoning.py reasoning_format) and the
+        # server's default thinking budget (--max_reasoning_tokens; a request's own wins)
+        self.reasoning, self.thinking_budget = reasoning, thinking_budget
         self._grammars = None
         self.chat_problem = chat_problem(generator.tokenizer)  # None: chat renders (checked once, at start-up)
 
@@ -117,13 +128,15 @@ class Service:
         if problem is not None:
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
 
-    def _in_vocabulary(self, ids: Sequence[int], field: str) -> List[int]:
-        """`ids` if every one is a token of this model, else a 400 naming `field` and the first outsider."""
+    def _in_vocabulary(self, ids: Sequence[int], field: str, what: str = "") -> List[int]:
+        """`ids` if every one is a token of this model, else a 400 naming `field` (and `what` in it) and the first
+        outsider."""
         vocab = self.generator.config.vocab_size
         bad = next((t for t in ids if vocab and not 0 <= t < vocab), None)
         if bad is not None:
-            raise APIError(400, f"'{field}' has the token id {bad}, outside this model's vocabulary [0, {vocab})",
-                           param=field)
+            where = f" {what}" if what else ""
+            raise APIError(400, f"'{field}'{where} has the token id {bad}, outside this model's vocabulary "
+                                f"[0, {vocab})", param=field)
         return list(ids)
 
     # --- plans --------------------------------------------------------------------------------------------
@@ -152,10 +165,16 @@ class Service:
                                 f"seq_length {seq}; lower '{max_name}' to at most {room}", param=max_name,
                            code="context_length_exceeded")
         sampling: Dict[str, Any] = {"top_p": req.top_p, "repetition_penalty": req.repetition_penalty,
-                                    "top_k": None if req.top_k is None else max(req.top_k, 0)}
-        if req.temperature is not None:  # absent: the folder's generation_config.json decides, as pipeline() does
-            sampling.update(do_sample=req.temperature > 0,
-                            temperature=req.temperature if req.temperature > 0 else None)
+                                    "top_k": None if req.top_k is None else max(req.top_k, 0), "min_p": req.min_p,
+                                    "presence_penalty": req.presence_penalty,
+                                    "frequency_penalty": req.frequency_penalty}
+        if req.logit_bias:  # OpenAI's -100 bans the token (HF's suppress_tokens), any other value is added (its
+            bias = {}       # sequence_bias of one token)
+            for key, value in req.logit_bias.items():
+                token = self._in_vocabulary([int(key)], "logit_bias", f"key '{key}'")[0]
+                bias[token] = value
+            sampling["suppress_tokens"] = [t for t, v in bias.items() if v <= -MAX_BIAS] or None
+            sampling["sequence_bias"] = {(t,): v for t, v in bias.items() if v > -MAX_BIAS} or None
         try:
             settings = [self.generator.defaults.updated(
                 seed=None if req.seed is None else req.seed + i, **sampling) for i in range(req.n)]
@@ -163,6 +182,9 @@ class Service:
             raise APIError(400, str(exc)) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         plan = Plan(endpoint, prompt, max_tokens, settings, req.stops(), req.stream, include_usage)
+        eos = () if req.ignore_eos else tuple(self.generator.defaults.eos_token_id or ())
+        extra = self._in_vocabulary(req.stop_token_ids or (), "stop_token_ids")
+        plan.eos = eos + tuple(t for t in extra if t not in eos)
         plan.speculative = bool(self.speculative) if req.speculative is None else req.speculative
         if plan.speculative and not self.engine.runner.score_sizes:
             raise APIError(400, "'speculative' needs the folder's score graphs, which this folder was exported "
@@ -194,9 +216,20 @@ class Service:
         none = req.tool_choice == "none"
         fmt = tool_format(getattr(self.generator.tokenizer, "chat_template", None)) if none else \
             self._tool_format(req.tools) if req.tools else None
-        text = self.chat_prompt(req.messages, req.tools if fmt else None)
+        kwargs = req.chat_template_kwargs or {}
+        text = self.chat_prompt(req.messages, req.tools if fmt else None, template_kwargs=kwargs)
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         plan = self._common(req, self.generator.encode(text), "chat", getattr(req, name), name)
+        budget = req.thinking_budget()
+        if self.reasoning is not None:
+            plan.reasoning = self.reasoning
+            plan.opened = opens_block(self._generation_prompt(req.messages, req.tools if fmt else None, kwargs, text),
+                                      self.reasoning)
+            plan.thinking_budget = budget if budget is not None or req.reasoning_budget == -1 else self.thinking_budget
+        elif budget is not None:
+            field = "max_reasoning_tokens" if req.max_reasoning_tokens is not None else "reasoning_budget"
+            raise APIError(400, f"'{field}': this model does not reason (its chat template has no <think> block), "
+                                "so there is no thinking to budget; send no budget", param=field)
         plan.logprobs = (req.top_logprobs or 0) if req.logprobs else None
         plan.tools = None if none else fmt
         forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
@@ -217,8 +250,16 @@ class Service:
                            param="tools")
         return fmt
 
-    def chat_prompt(self, messages: List[ChatMessage], tools=None, add_generation_prompt: bool = True) -> str:
-        """The chat template applied to the messages (text parts joined), with `tools` when given."""
+    def _generation_prompt(self, messages: List[ChatMessage], tools, kwargs: Dict[str, Any], text: str) -> str:
+        """What the template adds for the answer: `text` (rendered with add_generation_prompt) past the same render
+        without it (the whole of `text` when the two do not share that start)."""
+        bare = self.chat_prompt(messages, tools, add_generation_prompt=False, template_kwargs=kwargs)
+        return text[len(bare):] if text.startswith(bare) else text
+
+    def chat_prompt(self, messages: List[ChatMessage], tools=None, add_generation_prompt: bool = True,
+                    template_kwargs: Optional[Dict[str, Any]] = None) -> str:
+        """The chat template applied to the messages (text parts joined), with `tools` when given and
+        `template_kwargs` (chat_template_kwargs) as more variables."""
         clean = []
         for i, m in enumerate(messages):
             item: Dict[str, Any] = {"role": m.role, "content": m.text() or ""}
@@ -236,10 +277,15 @@ class Service:
             for key in ("name", "tool_call_id"):
                 if getattr(m, key) is not None:
                     item[key] = getattr(m, key)
+            reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            if reasoning is not None:  # Qwen3's template reads it (as vLLM passes it)
+                item["reasoning_content"] = reasoning
             clean.append(item)
         self._check_chat()
         tokenizer = self.generator.tokenizer
-        extra = {"tools": [t.model_dump(by_alias=True, exclude_none=True) for t in tools]} if tools else {}
+        extra = dict(template_kwargs or {})
+        if tools:
+            extra["tools"] = [t.model_dump(by_alias=True, exclude_none=True) for t in tools]
         try:
             return tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                  **extra)
@@ -267,7 +313,8 @@ class Service:
         chat = req.messages is not None
         if chat:
             self._check_chat()
-        text = self.chat_prompt(req.messages, req.tools, req.add_generation_prompt) if chat else req.prompt
+        text = self.chat_prompt(req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs) if chat \
+            else req.prompt
         special = (not chat) if req.add_special_tokens is None else req.add_special_tokens
         tokens = self.generator.encode(text, add_special_tokens=special)
         return {"count": len(tokens), "max_model_len": self.generator.seq_length, "tokens": tokens}
@@ -295,7 +342,6 @@ class Service:
     # --- running ------------------------------------------------------------------------------------------
     def submit(self, plan: Plan, emit: Callable[[int, tuple], None]) -> List[SlotRequest]:
         """Queue one engine request per choice (all or none); `emit(choice_index, event)` from the engine thread."""
-        eos = tuple(self.generator.defaults.eos_token_id or ())
         left = [len(plan.settings)]
         requests: List[SlotRequest] = []
 
@@ -310,8 +356,11 @@ class Service:
 
         deadline = None if not self.request_timeout else time.monotonic() + self.request_timeout
         for i, settings in enumerate(plan.settings):
+            think = None if plan.reasoning is None else ThinkState.for_request(
+                self.generator.tokenizer, plan.reasoning, plan.opened, plan.thinking_budget)
             requests.append(SlotRequest(prompt=plan.prompt, max_tokens=plan.max_tokens, settings=settings,
-                                        deadline=deadline, emit=for_choice(i), stop=plan.stop, eos=eos,
+                                        deadline=deadline, emit=for_choice(i), stop=plan.stop, eos=plan.eos,
+                                        think=think,
                                         logprobs=plan.logprobs, echo=plan.echo, prompt_logprobs=plan.prompt_logprobs,
                                         proposer=self.proposer() if plan.speculative else None,
                                         constraint=plan.grammar.matcher() if plan.grammar is not None else None))
