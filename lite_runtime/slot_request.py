@@ -8,6 +8,10 @@ tokens come out right: text that could still be the start of a stop string is he
 (before the repetition penalty, temperature, top-k/top-p and any grammar mask: what the model gives, as OpenAI and
 vLLM's default report).
 
+A reasoning model's request carries a `think` (lite_runtime/reasoning.py ThinkState): the tokens a thinking budget
+forces (`\n</think>\n\n`) are taken before any choice, and its `constraint` applies to the answer only (while the
+first token may still open a block, that token is allowed beside the grammar's).
+
 A request may carry a `constraint` (lite_runtime.serve.grammar: a grammar's token mask): its `mask(scores)` is
 applied to the logits before the sampling transforms, `accept(token)` follows the chosen token, and `finished()` ends
 the request (finish reason "stop") when the grammar can take nothing more. Greedy asks `allows(token)` of the

@@ -194,6 +194,8 @@ def test_qwen3_thinks_then_answers(model, qwen3, stream):
     assert text == "<think>Let me think.</think>\n\nHello!"
     reasoning, content, finish, n, _ = _chat(qwen3, stream)
     assert (reasoning, content, finish, n) == ("Let me think.", "Hello!", "stop", len(tokens))
+    usage = qwen3.client.chat.completions.create(model=qwen3.service.model_name, messages=USER, temperature=0).usage
+    assert usage.completion_tokens_details.reasoning_tokens == 4  # Let, me, think, . (the markers not counted)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -89,6 +89,59 @@ def test_logprobs_refusals(server):
     assert (r.status_code, r.json()) == (400, _error("'top_logprobs' must be in [0, 20], got 21", "top_logprobs"))
 
 
+# --- the sampling fields ---------------------------------------------------------------------------------------
+def test_sampling_fields_are_pipelines_through_the_client(server, serve_pipe):
+    """presence_penalty, frequency_penalty, logit_bias (OpenAI's fields), min_p, stop_token_ids and ignore_eos
+    (vLLM's, through extra_body): each answer is pipeline().generate's with the same settings under HF's names
+    (tests/test_sampling.py holds those to transformers' processors and to OpenAI's formula)."""
+    ids = prompts(1, [6], seed=8)[0]
+    plain = serve_pipe.generate([ids], max_new_tokens=10)[0][len(ids):]
+    first = plain[0]
+    cases = [  # (the request's fields, pipeline's)
+        (dict(presence_penalty=1.5, frequency_penalty=0.8), dict(presence_penalty=1.5, frequency_penalty=0.8)),
+        (dict(logit_bias={str(first): -100}), dict(suppress_tokens=[first])),
+        (dict(logit_bias={str(first): -3.5, str(plain[1]): 2}), dict(sequence_bias={(first,): -3.5,
+                                                                                    (plain[1],): 2.0})),
+        (dict(temperature=1.3, seed=11, extra_body={"min_p": 0.2}),
+         dict(do_sample=True, temperature=1.3, seed=11, min_p=0.2)),
+    ]
+    for fields, kwargs in cases:
+        text, finish, usage = complete(server, ids, max_tokens=10, **fields)
+        want = expected(serve_pipe, ids, 10, **kwargs)
+        assert (text, finish, usage.completion_tokens) == want, fields
+    assert complete(server, ids, max_tokens=10, logit_bias={str(first): -100})[0] != \
+        serve_pipe.tokenizer.decode(plain, skip_special_tokens=True)  # the ban did change the answer
+    at = next(i for i in range(1, len(plain)) if plain[i] not in plain[:i])
+    for stream in (False, True):  # a stop token ends the answer before it, as eos does
+        text, finish, usage = complete(server, ids, stream=stream, max_tokens=10,
+                                       extra_body={"stop_token_ids": [plain[at]]})
+        assert (text, finish, usage.completion_tokens) == (
+            serve_pipe.tokenizer.decode(plain[:at], skip_special_tokens=True), "stop", at + 1)
+    eos = serve_pipe.defaults.eos_token_id[0]
+    _, finish, usage = complete(server, ids, max_tokens=5, logit_bias={str(eos): 100})
+    assert (finish, usage.completion_tokens) == ("stop", 1)
+    _, finish, usage = complete(server, ids, max_tokens=5, logit_bias={str(eos): 100}, extra_body={"ignore_eos": True})
+    assert (finish, usage.completion_tokens) == ("length", 5)
+
+
+@pytest.mark.parametrize("body, message, param", [
+    ({"logit_bias": {"512": 1}}, "'logit_bias' key '512' is not a token id of this model: its vocabulary is [0, 512)",
+     "logit_bias"),
+    ({"logit_bias": {"a1": 1}}, "'logit_bias' key \"a1\" is not a token id: keys are token ids written as decimal "
+                                "strings, e.g. {\"50256\": -100}", "logit_bias"),
+    ({"logit_bias": {"5": -101}}, "'logit_bias' value for key \"5\" must be in [-100, 100], got -101.0", "logit_bias"),
+    ({"logit_bias": {"5": "x"}}, "'logit_bias.5' must be a number, got \"x\"", "logit_bias"),
+    ({"presence_penalty": 2.5}, "'presence_penalty' must be in [-2, 2], got 2.5", "presence_penalty"),
+    ({"frequency_penalty": -3}, "'frequency_penalty' must be in [-2, 2], got -3", "frequency_penalty"),
+    ({"min_p": 1.5}, "'min_p' must be in [0, 1], got 1.5", "min_p"),
+    ({"stop_token_ids": [3, 600]}, "'stop_token_ids' has the token id 600, outside this model's vocabulary [0, 512)",
+     "stop_token_ids"),
+])
+def test_sampling_field_refusals(server, body, message, param):
+    r = httpx.post(server.url + "/v1/completions", json=dict(prompt="a", **body))
+    assert (r.status_code, r.json()) == (400, _error(message, param))
+
+
 # --- n ----------------------------------------------------------------------------------------------------------
 def test_n_choices_are_rows_seeded_seed_plus_i(server, serve_pipe):
     """n=3 sampled with seed 5: choice i is pipeline().generate with seed 5 + i; usage counts every choice."""

@@ -192,7 +192,9 @@ def _bodies():
               "stop", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "logprobs", "top_logprobs",
               "response_format", "tools", "tool_choice", "echo", "best_of", "suffix", "logit_bias", "tokens",
               "add_special_tokens", "role", "content", "type", "json_schema", "schema", "function", "name",
-              "parameters", "include_usage", "tool_calls", "arguments", "x"]
+              "parameters", "include_usage", "tool_calls", "arguments", "presence_penalty", "frequency_penalty",
+              "min_p", "stop_token_ids", "ignore_eos", "chat_template_kwargs", "max_reasoning_tokens",
+              "reasoning_budget", "reasoning_content", "enable_thinking", "x"]
     scalars = (st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats(allow_nan=True)
                | st.text(max_size=12) | st.sampled_from(["user", "assistant", "tool", "function", "json_object",
                                                          "json_schema", "text", "required", "auto", "none"]))

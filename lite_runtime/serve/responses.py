@@ -207,8 +207,12 @@ class Answer:
         prompt = len(self.plan.prompt)
         # prompt tokens found in the cache row (prefix reuse: lite_runtime/batching.py), as OpenAI reports its cache
         cached = self.requests[0].cached if self.requests else 0
-        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        if self.plan.chat and self.plan.reasoning is not None:  # OpenAI's count of the thinking (markers not counted)
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(r.think.count for r in self.requests
+                                                                          if r.think is not None)}
+        return usage
 
     def response(self) -> Dict[str, Any]:
         choices = []

@@ -128,15 +128,13 @@ class Service:
         if problem is not None:
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
 
-    def _in_vocabulary(self, ids: Sequence[int], field: str, what: str = "") -> List[int]:
-        """`ids` if every one is a token of this model, else a 400 naming `field` (and `what` in it) and the first
-        outsider."""
+    def _in_vocabulary(self, ids: Sequence[int], field: str) -> List[int]:
+        """`ids` if every one is a token of this model, else a 400 naming `field` and the first outsider."""
         vocab = self.generator.config.vocab_size
         bad = next((t for t in ids if vocab and not 0 <= t < vocab), None)
         if bad is not None:
-            where = f" {what}" if what else ""
-            raise APIError(400, f"'{field}'{where} has the token id {bad}, outside this model's vocabulary "
-                                f"[0, {vocab})", param=field)
+            raise APIError(400, f"'{field}' has the token id {bad}, outside this model's vocabulary [0, {vocab})",
+                           param=field)
         return list(ids)
 
     # --- plans --------------------------------------------------------------------------------------------
@@ -169,12 +167,17 @@ class Service:
                                     "presence_penalty": req.presence_penalty,
                                     "frequency_penalty": req.frequency_penalty}
         if req.logit_bias:  # OpenAI's -100 bans the token (HF's suppress_tokens), any other value is added (its
-            bias = {}       # sequence_bias of one token)
+            bias, vocab = {}, self.generator.config.vocab_size  # sequence_bias of one token)
             for key, value in req.logit_bias.items():
-                token = self._in_vocabulary([int(key)], "logit_bias", f"key '{key}'")[0]
-                bias[token] = value
+                if vocab and int(key) >= vocab:
+                    raise APIError(400, f"'logit_bias' key '{key}' is not a token id of this model: its vocabulary is "
+                                        f"[0, {vocab})", param="logit_bias")
+                bias[int(key)] = value
             sampling["suppress_tokens"] = [t for t, v in bias.items() if v <= -MAX_BIAS] or None
             sampling["sequence_bias"] = {(t,): v for t, v in bias.items() if v > -MAX_BIAS} or None
+        if req.temperature is not None:  # absent: the folder's generation_config.json decides, as pipeline() does
+            sampling.update(do_sample=req.temperature > 0,
+                            temperature=req.temperature if req.temperature > 0 else None)
         try:
             settings = [self.generator.defaults.updated(
                 seed=None if req.seed is None else req.seed + i, **sampling) for i in range(req.n)]
