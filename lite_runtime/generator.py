@@ -19,7 +19,8 @@ import numpy as np
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError, MissingDependencyError
 from lite_runtime.runner import ModelRunner
-from lite_runtime.sampling import GenerationSettings, check_vocabulary, pick, probability, process, softmax
+from lite_runtime.sampling import (GenerationSettings, check_vocabulary, pick, probability, process, seeded,
+                                   softmax)
 from lite_runtime.speculative import DraftFolder, Pacer, PromptLookup, SpecStats, accept, same_vocabulary
 from lite_runtime.tokenizer import FolderTokenizer, chat_problem, has_folder_tokenizer
 
@@ -258,7 +259,7 @@ class TextGenerator:
         """One step for callers that drive the loop: the next token of each row and its probability."""
         s = self._settings(kwargs)
         rows = self._check_rows(input_ids, self.runner.held)
-        rng = np.random.default_rng(s.seed) if s.do_sample else None
+        rng = seeded(s.seed) if s.do_sample else None
         with self.runner.request():
             logits = self._forward(rows)
         scores = [process(logits[i], rows[i], s, len(rows[i])) for i in range(len(rows))]
@@ -276,7 +277,7 @@ class TextGenerator:
         rows = self._check_rows(input_ids)
         limits = self._limits(rows, s)
         eos = set() if s.ignore_eos else set(s.eos_token_id or ())
-        rng = np.random.default_rng(s.seed) if s.do_sample else None
+        rng = seeded(s.seed) if s.do_sample else None
         seqs = [list(r) for r in rows]
         reasons: List[Optional[str]] = [None] * len(rows)
         out = GenerateOutput(seqs, [], [len(r) for r in rows])

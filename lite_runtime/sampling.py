@@ -172,7 +172,8 @@ def repetition_penalty(scores: np.ndarray, seen: Sequence[int], penalty: float) 
     out = scores.copy()
     idx = np.unique(np.asarray(seen, np.int64))
     s = out[idx]
-    out[idx] = np.where(s < 0, s * penalty, s / penalty)
+    with np.errstate(over="ignore", divide="ignore"):  # a penalty near 0 or huge: scores run to +-inf, as in HF
+        out[idx] = np.where(s < 0, s * penalty, s / penalty)
     return out
 
 
@@ -217,6 +218,12 @@ def process(scores: np.ndarray, seen: Sequence[int], s: GenerationSettings, prom
             scores = (scores / np.float32(s.temperature)).astype(np.float32)
         scores = min_p_filter(top_p_filter(top_k_filter(scores, s.top_k), s.top_p), s.min_p)
     return scores
+
+
+def seeded(seed: Optional[int]) -> np.random.Generator:
+    """The generator a seed names: any integer (OpenAI's `seed` may be negative: taken modulo 2**64, which numpy
+    needs non-negative); None: fresh entropy."""
+    return np.random.default_rng(None if seed is None else int(seed) % (1 << 64))
 
 
 def pick(scores: np.ndarray, do_sample: bool, rng: Optional[np.random.Generator]) -> int:

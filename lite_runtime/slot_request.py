@@ -26,7 +26,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from lite_runtime.sampling import GenerationSettings, pick, process
+from lite_runtime.sampling import GenerationSettings, pick, process, seeded
 
 
 class TokenLogprob(NamedTuple):
@@ -76,7 +76,7 @@ class SlotRequest:
     _sent_logprobs: int = 0  # token_logprobs already sent with text
 
     def __post_init__(self) -> None:
-        self.rng = np.random.default_rng(self.settings.seed)
+        self.rng = seeded(self.settings.seed)
 
     @property
     def decoding(self) -> bool:

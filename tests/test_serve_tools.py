@@ -302,7 +302,8 @@ def test_llama_named_tool_call_streams_its_arguments(llama):
     assert content == "" and finish == ["tool_calls"] and deltas > 1
     assert [(n, a) for _, n, a in calls.values()] == [("get_time", call.function.arguments)]
     history = messages + [{"role": "assistant", "tool_calls": [{"id": call.id, "type": "function", "function": {
-        "name": "get_time", "arguments": call.function.arguments}}]}, {"role": "tool", "content": "12:00"}]
+        "name": "get_time", "arguments": call.function.arguments}}]},
+        {"role": "tool", "content": "12:00", "tool_call_id": call.id}]
     want = tok.apply_chat_template([dict(m, content=m.get("content") or "", tool_calls=[{"function": {
         "name": "get_time", "arguments": json.loads(call.function.arguments)}}]) if m.get("tool_calls") else m
         for m in history], tools=[TIME], add_generation_prompt=True, tokenize=False)

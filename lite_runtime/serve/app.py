@@ -1,7 +1,8 @@
 """The HTTP router: FastAPI routes over a Service, server-sent events, the API key, one error shape.
 
-Request bodies are the protocol's pydantic models (so /openapi.json and /docs show the real API); every
-refusal, FastAPI's own included, leaves through one handler as OpenAI's {"error": {...}}. Plans (tokenizing,
+Request bodies are the protocol's pydantic models (so /openapi.json and /docs show the real API: schema.py adds
+every status an operation can return and the folder's limits); every refusal, FastAPI's own included, leaves
+through one handler as OpenAI's {"error": {...}}, with its headers (a 405's Allow, a 503's Retry-After). Plans (tokenizing,
 templates, grammar compiles) are made off the event loop, so running streams keep flowing meanwhile.
 """
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations
@@ -13,6 +14,7 @@ from lite_runtime.serve.metrics import CONTENT_TYPE
 from lite_runtime.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                          TokenizeRequest, validation_error)
 from lite_runtime.serve.responses import Answer, TokenPieces
+from lite_runtime.serve.schema import document
 from lite_runtime.serve.serving import Plan, Service
 
 _MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
@@ -119,8 +121,15 @@ def create_app(service: Service):
         return refused(request.url.path, validation_error(list(exc.errors()), _MODELS.get(request.url.path)))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        return refused(request.url.path, APIError(exc.status_code, str(exc.detail)))
+    async def http_error(request: Request, exc: StarletteHTTPException):  # 404 (path), 405 (method: with Allow)
+        return refused(request.url.path, APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception):  # a bug: still OpenAI's shape, and logged (Starlette's own)
+        return refused(request.url.path, APIError(500, f"the server failed on this request: {type(exc).__name__}: "
+                                                       f"{exc}"[:500], kind="server_error", code="internal_error"))
+
+    app.openapi = lambda: document(app, service)
 
     async def off_loop(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
@@ -162,7 +171,8 @@ def create_app(service: Service):
         """("error", message, code) from the engine: 504 past --request_timeout, 503 shutting down, else 500."""
         code = event[2] if len(event) > 2 else "engine_error"
         status = {"timeout": 504, "server_shutdown": 503}.get(code, 500)
-        return APIError(status, str(event[1]), kind="server_error", code=code)
+        return APIError(status, str(event[1]), kind="server_error", code=code,
+                        headers={"Retry-After": "5"} if status == 503 else None)
 
     async def answer(request: Request, plan: Plan):
         loop = asyncio.get_running_loop()

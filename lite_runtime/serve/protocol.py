@@ -10,7 +10,7 @@ serving layer's (serving.py).
 """
 # no `from __future__ import annotations`: pydantic reads the annotations at class creation
 import json
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -34,6 +34,29 @@ class APIError(Exception):
 
     def body(self) -> Dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def said(**schema) -> Any:
+    """A constraint the schema states and a validator (here or in serving.py) enforces with its own words."""
+    return Field(json_schema_extra=schema)
+
+
+TokenId = Annotated[StrictInt, said(minimum=0)]  # and below the vocabulary's size: app.py writes it into openapi.json
+NonEmpty = Annotated[str, said(minLength=1)]
+
+
+# --- responses (what /openapi.json documents; the handlers build plain dicts) -------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error (4xx) or server_error (5xx)")
+    param: Optional[str] = Field(description="the request field at fault, when one is")
+    code: Optional[str] = Field(description="e.g. context_length_exceeded, model_not_found, invalid_api_key, "
+                                            "request_too_large, server_busy, server_draining, timeout")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: every status but 200 has it."""
+    error: ErrorDetail
 
 
 def refuse(param: str, message: str) -> PydanticCustomError:
@@ -164,6 +187,52 @@ class ChatMessage(Body):
     def text(self) -> Optional[str]:
         return "".join(p.text for p in self.content) if isinstance(self.content, list) else self.content
 
+    def problem(self) -> Optional[str]:
+        """What this message lacks for its role (OpenAI's rules), else None."""
+        if self.role == "assistant":
+            return None if self.content is not None or self.tool_calls else "needs 'content' or 'tool_calls'"
+        if self.content is None:
+            return "needs 'content'"
+        if self.role == "tool" and self.tool_call_id is None:
+            return "needs 'tool_call_id' (the id of the call it answers)"
+        return None
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        """One object per role (oneOf, told apart by `role`), each with the fields it takes and needs: the rules
+        `problem` enforces."""
+        schema = handler(core_schema)
+        target = handler.resolve_ref_schema(schema)
+        props = target["properties"]
+        content = {k: v for k, v in props["content"].items() if k not in ("default", "anyOf")}
+        content["anyOf"] = [s for s in props["content"]["anyOf"] if s.get("type") != "null"]
+        text_role = {"content": content, "name": props["name"]}
+        variants = [{"type": "object", "title": f"{role.capitalize()}Message", "required": ["role", "content"],
+                     "properties": {"role": {"const": role}, **text_role}}
+                    for role in ("system", "developer", "user")]
+        variants.append({"type": "object", "title": "AssistantMessage", "required": ["role"],
+                         "properties": {"role": {"const": "assistant"},
+                                        **{k: props[k] for k in ("content", "name", "tool_calls",
+                                                                 "reasoning_content", "reasoning")}},
+                         "anyOf": [{"required": ["content"], "properties": {"content": content}},
+                                   {"required": ["tool_calls"],
+                                    "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]})
+        variants.append({"type": "object", "title": "ToolMessage", "required": ["role", "content", "tool_call_id"],
+                         "properties": {"role": {"const": "tool"}, "content": content,
+                                        "tool_call_id": {"type": "string"}, "name": props["name"]}})
+        for key in list(target):
+            if key not in ("title", "description"):
+                del target[key]
+        target["oneOf"] = variants
+        return schema
+
+
+def _check_messages(messages: Optional[List[ChatMessage]]) -> None:
+    for i, m in enumerate(messages or ()):
+        problem = m.problem()
+        if problem:
+            raise refuse("messages", f"'messages[{i}]' (role {m.role}) {problem}")
+
 
 def _template_kwargs(value):
     """chat_template_kwargs, refused when a key is one the server renders the template with."""
@@ -183,7 +252,8 @@ class Sampling(Request):
     n: int = Field(1, ge=1, description="choices, each its own cache row; at most the folder's batch size")
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    stop: Union[str, List[str], None] = Field(None, description=f"up to {MAX_STOP} non-empty strings")
+    stop: Union[NonEmpty, Annotated[List[NonEmpty], said(maxItems=MAX_STOP)], None] = Field(
+        None, description=f"up to {MAX_STOP} non-empty strings")
     temperature: Optional[float] = Field(None, ge=0, le=2, description="0: greedy; absent: generation_config.json")
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=-1, description="extension (vLLM's): -1 or 0 disables it")
@@ -198,11 +268,12 @@ class Sampling(Request):
                                               "every token already generated")
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, description="OpenAI's: minus this times how often "
                                                "the token was generated so far")
-    logit_bias: Optional[Dict[str, float]] = Field(None, description=f"token id (a decimal string) -> a bias in "
+    logit_bias: Optional[Dict[Annotated[str, said(pattern=r"^[0-9]+$")],
+                              Annotated[float, said(minimum=-MAX_BIAS, maximum=MAX_BIAS)]]] = Field(None, description=f"token id (a decimal string) -> a bias in "
                                                    f"[-{MAX_BIAS}, {MAX_BIAS}] added to its logit; -{MAX_BIAS} bans it")
     min_p: Optional[float] = Field(None, ge=0, le=1, description="extension (vLLM's, HF's meaning): drop tokens "
                                    "less likely than min_p times the most likely one; 0 disables it")
-    stop_token_ids: Optional[List[StrictInt]] = Field(None, description="extension (vLLM's): these tokens end the "
+    stop_token_ids: Optional[List[TokenId]] = Field(None, description="extension (vLLM's): these tokens end the "
                                                       "answer as eos does (not in its text)")
     ignore_eos: Optional[bool] = Field(None, description="extension (vLLM's): eos does not end the answer; "
                                        "max_tokens, a stop or stop_token_ids do")
@@ -233,14 +304,16 @@ class Sampling(Request):
 
 
 class CompletionRequest(Sampling):
-    prompt: Union[str, List[StrictInt], List[str], List[List[StrictInt]]] = Field(
-        description="one prompt: a string or a list of token ids (a list of one of those is that one)")
+    prompt: Union[NonEmpty, Annotated[List[TokenId], said(minItems=1)],
+                  Annotated[List[NonEmpty], said(minItems=1, maxItems=1)],
+                  Annotated[List[Annotated[List[TokenId], said(minItems=1)]], said(minItems=1, maxItems=1)]] \
+        = Field(description="one prompt: a non-empty string or list of token ids (a list of one of those is that one)")
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS,
                                     description="each token's log-probability and this many alternatives")
     echo: Optional[bool] = Field(None, description="the prompt before the completion; with logprobs, every prompt "
                                                     "token's (the first's null), as lm-evaluation-harness scores")
-    best_of: Optional[int] = Field(None, description="1 only")
-    suffix: Optional[str] = Field(None, description="empty only")
+    best_of: Optional[int] = Field(None, description="1 only", json_schema_extra={"enum": [1, None]})
+    suffix: Optional[str] = Field(None, description="empty only", json_schema_extra={"enum": ["", None]})
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -294,6 +367,7 @@ class ChatCompletionRequest(Sampling):
 
     @model_validator(mode="after")
     def _chat_rules(self):
+        _check_messages(self.messages)
         if self.max_tokens == 0:
             raise refuse("max_tokens", "'max_tokens' must be at least 1 in chat (0 is for completions with 'echo')")
         if self.max_reasoning_tokens is not None and self.reasoning_budget not in (None, -1, self.max_reasoning_tokens):
@@ -327,16 +401,19 @@ class TokenizeRequest(Request):
     def _template_kwargs(cls, value):
         return _template_kwargs(value)
 
+    model_config = ConfigDict(json_schema_extra={"anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+
     @model_validator(mode="after")
     def _one_of(self):
         if self.prompt is None and self.messages is None:
             raise refuse("prompt", "'prompt' (a string) or 'messages' is required")
+        _check_messages(self.messages)
         return self
 
 
 class DetokenizeRequest(Request):
     model: Optional[str] = None
-    tokens: List[StrictInt]
+    tokens: List[TokenId]
 
 
 # --- one handler for every refusal ------------------------------------------------------------------------------
