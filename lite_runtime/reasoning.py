@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 from lite_runtime.errors import InferError
+from lite_runtime.text_machine import TextMachine, partial
 
 PARSERS = ("qwen3", "deepseek_r1")
 Event = Tuple[str, str]  # ("reasoning" | "content", text)
@@ -60,13 +61,8 @@ def opens_block(generation_prompt: str, fmt: ReasoningFormat) -> bool:
     return generation_prompt.rfind(fmt.start) > generation_prompt.rfind(fmt.end)
 
 
-def _partial(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that is a proper start of `marker`."""
-    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:n])), 0)
-
-
 @dataclass
-class ReasoningParser:
+class ReasoningParser(TextMachine):
     """Text in (feed, then finish), ("reasoning" | "content", text) events out (module doc)."""
 
     fmt: ReasoningFormat
@@ -80,21 +76,6 @@ class ReasoningParser:
     def __post_init__(self) -> None:
         self._state = "reasoning" if self.opened else "before"
         self.seen = self.opened
-
-    def feed(self, text: str) -> List[Event]:
-        self._buffer += text
-        return self._run(final=False)
-
-    def finish(self) -> List[Event]:
-        return self._run(final=True)
-
-    def _run(self, final: bool) -> List[Event]:
-        out: List[Event] = []
-        while True:
-            state, size = self._state, len(self._buffer)
-            getattr(self, f"_{state}")(out, final)
-            if (self._state, len(self._buffer)) == (state, size):
-                return out
 
     def _before(self, out: List[Event], final: bool) -> None:
         stripped = self._buffer.lstrip()
@@ -115,7 +96,7 @@ class ReasoningParser:
             self._emit(out, "reasoning", self._buffer.rstrip())
             self._buffer = ""
             return
-        body = self._buffer[:len(self._buffer) - _partial(self._buffer, self.fmt.end)]
+        body = self._buffer[:len(self._buffer) - partial(self._buffer, self.fmt.end)]
         sent = len(body.rstrip())  # trailing space waits: it may be the block's last
         self._emit(out, "reasoning", self._buffer[:sent])
         self._buffer = self._buffer[sent:]

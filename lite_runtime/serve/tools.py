@@ -16,6 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from lite_runtime.text_machine import TextMachine, partial
+
 Event = Tuple  # ("content", text) | ("call", index, id, name) | ("arguments", index, text)
 
 
@@ -55,7 +57,7 @@ def new_call_id() -> str:
 
 
 @dataclass
-class ToolCallParser:
+class ToolCallParser(TextMachine):
     fmt: ToolFormat
     calls: List[List[str]] = field(default_factory=list)  # [id, name, arguments]
     content: str = ""
@@ -67,21 +69,8 @@ class ToolCallParser:
         """The answer's content as OpenAI gives it: the text, or with calls the text around them (None if blank)."""
         return (self.content.strip() or None) if self.calls else self.content
 
-    def feed(self, text: str) -> List[Event]:
-        self._buffer += text
-        return self._run(final=False)
-
-    def finish(self) -> List[Event]:
-        return self._run(final=True)
-
-    # --- the state machine -------------------------------------------------------------------------------------
-    def _run(self, final: bool) -> List[Event]:
-        out: List[Event] = []
-        while True:
-            before = (self._state, len(self._buffer))
-            getattr(self, f"_{self._state}")(out, final)
-            if (self._state, len(self._buffer)) == before:
-                break
+    # --- the state machine (lite_runtime/text_machine.py) ------------------------------------------------------
+    def _ended(self, out: List[Event], final: bool) -> None:
         if final and self._buffer:  # an unclosed call, or text that only looked like one
             if self._state == "arguments":
                 self._arguments_delta(out, self._buffer.rstrip().removesuffix("}") if self.fmt.end is None
@@ -89,7 +78,6 @@ class ToolCallParser:
             else:
                 self._content(out, (self.fmt.start or "") + self._buffer if self._state == "header" else self._buffer)
             self._buffer = ""
-        return out
 
     def _text(self, out: List[Event], final: bool) -> None:
         if self.fmt.start is None:  # llama3_json: a call is the whole answer, or there is none
@@ -109,8 +97,7 @@ class ToolCallParser:
                 self._content(out, self._buffer[:at])
             self._buffer, self._state = self._buffer[at + len(self.fmt.start):], "header"
             return
-        keep = next((n for n in range(min(len(self.fmt.start) - 1, len(self._buffer)), 0, -1)
-                     if self._buffer.endswith(self.fmt.start[:n])), 0)
+        keep = partial(self._buffer, self.fmt.start)
         if self.calls and not self._buffer[:len(self._buffer) - keep].strip():  # space between calls: not content
             if final:
                 self._buffer = ""
