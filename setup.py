@@ -15,4 +15,4 @@ setup(ext_modules=[Extension(
     extra_compile_args=["-O3", "-std=c++14", "-pthread"],
     extra_link_args=["-pthread"],
     optional=True,
-)])
+)], options={"build_ext": {"parallel": True}})  # the seven files compile on every core (pip install -e .)

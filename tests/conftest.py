@@ -9,13 +9,19 @@ from export import random_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# the files whose one fixture runs longest go first: under xdist (the test command's `-n 2 --dist loadfile`) each
-# then runs beside the others instead of after them (test_readme.py: the README end to end, ~9 minutes)
-FIRST = ("test_readme.py",)
+# the files that run longest go first (measured: the README end to end ~8.5 min, then these ~1.5-2.5 min each):
+# under xdist (the test command's `-n 2 --dist loadfile`) the README then runs beside the rest instead of after it
+FIRST = ("test_readme.py", "test_quantize.py", "test_atlas_fused.py", "test_tensor_parallel.py", "test_export.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # xdist would order files by their number of tests instead
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=lambda item: 0 if os.path.basename(str(item.fspath)) in FIRST else 1)  # stable: the rest as found
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(FIRST)))  # stable: the rest as found
 
 
 # name -> make_checkpoint settings; GQA and MHA, tied and untied heads
