@@ -166,8 +166,8 @@ class Service:
                                     "top_k": None if req.top_k is None else max(req.top_k, 0), "min_p": req.min_p,
                                     "presence_penalty": req.presence_penalty,
                                     "frequency_penalty": req.frequency_penalty}
-        if req.logit_bias:  # OpenAI's -100 bans the token (HF's suppress_tokens), any other value is added (its
-            bias, vocab = {}, self.generator.config.vocab_size  # sequence_bias of one token)
+        if req.logit_bias:  # OpenAI's -100 bans the token (HF's suppress_tokens); another value is added (HF's
+            bias, vocab = {}, self.generator.config.vocab_size  # sequence_bias of that one token)
             for key, value in req.logit_bias.items():
                 if vocab and int(key) >= vocab:
                     raise APIError(400, f"'logit_bias' key '{key}' is not a token id of this model: its vocabulary is "
@@ -256,7 +256,10 @@ class Service:
     def _generation_prompt(self, messages: List[ChatMessage], tools, kwargs: Dict[str, Any], text: str) -> str:
         """What the template adds for the answer: `text` (rendered with add_generation_prompt) past the same render
         without it (the whole of `text` when the two do not share that start)."""
-        bare = self.chat_prompt(messages, tools, add_generation_prompt=False, template_kwargs=kwargs)
+        try:
+            bare = self.chat_prompt(messages, tools, add_generation_prompt=False, template_kwargs=kwargs)
+        except APIError:  # a template that renders only with the generation prompt: judge by the whole text
+            return text
         return text[len(bare):] if text.startswith(bare) else text
 
     def chat_prompt(self, messages: List[ChatMessage], tools=None, add_generation_prompt: bool = True,
