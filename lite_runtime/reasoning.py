@@ -116,6 +116,31 @@ class ReasoningParser(TextMachine):
             out.append((kind, text))
 
 
+@dataclass(frozen=True)
+class ThinkTokens:
+    """A format's markers as the tokenizer writes them: read once per server, shared by every request's ThinkState."""
+
+    start: Tuple[int, ...]  # the opening marker's ids
+    end: Tuple[int, ...]  # the closing marker's ids
+    close: Tuple[int, ...]  # forced at a budget: "\n" + end + "\n\n"
+
+    @classmethod
+    def of(cls, tokenizer, fmt: ReasoningFormat) -> "ThinkTokens":
+        """The ids; an InferError when decoding drops a marker (a special token): the parser reads text."""
+        for marker in (fmt.start, fmt.end):
+            ids = tokenizer.encode(marker, add_special_tokens=False)
+            if tokenizer.decode(ids, skip_special_tokens=True) != marker:
+                raise InferError(f"reasoning parser {fmt.name}: the tokenizer drops {marker} from decoded text (a "
+                                 "special token), so the reasoning cannot be told from the answer; pass "
+                                 "--reasoning_parser none")
+        start = tuple(tokenizer.encode(fmt.start, add_special_tokens=False))
+        end = tuple(tokenizer.encode(fmt.end, add_special_tokens=False))
+        close = tuple(tokenizer.encode("\n" + fmt.end + "\n\n", add_special_tokens=False))
+        if not any(close[i:i + len(end)] == end for i in range(len(close))):
+            close = tuple(tokenizer.encode("\n", add_special_tokens=False)) + end  # the ids the stop check sees
+        return cls(start, end, close)
+
+
 def _ends_with(ids: Sequence[int], tail: Sequence[int]) -> bool:
     return len(ids) >= len(tail) > 0 and list(ids[len(ids) - len(tail):]) == list(tail)
 
@@ -133,14 +158,8 @@ class ThinkState:
     forced: List[int] = field(default_factory=list)  # the next tokens, chosen for the model (the close)
 
     @classmethod
-    def for_request(cls, tokenizer, fmt: ReasoningFormat, opened: bool, budget: Optional[int]) -> "ThinkState":
-        encode = getattr(tokenizer, "encode")
-        start = tuple(encode(fmt.start, add_special_tokens=False))
-        end = tuple(encode(fmt.end, add_special_tokens=False))
-        close = tuple(encode("\n" + fmt.end + "\n\n", add_special_tokens=False))
-        if not any(tuple(close[i:i + len(end)]) == end for i in range(len(close))):
-            close = tuple(encode("\n", add_special_tokens=False)) + end  # the marker's ids as the stop check sees them
-        state = cls(start, end, close, "reasoning" if opened else "maybe", budget)
+    def for_request(cls, tokens: ThinkTokens, opened: bool, budget: Optional[int]) -> "ThinkState":
+        state = cls(tokens.start, tokens.end, tokens.close, "reasoning" if opened else "maybe", budget)
         state._check_budget()
         return state
 

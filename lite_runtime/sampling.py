@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple
-
-import math
 
 import numpy as np
 

@@ -27,6 +27,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from lite_runtime.sampling import GenerationSettings, pick, process, seeded
+from lite_runtime.text_machine import partial
 
 
 class TokenLogprob(NamedTuple):
@@ -91,12 +92,7 @@ def held_back(text: str, stops: Sequence[str]) -> int:
     while keep < len(text) and text[len(text) - 1 - keep] == "\ufffd":
         keep += 1
     body = text[:len(text) - keep]
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(body)), 0, -1):
-            if body.endswith(stop[:n]):
-                keep = max(keep, len(text) - len(body) + n)
-                break
-    return keep
+    return keep + max((partial(body, stop) for stop in stops), default=0)
 
 
 def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
@@ -134,9 +130,10 @@ def next_token(request: SlotRequest, logits: np.ndarray, tokenizer) -> Optional[
     ("stop" or "length") when the request is done, else None."""
     think = request.think
     token = think.next_forced() if think is not None else None  # a thinking budget's close (lite_runtime/reasoning.py)
-    grammar = request.constraint if think is None or think.answering or think.may_open() is not None else None
+    opener = think.may_open() if think is not None else None
+    grammar = request.constraint if think is None or think.answering or opener is not None else None
     if token is None:
-        token = _choose(request, logits, grammar, think.may_open() if think is not None and grammar else None)
+        token = _choose(request, logits, grammar, opener)
     else:
         grammar = None
     request.generated.append(token)

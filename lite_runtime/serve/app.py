@@ -2,8 +2,8 @@
 
 Request bodies are the protocol's pydantic models (so /openapi.json and /docs show the real API: schema.py adds
 every status an operation can return and the folder's limits); every refusal, FastAPI's own included, leaves
-through one handler as OpenAI's {"error": {...}}, with its headers (a 405's Allow, a 503's Retry-After). Plans (tokenizing,
-templates, grammar compiles) are made off the event loop, so running streams keep flowing meanwhile.
+through one handler as OpenAI's {"error": {...}}, with its headers (a 405's Allow, a 503's Retry-After). Plans
+(tokenizing, templates, grammar compiles) are made off the event loop, so running streams keep flowing meanwhile.
 """
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations
 import asyncio

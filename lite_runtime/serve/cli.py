@@ -92,8 +92,9 @@ def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] =
                       speculative=None if speculative == "off" else speculative, draft=draft,
                       reasoning=reasoning, thinking_budget=max_reasoning_tokens)
     if reasoning is not None:
+        fmt = reasoning[0]
         log.info("reasoning parser %s: chat answers carry the model's thinking (%s ... %s) as reasoning_content",
-                 reasoning.name, reasoning.start, reasoning.end)
+                 fmt.name, fmt.start, fmt.end)
     warning = service.chat_warning()
     if warning:
         log.warning(warning)
@@ -101,21 +102,13 @@ def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] =
 
 
 def reasoning_parser_of(generator, choice: str = "auto"):
-    """The folder's reasoning format (lite_runtime/reasoning.py), or None; an InferError when `choice` names a parser
-    its chat template cannot use, or when the markers are special tokens that decoding drops (the parser reads text)."""
-    from lite_runtime.reasoning import reasoning_format
+    """(the folder's reasoning format, its markers' ids) (lite_runtime/reasoning.py), or None; an InferError when
+    `choice` names a parser its chat template cannot use, or when decoding drops the markers (ThinkTokens.of)."""
+    from lite_runtime.reasoning import ThinkTokens, reasoning_format
 
     template = getattr(generator.tokenizer, "chat_template", None)
     fmt = reasoning_format(template if isinstance(template, str) else None, generator.config.model_name, choice)
-    if fmt is None:
-        return None
-    tokenizer = generator.tokenizer
-    for marker in (fmt.start, fmt.end):
-        ids = tokenizer.encode(marker, add_special_tokens=False)
-        if tokenizer.decode(ids, skip_special_tokens=True) != marker:
-            raise InferError(f"reasoning parser {fmt.name}: the tokenizer drops {marker} from decoded text (a special "
-                             "token), so the reasoning cannot be told from the answer; pass --reasoning_parser none")
-    return fmt
+    return None if fmt is None else (fmt, ThinkTokens.of(generator.tokenizer, fmt))
 
 
 def lookup_pays(config) -> bool:
@@ -201,8 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft tokens per check at most (default: the folder's smallest score graph's size - 1)")
     p.add_argument("--reasoning_parser", choices=("auto", "none", "qwen3", "deepseek_r1"), default="auto",
                    help="reasoning models: the thinking (<think> ... </think>) is returned as "
-                        "message.reasoning_content (and .reasoning), the answer as content. auto (default): on when the folder's chat template "
-                        "has the markers (Qwen3, DeepSeek-R1 distills); none: the whole text is content")
+                        "message.reasoning_content (and .reasoning), the answer as content. auto (default): on when "
+                        "the folder's chat template has the markers (Qwen3, DeepSeek-R1 distills); none: the whole "
+                        "text is content")
     p.add_argument("--max_reasoning_tokens", type=int, default=None,
                    help="a thinking budget for every chat request (a request's max_reasoning_tokens or "
                         "reasoning_budget wins): at this many reasoning tokens the block is closed and the model "

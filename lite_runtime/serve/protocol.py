@@ -3,16 +3,16 @@
 Types are strict (a string is not an integer, `true` is not a number) and numbers finite (`NaN` and `Infinity`,
 which Python's json reads, are refused). Fields this server implements only at their no-op value (`best_of`,
 `suffix`) are accepted at it and refused otherwise, naming the field; other unknown fields are ignored, as
-OpenAI's own server does. Every refusal becomes one OpenAI-shaped
-400 through `validation_error` (the app's one handler), in the words of the field: "'top_p' must be in (0, 1],
-got 0". Checks that need the model (the prompt against seq_length, token ids against the vocabulary) are the
-serving layer's (serving.py).
+OpenAI's own server does. Every refusal becomes one OpenAI-shaped 400 through `validation_error` (the app's one
+handler), in the words of the field: "'top_p' must be in (0, 1], got 0". Checks that need the model (the prompt
+against seq_length, token ids against the vocabulary) are the serving layer's (serving.py).
 """
 # no `from __future__ import annotations`: pydantic reads the annotations at class creation
 import json
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictInt, WithJsonSchema, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 MAX_STOP = 4  # stop strings per request, as OpenAI
@@ -41,7 +41,7 @@ def said(**schema) -> Any:
     return Field(json_schema_extra=schema)
 
 
-TokenId = Annotated[StrictInt, said(minimum=0)]  # and below the vocabulary's size: app.py writes it into openapi.json
+TokenId = Annotated[StrictInt, said(minimum=0)]  # and below the vocabulary's size: schema.py writes it in
 NonEmpty = Annotated[str, said(minLength=1)]
 
 
@@ -243,6 +243,9 @@ def _template_kwargs(value):
     return value
 
 
+TemplateKwargs = Annotated[Optional[Dict[str, Any]], AfterValidator(_template_kwargs)]
+
+
 # --- the requests -------------------------------------------------------------------------------------------
 class Sampling(Request):
     """What completions and chat share."""
@@ -268,9 +271,11 @@ class Sampling(Request):
                                               "every token already generated")
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, description="OpenAI's: minus this times how often "
                                                "the token was generated so far")
-    logit_bias: Optional[Dict[Annotated[str, said(pattern=r"^[0-9]+$")],
-                              Annotated[float, said(minimum=-MAX_BIAS, maximum=MAX_BIAS)]]] = Field(None, description=f"token id (a decimal string) -> a bias in "
-                                                   f"[-{MAX_BIAS}, {MAX_BIAS}] added to its logit; -{MAX_BIAS} bans it")
+    logit_bias: Optional[Annotated[Dict[str, float], WithJsonSchema({
+        "type": "object", "propertyNames": {"pattern": r"^[0-9]+$"},
+        "additionalProperties": {"type": "number", "minimum": -MAX_BIAS, "maximum": MAX_BIAS}})]] = Field(
+        None, description=f"token id (a decimal string) -> a bias in [-{MAX_BIAS}, {MAX_BIAS}] added to its logit; "
+                          f"-{MAX_BIAS} bans it")
     min_p: Optional[float] = Field(None, ge=0, le=1, description="extension (vLLM's, HF's meaning): drop tokens "
                                    "less likely than min_p times the most likely one; 0 disables it")
     stop_token_ids: Optional[List[TokenId]] = Field(None, description="extension (vLLM's): these tokens end the "
@@ -346,18 +351,12 @@ class ChatCompletionRequest(Sampling):
     tools: Optional[List[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
-    chat_template_kwargs: Optional[Dict[str, Any]] = Field(None, description="extension (vLLM's): more variables "
-                                                           "for the chat template, e.g. {\"enable_thinking\": false} "
-                                                           "(Qwen3)")
+    chat_template_kwargs: TemplateKwargs = Field(None, description="extension (vLLM's): more variables for the chat "
+                                                 "template, e.g. {\"enable_thinking\": false} (Qwen3)")
     max_reasoning_tokens: Optional[int] = Field(None, ge=0, description="extension: a thinking budget; at this many "
                                                 "reasoning tokens the block is closed and the answer follows")
     reasoning_budget: Optional[int] = Field(None, ge=-1, description="extension (llama.cpp's name): the same; -1 "
                                             "means no limit")
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs(cls, value):
-        return _template_kwargs(value)
 
     def thinking_budget(self) -> Optional[int]:
         """The thinking budget asked (either name), None for no limit."""
@@ -388,20 +387,15 @@ class ChatCompletionRequest(Sampling):
 class TokenizeRequest(Request):
     """vLLM's /tokenize: `prompt`, or `messages` through the chat template."""
 
+    model_config = ConfigDict(json_schema_extra={"anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[List[ChatMessage]] = Field(None, min_length=1)
     add_special_tokens: Optional[bool] = Field(None, description="default: true for prompt, false for messages")
     add_generation_prompt: bool = True
     tools: Optional[List[Tool]] = None
-    chat_template_kwargs: Optional[Dict[str, Any]] = None
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs(cls, value):
-        return _template_kwargs(value)
-
-    model_config = ConfigDict(json_schema_extra={"anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+    chat_template_kwargs: TemplateKwargs = None
 
     @model_validator(mode="after")
     def _one_of(self):

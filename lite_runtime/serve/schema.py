@@ -196,12 +196,8 @@ def _limits(schemas: Dict[str, Any], service) -> None:
         for key in ("prompt", "stop_token_ids", "tokens"):
             if key in props:
                 token_ids(props[key])
-        if "logit_bias" in props and vocab:  # keys: decimal token ids below the vocabulary's size
-            props["logit_bias"]["anyOf"] = [{"type": "object", "propertyNames": {"pattern": r"^[0-9]+$",
-                                                                                 "maxLength": len(str(vocab - 1))},
-                                             "additionalProperties": {"type": "number", "minimum": -100,
-                                                                      "maximum": 100}},
-                                            {"type": "null"}]
+        if "logit_bias" in props and vocab:  # keys: decimal token ids, no longer than the vocabulary's largest
+            props["logit_bias"]["anyOf"][0]["propertyNames"]["maxLength"] = len(str(vocab - 1))
         for key in ("max_tokens", "max_completion_tokens"):
             if key in props:
                 props[key]["anyOf"][0]["maximum"] = seq

@@ -17,7 +17,7 @@ from lite_runtime.errors import InferError, MissingDependencyError
 from lite_runtime.serve.metrics import Metrics
 from lite_runtime.serve.protocol import (MAX_BIAS, APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                          DetokenizeRequest, NamedToolChoice, Sampling, TokenizeRequest)
-from lite_runtime.reasoning import ReasoningFormat, ThinkState, opens_block
+from lite_runtime.reasoning import ReasoningFormat, ThinkState, ThinkTokens, opens_block
 from lite_runtime.serve.tools import ToolFormat, tool_format
 from lite_runtime.tokenizer import chat_problem
 
@@ -60,7 +60,8 @@ class Service:
     def __init__(self, generator, engine: BatchEngine, model_name: str, api_key: Optional[str] = None,
                  metrics_public: bool = False, max_body_bytes: int = MAX_BODY_BYTES,
                  request_timeout: Optional[float] = None, aliases: Sequence[str] = (),
-                 speculative: Optional[str] = None, draft=None, reasoning: Optional[ReasoningFormat] = None,
+                 speculative: Optional[str] = None, draft=None,
+                 reasoning: Optional[Tuple[ReasoningFormat, ThinkTokens]] = None,
                  thinking_budget: Optional[int] = None) -> None:
         self.generator, self.engine, self.model_name, self.api_key = generator, engine, model_name, api_key
         # other names a request's "model" may use (the folder's directory name: cli.load_service); /v1/models and
@@ -75,9 +76,10 @@ class Service:
         # "draft" (`draft`: the draft folder's TextGenerator) or None (off; a request's `speculative: true` still asks
         # for it: prompt lookup where the server has no draft)
         self.speculative, self.draft = speculative, draft
-        # the chat template's reasoning parser (cli.load_service: lite_runtime/reasoning.py reasoning_format) and the
-        # server's default thinking budget (--max_reasoning_tokens; a request's own wins)
-        self.reasoning, self.thinking_budget = reasoning, thinking_budget
+        # the chat template's reasoning parser and its markers' ids (cli.reasoning_parser_of, lite_runtime/reasoning.py)
+        # and the server's default thinking budget (--max_reasoning_tokens; a request's own wins)
+        self.reasoning, self.think_tokens = reasoning or (None, None)
+        self.thinking_budget = thinking_budget
         self._grammars = None
         self.chat_problem = chat_problem(generator.tokenizer)  # None: chat renders (checked once, at start-up)
 
@@ -362,8 +364,8 @@ class Service:
 
         deadline = None if not self.request_timeout else time.monotonic() + self.request_timeout
         for i, settings in enumerate(plan.settings):
-            think = None if plan.reasoning is None else ThinkState.for_request(
-                self.generator.tokenizer, plan.reasoning, plan.opened, plan.thinking_budget)
+            think = None if plan.reasoning is None else ThinkState.for_request(self.think_tokens, plan.opened,
+                                                                                plan.thinking_budget)
             requests.append(SlotRequest(prompt=plan.prompt, max_tokens=plan.max_tokens, settings=settings,
                                         deadline=deadline, emit=for_choice(i), stop=plan.stop, eos=plan.eos,
                                         think=think,
