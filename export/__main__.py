@@ -69,9 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "operators and the dtype is float16/bfloat16, else plain (ge_configs/README.md)")
     p.add_argument("--quantize", choices=("none", "int8", "int4"), default=None,
                    help="store the linear layers' weights in 8 or 4 bits (W8A16 / W4A16: Ascend's "
-                        "WeightQuantBatchMatmul on Atlas, mslite-llm's kernels on cpu), round-to-nearest; the embedding "
-                        "and the head stay in --dtype. Default: a GPTQ, AWQ or Q8_0/Q4_0/Q4_1 GGUF checkpoint keeps its "
-                        "own quantization as it is, a float one stays float; none: float weights")
+                        "WeightQuantBatchMatmul on Atlas, mslite-llm's kernels on cpu), round-to-nearest. Default: a "
+                        "GPTQ, AWQ or Q8_0/Q4_0/Q4_1 GGUF checkpoint keeps its own quantization as it is, a float one "
+                        "stays float; none: float weights")
+    p.add_argument("--quantize_tables", choices=("auto", "none", "int8"), default="auto",
+                   help="the embedding and the head of a quantized folder. auto (default): with --quantize, int8 per "
+                        "row (an untied embedding int4 in an int4 folder); of a GPTQ, AWQ or GGUF checkpoint, as it "
+                        "holds them (float tables in --dtype, a GGUF's Q8_0/Q4_0/Q4_1 tables kept, other types widened "
+                        "to --dtype). none: float tables. int8: int8 per row, also for an imported checkpoint's "
+                        "(quantized a second time: recorded in the manifest; refused for a table held in fewer than 8 "
+                        "bits)")
     p.add_argument("--group_size", type=int, default=None,
                    help="inputs per scale with --quantize: 0 is per channel; default 0 for int8, 128 for int4 (or the "
                         "largest power of two, at least 32, that divides every layer's input size)")
@@ -138,7 +145,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                            tp_size=args.tp_size, graph=None if args.graph == "auto" else args.graph,
                            chunk_sizes=parse_sizes(args.chunk_sizes, "--chunk_sizes"),
                            score_sizes=parse_sizes(args.score_sizes, "--score_sizes"), quantize=args.quantize,
-                           group_size=args.group_size)
+                           group_size=args.group_size, quantize_tables=args.quantize_tables)
         # the bars are drawn on a terminal only; piped, each stage is one plain line instead (-v logs them already)
         plain = not args.quiet and not args.verbose and not sys.stderr.isatty()
         summary = run_export(cfg, show_progress=not args.quiet,

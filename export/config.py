@@ -276,6 +276,9 @@ class ExportConfig:
     # method, a float one stays float), none, int8 or int4; group_size None: the default for the bits
     quantize: Optional[str] = None
     group_size: Optional[int] = None
+    # a quantized folder's embedding and head (export/quantize.py resolve_tables): auto (as an imported checkpoint holds
+    # them; int8 per row with --quantize), none (float), int8
+    quantize_tables: str = "auto"
 
     @property
     def compute_dtype(self) -> str:

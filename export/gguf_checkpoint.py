@@ -195,14 +195,32 @@ class GGUFTensors:
         """The folder method the file's linear layers are stored in as they are: Q8_0 -> int8, Q4_0 -> int4
         symmetric, Q4_1 -> int4 with offsets, each in groups of 32 (export/quantize.py); None for any other type or
         a mix (those are dequantized)."""
-        from export.quantize import QuantMethod, is_linear
+        from export.quantize import is_linear
 
-        kinds = {self._gguf[n].type_name for n in self._entries if is_linear(n)}
-        if len(kinds) != 1 or next(iter(kinds)) not in _NATIVE:
+        methods = {self.native_method_of(n) for n in self._entries if is_linear(n)}
+        return next(iter(methods)) if len(methods) == 1 else None
+
+    def native_method_of(self, name: str):
+        """The folder method one tensor is stored in as it is (Q8_0, Q4_0, Q4_1 in groups of 32), or None."""
+        from export.quantize import QuantMethod
+
+        kind = self._gguf[name].type_name
+        if kind not in _NATIVE:
             return None
-        kind = next(iter(kinds))
         bits, symmetric = _NATIVE[kind]
         return QuantMethod(bits, 32, symmetric, f"gguf:{kind}")
+
+    def stored_type(self, name: str) -> str:
+        return f"gguf:{self._gguf[name].type_name}"
+
+    def below_8_bits(self, name: str) -> Optional[str]:
+        """`<GGUF tensor> is <type>, fewer than 8 bits a weight` for a tensor the file holds so, else None."""
+        from export.quantize import _FULL_GGUF_TYPES
+
+        tensor = self._gguf[name]
+        if tensor.type_name in _FULL_GGUF_TYPES:
+            return None
+        return f"{tensor.name} is {tensor.type_name} (fewer than 8 bits a weight)"
 
     def quantized(self, name: str):
         """(q int8 [O, I], scale [O, I / 32], offset or None) float32 of a Q8_0/Q4_0/Q4_1 layer, bit for bit: the

@@ -43,8 +43,9 @@ class Network:
     rank of a tensor-parallel folder has the same network (equal shares of the heads and MLP columns, the same
     parameter names), so one is built and compiled for all of them."""
 
-    def __init__(self, cfg: ExportConfig, model_cfg: ModelConfig, quant=None) -> None:
-        """`quant`: the linear layers' export/quantize.QuantMethod, or None."""
+    def __init__(self, cfg: ExportConfig, model_cfg: ModelConfig, quant=None, tables=None) -> None:
+        """`quant`: the linear layers' export/quantize.QuantMethod, or None; `tables`: a quantized folder's
+        export/quantize.TablePlan."""
         import mindspore as ms
 
         from export.model import CausalLM
@@ -60,7 +61,7 @@ class Network:
         self.net = CausalLM(tensor_parallel_config(model_cfg, tp) if tp > 1 else model_cfg, cfg.batch_size,
                             cfg.seq_length, cfg.compute_dtype, gemv=self.kernels, gemm=gemm, weight_dtype=cfg.dtype,
                             tensor_parallel=tp > 1, vocab_shards=self.vocab_shards,
-                            fused=cfg.graph == "fused", quant=quant, atlas=cfg.device != "cpu")
+                            fused=cfg.graph == "fused", quant=quant, tables=tables, atlas=cfg.device != "cpu")
 
     def parameters(self) -> Params:
         names = {"Float32": "float32", "Float16": "float16", "BFloat16": "bfloat16", "Int32": "int32",

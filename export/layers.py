@@ -447,32 +447,30 @@ class Embedding(nn.Cell):
     every rank runs the same graph."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype, k: "Form", shards: int = 1) -> None:
-        """The table is stored by the form's table method (export/matmul.py), which the head uses too when it is this
-        table: a quantized folder's is q [V, E] int8 with a scale per row ([1, V], the head's per-channel scale); a
-        lookup gathers the rows and their scales."""
+        """The table is stored as the form says (export/matmul.py), and the head uses it when it is this table (a tied
+        model; the form's `table` method is then the one that reads this storage). A quantized embedding
+        (k.embedding, export/quantize.py TablePlan) is q [V, E] int8, or int4 two per byte as uint8 [V, E / 2] (input
+        2j in the low nibble, two's complement) in every form, with a scale (and offset) per group of its row,
+        [G, V] (G = 1: per row); a lookup gathers the rows, their scales and offsets, and computes (q + offset) *
+        scale by plain ops. A float one is [V, E] in the compute dtype, or in 16 bits read by our kernel."""
         super().__init__()
         self.rows = vocab_size // shards
         self.dtype = dtype
         self.head_method = k.table(False)
-        self.quant = self.head_method if is_quantized(self.head_method) else None
-        self.weight_offset = self.packed = None
-        if self.quant is not None and k.embedding is not None:
-            # int4 rows in groups with offsets (an untied table: export/quantize.py embedding_method), uint8 two per
-            # byte in every form: gathered, unpacked and scaled by plain integer and float ops
-            e = k.embedding
-            self.group = e.group_size or hidden_size
-            self.weight = _weight((self.rows, hidden_size // 2), ms.uint8, "weight")
-            self.weight_scale = _weight((hidden_size // self.group, self.rows), dtype, "weight_scale")
-            self.weight_offset = None if e.symmetric else _weight((hidden_size // self.group, self.rows), dtype,
-                                                                  "weight_offset")
-            self.packed = True
-            self.kernel = None
-        elif self.quant is not None:
-            self.weight, self.weight_scale, _ = self.quant.storage(self.rows, hidden_size, dtype)
-            self.kernel = None
+        self.weight_offset = self.weight_scale = self.kernel = None
+        self.packed = False
+        e = k.embedding
+        self.quantized = e is not None
+        if e is not None:
+            groups = 1 if e.group_size == 0 else hidden_size // e.group_size
+            self.packed = e.bits == 4
+            self.weight = (_weight((self.rows, hidden_size // 2), ms.uint8, "weight") if self.packed else
+                           _weight((self.rows, hidden_size), ms.int8, "weight"))
+            self.weight_scale = _weight((groups, self.rows), dtype, "weight_scale")
+            if not e.symmetric:
+                self.weight_offset = _weight((groups, self.rows), dtype, "weight_offset")
         else:
             self.weight = _weight((self.rows, hidden_size), k.table_dtype or dtype, "weight")
-            self.weight_scale = None
             self.kernel = kernel_embed() if k.table_dtype is not None else None
         if shards > 1:
             self.vocab_start = Parameter(initializer("zeros", (1,), ms.int32), name="vocab_start", requires_grad=False)
@@ -481,20 +479,15 @@ class Embedding(nn.Cell):
             self.vocab_start = self.reduce = None
 
     def _lookup(self, ids):
-        if self.packed:
-            return self._lookup_int4(ids)
-        if self.quant is not None:  # int8 rows times their scales
-            rows = ops.cast(ops.gather(self.weight, ids, 0), self.dtype)  # [N, E]
-            scale = ops.gather(self.weight_scale.reshape(-1), ids, 0).reshape(-1, 1)  # [N, 1]
-            return ew_mul(rows, ops.broadcast_to(scale, rows.shape))
-        return self.kernel(ids, self.weight) if self.kernel is not None else ops.gather(self.weight, ids, 0)
-
-    def _lookup_int4(self, ids):
-        """Rows of nibbles (input 2j low, 2j + 1 high, two's complement) -> (q + offset) * scale per group."""
-        v = ops.cast(ops.gather(self.weight, ids, 0), ms.int32)  # [N, E/2], 0..255
-        high = ops.floor_div(v, 16)
-        nibbles = ops.stack((v - high * 16, high), -1).reshape(v.shape[0], -1)  # [N, E], 0..15
-        q = ops.cast(nibbles - ops.floor_div(nibbles, 8) * 16, self.dtype)  # -8..7
+        if not self.quantized:
+            return self.kernel(ids, self.weight) if self.kernel is not None else ops.gather(self.weight, ids, 0)
+        if self.packed:  # rows of nibbles (input 2j low, 2j + 1 high, two's complement) -> -8..7
+            v = ops.cast(ops.gather(self.weight, ids, 0), ms.int32)  # [N, E/2], 0..255
+            high = ops.floor_div(v, 16)
+            nibbles = ops.stack((v - high * 16, high), -1).reshape(v.shape[0], -1)  # [N, E], 0..15
+            q = ops.cast(nibbles - ops.floor_div(nibbles, 8) * 16, self.dtype)
+        else:
+            q = ops.cast(ops.gather(self.weight, ids, 0), self.dtype)  # [N, E]
         n, groups = q.shape[0], self.weight_scale.shape[0]
         q = q.reshape(n, groups, -1)
         scale = ops.gather(self.weight_scale, ids, 1).transpose(1, 0).reshape(n, groups, 1)

@@ -182,10 +182,10 @@ Factory = Callable[[bool], MatmulMethod]  # with_bias -> a method for one layer
 class Form(NamedTuple):
     """What a network's layers are built of, chosen once (CausalLM). `decode_ops`: the CPU kernels' fused decode
     ops run the layers (norm + q/k/v + RoPE + cache write, attention, o_proj + residual, norm + SwiGLU, ...: export/
-    layers.py), which read 16- or 32-bit matrices. `linear`: each linear layer's method. `table`: the tables'
-    (embedding and head) method, and `table_dtype` the embedding's storage dtype when it is not the compute dtype
-    (our embedding kernel reads it). `embedding`: in a quantized folder, the embedding's own method when it is not
-    the table's (export/quantize.py embedding_method: int4 groups when the head is untied), else None."""
+    layers.py), which read 16- or 32-bit matrices. `linear`: each linear layer's method. `table`: the head's method
+    (a tied model's head is the embedding's table). `table_dtype`: a float table's storage dtype when it is not the
+    compute dtype (our embedding kernel reads it). `embedding`: in a quantized folder, the embedding's QuantMethod
+    when it is quantized (export/quantize.py TablePlan), else None: float."""
 
     decode_ops: bool = False
     linear: Factory = lambda with_bias: PlainMatmul()
@@ -195,29 +195,35 @@ class Form(NamedTuple):
 
 
 def choose_form(kernels: bool, prompt_kernels: bool, weight_dtype, quant=None, atlas: bool = False,
-                embedding=None) -> Form:
+                tables=None) -> Form:
     """The form of a network: `kernels` (a CPU folder with our kernel library), `prompt_kernels` (the full graph's
     matmuls through them too: 16-bit matrices), `weight_dtype` (the matrices' storage dtype when it is not the
-    compute dtype), `quant` (export/quantize.QuantMethod of the linear layers, or None), `embedding` (the
-    embedding's own QuantMethod, export/quantize.py embedding_method, or None)."""
-    if quant is not None:
-        # a quantized folder: one quantized matmul per linear layer; the tables are int8 per row. On the CPU the fused
-        # decode ops run the layers, reading the integers as the matmul does (cpu_kernels/decode_ops.cc: a weight is
-        # its q, scale[, offset]); on Atlas the plain form around WeightQuantBatchMatmul (or the fused form, from
-        # export/atlas_layers.py)
-        def linear(with_bias: bool) -> MatmulMethod:
-            return QuantMatmul(quant.bits, quant.group_size, quant.symmetric, atlas)
-
-        def table(with_bias: bool) -> MatmulMethod:
-            return QuantMatmul(8, 0, True, atlas)
-
-        return Form(kernels and not atlas, linear, table, None, embedding)
+    compute dtype), `quant` (export/quantize.QuantMethod of the linear layers, or None), `tables` (a quantized
+    folder's export/quantize.TablePlan: each table quantized by its method, or float as a float folder's)."""
     if kernels:
-        def kernel(with_bias: bool) -> MatmulMethod:
+        def float_method(with_bias: bool) -> MatmulMethod:
             return KernelMatmul(prompt_kernels, weight_dtype, with_bias)
+    else:
+        def float_method(with_bias: bool) -> MatmulMethod:
+            return PlainMatmul()
+    if quant is None:
+        return Form(kernels, float_method, float_method, weight_dtype) if kernels else Form()
 
-        return Form(True, kernel, kernel, weight_dtype)
-    return Form()
+    # a quantized folder: one quantized matmul per linear layer. On the CPU the fused decode ops run the layers,
+    # reading the integers as the matmul does (cpu_kernels/decode_ops.cc: a weight is its q, scale[, offset]); on
+    # Atlas the plain form around WeightQuantBatchMatmul (or the fused form, from export/atlas_layers.py)
+    def linear(with_bias: bool) -> MatmulMethod:
+        return QuantMatmul(quant.bits, quant.group_size, quant.symmetric, atlas)
+
+    head = None if tables is None else (tables.embedding if tables.tied else tables.head)
+    if head is None:
+        table = float_method
+    else:
+        def table(with_bias: bool) -> MatmulMethod:
+            return QuantMatmul(head.bits, head.group_size, head.symmetric, atlas)
+
+    return Form(kernels and not atlas, linear, table, weight_dtype if kernels else None,
+                None if tables is None else tables.embedding)
 
 
 def is_quantized(method: Optional[MatmulMethod]) -> bool:

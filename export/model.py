@@ -71,15 +71,16 @@ class CausalLM(nn.Cell):
     Either way every rank computes the same logits.
 
     `fused` (Atlas A2 profiles only): the fused form of the layers (export/atlas_layers.py); else plain.
-    `quant`: the linear layers' export/quantize.QuantMethod, or None: float weights; `atlas`: the folder is for an
-    Atlas device (its quantized matmul is WeightQuantBatchMatmul). The form and every linear layer's method are
+    `quant`: the linear layers' export/quantize.QuantMethod, or None: float weights; `tables`: a quantized folder's
+    export/quantize.TablePlan (each table quantized or float); `atlas`: the folder is for an Atlas device (its
+    quantized matmul is WeightQuantBatchMatmul). The form and every linear layer's method are
     chosen here, once (export/matmul.py choose_form).
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype: str = "float32",
                  gemv: bool = False, gemm: bool = False, weight_dtype: Optional[str] = None,
                  tensor_parallel: bool = False, vocab_shards: int = 1, fused: bool = False, quant=None,
-                 atlas: bool = False) -> None:
+                 atlas: bool = False, tables=None) -> None:
         super().__init__()
         ms_dtype = MS_DTYPES[dtype]
         if weight_dtype == dtype:
@@ -88,10 +89,7 @@ class CausalLM(nn.Cell):
             raise ValueError(f"{weight_dtype} weights with {dtype} compute need the CPU kernels (gemv and gemm)")
         if fused and (gemv or gemm or dtype == "float32"):
             raise ValueError("the fused form runs Ascend's float16/bfloat16 operators, without the CPU kernels")
-        from export.quantize import embedding_method
-
-        k = choose_form(gemv, gemm, MS_DTYPES[weight_dtype] if weight_dtype else None, quant, atlas,
-                        embedding_method(quant, bool(cfg.tie_word_embeddings), cfg.hidden_size))
+        k = choose_form(gemv, gemm, MS_DTYPES[weight_dtype] if weight_dtype else None, quant, atlas, tables)
         self.config, self.batch_size, self.seq_length, self.dtype = cfg, batch_size, seq_length, ms_dtype
         self.model = DecoderModel(cfg, batch_size, seq_length, ms_dtype, k, tensor_parallel, vocab_shards, fused)
         # whether the layers run the CPU kernels' decode ops (the prefill and chunk contexts take their form)
@@ -120,7 +118,8 @@ class CausalLM(nn.Cell):
         hidden = self.model.norm.few_rows(hidden) if decode else self.model.norm(hidden)
         if self.tied:  # the embedding's table, by its method
             embed = self.model.embed_tokens
-            logits = embed.head_method(hidden, embed.weight, embed.weight_scale, None, None, None, decode)
+            logits = embed.head_method(hidden, embed.weight, embed.weight_scale, embed.weight_offset, None, None,
+                                       decode)
         else:
             logits = self.lm_head.few_rows(hidden) if decode else self.lm_head(hidden)
         logits = ops.cast(logits, ms.float32)

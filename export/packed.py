@@ -170,6 +170,18 @@ class PackedLayers:
         s = self.settings
         return QuantMethod(s["bits"], 0 if s["group_size"] == -1 else s["group_size"], False, s["method"])
 
+    def native_method_of(self, name: str):
+        """native_method for every packed layer (a packed lm_head too: some exporters pack it), else None."""
+        return self.native_method() if name[:-len(".weight")] in self._shapes else None
+
+    def stored_type(self, name: str) -> str:
+        return f"{self.settings['method']} int{self.settings['bits']}"
+
+    def below_8_bits(self, name: str) -> Optional[str]:
+        if self.settings["bits"] >= 8:
+            return None
+        return f"{name[:-len('.weight')]} is packed by {self.settings['method']} in {self.settings['bits']} bits"
+
     def quantized(self, name: str):
         """(q int8 [O, I], scale [O, G], offset [O, G]) float32 of one layer, the integers as the checkpoint holds
         them: q = u - 2^(bits-1), offset = 2^(bits-1) - z, so (q + offset) * scale = (u - z) * scale."""

@@ -93,16 +93,6 @@ class ExportSummary:
         return "time: " + ", ".join(parts)
 
 
-def _tables_text(record: Optional[Dict[str, Any]]) -> str:
-    if record is None:
-        return ""
-    e = record.get("embedding")
-    if e is None:
-        return "embedding and head int8 per row"
-    group = "per row" if e["group_size"] == 0 else f"groups of {e['group_size']}"
-    return f"embedding int{e['bits']} ({group}, {'symmetric' if e['symmetric'] else 'with offsets'}), head int8 per row"
-
-
 def _size(n: float) -> str:
     if n < 1024:
         return f"{int(n)} B"
@@ -195,7 +185,7 @@ def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str]
     model_cfg, profile = prepare(cfg)
     cfg = resolve(cfg, model_cfg)
     where = open_checkpoint(cfg.checkpoint)
-    quant, quant_notes = _quantization(cfg, model_cfg, profile, where)
+    quant, tables, quant_notes = _quantization(cfg, model_cfg, profile, where)
     for note in quant_notes:
         log.warning("%s", note) if note.startswith("group size") else log.info("%s", note)
     output = os.path.abspath(cfg.output)
@@ -204,7 +194,7 @@ def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str]
     _sweep_leftovers(parent)
     log.info("stage check")
     on_stage(STAGES["check"])
-    network, layouts, values, where = _plan(cfg, model_cfg, where, quant)
+    network, layouts, values, where = _plan(cfg, model_cfg, where, quant, tables)
     n_graphs = len(graph_plan(cfg)) * cfg.tp_size
     _check_space(parent, sum(layout.size for layout in layouts) + n_graphs * GRAPH_BYTES_ESTIMATE
                  + _small_files_bytes(cfg.checkpoint, profile))
@@ -222,10 +212,10 @@ def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str]
         graphs = _timed(stages, "compile", on_stage, _compile, cfg, network, show_progress)
         hashed, stats = _timed(stages, "weights", on_stage, _write_weights, tmp, layouts, where, values, show_progress)
         if quant is not None:
-            doc = _timed(stages, "golden", on_stage, _write_golden, cfg, model_cfg, tmp, show_progress, quant,
-                         layouts)
+            doc = _timed(stages, "golden", on_stage, _write_golden, cfg, model_cfg, tmp, show_progress,
+                         (quant, tables), layouts)
         _timed(stages, "files", on_stage, _write_folder_files, cfg, model_cfg, profile, tmp, graphs, layouts, hashed,
-               network.kernels, network.vocab_shards > 1, quant)
+               network.kernels, network.vocab_shards > 1, (quant, tables))
         _replace(tmp, output)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -242,7 +232,7 @@ def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str]
                                   "write": stats.write_seconds},
                          device=profile.name, dtype=cfg.dtype, compute_dtype=cfg.compute_dtype, graph=cfg.graph,
                          quantization=None if quant is None else quant.label(), notes=quant_notes,
-                         tables=_tables_text(_quant_record(quant, model_cfg)),
+                         tables="" if tables is None else tables.text(),
                          agreement=doc.get("agreement"))
 
 
@@ -257,18 +247,21 @@ def _timed(stages: Dict[str, float], name: str, on_stage: Callable[[str], None],
 
 
 def _quantization(cfg: ExportConfig, model_cfg: ModelConfig, profile, where):
-    """The folder's QuantMethod (or None) and notes for the user; refused where the device cannot run it, or where
-    a tensor-parallel split would cut a group."""
+    """The folder's QuantMethod and TablePlan (or None, None) and notes for the user; refused where the device cannot
+    run it, or where a tensor-parallel split would cut a group."""
     from export.config import tensor_parallel_config
-    from export.quantize import is_linear, resolve
+    from export.quantize import is_linear, resolve, resolve_tables
 
     tp = cfg.tp_size
     rank = tensor_parallel_config(model_cfg, tp) if tp > 1 else model_cfg
     heads = rank.num_attention_heads * rank.head_dim
     inputs = [model_cfg.hidden_size, heads, rank.intermediate_size]
     method, notes = resolve(cfg.quantize, cfg.group_size, where, inputs, cfg.checkpoint)
+    tied = bool(model_cfg.tie_word_embeddings)
+    tables = resolve_tables(cfg.quantize_tables, method, where, tied, model_cfg.hidden_size, cfg.dtype,
+                            profile.quant_bits, profile.quant_groups, atlas=cfg.device != "cpu")
     if method is None:
-        return None, notes
+        return None, None, notes
     if method.bits not in profile.quant_bits:
         supported = ", ".join(f"int{b}" for b in profile.quant_bits) or "none"
         raise ExportError(f"--device {profile.name} ({profile.hardware}): {method.label()} is not supported there "
@@ -285,10 +278,10 @@ def _quantization(cfg: ExportConfig, model_cfg: ModelConfig, profile, where):
                 raise ExportError(f"{cfg.checkpoint}: --tp_size {tp} would cut {name}'s groups of "
                                   f"{method.group_size} ({share} inputs per rank); pick a --tp_size whose share is a "
                                   f"multiple of the group size, or {other}")
-    return method, notes
+    return method, tables, notes
 
 
-def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where, quant=None):
+def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where, quant=None, tables=None):
     """The network (no weights; every rank's is the same), each rank's weights file layout, the values the export
     generates per rank, and the tensors the weights file is written from (a quantized folder's: export/quantize.py
     FolderTensors); the checkpoint's names and shapes checked first."""
@@ -305,13 +298,12 @@ def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where, quant=None):
     # tests/test_golden.py)
     plan_weights(weight_shapes(model_cfg), where, tied=bool(model_cfg.tie_word_embeddings))
     with MINDSPORE_LOCK:
-        network = Network(cfg, model_cfg, quant)
+        network = Network(cfg, model_cfg, quant, tables)
     params = network.parameters()
     if quant is not None:
         from export.quantize import Quantized
 
-        where = Quantized(where, quant, cfg.compute_dtype, _native_loader(where, quant),
-                          tied=bool(model_cfg.tie_word_embeddings)).folder_tensors()
+        where = Quantized(where, quant, cfg.compute_dtype, _native_loader(where), tables).folder_tensors()
     tp, shards = cfg.tp_size, network.vocab_shards
     splits = {}
     if tp > 1:
@@ -328,20 +320,18 @@ def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where, quant=None):
     return network, plan_layouts([params] * tp, where, locations, splits, values), values, where
 
 
-def _quant_record(quant, model_cfg: ModelConfig) -> Optional[Dict[str, Any]]:
-    """The manifest's, the yaml's and golden.json's `quantization` (export/quantize.py QuantMethod.record)."""
-    from export.quantize import embedding_method
-
-    if quant is None:
-        return None
-    return quant.record(embedding_method(quant, bool(model_cfg.tie_word_embeddings), model_cfg.hidden_size))
+def _quant_record(quant) -> Optional[Dict[str, Any]]:
+    """The manifest's, the yaml's and golden.json's `quantization` (export/quantize.py QuantMethod.record) of a
+    (QuantMethod, TablePlan) pair, or None for a float folder."""
+    method, tables = quant if quant is not None else (None, None)
+    return None if method is None else method.record(tables)
 
 
-def _native_loader(where, method):
-    """For export/quantize.Quantized: each layer's own quantized form, where the checkpoint holds it in `method`."""
-    def native(name: str):
+def _native_loader(where):
+    """For export/quantize.Quantized: a tensor's own quantized form, where the checkpoint holds it in `method`."""
+    def native(name: str, method):
         src = where[name]
-        if getattr(src, "native_method", lambda: None)() == method:
+        if getattr(src, "native_method_of", lambda _: None)(name) == method:
             return lambda: src.quantized(name)
         return None
     return native
@@ -374,8 +364,7 @@ def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_prog
     with _bar(show_progress, total=total, desc="golden", unit="step") as bar:
         doc = golden.compute(model_cfg, cfg.checkpoint, sizes, cfg.seq_length, cfg.batch_size, progress=bar.update,
                              matrices_in=cfg.dtype if cfg.half_weights_on_cpu else "float32",
-                             quant=None if quant is None else (_quant_record(quant, model_cfg),
-                                                               FolderMeaning(tmp, layouts)))
+                             quant=None if quant is None else (_quant_record(quant), FolderMeaning(tmp, layouts)))
     write_golden(tmp, doc)
     return doc
 
@@ -411,7 +400,7 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
                          prefill_buckets=sorted(e.tokens for e in rank0 if e.role == "prefill"),
                          tp_size=cfg.tp_size, cpu_kernels=kernels, graph=cfg.graph,
                          chunk_sizes=list(cfg.chunk_sizes), score_sizes=list(cfg.score_sizes),
-                         quantization=_quant_record(quant, model_cfg))
+                         quantization=_quant_record(quant))
     export = {**dataclasses.asdict(cfg), "checkpoint": os.path.abspath(cfg.checkpoint),
               "output": os.path.abspath(cfg.output), "mindspore_version": ms.__version__,
               "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokenizer_files": tokenizer_files}
@@ -420,7 +409,7 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
     model = {"model_type": model_cfg.model_type, "family": model_cfg.model_type, "config": model_cfg.to_dict()}
     write_yaml(tmp, cfg.name, model, export, infer)
     write_manifest(tmp, cfg.name, entries, hashed, exported_with=checkpoint_files.exporter_versions(ms.__version__),
-                   family=model_cfg.model_type, quantization=_quant_record(quant, model_cfg))
+                   family=model_cfg.model_type, quantization=_quant_record(quant))
 
 
 def _small_files_bytes(checkpoint: str, profile) -> int:

@@ -13,8 +13,11 @@ That is Ascend's WeightQuantBatchMatmul (aclnnWeightQuantBatchMatmulV2: ANTIQUAN
 antiquantOffset) * antiquantScale, per-group scale (ceil(K / g), N), the weight given transposed as [N, K]) and
 the CPU kernels' (cpu_kernels/quant.cc) alike, so one folder format serves both.
 
-The tables (the embedding and the output head) are int8 per row in every quantized folder (TABLE_METHOD; why:
-docs/quantization.md).
+The tables (the embedding and the output head) follow the folder's `TablePlan` (resolve_tables): in a folder this
+export quantizes (round-to-nearest), int8 per row (TABLE_METHOD), an untied embedding int4 in an int4 folder (why:
+docs/quantization.md); in an imported one (GPTQ, AWQ, GGUF), as the checkpoint holds them: a float table stays
+float, a GGUF table in a type the folder has a form for keeps its blocks (Q8_0, Q4_0, Q4_1), any other is widened;
+`--quantize_tables int8` quantizes them again, recorded as such.
 
 Two views of one quantized checkpoint:
 - `Quantized.folder_tensors()`: what the weights file holds (q, scales, offsets), each layer quantized once, whole,
@@ -76,25 +79,23 @@ class QuantMethod:
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
-    def record(self, embedding: Optional["QuantMethod"] = None) -> Dict[str, Any]:
-        """What the manifest, the yaml and golden.json say: this method, the tables' (the head, and the embedding
-        when it is the head's table), and the embedding's when it has its own (`embedding_method`)."""
-        out = {**self.to_dict(), "tables": {"bits": 8, "group_size": 0, "symmetric": True}}
-        if embedding is not None:
-            out["embedding"] = {"bits": embedding.bits, "group_size": embedding.group_size,
-                                "symmetric": embedding.symmetric}
-        return out
+    def record(self, tables: "TablePlan") -> Dict[str, Any]:
+        """What the manifest, the yaml and golden.json say: this method, and how the tables are held
+        (TablePlan.record)."""
+        return {**self.to_dict(), "tables": tables.record()}
 
     @classmethod
     def from_dict(cls, raw: Dict[str, Any]) -> "QuantMethod":
         return cls(int(raw["bits"]), int(raw["group_size"]), bool(raw["symmetric"]), str(raw["source"]))
 
 
-# The embedding and the head of every quantized folder: int8, a scale per row (per channel: the head's outputs, the
-# embedding's tokens, one scale serving both when they are one tied table), whatever the linear layers' bits. Why:
+# The embedding and the head of a folder this export quantizes: int8, a scale per row (per channel: the head's outputs,
+# the embedding's tokens, one scale serving both when they are one tied table), whatever the linear layers' bits. Why:
 # docs/quantization.md (the tables are a third of a small model and a seventh of a 7B; in 4 bits they cost the most
 # perplexity, llama.cpp keeps its head at 6 bits or more; in 8 bits per row, the lookup is a gather and a multiply).
+# Also what --quantize_tables int8 makes of an imported checkpoint's tables.
 TABLE_METHOD = QuantMethod(8, 0, True, "rtn")
+TABLES_CHOICES = ("auto", "none", "int8")
 
 
 def embedding_method(method: Optional[QuantMethod], tied: bool, hidden_size: int) -> Optional[QuantMethod]:
@@ -108,6 +109,135 @@ def embedding_method(method: Optional[QuantMethod], tied: bool, hidden_size: int
         return None
     group, _ = choose_group(None, 4, [hidden_size])
     return QuantMethod(4, group, False, "rtn")
+
+
+@dataclass(frozen=True)
+class TablePlan:
+    """How a quantized folder holds its tables: `embedding` and `head` each a QuantMethod, or None for float (the
+    folder's matrix dtype, `float_dtype`). A tied model has one table: `head` is then the embedding's.
+    `sources`: each table's type in the checkpoint, by role ("float16", "gguf:Q6_K", "gptq", ...), for the record.
+    `requantized`: --quantize_tables int8 quantized an imported checkpoint's tables again."""
+
+    embedding: Optional[QuantMethod]
+    head: Optional[QuantMethod]
+    tied: bool
+    float_dtype: str
+    sources: Tuple[Tuple[str, str], ...] = ()
+    requantized: bool = False
+
+    def method_of(self, name: str) -> Optional[QuantMethod]:
+        if name == "model.embed_tokens.weight":
+            return self.embedding
+        return self.head if name == "lm_head.weight" else None
+
+    def record(self) -> Dict[str, Any]:
+        """{embedding: ..., head: ...}: each {bits, group_size, symmetric, source} when quantized, else {dtype}; the
+        head "tied" for a tied model; `from`: the checkpoint's own type where the folder changed it."""
+        sources = dict(self.sources)
+
+        def one(role: str, m: Optional[QuantMethod]) -> Dict[str, Any]:
+            out: Dict[str, Any] = ({"dtype": self.float_dtype} if m is None else
+                                   {"bits": m.bits, "group_size": m.group_size, "symmetric": m.symmetric,
+                                    "source": m.source})
+            if role in sources and sources[role] not in (out.get("source"), out.get("dtype")):
+                out["from"] = sources[role]
+            return out
+
+        out = {"embedding": one("embedding", self.embedding),
+               "head": "tied" if self.tied else one("head", self.head)}
+        if self.requantized:
+            out["requantized"] = "--quantize_tables int8"
+        return out
+
+    def text(self) -> str:
+        """The tables in words, for the export's summary."""
+        def words(m: Optional[QuantMethod]) -> str:
+            if m is None:
+                return self.float_dtype
+            if m.source == "rtn" and m.group_size == 0 and m.symmetric:
+                return f"int{m.bits} per row"
+            return m.label()
+
+        again = " (quantized again by --quantize_tables int8)" if self.requantized else ""
+        if self.tied:
+            return f"tied embedding and head {words(self.embedding)}{again}"
+        if self.embedding == self.head:
+            return f"embedding and head {words(self.embedding)}{again}"
+        return f"embedding {words(self.embedding)}, head {words(self.head)}{again}"
+
+
+# GGUF tensor types that hold 8 bits or more per weight; any other quantized type is below (4, 5 or 6 bits)
+_FULL_GGUF_TYPES = ("F32", "F16", "BF16", "F64", "Q8_0", "Q8_1", "Q8_K")
+
+
+def resolve_tables(option: Optional[str], method: Optional[QuantMethod], where: Dict[str, Any], tied: bool,
+                   hidden_size: int, float_dtype: str, bits_ok: Tuple[int, ...] = (8, 4), groups_ok: bool = True,
+                   atlas: bool = False) -> Optional[TablePlan]:
+    """The tables of a quantized folder (None for a float one), from --quantize_tables (`option`: auto, none, int8;
+    None is auto) and what the checkpoint holds (docs/quantization.md, "The tables").
+
+    auto: a folder this export quantizes (source rtn) takes TABLE_METHOD, an untied embedding in an int4 folder int4
+    (embedding_method); an imported checkpoint's tables stay as it holds them: float ones float, a GGUF table whose
+    type the folder has a form for on this device (Q8_0, Q4_0, Q4_1: int8/int4 in groups of 32) its blocks as they
+    are, any other GGUF table widened to float. none: float tables. int8: TABLE_METHOD for both, refused for a table
+    the checkpoint holds in fewer than 8 bits (a second, coarser grid). `bits_ok`, `groups_ok`: what the device's
+    quantized matmul takes; `atlas`: a tied int4 table has no Atlas form (the head's WeightQuantBatchMatmul takes
+    qint4x2, the lookup gathers bytes), so it is widened there."""
+    option = option or "auto"
+    if option not in TABLES_CHOICES:
+        raise ExportError(f"--quantize_tables {option!r} is not one of {', '.join(TABLES_CHOICES)}")
+    if method is None:
+        if option != "auto":
+            raise ExportError(f"--quantize_tables {option} needs a quantized folder (--quantize int8 or int4, or a "
+                              "GPTQ, AWQ or GGUF checkpoint that is quantized)")
+        return None
+    names = {"embedding": "model.embed_tokens.weight", "head": "model.embed_tokens.weight" if tied else "lm_head.weight"}
+    native = {role: _native_of(where, name) for role, name in names.items() if name in where}
+    sources = tuple((role, _stored_type(where, name)) for role, name in names.items() if name in where)
+    imported = method.source != "rtn"
+    if option == "none":
+        return TablePlan(None, None, tied, float_dtype, sources)
+    if option == "int8":
+        if imported:
+            for role, name in names.items():
+                low = _below_8_bits(where, name) if name in where else None
+                if low is not None:
+                    raise ExportError(f"{where[name].path}: --quantize_tables int8: {low}; quantizing it "
+                                      "again would round it onto a second, coarser grid: drop --quantize_tables (the "
+                                      "table is kept as the checkpoint holds it)")
+        return TablePlan(TABLE_METHOD, TABLE_METHOD, tied, float_dtype, sources, requantized=imported)
+    if not imported:
+        embedding = embedding_method(method, tied, hidden_size) or TABLE_METHOD
+        return TablePlan(embedding, TABLE_METHOD, tied, float_dtype, sources)
+
+    def kept(role: str) -> Optional[QuantMethod]:
+        m = native.get(role)
+        if m is None or m.bits not in bits_ok or (m.group_size and not groups_ok) or (atlas and tied and m.bits == 4):
+            return None
+        return m
+
+    return TablePlan(kept("embedding"), kept("head"), tied, float_dtype, sources)
+
+
+def _native_of(where: Dict[str, Any], name: str) -> Optional[QuantMethod]:
+    """The folder method a checkpoint's tensor is held in as it is (its source's native_method_of), or None."""
+    of = getattr(where[name], "native_method_of", None)
+    return of(name) if of is not None else None
+
+
+def _stored_type(where: Dict[str, Any], name: str) -> str:
+    """A tensor's type in its checkpoint, in words: a GGUF type (gguf:Q6_K), a packed method, or a float dtype."""
+    of = getattr(where[name], "stored_type", None)
+    if of is not None:
+        return of(name)
+    dtype = where[name].header.get(name, {}).get("dtype") if hasattr(where[name], "header") else None
+    return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(dtype, str(dtype))
+
+
+def _below_8_bits(where: Dict[str, Any], name: str) -> Optional[str]:
+    """`<tensor> is <type> (<bits> bits)` when the checkpoint holds the tensor in fewer than 8 bits, else None."""
+    of = getattr(where[name], "below_8_bits", None)
+    return of(name) if of is not None else None
 
 
 # ---------------------------------------------------------------------------------------------------------- numbers
@@ -199,12 +329,15 @@ class Quantized:
     BLOCK_ROWS_BYTES = 32 << 20
 
     def __init__(self, where: Dict[str, Any], method: QuantMethod, compute_dtype: str,
-                 native: Optional[Callable[[str], Optional[Callable[[], Tuple]]]] = None, tied: bool = True) -> None:
+                 native: Optional[Callable[[str, QuantMethod], Optional[Callable[[], Tuple]]]] = None,
+                 tables: Optional[TablePlan] = None) -> None:
+        """`native(name, method)`: a loader of the layer's own integers when the checkpoint holds it in `method`, else
+        None. `tables`: the folder's TablePlan (None: float tables)."""
         self.where, self.method, self.compute_dtype = where, method, compute_dtype
-        self.native = native or (lambda name: None)
-        self.layers = [n for n in where if is_linear(n) or n in TABLES]
-        embed = "model.embed_tokens.weight"
-        self.embedding = embedding_method(method, tied, where[embed].shape(embed)[1]) if embed in where else None
+        self.native = native or (lambda name, m: None)
+        self.tables = tables
+        self.layers = [n for n in where if is_linear(n) or (n in TABLES and tables is not None
+                                                            and tables.method_of(n) is not None)]
         for name in self.layers:
             o, i = where[name].shape(name)
             g = self.method_of(name).group_size
@@ -218,7 +351,11 @@ class Quantized:
     def method_of(self, name: str) -> QuantMethod:
         if is_linear(name):
             return self.method
-        return self.embedding if self.embedding is not None and name == "model.embed_tokens.weight" else TABLE_METHOD
+        m = self.tables.method_of(name) if self.tables is not None else None
+        if m is None:
+            raise ExportError(f"{name}: not a quantized tensor of this folder; this is a bug in export, please report "
+                              "it")
+        return m
 
     def quantized(self, name: str) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
         """(q as the folder holds it: int8 [O, I] or int4 packed to uint8 [O, I / 2], scale float32 [O, G], offset
@@ -226,7 +363,7 @@ class Quantized:
         folder holds). Round-to-nearest runs block by block into the packed result: memory holds the layer's
         folder form and one float32 block, never the layer as int8 when it is int4."""
         m = self.method_of(name)
-        load = self.native(name) if is_linear(name) else None
+        load = self.native(name, m)
         if load is not None:
             q, scale, offset = load()
             if m.bits == 4:

@@ -244,7 +244,9 @@ class NumpyDecoder:
         ids = np.concatenate([np.asarray(c, np.int64) for c in chunks])
         positions = np.concatenate([np.arange(c.length, c.length + n) for c, n in zip(caches, sizes)])
         embed = self.where["model.embed_tokens.weight"].stored("model.embed_tokens.weight")
-        x = rounded_to(widen(np.asarray(embed[ids])).astype(np.float32), self.matrices_in)  # [T, E]: the rows used
+        x = widen(np.asarray(embed[ids])).astype(np.float32)  # [T, E]: the rows used
+        if isinstance(embed, np.ndarray):  # a float table, rounded as the folder stores it; a quantized one's rows
+            x = rounded_to(x, self.matrices_in)  # (export/quantize.FolderRows) are what the folder computes with
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, D]
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         for layer in range(cfg.num_hidden_layers):

@@ -72,12 +72,17 @@ def _manifest(folder: str) -> dict:
     return json.load(open(os.path.join(folder, "manifest.json")))
 
 
-def _record(bits: int, group: int, symmetric: bool, source: str, embedding: dict = None) -> dict:
-    """The manifest's quantization: the linear layers' method, the tables' (int8 per row, always), and an untied
-    embedding's in an int4 folder."""
-    return {"bits": bits, "group_size": group, "symmetric": symmetric, "source": source,
-            "tables": {"bits": 8, "group_size": 0, "symmetric": True},
-            **({"embedding": embedding} if embedding else {})}
+INT8_ROWS = {"bits": 8, "group_size": 0, "symmetric": True, "source": "rtn"}
+
+
+def _record(bits: int, group: int, symmetric: bool, source: str, tables: dict) -> dict:
+    """The manifest's quantization: the linear layers' method and the tables' (export/quantize.py TablePlan.record)."""
+    return {"bits": bits, "group_size": group, "symmetric": symmetric, "source": source, "tables": tables}
+
+
+def _tables(embedding: dict, head=None) -> dict:
+    """A tables record: the embedding's, and the head's (None: "tied")."""
+    return {"embedding": embedding, "head": "tied" if head is None else head}
 
 
 def _check_and_compare(checkpoint: str, folder: str, capsys, fused: bool = False) -> None:
@@ -116,8 +121,11 @@ def test_a_quantized_cpu_folder_is_what_its_checkpoint_rounds_to(tmp_path, capsy
     assert manifest["format_version"] == 2
     # an untied embedding in an int4 folder: int4 with offsets, groups of 128 or what divides the hidden size (64)
     own_embedding = family == "llama" and bits == 4
-    embedding = {"bits": 4, "group_size": 64, "symmetric": False} if own_embedding else None
-    assert manifest["quantization"] == _record(bits, want_group, bits == 8, "rtn", embedding)
+    # RTN tables: int8 per row, from the checkpoint's float32 (an untied embedding int4 in an int4 folder)
+    rtn_embedding = {"bits": 4, "group_size": 64, "symmetric": False, "source": "rtn"} if own_embedding else INT8_ROWS
+    tables = _tables({**rtn_embedding, "from": "float32"},
+                     {**INT8_ROWS, "from": "float32"} if family == "llama" else None)
+    assert manifest["quantization"] == _record(bits, want_group, bits == 8, "rtn", tables)
     golden = json.load(open(os.path.join(folder, "golden.json")))
     assert golden["quantization"] == manifest["quantization"]
     assert set(golden["agreement"]) >= {"tokens", "greedy_agreement", "top1_match", "max_logit_error"}
@@ -244,7 +252,8 @@ def test_gptq_and_awq_layers_are_kept_as_the_checkpoint_holds_them(tmp_path, cap
     for method in ("gptq", "awq"):
         packed, floats = quantized_pair(str(tmp_path / method), method, bits=4, group=32)
         folder = _export(packed, str(tmp_path / f"{method}_folder"))
-        assert _manifest(folder)["quantization"] == _record(4, 32, False, method)
+        # the tables as the checkpoint holds them: float
+        assert _manifest(folder)["quantization"] == _record(4, 32, False, method, _tables({"dtype": "float32"}))
         weights, want = folder_linears(load_folder(folder)), _float_weights(floats)
         for name, values in weights.items():
             if not name.startswith("model.layers."):
@@ -267,14 +276,14 @@ def test_a_gguf_keeps_its_q8_0_q4_0_q4_1_blocks(tmp_path, capsys, kind, bits, sy
     path = str(tmp_path / f"m.{kind}.gguf")
     write_gguf(ckpt, path, quant=kind)
     folder = _export(path, str(tmp_path / "folder"))
-    assert _manifest(folder)["quantization"] == _record(bits, 32, symmetric, f"gguf:{kind}")
+    # the tables as the file holds them: the untied llama's token_embd and output in `kind`, kept
+    kept = {"bits": bits, "group_size": 32, "symmetric": symmetric, "source": f"gguf:{kind}"}
+    assert _manifest(folder)["quantization"] == _record(bits, 32, symmetric, f"gguf:{kind}", _tables(kept, kept))
     reader = gguf.GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
     for name, values in folder_linears(load_folder(folder)).items():
-        if not name.startswith("model.layers."):
-            continue  # the tables: int8 per row of the file's dequantized values (test_a_quantized_cpu_folder...)
-        t = tensors[_gguf_name(name)]
+        t = tensors[_gguf_name(name)]  # the tables too: kept as the file's blocks
         theirs = gguf.quants.dequantize(t.data, t.tensor_type).reshape(values.shape)
         heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
         if "q_proj" in name or "k_proj" in name:  # undo the permutation write_gguf applied

@@ -148,11 +148,24 @@ def quantization_plan(quantization: Optional[Dict[str, Any]], soc: str, manifest
                          f"the --device of your Atlas ({atlas}) and a --quantize it runs or --quantize none, or run it "
                          "with backend 'ms'")
     support = quant_support(soc)
-    bits, group = int(quantization["bits"]), int(quantization["group_size"])
-    if bits in support.bits and (group == 0 or support.groups):
+    # the linear layers', then each quantized table's (a GGUF's Q8_0 embedding in groups of 32, ...): the first that
+    # the SoC cannot run is refused
+    tables = quantization.get("tables") if isinstance(quantization.get("tables"), dict) else {}
+    methods = [(label, quantization)] + [
+        (f"its {role} table {quantization_label(t)}", t) for role, t in tables.items()
+        if isinstance(t, dict) and "bits" in t]
+    for label, method in methods:
+        bits, group = int(method["bits"]), int(method["group_size"])
+        if not (bits in support.bits and (group == 0 or support.groups)):
+            break
+    else:
         return
     device = f"--device {support.profiles[0]} " if support.profiles else ""
-    if not support.bits:
+    if method is not quantization and support.bits:  # a table: the layers run here, the table does not
+        fix = f"re-export with {device}--quantize_tables none (float tables)"
+        takes = " and ".join(f"int{b}" for b in support.bits) + (
+            ", per channel or in groups" if support.groups else ", per channel only")
+    elif not support.bits:
         takes = "none" if support is not UNKNOWN_SOC else "none that this runtime knows of"
         fix = f"re-export with {device}--quantize none for float weights"
     else:
