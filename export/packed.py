@@ -175,7 +175,7 @@ class PackedLayers:
         return self.native_method() if name[:-len(".weight")] in self._shapes else None
 
     def stored_type(self, name: str) -> str:
-        return f"{self.settings['method']} int{self.settings['bits']}"
+        return self.settings["method"]
 
     def below_8_bits(self, name: str) -> Optional[str]:
         if self.settings["bits"] >= 8:

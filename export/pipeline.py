@@ -262,6 +262,14 @@ def _quantization(cfg: ExportConfig, model_cfg: ModelConfig, profile, where):
                             profile.quant_bits, profile.quant_groups, atlas=cfg.device != "cpu")
     if method is None:
         return None, None, notes
+    if method.source != "rtn" and cfg.compute_dtype != "float32":
+        # what the folder's compute dtype cannot hold as the checkpoint gives it (its scales, Q4_1's offsets)
+        if cfg.compute_dtype == "bfloat16":
+            notes.append(f"the checkpoint's float16 scales are rounded to bfloat16 (--dtype bfloat16); --dtype "
+                         "float16 keeps them as published")
+        if method.source == "gguf:Q4_1":
+            notes.append(f"Q4_1's offsets (8 + m / d per block) are rounded to {cfg.compute_dtype}, the "
+                         "WeightQuantBatchMatmul offset's dtype (the golden references use the rounded values)")
     if method.bits not in profile.quant_bits:
         supported = ", ".join(f"int{b}" for b in profile.quant_bits) or "none"
         raise ExportError(f"--device {profile.name} ({profile.hardware}): {method.label()} is not supported there "

@@ -47,9 +47,10 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(checkpoint: str, path: str, quant: str = "F32", pre: str = "gpt-2") -> dict:
-    """The checkpoint as llama.cpp's converter would write it (2-D weights as `quant`: F32, F16 or Q8_0; `pre` the
-    pre-tokenizer it names: the tiny checkpoints' tokenizers split as GPT-2's)."""
+def write_gguf(checkpoint: str, path: str, quant: str = "F32", pre: str = "gpt-2", tensor_types: dict = None) -> dict:
+    """The checkpoint as llama.cpp's converter would write it (2-D weights as `quant`: F32, F16, Q8_0, Q4_0, ...;
+    `tensor_types`: another type for some, by HF name, as llama-quantize gives the tables theirs; `pre` the pre-tokenizer it
+    names: the tiny checkpoints' tokenizers split as GPT-2's)."""
     from safetensors.numpy import load_file
 
     cfg = json.load(open(os.path.join(checkpoint, "config.json")))
@@ -95,8 +96,9 @@ def write_gguf(checkpoint: str, path: str, quant: str = "F32", pre: str = "gpt-2
             value = _permute(value, heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             value = _permute(value, kv)
-        if value.ndim == 2 and quant != "F32":
-            kind = getattr(gguf.GGMLQuantizationType, quant)
+        kind_name = (tensor_types or {}).get(name, quant)
+        if value.ndim == 2 and kind_name != "F32":
+            kind = getattr(gguf.GGMLQuantizationType, kind_name)
             packed = gguf.quants.quantize(value, kind)
             w.add_tensor(_gguf_name(name), packed, raw_shape=packed.shape, raw_dtype=kind)
         else:
