@@ -148,6 +148,29 @@ def set_threads(threads: int) -> None:
         lib.MsliteLlmSetThreads(ctypes.c_int(int(threads)))
 
 
+QUANT_ACTIVATIONS = ("int16", "exact")  # cpu_kernels/matmul_quant.h Activations, in its order
+
+
+def set_quant_activations(mode: Optional[str]) -> Optional[str]:
+    """How the quantized matmuls' decode form rounds x, process-wide (cpu_kernels/matmul_quant.h): "int16" per block
+    of 32 (the default, the fast path), "exact" (two int16 parts: float32's arithmetic; what check holds to the
+    reference's own rounding), None: the default again (MSLITE_LLM_QUANT_ACTIVATIONS, else int16). Returns the mode
+    in force, or None when the library was not built."""
+    lib = _library()
+    if lib is None:
+        return None
+    if mode is not None and mode not in QUANT_ACTIVATIONS:
+        raise ValueError(f"quantized activations {mode!r} is not one of {', '.join(QUANT_ACTIVATIONS)}")
+    code = -1 if mode is None else QUANT_ACTIVATIONS.index(mode)
+    return QUANT_ACTIVATIONS[lib.MsliteLlmSetQuantActivations(ctypes.c_int(code))]
+
+
+def quant_activations() -> Optional[str]:
+    """The mode set_quant_activations last set (or the default), None when the library was not built."""
+    lib = _library()
+    return None if lib is None else QUANT_ACTIVATIONS[lib.MsliteLlmSetQuantActivations(ctypes.c_int(-2))]
+
+
 def isa() -> Optional[str]:
     """The code path the kernels run on this machine ("avx512", "avx2", "neon" or "generic": chosen when the library
     loads, from the CPU and MSLITE_LLM_CPU_KERNELS_ISA), or None when the library was not built."""

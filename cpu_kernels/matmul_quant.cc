@@ -280,10 +280,19 @@ MSLLM_AVX2 void dots_avx2(const float* x, int64_t ldx, int64_t rows, const float
 // Usable when groups and K are whole blocks; otherwise (odd shapes) a plain float32 form runs.
 
 constexpr int64_t QBLOCK = 32;
+constexpr float LOW_STEP = 1.f / 65534.f;  // ACTIVATIONS_EXACT: the low part's step, in steps of the high part
+
+int default_activations() {
+  const char* mode = std::getenv("MSLITE_LLM_QUANT_ACTIVATIONS");
+  return mode != nullptr && !std::strcmp(mode, "exact") ? ACTIVATIONS_EXACT : ACTIVATIONS_INT16;
+}
+
+std::atomic<int> g_activations{default_activations()};
 
 bool int16_fits(const QuantWeight& w) { return w.k % QBLOCK == 0 && w.group % QBLOCK == 0; }
 
-const int16_t* prepared_row(const PreparedX& p, int64_t r) { return p.xq.data() + r * p.k; }
+// row r's int16 parts (exact: its low parts follow them, k int16 further on)
+const int16_t* prepared_row(const PreparedX& p, int64_t r) { return p.xq.data() + r * (p.exact ? 2 : 1) * p.k; }
 const float* block_scales(const PreparedX& p, int64_t r) {
   return p.scales.data() + r * (p.k / QBLOCK + 2 * (p.k / p.group));
 }
@@ -355,7 +364,11 @@ void qrows_generic(const float*, int64_t rows, const void* wv, const float* b, i
       float total = 0.f;
       for (int64_t gi = 0; gi < groups; ++gi) {
         float acc = 0.f;
-        for (int64_t blk = gi * per; blk < (gi + 1) * per; ++blk) acc += float(block_dot(w, xq, o, blk)) * bs[blk];
+        for (int64_t blk = gi * per; blk < (gi + 1) * per; ++blk) {
+          float d = float(block_dot(w, xq, o, blk));
+          if (w.x->exact) d += float(block_dot(w, xq + w.k, o, blk)) * LOW_STEP;
+          acc += d * bs[blk];
+        }
         total += acc * w.scale[gi * w.n + o];
       }
       y[m * ldy + o] = total + (b ? b[o] : 0.f);
@@ -385,13 +398,19 @@ MSLLM_AVX2 inline WideAvx2 widen_avx2(const char* row, int64_t blk) {
           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))};
 }
 
-template <bool INT4>
+// the block's products in lanes (EXACT: the low parts' too, LOW_STEP apart)
+template <bool INT4, bool EXACT>
 MSLLM_AVX2 inline __m256 dot_avx2(const WideAvx2& v, const int16_t* xq, int64_t k, int64_t blk) {
   const int16_t* x0 = INT4 ? xq + blk * (QBLOCK / 2) : xq + blk * QBLOCK;
   const int16_t* x1 = INT4 ? x0 + k / 2 : x0 + 16;
-  return _mm256_cvtepi32_ps(
+  const __m256 high = _mm256_cvtepi32_ps(
       _mm256_add_epi32(_mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0)), v.a),
                        _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x1)), v.b)));
+  if (!EXACT) return high;
+  const __m256i low =
+      _mm256_add_epi32(_mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0 + k)), v.a),
+                       _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x1 + k)), v.b));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), _mm256_set1_ps(LOW_STEP), high);
 }
 
 MSLLM_AVX2 inline float hsum8(__m256 v) {
@@ -402,7 +421,7 @@ MSLLM_AVX2 inline float hsum8(__m256 v) {
 
 constexpr int64_t PREFETCH_TILES = 2;  // how far ahead, in tiles, each block's prefetch reads
 
-template <int R, int C, bool INT4>
+template <int R, int C, bool INT4, bool EXACT>
 MSLLM_AVX2 void qtile_avx2(const QuantWeight& w, int64_t m0, const int64_t* n, int cols, const float* b, float* y,
                            int64_t ldy) {
   const PreparedX& x = *w.x;
@@ -441,7 +460,7 @@ MSLLM_AVX2 void qtile_avx2(const QuantWeight& w, int64_t m0, const int64_t* n, i
       for (int c = 0; c < C; ++c) {
         const WideAvx2 v = widen_avx2<INT4>(row[c], blk);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(dot_avx2<INT4>(v, xq[r], w.k, blk), sb[r], acc[r][c]);
+        for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(dot_avx2<INT4, EXACT>(v, xq[r], w.k, blk), sb[r], acc[r][c]);
       }
     }
 #pragma GCC unroll 8
@@ -461,28 +480,28 @@ MSLLM_AVX2 void add_group_constants_avx2(const QuantWeight& w, int64_t rows, flo
   add_group_constants(w, rows, y, ldy, o0, o1);
 }
 
-template <int R, int C, bool INT4>
+template <int R, int C, bool INT4, bool EXACT>
 MSLLM_AVX2 void qtiles_avx2(const QuantWeight& w, int64_t m0, const float* b, float* y, int64_t ldy, int64_t o0,
                             int64_t o1) {
   for (int64_t o = o0; o < o1; o += C) {
     const int cols = int(std::min<int64_t>(C, o1 - o));
     int64_t n[C];
     for (int c = 0; c < C; ++c) n[c] = o + std::min(c, cols - 1);
-    qtile_avx2<R, C, INT4>(w, m0, n, cols, b, y, ldy);
+    qtile_avx2<R, C, INT4, EXACT>(w, m0, n, cols, b, y, ldy);
   }
 }
 
 // 1 row of x by 6 weight rows (ahead of 4 by 5-10 % in cache), 2 by 3, 3 or 4 by 2: the accumulators fit the 16
 // ymm registers
-template <bool INT4>
+template <bool INT4, bool EXACT>
 MSLLM_AVX2 void qrows_avx2_t(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy, int64_t o0,
                              int64_t o1) {
   for (int64_t m = 0; m < rows; m += 4) {
     switch (std::min<int64_t>(4, rows - m)) {
-      case 1: qtiles_avx2<1, 6, INT4>(w, m, b, y, ldy, o0, o1); break;
-      case 2: qtiles_avx2<2, 3, INT4>(w, m, b, y, ldy, o0, o1); break;
-      case 3: qtiles_avx2<3, 2, INT4>(w, m, b, y, ldy, o0, o1); break;
-      default: qtiles_avx2<4, 2, INT4>(w, m, b, y, ldy, o0, o1); break;
+      case 1: qtiles_avx2<1, 6, INT4, EXACT>(w, m, b, y, ldy, o0, o1); break;
+      case 2: qtiles_avx2<2, 3, INT4, EXACT>(w, m, b, y, ldy, o0, o1); break;
+      case 3: qtiles_avx2<3, 2, INT4, EXACT>(w, m, b, y, ldy, o0, o1); break;
+      default: qtiles_avx2<4, 2, INT4, EXACT>(w, m, b, y, ldy, o0, o1); break;
     }
   }
 }
@@ -491,10 +510,16 @@ MSLLM_AVX2 void qrows_avx2(const float*, int64_t rows, const void* wv, const flo
                            int64_t o0, int64_t o1) {
   const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
   if (!w.x->int16) return qrows_float(w, rows, b, y, ldy, o0, o1);
-  if (w.int4)
-    qrows_avx2_t<true>(w, rows, b, y, ldy, o0, o1);
-  else
-    qrows_avx2_t<false>(w, rows, b, y, ldy, o0, o1);
+  if (w.x->exact) {
+    if (w.int4)
+      qrows_avx2_t<true, true>(w, rows, b, y, ldy, o0, o1);
+    else
+      qrows_avx2_t<false, true>(w, rows, b, y, ldy, o0, o1);
+  } else if (w.int4) {
+    qrows_avx2_t<true, false>(w, rows, b, y, ldy, o0, o1);
+  } else {
+    qrows_avx2_t<false, false>(w, rows, b, y, ldy, o0, o1);
+  }
   add_group_constants_avx2(w, rows, y, ldy, o0, o1);
 }
 #endif
@@ -545,7 +570,10 @@ void qrows_neon_t(const QuantWeight& w, int64_t rows, const float* b, float* y, 
       for (int64_t gi = 0; gi < groups; ++gi) {
         float32x4_t acc = vdupq_n_f32(0.f);
         for (int64_t blk = gi * per; blk < (gi + 1) * per; ++blk)
-          acc = vfmaq_n_f32(acc, block_neon<INT4>(w, o, blk, xq), bs[blk]);
+          acc = vfmaq_n_f32(acc, x.exact ? vfmaq_n_f32(block_neon<INT4>(w, o, blk, xq),
+                                                        block_neon<INT4>(w, o, blk, xq + w.k), LOW_STEP)
+                                         : block_neon<INT4>(w, o, blk, xq),
+                            bs[blk]);
         total += vaddvq_f32(acc) * w.scale[gi * w.n + o];
       }
       y[m * ldy + o] = total + (b ? b[o] : 0.f);
@@ -700,6 +728,13 @@ void compute(const Problem& p) {
 
 bool is_quant_dtype(const char* dtype) { return is_weight_dtype(dtype); }
 
+int quant_activations() { return g_activations.load(std::memory_order_relaxed); }
+
+void set_quant_activations(int mode) {
+  g_activations.store(mode < 0 ? default_activations() : (mode == ACTIVATIONS_EXACT ? ACTIVATIONS_EXACT
+                                                                                     : ACTIVATIONS_INT16));
+}
+
 int read_quant_weight(void** params, int* ndims, int64_t** shapes, const char** dtypes, int i, bool offset,
                       QuantWeight* w) {
   if (!is_weight_dtype(dtypes[i]) || std::strcmp(dtypes[i + 1], "float32") ||
@@ -734,13 +769,16 @@ void prepare_each(const float* x, int64_t rows, QuantWeight* ws, int n, Prepared
 void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out) {
   out->x = x, out->rows = rows, out->k = w.k, out->group = w.group, out->int4 = w.int4;
   out->int16 = int16_fits(w);
+  out->exact = quant_activations() == ACTIVATIONS_EXACT;
   if (!out->int16) return;
   const int64_t k = w.k, blocks = k / QBLOCK, groups = k / w.group, half = k / 2;
-  out->xq.resize(size_t(rows * k));
+  const bool exact = out->exact;
+  out->xq.resize(size_t(rows * (exact ? 2 : 1) * k));
   out->scales.resize(size_t(rows * (blocks + 2 * groups)));
   for (int64_t m = 0; m < rows; ++m) {
     const float* xr = x + m * k;
-    int16_t* q = out->xq.data() + m * k;
+    int16_t* q = out->xq.data() + m * (exact ? 2 : 1) * k;
+    int16_t* low = q + k;  // exact only
     float* bs = out->scales.data() + m * (blocks + 2 * groups);
     for (int64_t blk = 0; blk < blocks; ++blk) {
       float top = 0.f;
@@ -751,16 +789,25 @@ void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out)
         // to nearest, ties to even (|x * inv| <= 32767 < 2^22: adding 1.5 * 2^23 leaves the integer in the low bits;
         // no libm call, so the loop vectorizes). A NaN or an infinity in x gives 0 here, and NaN in the sums below.
         const float v = std::isfinite(xr[i] * inv) ? xr[i] * inv : 0.f;
-        q[w.int4 ? (i & 1) * half + i / 2 : i] = int16_t(int32_t((v + 12582912.f) - 12582912.f));
+        const float high = (v + 12582912.f) - 12582912.f;
+        const int64_t at = w.int4 ? (i & 1) * half + i / 2 : i;
+        q[at] = int16_t(int32_t(high));
+        if (exact) {  // what the high part left, |v - high| <= 1/2 (exact in float32), in steps of LOW_STEP
+          const float rest = (v - high) * (1.f / LOW_STEP);
+          low[at] = int16_t(int32_t((rest + 12582912.f) - 12582912.f));
+        }
       }
     }
     for (int64_t g = 0; g < groups; ++g) {
       double sum = 0.0, rounded = 0.0;
       for (int64_t i = g * w.group; i < (g + 1) * w.group; ++i) sum += xr[i];
       for (int64_t blk = g * w.group / QBLOCK; blk < (g + 1) * w.group / QBLOCK; ++blk) {
-        int64_t t = 0;
-        for (int64_t i = blk * QBLOCK; i < (blk + 1) * QBLOCK; ++i) t += q[w.int4 ? (i & 1) * half + i / 2 : i];
-        rounded += double(bs[blk]) * double(t);
+        int64_t t = 0, tl = 0;
+        for (int64_t i = blk * QBLOCK; i < (blk + 1) * QBLOCK; ++i) {
+          t += q[w.int4 ? (i & 1) * half + i / 2 : i];
+          if (exact) tl += low[w.int4 ? (i & 1) * half + i / 2 : i];
+        }
+        rounded += double(bs[blk]) * (double(t) + double(tl) * double(LOW_STEP));
       }
       bs[blocks + g] = float(sum);
       bs[blocks + groups + g] = float(rounded);

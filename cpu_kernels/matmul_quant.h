@@ -27,6 +27,8 @@ struct PreparedX {
   const float* x = nullptr;  // [rows, k] float32, as given
   int64_t rows = 0, k = 0, group = 0;
   bool int4 = false, int16 = false;  // int16: the integer form below was made (else the kernels read x)
+  bool exact = false;                 // x split into two int16 parts (ACTIVATIONS_EXACT): each row's k low parts follow
+                                      // its k high ones
   std::vector<int16_t> xq;            // [rows, k]: int8 weights in input order; int4, the even inputs, then the odd
   std::vector<float> scales;          // [rows, k / 32 + 2 k / group]: each block's scale, the sums of x per group, and
                                       // of x as rounded per group
@@ -55,6 +57,15 @@ RowsFn quant_rows_kernel();
 void quant_matmul(const float* x, int64_t rows, const QuantWeight& w, const float* b, float* y);
 
 constexpr int64_t QUANT_ROWS_MAX = 16;
+
+// How the decode form rounds x (matmul_quant.cc says why): ACTIVATIONS_INT16, to int16 per block of 32 (the
+// default: the fast path, whose rounding check's limit follows, lite_runtime/golden.py); ACTIVATIONS_EXACT, x split
+// into a high and a low int16 part, x = s (h + l / 65534), so the products are float32's to its rounding (what check
+// holds to the float32 reference's own rounding). Process-wide, read when x is prepared: MSLITE_LLM_QUANT_ACTIVATIONS
+// (int16 | exact) at load, set_quant_activations after.
+enum Activations { ACTIVATIONS_INT16 = 0, ACTIVATIONS_EXACT = 1 };
+int quant_activations();
+void set_quant_activations(int mode);  // a negative mode: the default (the environment's, else int16)
 
 // W's rows [n0, n0 + rows) over the inputs [k0, k0 + kc), as float32 (q + offset) * scale: dst[r * ld + i] (k0 and
 // kc even for int4). What matmul16.cc's GEMM packs for the prompt's matmuls.

@@ -18,6 +18,7 @@
 #include <chrono>
 
 #include "common.h"
+#include "matmul_quant.h"
 #include "ops.h"
 #include "pool.h"
 
@@ -167,5 +168,12 @@ const char* MsliteLlmIsa() { return isa_name(isa()); }
 
 // Threads the kernels use; 0 restores the default (the machine's cores). The runtime passes its CPU thread count.
 void MsliteLlmSetThreads(int threads) { set_threads(threads); }
+
+// How the quantized matmuls' decode form rounds x (matmul_quant.h Activations): 0 int16 (the default), 1 exact; a
+// negative mode restores the default (MSLITE_LLM_QUANT_ACTIVATIONS, else int16). Returns the mode now in force.
+int MsliteLlmSetQuantActivations(int mode) {
+  if (mode != -2) set_quant_activations(mode);  // -2: only ask
+  return quant_activations();
+}
 
 }  // extern "C"

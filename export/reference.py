@@ -59,11 +59,31 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def rounded_to_int16_blocks(x: np.ndarray) -> np.ndarray:
+    """x [T, K] (K a multiple of 32) as the CPU kernels' decode form rounds it (cpu_kernels/matmul_quant.cc, "the
+    decode form", ACTIVATIONS_INT16): per row and block of 32 inputs, s = max |x| / 32767, x -> rint(x * (32767 /
+    max |x|)) * s, ties to even, in float32. Written here from that documented rule, not shared with the kernels."""
+    rows, k = x.shape
+    blocks = x.reshape(rows, k // 32, 32)
+    top = np.abs(blocks).max(axis=2, keepdims=True)
+    safe = np.where(top > 0, top, np.float32(1))
+    inv = np.where(top > 0, np.float32(32767) / safe, np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv)
+    return (q * (top / np.float32(32767))).astype(np.float32).reshape(rows, k)
+
+
 class BlockedMatmul:
     """x [T, I] @ W[O, I]^T for W as the checkpoint stores it (float32, float16, or bfloat16 bits as uint16),
-    widened to float32 block by block and rounded through `matrices_in` when the folder stores its matrices so."""
+    widened to float32 block by block and rounded through `matrices_in` when the folder stores its matrices so.
+
+    `lanes` (set by the caller around a forward, export/golden.py ArithmeticLanes): rows of x that compute the same
+    product another way, from the same widened blocks: "int16" rows with x rounded as the CPU kernels' decode form
+    rounds it (rounded_to_int16_blocks) at every quantized matmul (the offsets' sums from x as given, as the kernels
+    take them); "reorder" rows computed row by row (BLAS's matrix-vector kernels), each in two halves: another
+    float32 order."""
 
     def __init__(self, matrices_in: str = "float32", threads: Optional[int] = None) -> None:
+        self.lanes: Dict[str, slice] = {}
         self.matrices_in = matrices_in
         self.threads = threads or _cores()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="golden") if self.threads > 1 else None
@@ -104,13 +124,16 @@ class BlockedMatmul:
         n_out = w.shape[0]
         out = np.empty((rows, n_out), np.float32)
         quantized = not isinstance(w, np.ndarray)  # export/quantize.FolderRows: each block finished after its GEMM
+        lanes = self._lanes(x, quantized)
         if rows > FEW_ROWS or self._pool is None:
             step = max(1, GEMM_BLOCK_BYTES // (4 * width))
             buf = np.empty((min(step, n_out), width), np.float32)
             for o in range(0, n_out, step):
-                out[:, o:o + step] = x @ self._widen_parallel(_rows(w, o, o + step), buf).T
+                block = self._widen_parallel(_rows(w, o, o + step), buf)
+                out[:, o:o + step] = x @ block.T
                 if quantized:
                     w.finish(o, min(o + step, n_out), x, out[:, o:o + step])
+                self._lane_products(lanes, x, w, block, o, min(o + step, n_out), out)
             return out
         step = max(8, GEMV_BLOCK_BYTES // (4 * width))
         starts = list(range(0, n_out, step))
@@ -119,15 +142,39 @@ class BlockedMatmul:
         def part(k: int) -> None:
             buf = np.empty((min(step, n_out), width), np.float32)
             for o in starts[k::self.threads]:
-                block = self._widen(_rows(w, o, o + step), buf).T
+                block = self._widen(_rows(w, o, o + step), buf)
                 for r in range(0, rows, small):
-                    out[r:r + small, o:o + step] = x[r:r + small] @ block
+                    out[r:r + small, o:o + step] = x[r:r + small] @ block.T
                 if quantized:
                     w.finish(o, min(o + step, n_out), x, out[:, o:o + step])
+                self._lane_products(lanes, x, w, block, o, min(o + step, n_out), out)
 
         with self._blas.limit(limits=1, user_api="blas"):
             list(self._pool.map(part, range(self.threads)))
         return out
+
+    def _lanes(self, x: np.ndarray, quantized: bool) -> List[Tuple[str, slice, np.ndarray]]:
+        """(kind, rows, the x those rows multiply) of each lane this product has."""
+        out = []
+        for kind, rows in self.lanes.items():
+            if kind == "int16" and quantized and x.shape[1] % 32 == 0:
+                out.append((kind, rows, rounded_to_int16_blocks(x[rows])))
+            elif kind == "reorder":
+                out.append((kind, rows, x[rows]))
+        return out
+
+    @staticmethod
+    def _lane_products(lanes, x: np.ndarray, w, block: np.ndarray, a: int, b: int, out: np.ndarray) -> None:
+        """The lanes' rows of out[:, a:b] again, from the same widened block [b - a, I] of W."""
+        for kind, rows, xs in lanes:
+            if kind == "int16":
+                y = xs @ block.T
+            else:  # row by row (BLAS's matrix-vector kernels, not its GEMM's), each in two halves
+                half = xs.shape[1] // 2
+                y = np.stack([block[:, :half] @ r[:half] + block[:, half:] @ r[half:] for r in xs])
+            if not isinstance(w, np.ndarray):
+                w.finish(a, b, x[rows], y)  # the offsets' sums of x as given
+            out[rows, a:b] = y
 
     def _widen_parallel(self, block: np.ndarray, buf: np.ndarray) -> np.ndarray:
         """_widen with the rows shared among the threads (for the GEMM path, whose BLAS call is threaded itself)."""

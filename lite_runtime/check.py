@@ -23,9 +23,8 @@ from lite_runtime.backends import CHOICES, mslite_importable
 from lite_runtime.backends.standins import describe
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError
-from lite_runtime.golden import (TOLERANCES, Reference, RowResult, Tolerance, load_golden, replay, replay_chunks,
-                             replay_scores,
-                                 tolerance_for)
+from lite_runtime.golden import (TOLERANCES, Reference, RowResult, Tolerance, folder_limits, load_golden, replay,
+                                 replay_chunks, replay_scores, tolerance_for)
 from lite_runtime.versions import environment
 
 SEND_BACK = ("rerun with --json report.json and send that file, with the folder's manifest.json and yaml, "
@@ -71,6 +70,24 @@ class Report:
     info: Dict[str, Any] = field(default_factory=dict)  # environment, versions, the folder's settings
     graph: str = "plain"  # the folder's graph form
     standins: Dict[str, int] = field(default_factory=dict)  # fused op -> nodes the backend ran as CPU stand-ins
+    # a quantized CPU folder: the limit of its replay through the fast path (int16 activations), whose rows' graph
+    # ends with FAST_SUFFIX; `tolerance` then holds the other replays, run with x exact (lite_runtime/golden.py
+    # folder_limits)
+    fast: Optional[Tolerance] = None
+
+    def _split(self):
+        """(the rows held to `tolerance`, the fast path's rows)."""
+        return ([r for r in self.rows if not r.graph.endswith(FAST_SUFFIX)],
+                [r for r in self.rows if r.graph.endswith(FAST_SUFFIX)])
+
+    def activations_line(self) -> Optional[str]:
+        """For a quantized CPU folder: how its quantized matmuls ran in each replay, and where each limit comes from."""
+        if self.fast is None:
+            return None
+        return (f"activations: the quantized matmuls ran with x exact (float32's arithmetic; limit "
+                f"{self.tolerance.rel:.1e}), then as they serve, x rounded to int16 per block of 32 (limit "
+                f"{self.fast.rel:.1e}, the rows marked {FAST_SUFFIX}); both limits derived for this folder at "
+                "export from its own arithmetic (golden.json 'limits')")
 
     def form_line(self) -> str:
         """Which graph form ran, and what was substituted: the stand-ins prove the wiring, not Ascend's kernels."""
@@ -86,19 +103,25 @@ class Report:
 
     def verdict(self) -> str:
         steps = sum(r.steps for r in self.rows)
-        worst = max((r.max_rel for r in self.rows), default=0.0)
-        limit = f"({self.tolerance.dtype} limit {self.tolerance.rel:.0e})"
+        main, fast = self._split()
+        worst = max((r.max_rel for r in main), default=0.0)
+        limit = self.tolerance.limit_text()
         ties = sum(len(r.near_ties) for r in self.rows)
         tie_note = f"; {ties} near-tie step(s) reported, not failed" if ties else ""
         prompts = _count(len({r.prompt for r in self.rows}), "prompt")
         chunks = any(r.graph.startswith("chunk_") for r in self.rows)  # replay_chunks ran every prompt a second way
         scores = any(r.graph.startswith("score_") for r in self.rows)  # replay_scores: one prompt per batch
-        slots = chunks or scores
+        slots = chunks or scores or bool(fast)
         paths = (" (each through the prefill graphs" + (" and through the chunk graphs" if chunks else "")
-                 + ("; one per bucket through the score graphs" if scores else "") + ")") if slots else ""
+                 + ("; one per bucket through the score graphs" if scores else "")
+                 + ("; again through the prefill graphs with int16 activations" if fast else "") + ")") if slots else ""
+        fast_note = ""
+        if fast:
+            fast_note = (f"; with int16 activations within {max(r.max_rel for r in fast):.1e} (limit "
+                         f"{self.fast.rel:.1e}, derived for this folder)")
         if self.passed:
             return (f"PASS {self.name} on backend {self.backend}: {prompts}{paths}, {steps} steps, greedy "
-                    f"tokens identical, top-k logits within {worst:.1e} relative {limit}{tie_note}")
+                    f"tokens identical, top-k logits within {worst:.1e} relative {limit}{fast_note}{tie_note}")
         bad = [r for r in self.rows if not r.passed]
         runs = f"{len(bad)} of {len(self.rows)} runs of {prompts}{paths}" if slots else \
             f"{len(bad)} of {len(self.rows)} prompts"
@@ -110,7 +133,7 @@ class Report:
         else:
             what = f"prompt {bad[0].prompt} ({bad[0].graph}): {bad[0].failures[0]}"
         return (f"FAIL {self.name} on backend {self.backend}: {runs} fail; {what}; "
-                f"worst logit error {worst:.1e} relative {limit}")
+                f"worst logit error {worst:.1e} relative {limit}{fast_note}")
 
     def table(self) -> str:
         head = ("prompt", "graph", "tokens", "steps", "diverges at", "top-1", "max abs err", "max rel err", "result")
@@ -128,7 +151,8 @@ class Report:
     def to_dict(self) -> Dict[str, Any]:
         return {"verdict": self.verdict(), "passed": self.passed, "name": self.name, "backend": self.backend,
                 "graph": self.graph, "standins": dict(self.standins),
-                "dtype": self.dtype, "tolerance": asdict(self.tolerance), "reference": self.reference,
+                "dtype": self.dtype, "tolerance": asdict(self.tolerance),
+                **({} if self.fast is None else {"fast_tolerance": asdict(self.fast)}), "reference": self.reference,
                 "rows": [{**asdict(r), "passed": r.passed} for r in self.rows], "info": self.info}
 
 
@@ -139,20 +163,37 @@ def run_check(model_dir: str, backend: str = "auto", reference: Optional[Referen
     return check_config(InferConfig.from_folder(model_dir, backend=backend, **overrides), reference, progress)
 
 
-def check_config(config: InferConfig, reference: Optional[Reference] = None, progress=None) -> Report:
-    """run_check for a folder already read into `config` (its checksums verified then)."""
+def check_config(config: InferConfig, reference: Optional[Reference] = None, progress=None,
+                 tolerance: Optional[Tolerance] = None) -> Report:
+    """run_check for a folder already read into `config` (its checksums verified then). `reference`: another
+    reference than the folder's golden.json (export.compare's HF), held to `tolerance` (default: the folder's).
+
+    A quantized CPU folder whose golden.json carries derived limits (lite_runtime/golden.py folder_limits) replays
+    with its quantized matmuls' x exact (cpu_kernels ACTIVATIONS_EXACT: float32's arithmetic) against the tight
+    limit, then once through the prefill graphs as it serves (x rounded to int16) against that path's limit."""
     from lite_runtime.task import pipeline
 
     backend = config.backend
     folder = config.folder
+    golden = reference is None
     if reference is None:
         reference = load_golden(folder)
     if reference is None:
         raise InferError(f"{folder.path}: no golden references (golden.json); the folder was exported before "
                          "mslite-llm wrote them: re-export it with python -m export to check it")
-    # a CPU folder with 16-bit weights: float32's, on rounded weights; a quantized CPU folder: int16 activations'
-    tolerance = tolerance_for(config.compute_dtype, folder.quantization is not None,
-                              folder.infer.get("device") == "cpu" and bool(folder.infer.get("cpu_kernels")))
+    cpu_kernels = folder.infer.get("device") == "cpu" and bool(folder.infer.get("cpu_kernels"))
+    quantized_cpu = folder.quantization is not None and cpu_kernels
+    limits = folder_limits(reference) if quantized_cpu and golden else None
+    if tolerance is None:
+        # a CPU folder with 16-bit weights: float32's, on rounded weights; a quantized CPU folder: its derived limits
+        # (one exported before them: the int16 activations' constant); against HF (export.compare), with x exact,
+        # float32's
+        if limits:
+            tolerance = limits["exact"]
+        elif quantized_cpu and not golden:
+            tolerance = TOLERANCES["float32"]
+        else:
+            tolerance = tolerance_for(config.compute_dtype, folder.quantization is not None, cpu_kernels)
     if tolerance is None:
         raise InferError(f"{folder.yaml_path}: dtype {config.compute_dtype!r} has no check limits; known: "
                          f"{', '.join(TOLERANCES)}")
@@ -162,11 +203,19 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
         config = dataclasses.replace(config, chunk_graphs=True)
     generator = pipeline("text_generation", model=config, backend=backend)
     loaded = time.perf_counter() - start
-    rows = replay(generator, reference, tolerance, progress=progress)
-    if slots:
-        rows += replay_chunks(generator.runner, reference, tolerance, progress=progress)
-    if generator.runner.score_sizes:  # the score graphs: every position of a piece (speculation, echo, perplexity)
-        rows += replay_scores(generator.runner, reference, tolerance, progress=progress)
+    exact = quantized_cpu and (limits is not None or not golden)  # against golden's tight limit, or HF's float32
+    with _activations("exact" if exact else None):
+        rows = replay(generator, reference, tolerance, progress=progress)
+        if slots:
+            rows += replay_chunks(generator.runner, reference, tolerance, progress=progress)
+        if generator.runner.score_sizes:  # the score graphs: every position of a piece (speculation, echo, perplexity)
+            rows += replay_scores(generator.runner, reference, tolerance, progress=progress)
+    if limits is not None:  # the path that serves
+        with _activations("int16"):
+            fast = replay(generator, reference, limits["int16"], progress=progress)
+        for r in fast:
+            r.graph += FAST_SUFFIX
+        rows += fast
     info = {"environment": environment(generator.backend_name), "exported_with": folder.exported_with,
             "folder": {k: folder.infer.get(k) for k in ("device", "soc", "dtype", "seq_length", "batch_size",
                                                         "prefill_buckets", "chunk_sizes", "score_sizes", "cpu_kernels", "tp_size",
@@ -179,8 +228,30 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
         pass
     standins = dict(generator.backend.standins)
     info["standins"] = standins
+    if exact:
+        info["quant_activations"] = {"replays": "exact", **({"fast replay": "int16"} if limits else {})}
     return Report(name=folder.name, backend=generator.backend_name, dtype=config.compute_dtype, tolerance=tolerance,
-                  reference=reference.source, rows=rows, info=info, graph=folder.graph_form, standins=standins)
+                  reference=reference.source, rows=rows, info=info, graph=folder.graph_form, standins=standins,
+                  fast=None if limits is None else limits["int16"])
+
+
+FAST_SUFFIX = "@int16"  # the graph label's end of the fast path's replay rows
+
+
+@contextlib.contextmanager
+def _activations(mode: Optional[str]):
+    """The CPU kernels' quantized matmuls with x `mode` (cpu_kernels.set_quant_activations) inside, the default after;
+    None: as they are."""
+    if mode is None:
+        yield
+        return
+    import cpu_kernels
+
+    cpu_kernels.set_quant_activations(mode)
+    try:
+        yield
+    finally:
+        cpu_kernels.set_quant_activations(None)
 
 
 def print_report(report: Report, out=None) -> None:
@@ -188,6 +259,8 @@ def print_report(report: Report, out=None) -> None:
     print(f"reference: {report.reference}", file=out)
     print(report.table(), file=out)
     print(report.form_line(), file=out)
+    if report.activations_line():
+        print(report.activations_line(), file=out)
     print(report.verdict(), file=out)
 
 

@@ -1,0 +1,49 @@
+"""check's derived limits for quantized CPU folders, shown two-sided over many shapes (issue 43, goal 2): hidden sizes
+64 to 1024, tied and untied, int8 and int4, symmetric and not, groups of 32, 64 and 128 (and per channel), from the
+export's own rounding and from GPTQ and AWQ checkpoints. Every correct folder passes with at least 3x to spare on both
+limits (the replays with x exact and the int16 replay); every tampered one fails: one group's scale 1 % off, or one
+nibble of a weight inverted, in a linear layer drawn at random. The shapes are drawn by hypothesis (derandomized: CI
+runs the same ones); the sweep behind docs/checking.md's table is benchmarks/measure_check_limits.py --quantized."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from tests.limits_harness import Spec, check, make_folder, tamper
+
+MARGIN = 3.0
+
+
+@st.composite
+def specs(draw) -> Spec:
+    hidden = draw(st.sampled_from([64, 128, 256, 512, 768, 1024]))
+    source = draw(st.sampled_from(["rtn", "gptq", "awq"]))
+    bits = 4 if source == "awq" else draw(st.sampled_from([8, 4]))
+    groups = [32, 64, 128] + ([0] if bits == 8 and source == "rtn" else [])
+    group = draw(st.sampled_from([g for g in groups if g == 0 or hidden % g == 0]))
+    symmetric = source == "gptq" or (source == "rtn" and bits == 8)
+    return Spec(hidden, 2, draw(st.booleans()), bits, group, symmetric, source, draw(st.integers(0, 99)))
+
+
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(spec=specs())
+@example(spec=Spec(64, 2, True, 8, 0, True, "rtn", 1))
+@example(spec=Spec(1024, 2, False, 4, 128, False, "awq", 10))
+@example(spec=Spec(1024, 2, True, 4, 32, False, "rtn", 11))
+@example(spec=Spec(256, 2, False, 4, 64, True, "gptq", 3))
+def test_correct_folders_pass_with_margin_and_tampered_ones_fail(tmp_path_factory, spec):
+    root = str(tmp_path_factory.mktemp("limits"))
+    folder = make_folder(root, spec)
+    good = check(folder)
+    assert good["passed"], good["verdict"]
+    assert good["exact_limit"] >= MARGIN * good["exact"], good
+    assert good["int16_limit"] >= MARGIN * good["int16"], good
+    rng = np.random.default_rng(spec.seed)
+    for kind in ("scale", "nibble"):
+        where = tamper(folder, os.path.join(root, kind), kind, rng)
+        bad = check(os.path.join(root, kind))
+        assert not bad["passed"], (kind, where, bad["verdict"])
