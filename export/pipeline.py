@@ -58,6 +58,7 @@ class ExportSummary:
     notes: Tuple[str, ...] = ()  # what the export chose for the user (a group size that had to change, ...)
     agreement: Optional[Dict[str, Any]] = None  # a quantized folder against its checkpoint (golden.json)
     tables: str = ""  # a quantized folder's embedding and head, in words
+    limits: Optional[Dict[str, Any]] = None  # check's limits derived for a quantized CPU folder (golden.json)
 
     def line(self) -> str:
         return (f"exported {self.output}: {self.files} files, {_size(self.total_bytes)} "
@@ -76,6 +77,10 @@ class ExportSummary:
             lines.append(f"against the checkpoint's float weights, over the golden prompts: greedy agreement "
                          f"{a['greedy_agreement']:.1%} of {a['tokens']} tokens, top-1 match {a['top1_match']:.1%}, "
                          f"largest logit error {a['max_logit_error']:.3g} (golden.json 'agreement')")
+        if self.limits:
+            lines.append(f"check's limits, derived from this folder's own arithmetic: {self.limits['exact']['rel']:.1e} "
+                         f"with x exact, {self.limits['int16']['rel']:.1e} as it serves (int16 activations) "
+                         "(golden.json 'limits')")
         return tuple(lines)
 
     def usage_lines(self, ascend_here: bool) -> Tuple[str, ...]:
@@ -233,7 +238,7 @@ def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str]
                          device=profile.name, dtype=cfg.dtype, compute_dtype=cfg.compute_dtype, graph=cfg.graph,
                          quantization=None if quant is None else quant.label(), notes=quant_notes,
                          tables="" if tables is None else tables.text(),
-                         agreement=doc.get("agreement"))
+                         agreement=doc.get("agreement"), limits=doc.get("limits"))
 
 
 def _timed(stages: Dict[str, float], name: str, on_stage: Callable[[str], None], fn, *args):

@@ -30,14 +30,19 @@ def binary(tmp_path_factory):
     return out
 
 
-def run(binary, tmp_path, isa=None, attention=False, quant=False):
-    """(the path the library chose, every case the driver wrote[, the attention cases][, the quantized matmul's])."""
-    path = str(tmp_path / f"cases-{isa or 'native'}.bin")
-    att = str(tmp_path / f"attention-{isa or 'native'}.bin")
-    qm = str(tmp_path / f"quant-{isa or 'native'}.bin")
-    env = {k: v for k, v in os.environ.items() if k != "MSLITE_LLM_CPU_KERNELS_ISA"}
+def run(binary, tmp_path, isa=None, attention=False, quant=False, activations=None):
+    """(the path the library chose, every case the driver wrote[, the attention cases][, the quantized matmul's]);
+    `activations`: the quantized matmuls' (MSLITE_LLM_QUANT_ACTIVATIONS), default int16."""
+    tag = f"{isa or 'native'}-{activations or 'int16'}"
+    path = str(tmp_path / f"cases-{tag}.bin")
+    att = str(tmp_path / f"attention-{tag}.bin")
+    qm = str(tmp_path / f"quant-{tag}.bin")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MSLITE_LLM_CPU_KERNELS_ISA", "MSLITE_LLM_QUANT_ACTIVATIONS")}
     if isa:
         env["MSLITE_LLM_CPU_KERNELS_ISA"] = isa
+    if activations:
+        env["MSLITE_LLM_QUANT_ACTIVATIONS"] = activations
     proc = subprocess.run([QEMU, binary, path] + ([att] if attention or quant else []) + ([qm] if quant else []),
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
@@ -156,3 +161,20 @@ def test_neon_quant_matmul_against_float64_and_the_plain_path(binary, tmp_path):
         assert a["k"] % 32 or rounding.max() > 0, where  # the decode form ran where it can
         assert np.all(np.abs(a["y"] - ref) <= rounding + 1e-5 * scale), where
         assert np.all(np.abs(a["y"] - g["y"]) <= 2e-5 * scale), where
+
+def test_neon_quant_matmul_with_exact_activations(binary, tmp_path):
+    """MSLITE_LLM_QUANT_ACTIVATIONS=exact (what check runs): x in two int16 parts, so the decode form's products are
+    the float64 product's to float32's rounding of the sums, on NEON and the plain C++ path, without int16's
+    allowance (which they would exceed in int16 mode on these cases)."""
+    from test_quant_kernels import int16_rounding
+
+    for isa in (None, "generic"):
+        _, cases = run(binary, tmp_path, isa, quant=True, activations="exact")
+        for a in cases:
+            where = f"{isa} int{4 if a['int4'] else 8} group {a['group']} rows {a['rows']} K {a['k']}"
+            assert a["rc"] == 0, where
+            ref = a["x"].astype(np.float64) @ a["w"].T
+            scale = np.abs(a["x"]).sum(1, keepdims=True) * np.abs(a["w"]).max() + 1e-30
+            assert np.all(np.abs(a["y"] - ref) <= 2e-6 * scale), where
+            if a["k"] % 32 == 0:  # the decode form: int16's rounding is far larger than what remains
+                assert np.abs(a["y"] - ref).max() < 0.05 * int16_rounding(a["x"], a["wq"], a["group"]).max(), where

@@ -380,6 +380,31 @@ def test_set_threads_reaches_the_quant_kernels(monkeypatch):
     assert calls == [("MsliteLlmSetThreads", 3)]
 
 
+def exact_activation_cases():
+    """The decode form (1, 4 and 16 rows; K whole blocks) with x exact (cpu_kernels.set_quant_activations("exact")):
+    within float32's rounding of the float64 product (2e-6 of the sums' magnitude), far inside int16's allowance;
+    then int16 again, outside that tight bound (the switch reaches the kernels through MindSpore's calls)."""
+    rng = np.random.default_rng(77)
+    try:
+        for mode in ("exact", "int16"):
+            assert cpu_kernels.set_quant_activations(mode) == mode
+            for bits, with_offset, g in ((8, False, 256), (4, True, 32), (4, False, 128), (8, True, 64)):
+                for m in (1, 4, 16):
+                    x, q, scale, offset = case(rng, bits, m, 40, 256, 256 // g, with_offset)
+                    args = (x, q, scale) + ((offset,) if with_offset else ())
+                    y = run_custom(QMO if with_offset else QM, *args).astype(np.float64)
+                    ref = x.astype(np.float64) @ dequantize(q, scale, offset).T
+                    size = np.abs(x).astype(np.float64) @ np.abs(dequantize(q, scale, offset)).T
+                    tight = np.all(np.abs(y - ref) <= 2e-6 * size)
+                    assert tight == (mode == "exact"), (mode, bits, with_offset, g, m, np.abs(y - ref).max())
+    finally:
+        cpu_kernels.set_quant_activations(None)
+
+
+def test_exact_activations_are_float32s_arithmetic():
+    exact_activation_cases()
+
+
 def test_the_plain_cpp_path_gives_the_same_answers():
     """MSLITE_LLM_CPU_KERNELS_ISA=generic (machines without AVX2/FMA), in a new process."""
     script = textwrap.dedent("""
@@ -391,6 +416,7 @@ def test_the_plain_cpp_path_gives_the_same_answers():
             sys.exit("isa: " + lib.MsliteLlmIsa().decode())
         t.matmul_case_results()
         t.test_standin_rounds_the_dequantized_weight_to_the_activation_dtype("bfloat16")
+        t.exact_activation_cases()
     """)
     env = dict(os.environ, MSLITE_LLM_CPU_KERNELS_ISA="generic",
                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
