@@ -9,6 +9,10 @@ transformers in float16 and in bfloat16 on the CPU (stand-ins for a half-precisi
 this project does not have), and prints the worst top-k logit error relative to each step's
 largest |logit|, greedy divergences, and the smallest reference top-2 margins. The limits in
 lite_runtime/golden.py (TOLERANCES) are chosen from these figures; model_dirs/README.md says how.
+With --quantized: quantized CPU folders of fourteen shapes (QUANTIZED_SPECS: hidden 64 to 1024, tied and untied,
+int8 and int4, groups and per channel, the export's rounding and GPTQ/AWQ imports), each checked as it is and after
+tampers: the margins of check's derived limits and whether every tamper fails (docs/checking.md, "Limits derived for
+a quantized CPU folder"; results/check-limits-quantized.json).
 Not a test: nothing here runs in the test suite. Needs the test extra (torch).
 """
 from __future__ import annotations
@@ -74,32 +78,46 @@ def measure(name: str, kwargs: dict, work: str, seq_length: int, buckets) -> dic
     return out
 
 
-def measure_quantized(name: str, kwargs: dict, work: str, seq_length: int, buckets) -> dict:
-    """The int8 and int4 CPU folders of one random checkpoint (their golden.json: float32 on the folder's own
-    integers), replayed through the ms backend and our kernels, whose quantized matmuls round x to int16 (the limit
-    lite_runtime.golden.INT16_ACTIVATIONS): each replay through the prefill graphs and through the chunk graphs, as
-    `check` runs them."""
-    from export.config import ExportConfig
-    from export.pipeline import run_export
-    from export.random_checkpoint import make_checkpoint
-    from lite_runtime import pipeline
-    from lite_runtime.folder import load_folder
-    from lite_runtime.golden import INT16_ACTIVATIONS, load_golden, replay, replay_chunks
+# the sweep behind docs/checking.md's table of derived limits (tests/test_check_limits.py draws a few of these shapes)
+QUANTIZED_SPECS = (  # hidden, layers, tied, bits, group, symmetric, source, seed
+    (64, 2, True, 8, 0, True, "rtn", 1), (64, 2, False, 4, 32, False, "rtn", 2),
+    (128, 2, False, 4, 64, True, "gptq", 3), (128, 3, True, 4, 64, False, "awq", 4),
+    (256, 2, True, 8, 128, True, "gptq", 5), (256, 4, False, 4, 128, False, "rtn", 6),
+    (512, 2, False, 4, 32, False, "awq", 7), (512, 3, True, 8, 0, True, "rtn", 8),
+    (768, 2, True, 4, 128, True, "gptq", 9), (1024, 2, False, 4, 128, False, "awq", 10),
+    (1024, 3, True, 4, 32, False, "rtn", 11), (1024, 2, False, 8, 64, True, "gptq", 12),
+    (1024, 4, False, 4, 64, True, "gptq", 13), (896, 4, True, 4, 128, False, "rtn", 14),
+)
 
-    ckpt = os.path.join(work, "ckpt-" + name)
-    if not os.path.isdir(ckpt):
-        make_checkpoint(ckpt, **kwargs)
-    out = {"checkpoint": kwargs}
-    for bits in ("int8", "int4"):
-        folder = os.path.join(work, f"{bits}-{name}")
-        if not os.path.isdir(folder):
-            run_export(ExportConfig(checkpoint=ckpt, output=folder, name=name, seq_length=seq_length, batch_size=2,
-                                    device="cpu", quantize=bits, prefill_buckets=tuple(buckets)))
-        golden = load_golden(load_folder(folder))
-        start = time.perf_counter()
-        gen = pipeline("text_generation", model=folder, backend="ms", chunk_graphs=True)
-        rows = replay(gen, golden, INT16_ACTIVATIONS) + replay_chunks(gen.runner, golden, INT16_ACTIVATIONS)
-        out["ms_" + bits] = {**summarize(rows), "seconds": round(time.perf_counter() - start, 1)}
+
+def measure_quantized(spec, work: str, tampers: int) -> dict:
+    """One quantized CPU folder (tests/limits_harness.py): check's worst errors against its derived limits, with x
+    exact and with int16 activations, the lanes' distances the limits came from (golden.json `limits`), and, for
+    `tampers` tampers of each kind (one group's scale 1 % off, one nibble inverted, in a linear layer drawn at random),
+    whether check failed them and by how much the tampered folder's logits moved."""
+    import shutil
+
+    import numpy as np
+
+    from tests.limits_harness import check, make_folder, tamper
+
+    start = time.perf_counter()
+    folder = make_folder(work, spec)
+    good = check(folder)
+    limits = json.load(open(os.path.join(folder, "golden.json")))["limits"]
+    out = {"spec": spec.name(), **{k: good[k] for k in ("passed", "exact", "exact_limit", "int16", "int16_limit")},
+           "exact_lane": limits["exact"]["measured"], "int16_lane": limits["int16"]["measured"],
+           "exact_margin": good["exact_limit"] / good["exact"], "int16_margin": good["int16_limit"] / good["int16"],
+           "tampers": []}
+    rng = np.random.default_rng(spec.seed)
+    for kind in ("scale", "nibble"):
+        for i in range(tampers):
+            copy = f"{folder}-{kind}{i}"
+            where = tamper(folder, copy, kind, rng)
+            bad = check(copy)
+            out["tampers"].append({"kind": kind, **where, "failed": not bad["passed"], "moved": bad["exact"]})
+            shutil.rmtree(copy)
+    out["seconds"] = round(time.perf_counter() - start, 1)
     return out
 
 
@@ -108,7 +126,9 @@ def main(argv=None) -> int:
     p.add_argument("--work", required=True, help="folder for the checkpoints and exported folders")
     p.add_argument("--with_05b", action="store_true", help="also the random Qwen2-0.5B shape (slow: fp16 on the CPU)")
     p.add_argument("--quantized", action="store_true",
-                   help="measure int8/int4 CPU folders through our kernels instead (the int16-activation limit)")
+                   help="quantized CPU folders of many shapes instead: check's derived limits, two-sided (margins of "
+                        "correct folders, tampered folders)")
+    p.add_argument("--tampers", type=int, default=2, help="--quantized: tampers of each kind per folder")
     p.add_argument("--output", default=None,
                    help="JSON file for the figures (default: benchmarks/results/check-limits.json, with --quantized "
                         "check-limits-quantized.json)")
@@ -116,19 +136,14 @@ def main(argv=None) -> int:
     args.output = args.output or os.path.join(RESULTS, "check-limits-quantized.json" if args.quantized
                                               else "check-limits.json")
     os.makedirs(args.work, exist_ok=True)
+    if args.quantized:
+        return main_quantized(args)
     shapes = dict(SHAPES)
     if args.with_05b:
         shapes["qwen2-0.5b-shape"] = SHAPE_05B
     results = {}
     for name, kwargs in shapes.items():
         seq, buckets = (1024, (32, 128)) if name == "qwen2-0.5b-shape" else (128, (16, 64))
-        if args.quantized:
-            results[name] = r = measure_quantized(name, kwargs, args.work, seq, buckets)
-            print(f"{name:18s} " + "  ".join(f"{k[3:]}: max rel {v['max_rel']:.2e}, diverged prompts "
-                                             f"{v['diverged_prompts']}, near-tie steps {v['near_tie_steps']}, failed "
-                                             f"{v['failed_prompts']}" for k, v in r.items() if k.startswith("ms_")),
-                  flush=True)
-            continue
         results[name] = measure(name, kwargs, args.work, seq, buckets)
         r = results[name]
         print(f"{name:18s} max rel: ms fp16 {r['ms_float16']['max_rel']:.2e}  hf fp16 {r['hf_float16']['max_rel']:.2e}  "
@@ -144,6 +159,27 @@ def main(argv=None) -> int:
         with open(args.output, "w", encoding="utf-8") as fh:
             json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "shapes": results}, fh, indent=2)
     return 0
+
+
+def main_quantized(args) -> int:
+    from benchmark import machine
+    from tests.limits_harness import Spec
+
+    rows = []
+    print("| folder | x exact: worst | limit (10 x lane) | margin | int16: worst | limit | margin | tampers failed | "
+          "smallest tamper move |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for values in QUANTIZED_SPECS:
+        r = measure_quantized(Spec(*values), args.work, args.tampers)
+        rows.append(r)
+        moved = min((t["moved"] for t in r["tampers"]), default=float("nan"))
+        print(f"| {r['spec']} | {r['exact']:.2e} | {r['exact_limit']:.2e} | {r['exact_margin']:.1f}x | "
+              f"{r['int16']:.2e} | {r['int16_limit']:.2e} | {r['int16_margin']:.1f}x | "
+              f"{sum(t['failed'] for t in r['tampers'])}/{len(r['tampers'])} | {moved:.1e} |", flush=True)
+    with open(args.output, "w", encoding="utf-8") as fh:
+        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "folders": rows}, fh, indent=2)
+    return 0 if all(r["passed"] and r["exact_margin"] >= 3 and r["int16_margin"] >= 3
+                    and all(t["failed"] for t in r["tampers"]) for r in rows) else 1
 
 
 if __name__ == "__main__":
