@@ -83,8 +83,9 @@ def _parameter(folder: str, name: str):
     """(the weights file, relative, and the parameter's bytes there as a writable array of its dtype and shape)."""
     from mindspore.train import mind_ir_pb2
 
+    stem = json.load(open(os.path.join(folder, "manifest.json")))["name"]
     model = mind_ir_pb2.ModelProto()
-    model.ParseFromString(open(os.path.join(folder, "m_inc_graph.mindir"), "rb").read())
+    model.ParseFromString(open(os.path.join(folder, f"{stem}_inc_graph.mindir"), "rb").read())
     param = next(p for p in model.graph.parameter if p.name.rsplit(":", 1)[-1] == name)
     ext = param.external_data
     data = np.fromfile(os.path.join(folder, ext.location), np.uint8)
