@@ -72,7 +72,7 @@ INT16_ACTIVATIONS = Tolerance("float32 with int16 activations", 1e-3)
 # 1024; benchmarks/measure_check_limits.py --quantized), a device with x exact lands 1.2-2.8x the reorder lane's
 # distance (the golden steps' own float32 rounding is in both), with x in int16 0.7-1.4x the int16 lane's; 10x keeps
 # every correct folder at least 3x inside (tests/test_check_limits.py), while one group's scale 1 % off or one
-# nibble inverted moves the logits 6x the reorder lane's distance or more. Never below LIMIT_FLOOR (2^-20: a few
+# nibble inverted moved the logits 13x the reorder lane's distance or more there. Never below LIMIT_FLOOR (2^-20: a few
 # float32 units of the largest logit; no float32 computation promises less). `exact` holds the replays that run the
 # quantized matmuls with x exact (cpu_kernels ACTIVATIONS_EXACT: float32's arithmetic), `int16` the replay through
 # the fast path as it serves.
