@@ -48,12 +48,21 @@ def ours(folder: str, tokens: int, api: str = "runner") -> float:
         for _ in range(tokens):
             seq.append(pipe.infer([seq]).next_tokens[0])
         return tokens / (time.perf_counter() - start)
+    from lite_runtime.runner import SequenceBlocks, StepRow
+
     runner = pipe.runner
-    token = int(np.argmax(runner.prefill([prompt])[0]))
-    token = int(np.argmax(runner.step([token], [len(prompt) + 1])[0]))  # warm
+    seq = SequenceBlocks(runner.pool)  # one sequence's blocks in the KV pool, for the prompt and every step
+    seq.reserve(len(prompt) + tokens + 2)
+    idle = [None] * (runner.batch_size - 1)
+
+    def step(token: int, length: int) -> int:
+        return int(np.argmax(runner.step([StepRow(token, length, seq.blocks)] + idle)[0]))
+
+    token = int(np.argmax(runner.prefill([prompt], [seq.blocks])[0]))
+    token = step(token, len(prompt) + 1)  # warm
     start = time.perf_counter()
     for i in range(tokens):
-        token = int(np.argmax(runner.step([token], [len(prompt) + 2 + i])[0]))
+        token = step(token, len(prompt) + 2 + i)
     return tokens / (time.perf_counter() - start)
 
 

@@ -117,13 +117,18 @@ def in_graph(folder: str, steps: int) -> Dict[str, object]:
     prompt = [int(t) for t in np.random.default_rng(0).integers(1, 300, 128)]
     lib = ctypes.CDLL(cpu_kernels.library_path())
     calls, ns = (ctypes.c_int64 * len(OPS))(), (ctypes.c_int64 * len(OPS))()
+    from lite_runtime.runner import SequenceBlocks, StepRow
+
+    seq = SequenceBlocks(runner.pool)  # one sequence's blocks in the KV pool
+    seq.reserve(len(prompt) + steps + 1)
+    idle = [None] * (runner.batch_size - 1)
     best = None
     for _ in range(3):
-        token = int(np.argmax(runner.prefill([prompt])[0]))
+        token = int(np.argmax(runner.prefill([prompt], [seq.blocks])[0]))
         lib.MsliteLlmProfile(calls, ns, 1)  # the decode steps only
         start = time.perf_counter()
         for i in range(steps):
-            token = int(np.argmax(runner.step([token], [len(prompt) + 1 + i])[0]))
+            token = int(np.argmax(runner.step([StepRow(token, len(prompt) + 1 + i, seq.blocks)] + idle)[0]))
         step_ms = (time.perf_counter() - start) / steps * 1000
         lib.MsliteLlmProfile(calls, ns, 1)
         per_op = {OPS[i]: {"calls": calls[i] / steps, "ms": ns[i] / 1e6 / steps} for i in range(len(OPS)) if calls[i]}

@@ -28,12 +28,15 @@ QKV_ROPE = "MsliteLlmQkvRope"  # x, Wq, bq, Wk, bk, Wv, bv, cos [N, D], sin [N, 
 #   -> q, k, v (RoPE on q and k, after the per-head RMSNorm when the norms are given: Qwen3)
 GEMV_ADD = "MsliteLlmGemvAdd"  # x [N, I], W [O, I], r [N, O] -> x.W^T + r (a projection and the residual add)
 SWIGLU = "MsliteLlmSwiGlu"  # x [N, I], Wg, Wu [O, I] -> silu(x.Wg^T) * (x.Wu^T) [N, O]
-DECODE_ATTENTION = "MsliteLlmDecodeAttention"  # q [B, H*D], K, V caches [B, KH, S, D], valid_length [B] -> [B, H*D]
-#   (or q [N, H*D], valid_length [N] and rows [N] int32: query i reads cache row rows[i]; the chunk graph's step and
-#   piece in one call)
-DECODE_QKV = "MsliteLlmDecodeQkv"  # x, ln_w, eps, Wq, bq, Wk, bk, Wv, bv, cos, sin [B, D], key_cache, value_cache
-#   [B, KH, S, D], valid_length [B] [, q_norm, k_norm] -> q [B, H*D]: the input norm, q/k/v, RoPE, and k, v written into
-#   the caches at valid_length - 1 in place (the decode step)
+# the paged KV cache (cpu_kernels/paged.h): key_cache, value_cache [NB, KH, BS, D] float32; a token's slot is
+#   block * BS + its position in the block (negative: not written); a block table lists a sequence's blocks in order
+DECODE_ATTENTION = "MsliteLlmPagedAttention"  # q [N, H*D], K, V caches, lengths [N], rows [N], tables [R, M] int32 ->
+#   [N, H*D]: query i attends to the first lengths[i] positions of the sequence whose block table is tables[rows[i]]
+DECODE_QKV = "MsliteLlmPagedDecodeQkv"  # x, ln_w, eps, Wq, bq, Wk, bk, Wv, bv, cos, sin [N, D], key_cache, value_cache,
+#   slot_mapping [N] int32 [, q_norm, k_norm] -> q [N, H*D]: the input norm, q/k/v, RoPE, and k, v written into the
+#   caches at each token's slot, in place
+WRITE_CACHE = "MsliteLlmWriteCache"  # k, v [N, KH*D], key_cache, value_cache, slot_mapping [N] int32 -> [1] (0): k, v
+#   written at each token's slot, in place (the chunk graph's writes)
 NORM_SWIGLU = "MsliteLlmNormSwiGlu"  # h [B, E], ln_w [E], eps [1], Wg, Wu [O, E] -> SwiGLU of RMSNorm(h) [B, O]
 DECODE_TAIL = "MsliteLlmDecodeTail"  # attn [N, A], Wo [E, A], x [N, E], ln_w [E], eps [1], Wg, Wu [I, E], Wd [E, I]
 #   -> h + down(SwiGLU(RMSNorm(h))) with h = x + attn . Wo^T [N, E]: the layer after the attention (no o/MLP biases)
@@ -49,10 +52,10 @@ ATLAS_WEIGHT_QUANT_BATCH_MATMUL = "MsliteLlmAtlasWeightQuantBatchMatmul"  # Weig
 # the fused ops under the names a quantized folder's graphs call: the same ops (each weight one float tensor or q,
 # scale[, offset]); the names make an installation whose ops read float weights only refuse such a folder at load
 QUANTIZED_OPS = {QKV_ROPE: "MsliteLlmQuantQkvRope", GEMV_ADD: "MsliteLlmQuantGemvAdd",
-                 DECODE_QKV: "MsliteLlmQuantDecodeQkv", NORM_SWIGLU: "MsliteLlmQuantNormSwiGlu",
+                 DECODE_QKV: "MsliteLlmQuantPagedDecodeQkv", NORM_SWIGLU: "MsliteLlmQuantNormSwiGlu",
                  DECODE_TAIL: "MsliteLlmQuantDecodeTail"}
 FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
-             NORM_SWIGLU, DECODE_TAIL, QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
+             WRITE_CACHE, NORM_SWIGLU, DECODE_TAIL, QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
              ATLAS_WEIGHT_QUANT_BATCH_MATMUL,
              *QUANTIZED_OPS.values())
 

@@ -1,6 +1,6 @@
 // CPU stand-ins for the Ascend fused operators of `--graph fused` folders, as MindSpore aot Custom ops.
 //
-// Why: a fused Atlas folder calls PromptFlashAttention, IncreFlashAttention, RmsNorm, AddRmsNorm and
+// Why: a fused Atlas folder calls PromptFlashAttention, ReshapeAndCache, PagedAttention, RmsNorm, AddRmsNorm and
 // RotaryPositionEmbedding, which MindSpore's CPU build can shape-infer and export but has no kernels for.
 // The `ms` backend replaces each such node, when it loads the graph, by a Custom op calling the function
 // here (lite_runtime/backends/standins.py), so `check` and `compare` run the folder's own graph wiring
@@ -16,12 +16,19 @@
 //   MsliteLlmAtlasPromptFlashAttention: q [B, N, Sq, D], k, v [B, KVN, Skv, D], mask [2048, 2048] bool/uint8
 //     (sparse_mode 2/3) or [B|1, 1, Sq, Skv] (sparse_mode 0), actual_seq_lengths [B], actual_seq_lengths_kv [B],
 //     attrs [scale_value, sparse_mode, pre_tokens, next_tokens] -> out [B, N, Sq, D] T   (input_layout BNSD)
-//   MsliteLlmAtlasIncreFlashAttention: q [B, N, 1, D], k, v [B, KVN, S, D], actual_seq_lengths [B],
-//     attrs [scale_value] -> out [B, N, 1, D] T   (input_layout BNSD, no mask)
 //   MsliteLlmAtlasRmsNorm: x [..., E] T, gamma [E] T, attrs [epsilon] -> y [..., E] T, rstd [..., 1] float32
 //   MsliteLlmAtlasAddRmsNorm: x1, x2 [..., E] T, gamma [E] T, attrs [epsilon] -> y T, rstd float32, x = x1 + x2 T
 //   MsliteLlmAtlasRotaryPositionEmbedding: x [B, N, S, D] T, cos, sin [B|1, 1, S, D] T, attrs [mode]
 //     -> out [B, N, S, D] T   (mode 0: rotate-half, as HF's rotate_half; mode 1: interleaved pairs)
+//   MsliteLlmAtlasReshapeAndCache: key, value [T, KVN*D] (or [T, KVN, D]) T, key_cache, value_cache [NB, BS, KVN, D]
+//     T, slot_mapping [T] int32/int64 -> out: key's shape T (a copy of key). Token t's key and value are written at
+//     block slot / BS, position slot % BS of the caches, in place; a negative slot is skipped (padding), as the op
+//     documents (MindSpore's ReshapeAndCache: "key/value (num_tokens, num_head, head_dim)", caches (num_blocks,
+//     block_size, num_head, head_dim))
+//   MsliteLlmAtlasPagedAttention: query [T, N, D] T, key_cache, value_cache [NB, BS, KVN, D] T, block_tables [T, M],
+//     context_lens [T] int32, attrs [head_num, scale_value, kv_head_num] -> out [T, N, D] T: query t attends to
+//     positions 0 .. context_lens[t] - 1 of its sequence, position p in block block_tables[t][p / BS] (MindSpore's
+//     PagedAttention without antiquant, mask, q_seq_lens or alibi: one query per token, its context its own)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -163,30 +170,6 @@ int prompt_flash_attention(int nparam, void** params, int* ndims, int64_t** shap
   return 0;
 }
 
-int incre_flash_attention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
-  if (nparam != 6) return 1;
-  Dtype t;
-  if (const int bad = check_qkv(ndims, shapes, dtypes, 5, &t)) return bad;
-  if (!is_length_dtype(dtypes[3]) || std::strcmp(dtypes[4], "float32")) return 2;
-  const int64_t batch = shapes[0][0], heads = shapes[0][1], d = shapes[0][3];
-  const int64_t kv_heads = shapes[1][1], seq = shapes[1][2];
-  if (shapes[0][2] != 1) return 4;
-  if (count(ndims[3], shapes[3]) != batch || count(ndims[4], shapes[4]) != 1) return 4;
-  const float scale = static_cast<const float*>(params[4])[0];
-  const int64_t group = heads / kv_heads;
-  parallel(batch * heads, [&](int64_t task) {
-    const int64_t b = task / heads, h = task % heads;
-    const int64_t kv_len = std::min<int64_t>(length_at(params[3], dtypes[3], b), seq);
-    std::vector<float> q(d), out(d), scores;
-    const int64_t row = (b * heads + h) * d;
-    for (int64_t c = 0; c < d; ++c) q[c] = load(params[0], t, row + c);
-    attend_row(q.data(), params[1], params[2], t, ((b * kv_heads) + h / group) * seq * d, kv_len, d, scale,
-               [](int64_t) { return true; }, scores, out.data());
-    for (int64_t c = 0; c < d; ++c) store(params[5], t, row + c, out[c]);
-  });
-  return 0;
-}
-
 // y = x * rstd * gamma with rstd = 1 / sqrt(mean(x^2) + eps), in float32 from x as the tensor holds it
 void norm_rows(const void* x, Dtype t, const void* gamma, int64_t rows, int64_t e, float eps, void* y, float* rstd,
                const std::vector<float>* sums) {
@@ -277,18 +260,103 @@ int rotary_position_embedding(int nparam, void** params, int* ndims, int64_t** s
   return 0;
 }
 
+int reshape_and_cache(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 6) return 1;
+  const Dtype t = dtype_of(dtypes[0]);
+  if (t == BAD || dtype_of(dtypes[1]) != t || dtype_of(dtypes[5]) != t) return 2;
+  const Dtype ct = dtype_of(dtypes[2]);
+  if (ct == BAD || dtype_of(dtypes[3]) != ct || !is_length_dtype(dtypes[4])) return 2;
+  if ((ndims[0] != 2 && ndims[0] != 3) || ndims[1] != ndims[0] || ndims[2] != 4 || ndims[3] != 4) return 3;
+  for (int i = 0; i < 4; ++i)
+    if (shapes[3][i] != shapes[2][i]) return 4;
+  const int64_t tokens = shapes[0][0], blocks = shapes[2][0], bs = shapes[2][1], row = shapes[2][2] * shapes[2][3];
+  if (count(ndims[0], shapes[0]) != tokens * row || count(ndims[1], shapes[1]) != tokens * row ||
+      count(ndims[4], shapes[4]) != tokens || count(ndims[5], shapes[5]) != tokens * row)
+    return 4;
+  for (int64_t i = 0; i < tokens; ++i)  // every slot checked before anything is written
+    if (length_at(params[4], dtypes[4], i) >= blocks * bs) return 4;
+  for (int64_t i = 0; i < tokens; ++i) {
+    const int64_t slot = length_at(params[4], dtypes[4], i);
+    for (int64_t c = 0; c < row; ++c) store(params[5], t, i * row + c, load(params[0], t, i * row + c));
+    if (slot < 0) continue;
+    for (int64_t c = 0; c < row; ++c) {
+      store(params[2], ct, slot * row + c, load(params[0], t, i * row + c));
+      store(params[3], ct, slot * row + c, load(params[1], t, i * row + c));
+    }
+  }
+  return 0;
+}
+
+int paged_attention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 7) return 1;
+  const Dtype t = dtype_of(dtypes[0]);
+  if (t == BAD || dtype_of(dtypes[1]) != t || dtype_of(dtypes[2]) != t || dtype_of(dtypes[6]) != t) return 2;
+  if (std::strcmp(dtypes[3], "int32") || std::strcmp(dtypes[4], "int32") || std::strcmp(dtypes[5], "float32"))
+    return 2;
+  if (ndims[0] != 3 || ndims[1] != 4 || ndims[2] != 4 || ndims[3] != 2 || ndims[4] != 1 || ndims[6] != 3) return 3;
+  for (int i = 0; i < 4; ++i)
+    if (shapes[2][i] != shapes[1][i]) return 4;
+  const int64_t tokens = shapes[0][0], heads = shapes[0][1], d = shapes[0][2];
+  const int64_t blocks = shapes[1][0], bs = shapes[1][1], kv_heads = shapes[1][2], m = shapes[3][1];
+  if (count(ndims[5], shapes[5]) != 3) return 4;
+  const float* attrs = static_cast<const float*>(params[5]);
+  if (int64_t(attrs[0]) != heads || int64_t(attrs[2]) != kv_heads) return 6;
+  const float scale = attrs[1];
+  if (shapes[1][3] != d || kv_heads <= 0 || heads % kv_heads || shapes[3][0] != tokens || shapes[4][0] != tokens ||
+      shapes[6][0] != tokens || shapes[6][1] != heads || shapes[6][2] != d)
+    return 4;
+  const int32_t* tables = static_cast<const int32_t*>(params[3]);
+  const int32_t* lens = static_cast<const int32_t*>(params[4]);
+  for (int64_t i = 0; i < tokens; ++i) {  // every block a query reads, checked first
+    if (lens[i] < 0 || lens[i] > m * bs) return 4;
+    for (int64_t j = 0; j * bs < lens[i]; ++j)
+      if (tables[i * m + j] < 0 || tables[i * m + j] >= blocks) return 4;
+  }
+  const int64_t group = heads / kv_heads;
+  parallel(tokens * heads, [&](int64_t task) {
+    const int64_t i = task / heads, h = task % heads, kvh = h / group;
+    std::vector<float> q(d), out(d), scores;
+    for (int64_t c = 0; c < d; ++c) q[c] = load(params[0], t, (i * heads + h) * d + c);
+    // position p's key: block tables[i][p / BS], row p % BS, kv head kvh
+    scores.assign(size_t(lens[i]), 0.f);
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < lens[i]; ++p) {
+      const int64_t base = ((int64_t(tables[i * m + p / bs]) * bs + p % bs) * kv_heads + kvh) * d;
+      float s = 0.f;
+      for (int64_t c = 0; c < d; ++c) s += q[c] * load(params[1], t, base + c);
+      scores[p] = s * scale;
+      top = std::max(top, scores[p]);
+    }
+    for (int64_t c = 0; c < d; ++c) out[c] = 0.f;
+    float total = 0.f;
+    for (int64_t p = 0; p < lens[i]; ++p) {
+      const int64_t base = ((int64_t(tables[i * m + p / bs]) * bs + p % bs) * kv_heads + kvh) * d;
+      const float e = std::exp(scores[p] - top);
+      total += e;
+      for (int64_t c = 0; c < d; ++c) out[c] += e * load(params[2], t, base + c);
+    }
+    for (int64_t c = 0; c < d; ++c) store(params[6], t, (i * heads + h) * d + c, total > 0.f ? out[c] / total : 0.f);
+  });
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
 
+int MsliteLlmAtlasReshapeAndCache(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
+                                  void*) {
+  return reshape_and_cache(nparam, params, ndims, shapes, dtypes);
+}
+
+int MsliteLlmAtlasPagedAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
+                                 void*) {
+  return paged_attention(nparam, params, ndims, shapes, dtypes);
+}
+
 int MsliteLlmAtlasPromptFlashAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                                        void*, void*) {
   return prompt_flash_attention(nparam, params, ndims, shapes, dtypes);
-}
-
-int MsliteLlmAtlasIncreFlashAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
-                                      void*, void*) {
-  return incre_flash_attention(nparam, params, ndims, shapes, dtypes);
 }
 
 int MsliteLlmAtlasRmsNorm(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {

@@ -1,8 +1,10 @@
-// mslite-llm CPU kernels: the decode step's attention over the KV cache (the op body decode_attention; registry.cc
-// exports it as MsliteLlmDecodeAttention), its softmax and weighted sum of values in plain C++, AVX2 and AVX-512 side
-// by side. The scores are the float32 rows kernel of matmul16.cc.
+// mslite-llm CPU kernels: the attention over the paged KV cache (the op body decode_attention; registry.cc exports it
+// as MsliteLlmDecodeAttention), its softmax and weighted sum of values in plain C++, AVX2 and AVX-512 side by side.
+// The scores are the float32 rows kernel of matmul16.cc, a block of the cache at a time (paged.h: a kv head's
+// positions of a block are one [BS, D] matrix), read in place: no copy of a sequence's context.
 #include "matmul16.h"
 #include "ops.h"
+#include "paged.h"
 #include "pool.h"
 
 namespace msllm {
@@ -96,18 +98,19 @@ MSLLM_AVX512 inline void exp_rows_avx512(float* s, int64_t n, float scale, float
 #endif
 
 // The softmax and the weighted sum of values of a task's query rows: scores [rows, ld] (row r's first lengths[r]
-// valid) -> out[r] [d] = softmax(scores_r * scale) . V over v rows [., d]. Each row's maximum and sum are kept in 8
-// lanes (the compiler does not reorder float reductions), its weights normalised in place; then the value rows are
-// read in blocks of PV_POSITIONS (in L1) for every query row, each row's output in blocks of PV_BLOCK values over
-// two positions at a time, in vector registers.
-constexpr int64_t PV_BLOCK = 32, PV_POSITIONS = 128;
+// valid) -> out[r] [d] = softmax(scores_r * scale) . V, the value rows in blocks of bs positions (vblocks[j]: block
+// j's [bs, d] rows). Each row's maximum and sum are kept in 8 lanes (the compiler does not reorder float reductions),
+// its weights normalised in place; then the value rows are read a block at a time (in L1) for every query row, each
+// row's output in blocks of PV_BLOCK values over two positions at a time, in vector registers.
+constexpr int64_t PV_BLOCK = 32;
 typedef void (*AttendRowsFn)(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
-                             const float* v, int64_t d, float* const* out);
+                             const float* const* vblocks, int64_t bs, int64_t d, float* const* out);
 
 template <void (*ExpRows)(float*, int64_t, float, float)>
 __attribute__((always_inline)) inline void attend_rows_body(float* scores, int64_t rows, int64_t ld,
-                                                            const int64_t* lengths, float scale, const float* v,
-                                                            int64_t d, float* const* out) {
+                                                            const int64_t* lengths, float scale,
+                                                            const float* const* vblocks, int64_t bs, int64_t d,
+                                                            float* const* out) {
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * ld;
     const int64_t n = lengths[r];
@@ -131,9 +134,10 @@ __attribute__((always_inline)) inline void attend_rows_body(float* scores, int64
   }
   int64_t longest = 0;
   for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, lengths[r]);
-  for (int64_t p0 = 0; p0 < longest; p0 += PV_POSITIONS)
+  for (int64_t p0 = 0; p0 < longest; p0 += bs) {
+    const float* v = vblocks[p0 / bs] - p0 * d;  // so that v + p * d is position p's row, p in this block
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t p1 = std::min(lengths[r], p0 + PV_POSITIONS);
+      const int64_t p1 = std::min(lengths[r], p0 + bs);
       if (p1 <= p0) continue;
       const float* w = scores + r * ld;
       int64_t i0 = 0;
@@ -157,20 +161,21 @@ __attribute__((always_inline)) inline void attend_rows_body(float* scores, int64
         out[r][i] = acc;
       }
     }
+  }
 }
 
 void attend_rows_generic(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
-                         const float* v, int64_t d, float* const* out) {
-  attend_rows_body<exp_rows_generic>(scores, rows, ld, lengths, scale, v, d, out);
+                         const float* const* vblocks, int64_t bs, int64_t d, float* const* out) {
+  attend_rows_body<exp_rows_generic>(scores, rows, ld, lengths, scale, vblocks, bs, d, out);
 }
 #ifdef MSLLM_X86
 MSLLM_AVX2 void attend_rows_avx2(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
-                                 const float* v, int64_t d, float* const* out) {
-  attend_rows_body<exp_rows_avx2>(scores, rows, ld, lengths, scale, v, d, out);
+    const float* const* vblocks, int64_t bs, int64_t d, float* const* out) {
+  attend_rows_body<exp_rows_avx2>(scores, rows, ld, lengths, scale, vblocks, bs, d, out);
 }
 MSLLM_AVX512 void attend_rows_avx512(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
-                                     const float* v, int64_t d, float* const* out) {
-  attend_rows_body<exp_rows_avx512>(scores, rows, ld, lengths, scale, v, d, out);
+    const float* const* vblocks, int64_t bs, int64_t d, float* const* out) {
+  attend_rows_body<exp_rows_avx512>(scores, rows, ld, lengths, scale, vblocks, bs, d, out);
 }
 #endif
 
@@ -190,98 +195,111 @@ AttendRowsFn pick_attend_rows() {
 
 const AttendRowsFn g_attend_rows = pick_attend_rows();
 
-// One new token per row against the KV cache: q [B, H*D]; K, V caches [B, KH, S, D]; valid_length [B] int32
-// (positions 0 .. valid_length-1, the new one included, as written by the graph's ScatterNdUpdate) ->
-// out [B, H*D]. Query head h reads key/value head h / (H / KH) (HF repeat_kv). Reads only the valid
-// positions, where the MindSpore form multiplies the whole seq_length and masks.
+// Queries against the paged KV cache: q [N, H*D]; K, V caches [NB, KH, BS, D]; lengths [N] int32 (query i reads
+// positions 0 .. lengths[i]-1, itself included, as the graph's writes left them); rows [N] int32, tables [R, M] int32:
+// query i's sequence has the block table tables[rows[i]] (position p in block tables[rows[i]][p / BS]) -> out
+// [N, H*D]. Query head h reads key/value head h / (H / KH) (HF repeat_kv). Reads only the blocks under each query's
+// length, in place, where the MindSpore form gathers every row's blocks and masks.
 struct AttentionJob : Job {
   const float *q, *k, *v;
-  const int32_t* valid;
-  const int32_t* rows;  // the cache row of each query row; nullptr: query row b reads cache row b
-  int64_t batch, heads, kv_heads, seq, d, cache_rows;
+  const int32_t *lengths, *rows, *tables;
+  int64_t batch, heads, max_blocks;
+  PagedCache cache;
   float* out;
-  std::vector<int64_t> blocks;  // first query of each block, then `batch`
+  std::vector<int64_t> blocks;  // first query of each block of queries, then `batch`
 
-  int64_t row_of(int64_t b) const {
-    return rows != nullptr ? std::min<int64_t>(std::max<int64_t>(rows[b], 0), cache_rows - 1) : b;
-  }
-  int64_t length_of(int64_t b) const { return std::max<int64_t>(0, std::min<int64_t>(seq, valid[b])); }
+  int64_t length_of(int64_t b) const { return std::max<int64_t>(0, lengths[b]); }
 
-  // blocks of at most `most` consecutive queries reading one cache row
+  // blocks of at most `most` consecutive queries of one sequence
   void split(int64_t most) {
     blocks.clear();
     for (int64_t b = 0; b < batch; ++b)
-      if (blocks.empty() || b - blocks.back() >= most || row_of(b) != row_of(blocks.back())) blocks.push_back(b);
+      if (blocks.empty() || b - blocks.back() >= most || rows[b] != rows[blocks.back()]) blocks.push_back(b);
     blocks.push_back(batch);
   }
 
   void work() override {
+    const int64_t d = cache.d, kv_heads = cache.kv_heads, bs = cache.block_size;
     const float scale = 1.0f / std::sqrt(float(d));
     const int64_t group = heads / kv_heads, nblocks = int64_t(blocks.size()) - 1;
     std::vector<float> qs, scores;
-    std::vector<int64_t> lengths;
+    std::vector<int64_t> lens;
     std::vector<float*> outs;
+    std::vector<const float*> vblocks;
     for (;;) {
       const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
       if (t >= nblocks * kv_heads) return;
       const int64_t blk = t / kv_heads, kvh = t % kv_heads, b0 = blocks[blk], b1 = blocks[blk + 1];
-      const int64_t row = row_of(b0), nrows = (b1 - b0) * group;
-      const float* kh = k + (row * kv_heads + kvh) * seq * d;
-      const float* vh = v + (row * kv_heads + kvh) * seq * d;
+      const int32_t* table = tables + int64_t(rows[b0]) * max_blocks;
+      const int64_t nrows = (b1 - b0) * group;
       qs.resize(size_t(nrows * d));
-      lengths.resize(size_t(nrows));
+      lens.resize(size_t(nrows));
       outs.resize(size_t(nrows));
       int64_t longest = 0;
       for (int64_t b = b0; b < b1; ++b) {  // the block's query heads of kv head kvh, a row each
         std::memcpy(qs.data() + (b - b0) * group * d, q + (b * heads + kvh * group) * d,
                     size_t(group * d) * sizeof(float));
         for (int64_t g = 0; g < group; ++g) {
-          lengths[(b - b0) * group + g] = length_of(b);
+          lens[(b - b0) * group + g] = length_of(b);
           outs[(b - b0) * group + g] = out + (b * heads + kvh * group + g) * d;
         }
         longest = std::max(longest, length_of(b));
       }
       scores.resize(size_t(std::max<int64_t>(nrows * longest, 1)));
-      if (longest > 0) rows_kernel(W_F32)(qs.data(), nrows, kh, nullptr, d, scores.data(), longest, 0, longest);
-      g_attend_rows(scores.data(), nrows, longest, lengths.data(), scale, vh, d, outs.data());
+      const int64_t used = (longest + bs - 1) / bs;
+      vblocks.resize(size_t(std::max<int64_t>(used, 1)));
+      const RowsFn scores_of = rows_kernel(W_F32);
+      for (int64_t j = 0; j < used; ++j) {  // each block's scores: its K rows as the weight rows, in place
+        const int64_t n = std::min(bs, longest - j * bs);
+        scores_of(qs.data(), nrows, k + cache.at(table[j], kvh, 0), nullptr, d, scores.data() + j * bs, longest, 0, n);
+        vblocks[j] = v + cache.at(table[j], kvh, 0);
+      }
+      g_attend_rows(scores.data(), nrows, longest, lens.data(), scale, vblocks.data(), bs, d, outs.data());
     }
   }
 };
 
 }  // namespace
 
-// q [N, H*D] . the caches K, V [B, KH, S, D]: query row i attends to the first valid_length[i] positions of cache row
-// i, or (with `rows` [N] int32, nparam 6) of cache row rows[i]: the chunk graph's step rows and piece tokens in one call.
+// q [N, H*D], the caches K, V [NB, KH, BS, D], lengths [N], rows [N], tables [R, M] (int32) -> out [N, H*D]: query i
+// attends to the first lengths[i] positions of the sequence whose block table is tables[rows[i]] (the decode step's
+// rows, a prompt's tokens and a chunk's piece alike). A length past the table, a row outside it or a block outside
+// the cache: error 4, nothing computed.
 int decode_attention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
-  if (nparam != 5 && nparam != 6) return 1;
-  const int out_index = nparam - 1;
-  if (!is_f32(dtypes[0]) || !is_f32(dtypes[1]) || !is_f32(dtypes[2]) || std::strcmp(dtypes[3], "int32") != 0 ||
-      !is_f32(dtypes[out_index]) || (nparam == 6 && std::strcmp(dtypes[4], "int32") != 0))
-    return 2;
-  if (ndims[0] != 2 || ndims[1] != 4 || ndims[2] != 4 || ndims[3] != 1 || ndims[out_index] != 2 ||
-      (nparam == 6 && ndims[4] != 1))
+  if (nparam != 7) return 1;
+  if (!is_f32(dtypes[0]) || !is_f32(dtypes[1]) || !is_f32(dtypes[2]) || !is_f32(dtypes[6])) return 2;
+  for (int k = 3; k < 6; ++k)
+    if (std::strcmp(dtypes[k], "int32") != 0) return 2;
+  if (ndims[0] != 2 || ndims[1] != 4 || ndims[2] != 4 || ndims[3] != 1 || ndims[4] != 1 || ndims[5] != 2 ||
+      ndims[6] != 2)
     return 3;
-  const int64_t queries = shapes[0][0], cache_rows = shapes[1][0], kv_heads = shapes[1][1], seq = shapes[1][2],
-                d = shapes[1][3];
+  const PagedCache cache = paged_cache(shapes[1]);
   for (int k = 0; k < 4; ++k)
     if (shapes[2][k] != shapes[1][k]) return 4;
-  if (d <= 0 || kv_heads <= 0 || shapes[0][1] % (kv_heads * d) || shapes[3][0] != queries ||
-      shapes[out_index][0] != queries || shapes[out_index][1] != shapes[0][1] ||
-      (nparam == 5 && queries != cache_rows) || (nparam == 6 && shapes[4][0] != queries))
+  const int64_t queries = shapes[0][0], table_rows = shapes[5][0], max_blocks = shapes[5][1];
+  if (!cache.ok() || shapes[0][1] % (cache.kv_heads * cache.d) || shapes[3][0] != queries ||
+      shapes[4][0] != queries || shapes[6][0] != queries || shapes[6][1] != shapes[0][1] || max_blocks <= 0)
     return 4;
+  const int32_t* lengths = static_cast<const int32_t*>(params[3]);
+  const int32_t* rows = static_cast<const int32_t*>(params[4]);
+  const int32_t* tables = static_cast<const int32_t*>(params[5]);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < queries; ++b) {  // every block a query reads, checked before anything is read
+    if (rows[b] < 0 || rows[b] >= table_rows || lengths[b] > max_blocks * cache.block_size) return 4;
+    const int32_t* table = tables + int64_t(rows[b]) * max_blocks;
+    for (int64_t j = 0; j * cache.block_size < lengths[b]; ++j)
+      if (table[j] < 0 || table[j] >= cache.blocks) return 4;
+    longest = std::max<int64_t>(longest, lengths[b]);
+  }
   AttentionJob job;
   job.q = static_cast<const float*>(params[0]);
   job.k = static_cast<const float*>(params[1]);
   job.v = static_cast<const float*>(params[2]);
-  job.valid = static_cast<const int32_t*>(params[3]);
-  job.rows = nparam == 6 ? static_cast<const int32_t*>(params[4]) : nullptr;
-  job.batch = queries, job.heads = shapes[0][1] / d, job.kv_heads = kv_heads, job.seq = seq, job.d = d;
-  job.cache_rows = cache_rows;
-  job.out = static_cast<float*>(params[out_index]);
+  job.lengths = lengths, job.rows = rows, job.tables = tables;
+  job.batch = queries, job.heads = shapes[0][1] / cache.d, job.max_blocks = max_blocks, job.cache = cache;
+  job.out = static_cast<float*>(params[6]);
   job.split(ATTENTION_BLOCK);
-  int64_t longest = 0;
-  for (int64_t b = 0; b < queries; ++b) longest = std::max<int64_t>(longest, job.valid[b]);
-  run(&job, queries * job.heads * longest * d >= (int64_t(1) << 16));
+  run(&job, queries * job.heads * longest * cache.d >= (int64_t(1) << 16));
   return 0;
 }
 

@@ -14,6 +14,7 @@
 #include "matmul16.h"
 #include "matmul_quant.h"
 #include "ops.h"
+#include "paged.h"
 #include "pool.h"
 
 namespace msllm {
@@ -258,13 +259,13 @@ int gemv_add(int nparam, void** params, int* ndims, int64_t** shapes, const char
 }
 
 // The decode step's first half of a layer in one op (MsliteLlmDecodeQkv): the input RMSNorm, q/k/v with their
-// biases, Qwen3's per-head norms, RoPE, and k and v written into the KV cache at each row's position, in place.
+// biases, Qwen3's per-head norms, RoPE, and k and v written into the paged KV cache, in place.
 // params: x [N, E], ln_w [E], eps [1], Wq, bq, Wk, bk, Wv, bv, cos [N, D], sin [N, D], key_cache, value_cache
-// [B, KH, S, D] float32, valid_length [N] int32 (the position written is valid_length - 1), [q_norm [D],
-// k_norm [D]], q [N, H*D] (the output): 15 tensors with float weights, 17 with the norms. N <= B: row r of x is
-// cache row r's token (the decode step); N = B x n: n tokens of each cache row in turn (the CPU prefill graph: a
-// prompt's tokens, valid_length their positions + 1).
-// Writing the caches here saves the graph two ScatterNdUpdate per layer (MindSpore's CPU kernel: ~60 us each,
+// [NB, KH, BS, D] float32 (blocks of BS positions, each kv head's positions contiguous: what the attention reads),
+// slot_mapping [N] int32 (token r's keys and values go to block slot / BS, position slot % BS; a negative slot is not
+// written: a row without a sequence), [q_norm [D], k_norm [D]], q [N, H*D] (the output): 15 tensors with float
+// weights, 17 with the norms. Every token is a row of its own (the decode step's rows, a prompt's tokens).
+// Writing the caches here saves the graph two scatters per layer (MindSpore's CPU ScatterNdUpdate: ~60 us each,
 // docs/performance-log.md, "The decode step: where the time goes, and fused ops", 2026-11-23) and the separate
 // norm's call.
 int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
@@ -285,14 +286,11 @@ int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const ch
       ndims[out] != 2)
     return 3;
   const int64_t rows = shapes[0][0], e = shapes[0][1];
-  const int64_t kv_heads = shapes[kci][1], seq = shapes[kci][2], d = shapes[kci][3];
+  const PagedCache cache = paged_cache(shapes[kci]);
   for (int k = 0; k < 4; ++k)
     if (shapes[vci][k] != shapes[kci][k]) return 4;
-  const int64_t cache_rows = shapes[kci][0];
-  if (shapes[1][0] != e || cache_rows <= 0 || (rows > cache_rows && rows % cache_rows) || shapes[li][0] != rows ||
-      d <= 0 || d % 2)
-    return 4;
-  const int64_t per_row = rows > cache_rows ? rows / cache_rows : 1;  // tokens of each cache row
+  if (shapes[1][0] != e || !cache.ok() || shapes[li][0] != rows || cache.d % 2) return 4;
+  const int64_t kv_heads = cache.kv_heads, d = cache.d;
   if (norms && (ndims[li + 1] != 1 || ndims[li + 2] != 1 || shapes[li + 1][0] != d || shapes[li + 2][0] != d))
     return 4;
   for (int m = 0; m < 3; ++m)
@@ -301,9 +299,9 @@ int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const ch
       shapes[out][1] != ws[0].out || ndims[ci] != 2 || ndims[si] != 2 || shapes[ci][0] != rows ||
       shapes[ci][1] != d || shapes[si][0] != rows || shapes[si][1] != d)
     return 4;
-  const int32_t* valid = static_cast<const int32_t*>(params[li]);
+  const int32_t* slots = static_cast<const int32_t*>(params[li]);
   for (int64_t r = 0; r < rows; ++r)
-    if (valid[r] < 1 || valid[r] > seq) return 4;  // nothing is written for a bad call
+    if (slots[r] >= cache.slots()) return 4;  // nothing is written for a bad call
   const float eps = *static_cast<const float*>(params[2]);
   const int64_t kv = ws[1].out;
   std::vector<float> xn(rows * e), kvs(2 * rows * kv);
@@ -312,13 +310,32 @@ int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const ch
   project_qkv_rope(xn.data(), rows, e, ws, bs, ys, d, static_cast<const float*>(params[ci]),
                    static_cast<const float*>(params[si]), norms ? static_cast<const float*>(params[li + 1]) : nullptr,
                    norms ? static_cast<const float*>(params[li + 2]) : nullptr, eps);
-  for (int m = 1; m < 3; ++m) {
-    float* cache = static_cast<float*>(params[m == 1 ? kci : vci]);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t h = 0; h < kv_heads; ++h)
-        std::memcpy(cache + ((r / per_row * kv_heads + h) * seq + valid[r] - 1) * d, ys[m] + (r * kv_heads + h) * d,
-                    size_t(d) * sizeof(float));
-  }
+  write_paged(cache, ys[1], ys[2], rows, slots, static_cast<float*>(params[kci]), static_cast<float*>(params[vci]));
+  return 0;
+}
+
+// k and v of N tokens into the paged caches (MsliteLlmWriteCache), in place: the chunk graph's writes, where q/k/v
+// come from the rows op (qkv_rope). params: k [N, KH*D], v [N, KH*D], key_cache, value_cache [NB, KH, BS, D] float32,
+// slot_mapping [N] int32 (negative: not written), done [1] float32 (the output, 0: for the graph's ordering).
+int write_cache(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 6) return 1;
+  for (int k : {0, 1, 2, 3, 5})
+    if (!is_f32(dtypes[k])) return 2;
+  if (std::strcmp(dtypes[4], "int32") != 0) return 2;
+  if (ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 4 || ndims[3] != 4 || ndims[4] != 1) return 3;
+  const PagedCache cache = paged_cache(shapes[2]);
+  for (int k = 0; k < 4; ++k)
+    if (shapes[3][k] != shapes[2][k]) return 4;
+  const int64_t rows = shapes[0][0];
+  if (!cache.ok() || shapes[0][1] != cache.kv_heads * cache.d || shapes[1][0] != rows || shapes[1][1] != shapes[0][1] ||
+      shapes[4][0] != rows)
+    return 4;
+  const int32_t* slots = static_cast<const int32_t*>(params[4]);
+  for (int64_t r = 0; r < rows; ++r)
+    if (slots[r] >= cache.slots()) return 4;
+  write_paged(cache, static_cast<const float*>(params[0]), static_cast<const float*>(params[1]), rows, slots,
+              static_cast<float*>(params[2]), static_cast<float*>(params[3]));
+  *static_cast<float*>(params[5]) = 0.f;
   return 0;
 }
 

@@ -22,6 +22,7 @@ int qkv_rope(int nparam, void** params, int* ndims, int64_t** shapes, const char
 int gemv_add(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 int swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
+int write_cache(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 int norm_swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 int decode_tail(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 

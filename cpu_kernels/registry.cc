@@ -11,8 +11,8 @@
 //   MsliteLlmEmbed:    params = ids [N] int32/int64, table [V, E] f32/f16/bf16, y [N, E] f32
 //                      (ids may have any rank; y is ids' shape plus [E])
 // The decode step's fused ops (decode_ops.cc): MsliteLlmRmsNorm, MsliteLlmQkvRope, MsliteLlmGemvAdd,
-// MsliteLlmSwiGlu, MsliteLlmDecodeQkv, MsliteLlmNormSwiGlu, MsliteLlmDecodeTail; the attention (attention.cc):
-// MsliteLlmDecodeAttention; cpu_kernels/__init__.py lists their tensors. The int8/int4 matmuls (matmul_quant.cc, whose
+// MsliteLlmSwiGlu, MsliteLlmPagedDecodeQkv, MsliteLlmWriteCache, MsliteLlmNormSwiGlu, MsliteLlmDecodeTail; the attention
+// over the paged cache (attention.cc): MsliteLlmPagedAttention; cpu_kernels/__init__.py lists their tensors. The int8/int4 matmuls (matmul_quant.cc, whose
 // comment lists their tensors and one more error code): MsliteLlmQuantMatmul, MsliteLlmQuantMatmulOffset,
 // MsliteLlmAtlasWeightQuantBatchMatmul.
 #include <chrono>
@@ -83,13 +83,21 @@ int MsliteLlmSwiGlu(int nparam, void** params, int* ndims, int64_t** shapes, con
   return timed(OP_SWIGLU, [&] { return swiglu(nparam, params, ndims, shapes, dtypes); });
 }
 
-int MsliteLlmDecodeAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
-                             void*) {
+// The paged cache's ops (paged.h): names of their own, so an installation from before the paged cache refuses a
+// folder that calls them when it loads (cpu_kernels.unknown_functions), and a folder from before is refused by its
+// format version.
+int MsliteLlmPagedAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
+                            void*) {
   return timed(OP_ATTENTION, [&] { return decode_attention(nparam, params, ndims, shapes, dtypes); });
 }
 
-int MsliteLlmDecodeQkv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+int MsliteLlmPagedDecodeQkv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
+                            void*) {
   return timed(OP_DECODE_QKV, [&] { return decode_qkv(nparam, params, ndims, shapes, dtypes); });
+}
+
+int MsliteLlmWriteCache(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return write_cache(nparam, params, ndims, shapes, dtypes);
 }
 
 int MsliteLlmNormSwiGlu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
@@ -113,9 +121,9 @@ int MsliteLlmQuantGemvAdd(int nparam, void** params, int* ndims, int64_t** shape
   return MsliteLlmGemvAdd(nparam, params, ndims, shapes, dtypes, s, e);
 }
 
-int MsliteLlmQuantDecodeQkv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* s,
-                            void* e) {
-  return MsliteLlmDecodeQkv(nparam, params, ndims, shapes, dtypes, s, e);
+int MsliteLlmQuantPagedDecodeQkv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                                 void* s, void* e) {
+  return MsliteLlmPagedDecodeQkv(nparam, params, ndims, shapes, dtypes, s, e);
 }
 
 int MsliteLlmQuantNormSwiGlu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* s,

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group_size", type=int, default=None,
                    help="inputs per scale with --quantize: 0 is per channel; default 0 for int8, 128 for int4 (or the "
                         "largest power of two, at least 32, that divides every layer's input size)")
+    p.add_argument("--block_size", type=int, default=None,
+                   help="positions per block of the paged KV cache, which every graph writes and reads through block "
+                        "tables (the pool's size is set when the folder is loaded). Default: 128 on Atlas (vllm-ascend's "
+                        "and MindIE's; a multiple of 16 up to 512 there), 64 on cpu (measured: docs/performance.md)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true", help="log each stage as it starts, and more")
@@ -145,7 +149,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                            tp_size=args.tp_size, graph=None if args.graph == "auto" else args.graph,
                            chunk_sizes=parse_sizes(args.chunk_sizes, "--chunk_sizes"),
                            score_sizes=parse_sizes(args.score_sizes, "--score_sizes"), quantize=args.quantize,
-                           group_size=args.group_size, quantize_tables=args.quantize_tables)
+                           group_size=args.group_size, quantize_tables=args.quantize_tables,
+                           block_size=args.block_size)
         # the bars are drawn on a terminal only; piped, each stage is one plain line instead (-v logs them already)
         plain = not args.quiet and not args.verbose and not sys.stderr.isatty()
         summary = run_export(cfg, show_progress=not args.quiet,

@@ -2,11 +2,16 @@
 small ops, with the valid lengths as tensors so that no length ever recompiles and GE can sink the whole graph
 (tiling sink, `ge.tiling_schedule_optimize=1` in the profile's ini).
 
+- the KV cache is paged (docs/architecture.md, "The KV cache: a pool of blocks"): [NB, BS, KH, D] per layer, written
+  by ReshapeAndCache (key, value [T, KH*D], slot_mapping [T] int32: block * BS + position; a negative slot is skipped)
+  and read by PagedAttention (query [T, H, D], block_tables [T, M] int32, context_lens [T] int32: one query per token,
+  each over its own sequence's blocks up to its own position: the decode step's rows and a chunk's piece alike).
+  Both as MindSpore 2.10's ops.auto_generate defines them ("no backend implementation in MindSpore, only use to
+  export MindIR and run in MindSpore Lite"); PagedAttention takes float16 or bfloat16, as the fused form computes.
 - prompt attention: PromptFlashAttention, layout BNSD (q [B, H, n, D], k/v [B, KH, n, D], GQA through
   num_key_value_heads), sparse_mode 3 (rightDownCausal) with the documented 2048 x 2048 compressed causal mask,
-  actual_seq_lengths = actual_seq_lengths_kv = the prompt lengths (int64 [B]): rows past a prompt are not read.
-- the incremental step: IncreFlashAttention, BNSD, the whole cache [B, KH, S, D] as key and value with
-  actual_seq_lengths = tokens in the cache after this step (int64 [B]); no mask.
+  actual_seq_lengths = actual_seq_lengths_kv = the prompt lengths (int64 [B]): rows past a prompt are not read. A
+  prompt starts at position 0, so it attends to its own fresh keys and values; they go into the blocks beside.
 - norms: RmsNorm, and AddRmsNorm for the residual add before post_attention_layernorm (one op for add + norm).
 - rotary embedding: RotaryPositionEmbedding mode 0 (rotate-half, as HF) on BNSD with cos/sin [B|1, 1, n, D].
 Which profile gets the fused form: export/devices.py (DeviceProfile.fused) and ge_configs/README.md. The
@@ -22,11 +27,11 @@ import numpy as np
 
 import mindspore as ms
 from mindspore import Tensor, nn, ops
-from mindspore.ops.auto_generate import (AddRmsNorm, IncreFlashAttention, PromptFlashAttention, RmsNorm,
+from mindspore.ops.auto_generate import (AddRmsNorm, PagedAttention, PromptFlashAttention, ReshapeAndCache, RmsNorm,
                                          RotaryPositionEmbedding)
 
 from export.config import ModelConfig
-from export.layers import DecoderLayer, RMSNorm, ew_add
+from export.layers import DecoderLayer, KVCache, RMSNorm, ew_add
 from export.matmul import Form
 
 # the side of the compressed causal mask of PromptFlashAttention's sparse_mode 2 and 3 (MindSpore 2.10 op docs)
@@ -65,11 +70,10 @@ class AtlasRMSNorm(RMSNorm):
 
 class FusedDecoderLayer(DecoderLayer):
     """A decoder layer of the fused form. Same cells and parameters as DecoderLayer (no CPU kernels); the attention
-    core, the norms and RoPE through the fused ops."""
+    core, the cache writes, the norms and RoPE through the fused ops."""
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, tp: bool = False,
-                 k: "Form" = Form()) -> None:
-        super().__init__(cfg, batch_size, seq_length, dtype, k._replace(decode_ops=False), tp)
+    def __init__(self, cfg: ModelConfig, cache: KVCache, dtype, tp: bool = False, k: "Form" = Form()) -> None:
+        super().__init__(cfg, cache, dtype, k._replace(decode_ops=False), tp)
         a = self.self_attn
         self.input_layernorm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -81,8 +85,8 @@ class FusedDecoderLayer(DecoderLayer):
         self.prompt_attention = PromptFlashAttention(
             num_heads=a.h, scale_value=scale, pre_tokens=2147483647, next_tokens=0, input_layout="BNSD",
             num_key_value_heads=a.kh, sparse_mode=SPARSE_RIGHT_DOWN_CAUSAL)
-        self.step_attention = IncreFlashAttention(num_heads=a.h, input_layout="BNSD", scale_value=scale,
-                                                  num_key_value_heads=a.kh)
+        self.write_cache = ReshapeAndCache()
+        self.paged_attention = PagedAttention(a.h, scale, a.kh)
 
     def _qkv(self, x, cos, sin, b, n):
         """x [B*n, E] -> q [B, H, n, D], k, v [B, KH, n, D], RoPE applied (after Qwen3's per-head norms)."""
@@ -100,46 +104,50 @@ class FusedDecoderLayer(DecoderLayer):
         a = self.self_attn
         return a.o_proj(out.transpose(0, 2, 1, 3).reshape(b * n, a.h * a.d))
 
-    def prefill(self, x, cos, sin, lengths, mask, b, n):
-        """x [B*n, E]; lengths int64 [B] the prompt lengths; mask the compressed causal mask."""
+    def _write(self, k, v, slots):
+        """k, v [B, KH, n, D] (BNSD) -> ReshapeAndCache of their B*n tokens [B*n, KH*D] at slots [B*n]."""
         a = self.self_attn
+        tokens = (-1, a.kh * a.d)
+        return self.write_cache(k.transpose(0, 2, 1, 3).reshape(tokens), v.transpose(0, 2, 1, 3).reshape(tokens),
+                                a.key_cache, a.value_cache, slots)
+
+    def _paged(self, q, tables, lengths, written):
+        """q [T, H, D] after `written` (the step's ReshapeAndCache), each query over its blocks -> [T, H*D]."""
+        a = self.self_attn
+        out = self.paged_attention(ops.depend(q, written), a.key_cache, a.value_cache, tables, lengths, None, None,
+                                   None, None, None)
+        return out.reshape(-1, a.h * a.d)
+
+    def prefill(self, x, cos, sin, ctx, b, n, valid_length=None):
+        """x [B*n, E]; ctx: lengths int64 [B] the prompt lengths, mask the compressed causal mask, slots [B*n]."""
         q, k, v = self._qkv(self.input_layernorm(x), cos, sin, b, n)
-        k_done, v_done = a.write_prompt(k, v, b, n)
-        out = self.prompt_attention(q, k, v, mask, lengths, lengths, None, None, None, None, None, None)
-        attn = self._out(ops.depend(ops.depend(out, k_done), v_done), b, n)
+        written = self._write(k, v, ctx["slots"])
+        out = self.prompt_attention(q, k, v, ctx["mask"], ctx["lengths"], ctx["lengths"], None, None, None, None, None,
+                                    None)
+        attn = self._out(ops.depend(out, written), b, n)
         normed, h = self.post_attention_layernorm.add_norm(x, attn)
         return ew_add(h, self.mlp(normed))
 
     def chunk(self, x, cos, sin, ctx, b, n):
-        """The chunk graph: x [b + n, E], the decode step's rows (a token per cache row) then a piece of one row, each
-        at its own position (cos/sin [1, 1, b + n, D]). ctx, by name (CausalLM.chunk): lengths int64 [B] = tokens in
-        each row after the step, piece_lengths int64 [1] = the piece's valid tokens, piece_kv int64 [1] = start +
-        those, mask = the compressed causal mask, step_index, piece_index, pick, slot. The step's rows through
-        IncreFlashAttention, the piece through PromptFlashAttention over its row: sparse_mode 3 (rightDownCausal)
-        aligns its last token with the last valid key, so token i sees the row's positions up to start + i."""
-        lengths, piece_lengths, piece_kv, mask = ctx["lengths"], ctx["piece_lengths"], ctx["piece_kv"], ctx["mask"]
-        step_index, piece_index, pick, slot = ctx["step_index"], ctx["piece_index"], ctx["pick"], ctx["slot"]
+        """The chunk graph: x [b + n, E], the decode step's rows (a token per sequence) then a piece of one more
+        sequence, each at its own position (cos/sin [1, 1, b + n, D]). ctx, by name (CausalLM.chunk): slots [b + n],
+        tables [b + n, M] (each token's sequence's blocks: the piece's repeated), lengths [b + n] (each token's
+        position + 1). Every token written, then each attends over its blocks up to itself (PagedAttention)."""
         a = self.self_attn
         q, k, v = self._qkv(self.input_layernorm(x), cos, sin, 1, b + n)  # [1, H|KH, b + n, D]
-        rows = (b + n, a.kh, a.d)
-        k, v = k.transpose(0, 2, 1, 3).reshape(rows), v.transpose(0, 2, 1, 3).reshape(rows)
-        keys, values = a.write_step_and_piece(k, v, step_index, piece_index, pick, b)
-        out = self.step_attention(q[:, :, :b].transpose(2, 1, 0, 3), (keys,), (values,), None, lengths, None, None,
-                                  None, None, None, None, None, None, None, None)  # [B, H, 1, D]
-        piece = self.prompt_attention(q[:, :, b:], ops.gather(keys, slot, 0), ops.gather(values, slot, 0), mask,
-                                      piece_lengths, piece_kv, None, None, None, None, None, None)  # [1, H, n, D]
-        attn = a.o_proj(ops.cat((out.reshape(b, a.h * a.d), piece.transpose(0, 2, 1, 3).reshape(n, a.h * a.d)), 0))
+        written = self._write(k, v, ctx["slots"])
+        attn = a.o_proj(self._paged(q.reshape(a.h, b + n, a.d).transpose(1, 0, 2), ctx["tables"], ctx["lengths"],
+                                    written))
         normed, h = self.post_attention_layernorm.add_norm(x, attn)
         return ew_add(h, self.mlp(normed))
 
-    def decode(self, x, cos, sin, lengths, index, b):
-        """x [B, E]; lengths int64 [B] = tokens in the cache after this step; index as DecoderLayer.decode."""
+    def decode(self, x, cos, sin, ctx, b):
+        """x [B, E]; ctx: slots [B], tables [B, M], lengths int32 [B] = tokens of each sequence after this step."""
         a = self.self_attn
-        q, k, v = self._qkv(self.input_layernorm(x), cos, sin, b, 1)
-        keys, values = a.write_step(k, v, index, b)
-        out = self.step_attention(q, (keys,), (values,), None, lengths, None, None, None, None, None, None, None,
-                                  None, None, None)
-        normed, h = self.post_attention_layernorm.add_norm(x, self._out(out, b, 1))
+        q, k, v = self._qkv(self.input_layernorm(x), cos, sin, b, 1)  # q [B, H, 1, D]
+        written = self._write(k, v, ctx["slots"])
+        attn = a.o_proj.few_rows(self._paged(q.reshape(b, a.h, a.d), ctx["tables"], ctx["lengths"], written))
+        normed, h = self.post_attention_layernorm.add_norm(x, attn)
         return ew_add(h, self.mlp(normed))
 
 

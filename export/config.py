@@ -279,6 +279,9 @@ class ExportConfig:
     # a quantized folder's embedding and head (export/quantize.py resolve_tables): auto (as an imported checkpoint holds
     # them; int8 per row with --quantize), none (float), int8
     quantize_tables: str = "auto"
+    # positions per block of the paged KV cache (every graph reads and writes it through block tables); None: the
+    # device profile's (export/devices.py block_size)
+    block_size: Optional[int] = None
 
     @property
     def compute_dtype(self) -> str:
@@ -353,6 +356,12 @@ class ExportConfig:
         if self.cpu_kernels == "off" and self.half_weights_on_cpu:
             raise ExportError(f"--cpu_kernels off: --device cpu --dtype {self.dtype} stores 16-bit weights that only "
                               "the CPU kernels read; drop --cpu_kernels off or export --dtype float32")
+        if self.block_size is not None:
+            atlas = self.device != "cpu"
+            if self.block_size < 1 or (atlas and (self.block_size % 16 or self.block_size > 512)):
+                raise ExportError(f"--block_size {self.block_size}: " + (
+                    "on Atlas a multiple of 16 up to 512 (ReshapeAndCache and PagedAttention's blocks; 128 is what "
+                    "vllm-ascend and MindIE use)" if atlas else "must be at least 1"))
         if self.quantize not in (None, "none", "int8", "int4"):
             raise ExportError(f"--quantize {self.quantize!r} is not one of none, int8, int4")
         if self.tp_size < 1:

@@ -37,6 +37,10 @@ class DeviceProfile:
     # (CANN's aclnnWeightQuantBatchMatmulV2 support table); the Atlas 800 (910A, a training series) has none
     quant_bits: Tuple[int, ...] = ()
     quant_groups: bool = False
+    # positions per block of the paged KV cache (--block_size): 128 on Atlas, what vllm-ascend and MindIE use and
+    # ReshapeAndCache / PagedAttention recommend (a multiple of 16 for float16/bfloat16); on the CPU by measurement
+    # (docs/performance-log.md, "The paged KV cache: block size on the CPU")
+    block_size: int = 128
 
     @property
     def default_dtype(self) -> str:
@@ -57,7 +61,7 @@ PROFILES: Dict[str, DeviceProfile] = {
     "atlas_300i_duo": DeviceProfile("atlas_300i_duo", "Atlas 300I Duo", "Ascend310P", ("float16",), quant_bits=(8,)),
     # CPU folders compute in float32; float16 and bfloat16 store the matrices in 16 bits (ExportConfig.compute_dtype)
     "cpu": DeviceProfile("cpu", "CPU", "", ("float32", "bfloat16", "float16"), bucket_first=16, bucket_factor=2,
-                         chunks=(8, 128), scores=(8, 128), quant_bits=(8, 4), quant_groups=True),
+                         chunks=(8, 128), scores=(8, 128), quant_bits=(8, 4), quant_groups=True, block_size=64),
 }
 DEFAULT_PROFILE = "atlas_800i_a2"
 
@@ -143,7 +147,11 @@ def graph_form(profile: DeviceProfile, dtype: str, asked: Optional[str], head_di
     if asked not in (None, "auto") + GRAPH_FORMS:
         raise ExportError(f"--graph {asked!r} is not one of auto, {', '.join(GRAPH_FORMS)}")
     why = None
-    if not profile.fused:
+    if not profile.fused and profile.soc.startswith("Ascend310P"):
+        why = (f"device profile {profile.name!r} ({profile.soc}): the 310P's PagedAttention and ReshapeAndCache keep the "
+               "paged KV cache in the FRACTAL_NZ layout, which this export does not write; its folders take the plain "
+               "form (the blocks through Gather and ScatterNdUpdate)")
+    elif not profile.fused:
         why = f"device profile {profile.name!r} ({profile.soc or 'CPU'}) has no fused attention operators we can use"
     elif dtype not in FUSED_DTYPES:
         why = f"the fused attention operators take {' or '.join(FUSED_DTYPES)}, not {dtype}"

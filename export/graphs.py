@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from export.config import ExportConfig, ModelConfig, tensor_parallel_config, vocab_shards
 from export.errors import ExportError
-from lite_runtime.folder import MINDIR_DTYPES, graph_file, mindir_specs, rank_name
+from lite_runtime.folder import MINDIR_DTYPES, graph_file, is_kv_cache, mindir_specs, rank_name
 from lite_runtime.manifest import GraphEntry
 
 Params = Dict[str, Tuple[Tuple[int, ...], str]]  # parameter name -> (shape, dtype)
@@ -61,7 +61,8 @@ class Network:
         self.net = CausalLM(tensor_parallel_config(model_cfg, tp) if tp > 1 else model_cfg, cfg.batch_size,
                             cfg.seq_length, cfg.compute_dtype, gemv=self.kernels, gemm=gemm, weight_dtype=cfg.dtype,
                             tensor_parallel=tp > 1, vocab_shards=self.vocab_shards,
-                            fused=cfg.graph == "fused", quant=quant, tables=tables, atlas=cfg.device != "cpu")
+                            fused=cfg.graph == "fused", quant=quant, tables=tables, atlas=cfg.device != "cpu",
+                            block_size=cfg.block_size or 16)
 
     def parameters(self) -> Params:
         names = {"Float32": "float32", "Float16": "float16", "BFloat16": "bfloat16", "Int32": "int32",
@@ -89,13 +90,16 @@ class Network:
         # no page of which is touched for most dtypes, but qint4x2 zeros are written (a 7B int4 network: 3.3 GiB,
         # measured 2026-11-26). The proto holds no data either way, so the graph cell initializes none.
         cell.init_parameters_data = lambda *args, **kwargs: {}
-        rows = self.cfg.batch_size
+        rows, blocks = self.cfg.batch_size, self.net.max_blocks
         piece = role in ("chunk", "score")
-        args = [ms.Tensor(np.zeros((rows, 1 if piece else tokens), np.int32)),
-                ms.Tensor(np.full((rows,), 1 if role == "prefill" else 2, np.int32))]
-        if piece:  # the piece: chunk_ids, chunk_length, start, slot
+        n = 1 if piece else tokens
+        args = [ms.Tensor(np.zeros((rows, n), np.int32)),
+                ms.Tensor(np.full((rows,), 1 if role == "prefill" else 2, np.int32)),
+                ms.Tensor(np.zeros((rows, blocks), np.int32)), ms.Tensor(np.full((rows * n,), -1, np.int32))]
+        if piece:  # the piece: chunk_ids, chunk_length, start, chunk_block_table, chunk_slot_mapping
             args += [ms.Tensor(np.zeros((1, tokens), np.int32)), ms.Tensor(np.ones((1,), np.int32)),
-                     ms.Tensor(np.zeros((1,), np.int32)), ms.Tensor(np.zeros((1,), np.int32))]
+                     ms.Tensor(np.zeros((1,), np.int32)), ms.Tensor(np.zeros((1, blocks), np.int32)),
+                     ms.Tensor(np.full((tokens,), -1, np.int32))]
         level = ms.get_context("jit_syntax_level")
         ms.set_context(jit_syntax_level=ms.STRICT)  # as mindspore.export compiles
         try:
@@ -134,6 +138,8 @@ def write_graph(folder: str, cfg: ExportConfig, graph: CompiledGraph, rank: int,
     file = graph_file(rank_name(cfg.name, rank, tp), graph.role, graph.tokens, cfg.seq_length)
     for param in graph.proto.graph.parameter:
         name = param.name.rsplit(":", 1)[-1]
+        if is_kv_cache(name):  # the pool: no data in the folder, sized and allocated by the runtime at load
+            continue
         entry = layout.entries.get(name)
         declared = (tuple(int(d) for d in param.dims), MINDIR_DTYPES[_type_name(param.data_type)])
         if entry is None or declared != (entry.shape, entry.dtype):

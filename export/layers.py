@@ -16,7 +16,8 @@ one set per op. For the attention mask at 1024 tokens that was 235 MB per layer;
 prefill grew by ~0.35 GiB per layer. With equal shapes the kernel takes its fast path; results
 are bit-identical (docs/performance-log.md, "The prefill's memory: implicit broadcasts", 2026-11-21).
 
-Shapes: B batch, L tokens in this call, S cache length (= exported seq_length),
+Shapes: B batch (sequences a step serves), L tokens in this call, S the longest sequence (= exported seq_length),
+NB blocks of BS positions in the paged KV cache, M = ceil(S / BS) blocks per sequence, T = M * BS,
 H query heads, KH key/value heads, G = H // KH, D head_dim, E hidden_size, V vocab.
 """
 from __future__ import annotations
@@ -172,16 +173,37 @@ def rotate_half(x):  # [..., D]
     return ops.cat((-x2, x1), axis=-1)
 
 
-class Attention(nn.Cell):
-    """Self-attention that owns its layer's KV cache Parameters ([B, KH, S, D] each); with cfg.qk_norm, q_norm and
-    k_norm (RMSNorm over each head's D, as Qwen3) before RoPE."""
+class KVCache:
+    """The paged KV cache's shape (docs/architecture.md, "The KV cache: a pool of blocks"): `blocks` blocks of
+    `block_size` positions per layer, a sequence's positions in the blocks its block table lists (M = max_blocks per
+    sequence). `kernel_layout`: [NB, KH, BS, D], a kv head's positions of a block contiguous, as the CPU kernels read
+    them (cpu_kernels/paged.h); else [NB, BS, KH, D], ReshapeAndCache's and PagedAttention's (Atlas), which the plain
+    form's gathers and scatters read too. `blocks` is nominal: the runtime sets the pool's size when it loads the
+    folder (the graphs index the caches only through block tables and slots)."""
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Form",
-                 tp: bool = False) -> None:
+    def __init__(self, blocks: int, block_size: int, max_blocks: int, kernel_layout: bool) -> None:
+        self.blocks, self.block_size, self.max_blocks, self.kernel_layout = blocks, block_size, max_blocks, kernel_layout
+
+    def shape(self, kv_heads: int, head_dim: int):
+        if self.kernel_layout:
+            return (self.blocks, kv_heads, self.block_size, head_dim)
+        return (self.blocks, self.block_size, kv_heads, head_dim)
+
+
+class Attention(nn.Cell):
+    """Self-attention that owns its layer's paged KV cache Parameters (KVCache: [NB, BS, KH, D], or [NB, KH, BS, D]
+    for the CPU kernels); with cfg.qk_norm, q_norm and k_norm (RMSNorm over each head's D, as Qwen3) before RoPE.
+
+    Every write goes through slots (slot = block * BS + position in the block; a negative slot is not written: a
+    graph row without a sequence, a piece's padding) and every read through block tables: the plain form gathers a
+    sequence's blocks and masks past its length, the CPU kernels read the blocks in place."""
+
+    def __init__(self, cfg: ModelConfig, cache: KVCache, dtype, k: "Form", tp: bool = False) -> None:
         super().__init__()
         self.h, self.kh, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.g = self.h // self.kh
         self.scale = 1.0 / float(np.sqrt(self.d))
+        self.block_size = cache.block_size
         bias = cfg.qkv_bias
         self.q_proj = Linear(cfg.hidden_size, self.h * self.d, bias, dtype, k.linear(bias))
         self.k_proj = Linear(cfg.hidden_size, self.kh * self.d, bias, dtype, k.linear(bias))
@@ -193,7 +215,7 @@ class Attention(nn.Cell):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        if k.decode_ops:  # the decode step: q/k/v with RoPE in one kernel, attention over the valid positions in another
+        if k.decode_ops:  # q/k/v with RoPE in one kernel, the cache writes and the attention over the blocks in others
             import cpu_kernels
 
             f32 = ms.float32
@@ -206,18 +228,19 @@ class Attention(nn.Cell):
             self.zero_bias = None if bias else (Tensor(np.zeros(self.h * self.d, np.float32)),
                                                 Tensor(np.zeros(self.kh * self.d, np.float32)))
             self.norm_eps = Tensor(np.array([cfg.rms_norm_eps], np.float32)) if cfg.qk_norm else None
+            # queries over the paged cache: each its own length and block table (the decode step, a prompt, a piece)
             self.attention = kernel_op(cpu_kernels.DECODE_ATTENTION, lambda q, *_: q, lambda q, *_: q)
-            # the chunk graph: the step's rows and the piece's tokens, each query reading its own cache row
-            self.rows_attention = kernel_op(cpu_kernels.DECODE_ATTENTION, lambda q, *_: q, lambda q, *_: q)
-            # the decode step: the input norm, q/k/v, RoPE and the cache writes in one op, which writes the cache
-            # Parameters it is given in place (marked so: MindSpore orders it before the attention's reads)
+            # the input norm, q/k/v, RoPE and the cache writes in one op, which writes the cache Parameters it is
+            # given in place (marked so: MindSpore orders it before the attention's reads)
             self.decode_qkv = kernel_op(cpu_kernels.fused_op(cpu_kernels.DECODE_QKV, quant),
                                         lambda x, ln, eps, wq, *_: [x[0], wq[0]], lambda x, *_: x)
             self.decode_qkv.add_prim_attr("side_effect_mem", True)
+            self.write_cache = kernel_op(cpu_kernels.WRITE_CACHE, lambda *_: [1], lambda *_: f32)
+            self.write_cache.add_prim_attr("side_effect_mem", True)
         else:
-            self.qkv_rope = self.attention = self.rows_attention = self.decode_qkv = None
-        cache_shape = (batch_size, self.kh, seq_length, self.d)
-        self.key_cache = _weight(cache_shape, dtype, "key_cache")  # zeros in the weights file
+            self.qkv_rope = self.attention = self.decode_qkv = self.write_cache = None
+        cache_shape = cache.shape(self.kh, self.d)
+        self.key_cache = _weight(cache_shape, dtype, "key_cache")  # not in the weights file: the runtime's pool
         self.value_cache = _weight(cache_shape, dtype, "value_cache")
         self.bmm_qk = ops.BatchMatMul(transpose_b=True)
         self.bmm_pv = ops.BatchMatMul()
@@ -250,35 +273,30 @@ class Attention(nn.Cell):
         out = self.bmm_pv(probs, v).reshape(b, self.kh, self.g, n, self.d)
         return out.transpose(0, 3, 1, 2, 4).reshape(b * n, self.h * self.d)
 
-    def write_prompt(self, k, v, b, n):
-        """The full graph's cache write: k, v [B, KH, n, D] into positions [0, n) of every row. Returns the writes,
-        for ops.depend."""
-        seq = self.key_cache.shape[2]
-        if n < seq:  # a shorter bucket: the tail of the cache is masked until decode writes it
-            pad = ops.zeros((b, self.kh, seq - n, self.d), k.dtype)
-            k, v = ops.cat((k, pad), axis=2), ops.cat((v, pad), axis=2)
-        return ops.assign(self.key_cache, k), ops.assign(self.value_cache, v)
-
-    def write_piece(self, k, v, index, pick):
-        """The piece's cache write: k, v [n, KH, D] (a row per token) of one row's piece at index [KH, n, 3] = (slot,
-        head, position). Padding tokens (past the piece's valid length) write the last valid token's values at its
-        own position (`pick` [n] = min(i, valid_length - 1)): every write stays inside [start, start + valid_length),
-        and duplicate indices carry equal values, so the order ScatterNdUpdate applies them in does not matter.
-        Returns the writes, for ops.depend."""
-        k = ops.gather(k, pick, 0).transpose(1, 0, 2)  # [KH, n, D]
-        v = ops.gather(v, pick, 0).transpose(1, 0, 2)
-        return ops.scatter_nd_update(self.key_cache, index, k), ops.scatter_nd_update(self.value_cache, index, v)
-
-    def write_step(self, k, v, index, b):
-        """The decode step's cache write: k, v (B * KH * D values each, any shape) at index [B, KH, 3] = (row, head,
-        position). Returns the caches as read after the write."""
-        k_done = ops.scatter_nd_update(self.key_cache, index, k.reshape(b, self.kh, self.d))
-        v_done = ops.scatter_nd_update(self.value_cache, index, v.reshape(b, self.kh, self.d))
+    def write(self, k, v, slots):
+        """The plain form's cache writes: k, v [N, KH, D] at slots [N] ([NB, BS, KH, D] caches, ScatterNdUpdate on
+        (block, position)). A negative slot writes block 0 (the null block, which no sequence is given: its
+        contents are never read as a sequence's). Returns the caches as read after the writes."""
+        bs = self.block_size
+        safe = ops.maximum(slots, ops.zeros_like(slots))  # negative -> slot 0 of the null block
+        index = ops.stack((ops.floor_div(safe, bs), safe - ops.floor_div(safe, bs) * bs), -1)  # [N, 2]
+        k_done = ops.scatter_nd_update(self.key_cache, index, k)
+        v_done = ops.scatter_nd_update(self.value_cache, index, v)
         return ops.depend(self.key_cache, k_done), ops.depend(self.value_cache, v_done)
 
-    def prefill(self, x, cos, sin, mask, b, n, valid_length):
+    def gather(self, cache, tables):
+        """The plain form's reads: a [NB, BS, KH, D] cache's blocks of each sequence, tables [R, M] ->
+        [R, KH, M*BS, D] (a copy of each context: only the CPU kernels read the blocks in place)."""
+        r, m = tables.shape
+        blocks = ops.gather(cache, tables, 0)  # [R, M, BS, KH, D]
+        return blocks.reshape(r, m * self.block_size, self.kh, self.d).transpose(0, 2, 1, 3)
+
+    def prefill(self, x, cos, sin, mask, b, n, valid_length, slots):
+        """The prompt attends to itself (it starts at position 0): k and v written at slots [B*n], read fresh."""
         q, k, v = self._project(x, cos, sin, b, n, valid_length)
-        k_done, v_done = self.write_prompt(k, v, b, n)
+        rows = (b * n, self.kh, self.d)
+        k_done, v_done = self.write(k.transpose(0, 2, 1, 3).reshape(rows), v.transpose(0, 2, 1, 3).reshape(rows),
+                                    slots)
         out = self._attend(q, k, v, mask, b, n)
         return self.o_proj(ops.depend(ops.depend(out, k_done), v_done), valid_length)
 
@@ -300,35 +318,31 @@ class Attention(nn.Cell):
         return q, k, v
 
     def chunk(self, x, cos, sin, ctx, b, n):
-        """The chunk graph's attention: rows 0..b-1 of x [b + n, E] are the decode step's (a token per cache row),
-        rows b.. a piece of one row. ctx, by name (CausalLM.chunk): step_index [B, KH, 3], piece_index [KH, n, 3],
-        pick [n]; with cpu_kernels query_lengths [b + n] and query_rows [b + n] (each query's cache row and how many
-        of its positions it reads), else step_mask [B, S], piece_mask [1, n, S] and slot [1]. Returns [b + n, H*D]."""
+        """The chunk graph's attention: rows 0..b-1 of x [b + n, E] are the decode step's (a token per sequence),
+        rows b.. a piece of one sequence. ctx, by name (CausalLM.chunk): slots [b + n] (every token's write), with
+        cpu_kernels query_lengths [b + n], query_rows [b + n] and tables [b + 1, M] (each query's length and block
+        table), else block_tables [B, M], piece_table [1, M], step_mask [B, T] and piece_mask [1, n, T]. Returns
+        [b + n, H*D]."""
         q, k, v = self._rows_qkv(x, cos, sin)
-        keys, values = self.write_step_and_piece(k, v, ctx["step_index"], ctx["piece_index"], ctx["pick"], b)
-        if self.rows_attention is not None:  # cpu_kernels: every query over its row's positions up to its own
-            return self.rows_attention(q.reshape(b + n, self.h * self.d), keys, values, ctx["query_lengths"],
-                                       ctx["query_rows"])
-        slot = ctx["slot"]
-        out = self._attend(q[:b].reshape(b, self.kh, self.g, self.d), keys, values, ctx["step_mask"], b, 1)
+        if self.write_cache is not None:  # cpu_kernels: written in place, then every query over its blocks
+            flat = (b + n, self.kh * self.d)
+            done = self.write_cache(k.reshape(flat), v.reshape(flat), self.key_cache, self.value_cache, ctx["slots"])
+            return self.attention(ops.depend(q.reshape(b + n, self.h * self.d), done), self.key_cache,
+                                  self.value_cache, ctx["query_lengths"], ctx["query_rows"], ctx["tables"])
+        keys, values = self.write(k, v, ctx["slots"])
+        out = self._attend(q[:b].reshape(b, self.kh, self.g, self.d), self.gather(keys, ctx["block_tables"]),
+                           self.gather(values, ctx["block_tables"]), ctx["step_mask"], b, 1)
         # query head h uses key head h // G: [n, KH, G, D] -> [1, KH, G*n, D]
         qc = q[b:].reshape(n, self.kh, self.g, self.d).transpose(1, 2, 0, 3).reshape(1, self.kh, self.g * n, self.d)
-        piece = self._attend(qc, ops.gather(keys, slot, 0), ops.gather(values, slot, 0), ctx["piece_mask"], 1, n)
+        piece = self._attend(qc, self.gather(keys, ctx["piece_table"]), self.gather(values, ctx["piece_table"]),
+                             ctx["piece_mask"], 1, n)
         return ops.cat((out, piece), 0)
 
-    def write_step_and_piece(self, k, v, step_index, piece_index, pick, b):
-        """The chunk graph's writes, k, v [b + n, KH, D]: the step's rows first, then the piece's, so a row being
-        prefilled, which takes part in the step with a scratch write where its piece goes, ends up holding its piece
-        (MindSpore keeps the writes to one Parameter in program order). Returns the caches as read after both."""
-        keys, values = self.write_step(k[:b], v[:b], step_index, b)
-        k_done, v_done = self.write_piece(k[b:], v[b:], piece_index, pick)
-        return ops.depend(keys, k_done), ops.depend(values, v_done)
-
-    def decode(self, x, cos, sin, mask, index, b, valid_length):
-        """One token per row; index [B, KH, 3] = (row, head, position) to write in the cache."""
+    def decode(self, x, cos, sin, mask, b, slots, tables):
+        """One token per sequence, written at slots [B]; each reads its blocks (tables [B, M]) under `mask`."""
         q, k, v = self._project(x, cos, sin, b, 1)
-        keys, values = self.write_step(k, v, index, b)
-        return self.o_proj.few_rows(self._attend(q, keys, values, mask, b, 1))
+        keys, values = self.write(k.reshape(b, self.kh, self.d), v.reshape(b, self.kh, self.d), slots)
+        return self.o_proj.few_rows(self._attend(q, self.gather(keys, tables), self.gather(values, tables), mask, b, 1))
 
     def _biases(self):
         p = (self.q_proj, self.k_proj, self.v_proj)
@@ -341,20 +355,18 @@ class Attention(nn.Cell):
         bq, bk, bv = self._biases()
         return (self.q_proj.weights() + (bq,) + self.k_proj.weights() + (bk,) + self.v_proj.weights() + (bv,))
 
-    def decode_step(self, x, norm, cos, sin, valid_length, rows=None):
-        """The decode step through cpu_kernels, up to o_proj: `norm` (the layer's input RMSNorm), q/k/v, RoPE and the
-        cache writes at valid_length - 1 in one op (MsliteLlmDecodeQkv, in place), then the attention over each row's
-        valid positions. With `rows` [B*n] (each token's cache row), x is n tokens of each row and valid_length [B*n]
-        their positions + 1: the CPU prefill graph, causal by the lengths."""
+    def decode_step(self, x, norm, cos, sin, slots, lengths, rows, tables):
+        """A layer's first half through cpu_kernels, up to o_proj: `norm` (the layer's input RMSNorm), q/k/v, RoPE and
+        the cache writes at slots [N] in one op (MsliteLlmPagedDecodeQkv, in place), then the attention: query i over
+        the first lengths[i] positions of the blocks tables[rows[i]] (the decode step: a token per sequence; the
+        CPU prefill graph: every prompt token, causal by its position + 1)."""
         args = (x, norm.weight, norm.eps_tensor) + self._qkv_weights() + (
-            cos, sin, self.key_cache, self.value_cache, valid_length)
+            cos, sin, self.key_cache, self.value_cache, slots)
         if self.q_norm is None:
             q = self.decode_qkv(*args)
         else:
             q = self.decode_qkv(*(args + (self.q_norm.weight, self.k_norm.weight)))
-        if rows is not None:
-            return self.rows_attention(q, self.key_cache, self.value_cache, valid_length, rows)
-        return self.attention(q, self.key_cache, self.value_cache, valid_length)
+        return self.attention(q, self.key_cache, self.value_cache, lengths, rows, tables)
 
     def _kernel_qkv(self, x, cos, sin):
         """q, k, v [N, H*D], [N, KH*D] through cpu_kernels' one op (projections, bias, Qwen3's norms, RoPE)."""
@@ -365,11 +377,10 @@ class Attention(nn.Cell):
 
 
 class DecoderLayer(nn.Cell):
-    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Form",
-                 tp: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, cache: KVCache, dtype, k: "Form", tp: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.decode_ops)
-        self.self_attn = Attention(cfg, batch_size, seq_length, dtype, k, tp)
+        self.self_attn = Attention(cfg, cache, dtype, k, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.decode_ops)
         self.mlp = MLP(cfg, dtype, k, tp)
         if k.decode_ops:  # the decode step: o_proj and down_proj each with the residual add, one kernel
@@ -392,15 +403,18 @@ class DecoderLayer(nn.Cell):
         else:
             self.project_add = self.norm_swiglu = self.tail = None
 
-    def prefill(self, x, cos, sin, mask, b, n, valid_length):  # x [B*n, E]
-        if self.project_add is not None:  # cpu_kernels: mask = (each token's position + 1, its cache row), [B*n] each
-            lengths, rows = mask
-            attn = self.self_attn.decode_step(x, self.input_layernorm, cos, sin, lengths, rows)
+    def prefill(self, x, cos, sin, ctx, b, n, valid_length):  # x [B*n, E]
+        """ctx, by name (CausalLM.prefill): slots [B*n] (each token's write), with cpu_kernels lengths, rows [B*n] and
+        tables [B, M] (each token's position + 1, its sequence and their block tables), else mask [B, n, n]."""
+        if self.project_add is not None:
+            attn = self.self_attn.decode_step(x, self.input_layernorm, cos, sin, ctx["slots"], ctx["lengths"],
+                                              ctx["rows"], ctx["tables"])
             # the rest as the full graph's (MatMul in float32 folders: MsliteLlmDecodeTail's tiles are 1.5x slower at
             # 128 rows; GEMM_VALID, skipping the padding rows, in 16-bit ones)
             h = ew_add(x, self.self_attn.o_proj(attn, valid_length))
             return ew_add(h, self.mlp(self.post_attention_layernorm.few_rows(h), valid_length))
-        h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, b, n, valid_length))
+        h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, ctx["mask"], b, n, valid_length,
+                                             ctx["slots"]))
         return ew_add(h, self.mlp(self.post_attention_layernorm(h), valid_length))
 
     def chunk(self, x, cos, sin, ctx, b, n):  # x [b + n, E]: the decode step's rows, then a piece of one row
@@ -432,11 +446,15 @@ class DecoderLayer(nn.Cell):
             return self.project_add(*((x,) + linear.weights() + (residual,)))
         return ew_add(residual, linear.few_rows(x))
 
-    def decode(self, x, cos, sin, mask, index, b, valid_length):  # x [B, E]
+    def decode(self, x, cos, sin, ctx, b):  # x [B, E]
+        """ctx, by name (CausalLM.decode): slots [B], tables [B, M], with cpu_kernels lengths [B] and rows [B], else
+        mask [B, T]."""
         if self.project_add is not None:  # cpu_kernels: 3 calls per layer (more where a family has o/MLP biases)
-            attn = self.self_attn.decode_step(x, self.input_layernorm, cos, sin, valid_length)
+            attn = self.self_attn.decode_step(x, self.input_layernorm, cos, sin, ctx["slots"], ctx["lengths"],
+                                              ctx["rows"], ctx["tables"])
             return self._kernel_tail(x, attn)
-        h = ew_add(x, self.self_attn.decode(self.input_layernorm.few_rows(x), cos, sin, mask, index, b, valid_length))
+        h = ew_add(x, self.self_attn.decode(self.input_layernorm.few_rows(x), cos, sin, ctx["mask"], b, ctx["slots"],
+                                            ctx["tables"]))
         return ew_add(h, self.mlp.few_rows(self.post_attention_layernorm.few_rows(h)))
 
 

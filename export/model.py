@@ -21,7 +21,7 @@ from mindspore import Tensor, nn, ops
 
 from export.atlas_layers import AtlasRMSNorm, FusedDecoderLayer, FusedSteps, lengths_int64
 from export.config import ModelConfig
-from export.layers import MS_DTYPES, DecoderLayer, Embedding, Linear, RMSNorm
+from export.layers import MS_DTYPES, DecoderLayer, Embedding, KVCache, Linear, RMSNorm
 from export.matmul import Form, choose_form  # noqa: F401 (Form: annotations)
 from export.rope import rope_tables
 
@@ -29,15 +29,14 @@ from export.rope import rope_tables
 class DecoderModel(nn.Cell):
     """The layers, of one form: DecoderLayer (plain ops or CPU kernels, `k`) or FusedDecoderLayer (`fused`)."""
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype, k: "Form",
+    def __init__(self, cfg: ModelConfig, cache: KVCache, dtype, k: "Form",
                  tp: bool = False, vocab_shards: int = 1, fused: bool = False) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, k, vocab_shards)
         if not fused:
-            layers = [DecoderLayer(cfg, batch_size, seq_length, dtype, k, tp) for _ in range(cfg.num_hidden_layers)]
+            layers = [DecoderLayer(cfg, cache, dtype, k, tp) for _ in range(cfg.num_hidden_layers)]
         else:
-            layers = [FusedDecoderLayer(cfg, batch_size, seq_length, dtype, tp, k)
-                      for _ in range(cfg.num_hidden_layers)]
+            layers = [FusedDecoderLayer(cfg, cache, dtype, tp, k) for _ in range(cfg.num_hidden_layers)]
         self.layers = nn.CellList(layers)
         if fused:
             self.norm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -46,15 +45,19 @@ class DecoderModel(nn.Cell):
 
 
 class CausalLM(nn.Cell):
-    """The network with both steps. Inputs are the graph inputs the manifest records:
+    """The network with both steps. Inputs are the graph inputs the manifest records (model_dirs/README.md, "Graph
+    inputs and outputs"); every graph writes the paged KV cache through slots and reads it through block tables
+    (docs/architecture.md, "The KV cache: a pool of blocks"), M = ceil(seq_length / block_size) blocks a sequence:
 
-    prefill(input_ids [B, L] int32 right-padded, valid_length [B] int32 = prompt lengths)
-    decode(input_ids [B, 1] int32, valid_length [B] int32 = tokens in the cache after this step)
-    chunk(input_ids [B, 1], valid_length [B]: the decode step, as decode; chunk_ids [1, C] int32 right-padded,
-          chunk_length [1] = its valid tokens, start [1] = the position of its first token, slot [1] = the cache row):
-          the step of every row and a piece of one row's prompt, written at [start, start + chunk_length) of that
-          row and attending over it up to each token's own position (continuous batching, chunked prefill, prefix
-          reuse: lite_runtime/batching.py). A one-row prefill is pieces from start 0 beside a step of scratch rows.
+    prefill(input_ids [B, L] int32 right-padded, valid_length [B] int32 = prompt lengths, block_tables [B, M] int32,
+            slot_mapping [B*L] int32: each token's slot, -1 for padding)
+    decode(input_ids [B, 1] int32, valid_length [B] int32 = tokens of each sequence after this step, block_tables
+           [B, M], slot_mapping [B]: where each new token goes, -1 for a row without a sequence)
+    chunk(the decode step, as decode; chunk_ids [1, C] int32 right-padded, chunk_length [1] = its valid tokens,
+          start [1] = the position of its first token, chunk_block_table [1, M] = its sequence's blocks,
+          chunk_slot_mapping [C] = where its tokens go, -1 for padding): the step of every sequence and a piece of
+          one more sequence's prompt, each piece token attending over its sequence up to its own position
+          (continuous batching, chunked prefill, prefix caching: lite_runtime/batching.py).
     prefill and decode return float32 logits [B, V] of each row's last valid token, chunk [B + 1, V]: the step's rows
     and the piece's last token. Positions come from the lengths inside the graph.
 
@@ -80,7 +83,7 @@ class CausalLM(nn.Cell):
     def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype: str = "float32",
                  gemv: bool = False, gemm: bool = False, weight_dtype: Optional[str] = None,
                  tensor_parallel: bool = False, vocab_shards: int = 1, fused: bool = False, quant=None,
-                 atlas: bool = False, tables=None) -> None:
+                 atlas: bool = False, tables=None, block_size: int = 16, num_blocks: Optional[int] = None) -> None:
         super().__init__()
         ms_dtype = MS_DTYPES[dtype]
         if weight_dtype == dtype:
@@ -91,7 +94,13 @@ class CausalLM(nn.Cell):
             raise ValueError("the fused form runs Ascend's float16/bfloat16 operators, without the CPU kernels")
         k = choose_form(gemv, gemm, MS_DTYPES[weight_dtype] if weight_dtype else None, quant, atlas, tables)
         self.config, self.batch_size, self.seq_length, self.dtype = cfg, batch_size, seq_length, ms_dtype
-        self.model = DecoderModel(cfg, batch_size, seq_length, ms_dtype, k, tensor_parallel, vocab_shards, fused)
+        self.block_size = block_size
+        self.max_blocks = -(-seq_length // block_size)
+        # the pool's nominal size (the runtime sets its own when it loads the folder): the null block and each row one
+        # longest sequence
+        self.num_blocks = num_blocks or 1 + batch_size * self.max_blocks
+        cache = KVCache(self.num_blocks, block_size, self.max_blocks, k.decode_ops)
+        self.model = DecoderModel(cfg, cache, ms_dtype, k, tensor_parallel, vocab_shards, fused)
         # whether the layers run the CPU kernels' decode ops (the prefill and chunk contexts take their form)
         self.layer_kernels = k.decode_ops
         self.tied = bool(cfg.tie_word_embeddings)
@@ -108,11 +117,9 @@ class CausalLM(nn.Cell):
         self.cos, self.sin = Tensor(cos, ms_dtype), Tensor(sin, ms_dtype)  # [S, D] graph constants
         self.fused = FusedSteps(self.cos, self.sin) if fused else None
         self.rows = Tensor(np.arange(batch_size, dtype=np.int32))
-        # (row, kv head) part of the cache write index, the position is added per call
-        grid = np.stack(np.meshgrid(np.arange(batch_size), np.arange(cfg.num_key_value_heads), indexing="ij"), -1)
-        self.index_base = Tensor(grid.astype(np.int32))  # [B, KH, 2]
-        self.heads = Tensor(np.arange(cfg.num_key_value_heads, dtype=np.int32).reshape(-1, 1, 1))  # [KH, 1, 1]
         self.positions = Tensor(np.arange(seq_length, dtype=np.int32))
+        # every position a block table covers (the plain form's reads gather M blocks of BS: T >= seq_length)
+        self.table_positions = Tensor(np.arange(self.max_blocks * block_size, dtype=np.int32))
 
     def _logits(self, hidden, decode: bool = False):  # [B, E] -> [B, V] float32
         hidden = self.model.norm.few_rows(hidden) if decode else self.model.norm(hidden)
@@ -129,100 +136,97 @@ class CausalLM(nn.Cell):
         gathered = self.gather_logits(logits).reshape(self.vocab_shards, b, -1)
         return gathered.transpose(1, 0, 2).reshape(b, -1)
 
-    def prefill(self, input_ids, valid_length):
+    def prefill(self, input_ids, valid_length, block_tables, slot_mapping):
         b, n = input_ids.shape
         x = self.model.embed_tokens(input_ids.reshape(-1))  # [B*n, E]
         if self.fused is not None:
             cos, sin = self.fused.prompt(n)
-            lengths = lengths_int64(valid_length)
+            ctx = {"lengths": lengths_int64(valid_length), "mask": self.fused.mask, "slots": slot_mapping}
             for layer in self.model.layers:
-                x = layer.prefill(x, cos, sin, lengths, self.fused.mask, b, n)
+                x = layer.prefill(x, cos, sin, ctx, b, n)
             return self._logits(ops.gather(x, self.rows[:b] * n + valid_length - 1, 0))
         pos = self.positions[:n]
         if self.layer_kernels:
             # cpu_kernels: a layer's first half as the decode step's, over every token (norm, q/k/v, RoPE and the
-            # cache write in one kernel; the kernels' attention, causal by each token's position + 1 and reading its
-            # cache row): ~20 graph nodes a layer instead of ~100 with the mask, BatchMatMul and softmax, so
+            # cache write in one kernel; the kernels' attention, causal by each token's position + 1, reading its
+            # sequence's blocks): ~20 graph nodes a layer instead of ~100 with the mask, BatchMatMul and softmax, so
             # MindSpore compiles the graph in a quarter of the time or less (0.5B shape: 0.14 s against 0.48 s at
             # 128 tokens, 2.0-2.3 s at 2048), and the prompt runs faster from 512 tokens on (docs/performance-log.md,
             # "Load to first token: the full graph in the decode step's kernels, and their attention", 2026-11-25)
-            lengths = ops.tile(pos + 1, (b,))  # [B*n]
             rows = ops.broadcast_to(self.rows[:b].reshape(b, 1), (b, n)).reshape(-1)
             cos, sin = ops.tile(self.cos[:n], (b, 1)), ops.tile(self.sin[:n], (b, 1))  # [B*n, D]
-            mask = (lengths, rows)
+            ctx = {"slots": slot_mapping, "lengths": ops.tile(pos + 1, (b,)), "rows": rows, "tables": block_tables}
         else:
             cos = ops.tile(self.cos[:n].reshape(1, n, -1), (b, 1, 1))  # [B, n, D]
             sin = ops.tile(self.sin[:n].reshape(1, n, -1), (b, 1, 1))
             causal = pos.reshape(1, n, 1) >= pos.reshape(1, 1, n)  # [1, n(query), n(key)]
             valid = pos.reshape(1, 1, n) < valid_length.reshape(b, 1, 1)  # [B, 1, n]
-            mask = _additive(ops.logical_and(causal, valid))  # [B, n, n]
+            ctx = {"slots": slot_mapping, "mask": _additive(ops.logical_and(causal, valid))}  # [B, n, n]
         for layer in self.model.layers:
-            x = layer.prefill(x, cos, sin, mask, b, n, valid_length)
+            x = layer.prefill(x, cos, sin, ctx, b, n, valid_length)
         last = ops.gather(x, self.rows[:b] * n + valid_length - 1, 0)  # [B, E]
         return self._logits(last)
 
-    def chunk(self, input_ids, valid_length, chunk_ids, chunk_length, start, slot, every: bool = False):
-        """The decode step of every row and a piece of one row's prompt in one call: the weights are read once for
-        both (on a device where a step is bound by reading them, a separate piece would cost the running rows a
-        whole second step). Rows 0..B-1 of the activations are the step's, then the piece's tokens."""
+    def chunk(self, input_ids, valid_length, block_tables, slot_mapping, chunk_ids, chunk_length, start,
+              chunk_block_table, chunk_slot_mapping, every: bool = False):
+        """The decode step of every row and a piece of one more sequence's prompt in one call: the weights are read
+        once for both (on a device where a step is bound by reading them, a separate piece would cost the running
+        rows a whole second step). Rows 0..B-1 of the activations are the step's, then the piece's tokens."""
         b, n = input_ids.shape[0], chunk_ids.shape[1]
         x = self.model.embed_tokens(ops.cat((input_ids.reshape(-1), chunk_ids.reshape(-1))))  # [B + n, E]
-        kh = self.index_base.shape[1]
         step_pos = valid_length - 1  # [B]
-        step_index = ops.cat((self.index_base, ops.tile(step_pos.reshape(b, 1, 1), (1, kh, 1))), axis=-1)  # [B, KH, 3]
-        # the piece's positions; its padding tokens take the last valid one's (their writes repeat its values)
-        pick = ops.minimum(self.positions[:n], ops.broadcast_to(chunk_length - 1, (n,)))  # [n]
-        piece_pos = pick + ops.broadcast_to(start, (n,))
-        shape = (kh, n, 1)  # the piece's write index [KH, n, 3] = (slot, head, position)
-        piece_index = ops.cat((ops.broadcast_to(slot.reshape(1, 1, 1), shape), ops.broadcast_to(self.heads, shape),
-                               ops.broadcast_to(piece_pos.reshape(1, n, 1), shape)), axis=-1)
+        # the piece's positions; its padding tokens take the last valid one's (their writes are skipped: slot -1)
+        piece_pos = ops.minimum(self.positions[:n], ops.broadcast_to(chunk_length - 1, (n,))) + ops.broadcast_to(
+            start, (n,))  # [n]
         pos = ops.cat((step_pos, piece_pos))  # [B + n]
+        slots = ops.cat((slot_mapping, chunk_slot_mapping))  # [B + n]
         last = ops.cat((self.rows[:b], chunk_length + (b - 1)))  # [B + 1]: each row's token, the piece's last
+        query_lengths = ops.cat((valid_length, piece_pos + 1))  # [B + n]: each query reads up to its own position
         if self.fused is not None:
             cos, sin = self.fused.rows(pos, b + n)
-            ctx = {"step_index": step_index, "piece_index": piece_index, "pick": pick, "slot": slot,
-                   "lengths": lengths_int64(valid_length), "piece_lengths": lengths_int64(chunk_length),
-                   "piece_kv": lengths_int64(chunk_length + start), "mask": self.fused.mask}
+            # PagedAttention: one query per token, each with its own block table and context length
+            tables = ops.cat((block_tables, ops.broadcast_to(chunk_block_table, (n, self.max_blocks))))
+            ctx = {"slots": slots, "tables": tables, "lengths": query_lengths}
         else:
             cos, sin = ops.gather(self.cos, pos, 0), ops.gather(self.sin, pos, 0)  # [B + n, D]
-            if self.layer_kernels:  # cpu_kernels' attention: each query's cache row and how many of its positions it reads
-                query_lengths = ops.cat((valid_length, piece_pos + 1))
-                query_rows = ops.cat((self.rows[:b], ops.broadcast_to(slot, (n,))))
-                ctx = {"step_index": step_index, "piece_index": piece_index, "pick": pick,
-                       "query_lengths": query_lengths, "query_rows": query_rows}
+            if self.layer_kernels:  # cpu_kernels' attention: each query's length and row of `tables`
+                ctx = {"slots": slots, "query_lengths": query_lengths,
+                       "query_rows": ops.cat((self.rows[:b], ops.broadcast_to(self.rows[b - 1:b] + 1, (n,)))),
+                       "tables": ops.cat((block_tables, chunk_block_table))}
             else:
-                s = self.positions.shape[0]
-                step_mask = _additive(self.positions.reshape(1, -1) < valid_length.reshape(b, 1))  # [B, S]
-                keep = ops.broadcast_to(self.positions.reshape(1, s), (n, s)) <= ops.broadcast_to(
-                    piece_pos.reshape(n, 1), (n, s))
-                piece_mask = _additive(keep).reshape(1, n, s)  # [1, n, S]: token i sees its row up to its own position
-                ctx = {"step_index": step_index, "piece_index": piece_index, "pick": pick, "slot": slot,
+                t = self.table_positions.shape[0]
+                step_mask = _additive(self.table_positions.reshape(1, -1) < valid_length.reshape(b, 1))  # [B, T]
+                keep = ops.broadcast_to(self.table_positions.reshape(1, t), (n, t)) <= ops.broadcast_to(
+                    piece_pos.reshape(n, 1), (n, t))
+                piece_mask = _additive(keep).reshape(1, n, t)  # [1, n, T]: token i sees its sequence up to itself
+                ctx = {"slots": slots, "block_tables": block_tables, "piece_table": chunk_block_table,
                        "step_mask": step_mask, "piece_mask": piece_mask}
-        # ctx, by name (export/layers.py Attention.chunk): every form's step_index [B, KH, 3] and piece_index [KH, n, 3]
-        # (the cache writes), pick [n] (the piece's padding repeats its last token); the form's own keys beside them
+        # ctx, by name (export/layers.py Attention.chunk): every form's slots [B + n] (the cache writes); the form's
+        # own keys beside them
         for layer in self.model.layers:
             x = layer.chunk(x, cos, sin, ctx, b, n)
         if every:  # the score graph: every row's and every piece position's, [B + n, V] (padding positions too)
             return self._logits(x, decode=True)
         return self._logits(ops.gather(x, last, 0), decode=True)  # [B + 1, V]
 
-    def decode(self, input_ids, valid_length):
+    def decode(self, input_ids, valid_length, block_tables, slot_mapping):
         b = input_ids.shape[0]
         x = self.model.embed_tokens(input_ids.reshape(-1))  # [B, E]
         pos = valid_length - 1  # [B]
-        kh = self.index_base.shape[1]
-        index = ops.cat((self.index_base, ops.tile(pos.reshape(b, 1, 1), (1, kh, 1))), axis=-1)  # [B, KH, 3]
         if self.fused is not None:
             cos, sin = self.fused.step(pos, b)
-            lengths = lengths_int64(valid_length)
+            ctx = {"slots": slot_mapping, "tables": block_tables, "lengths": valid_length}
             for layer in self.model.layers:
-                x = layer.decode(x, cos, sin, lengths, index, b)
+                x = layer.decode(x, cos, sin, ctx, b)
             return self._logits(x, decode=True)
         cos, sin = ops.gather(self.cos, pos, 0), ops.gather(self.sin, pos, 0)  # [B, D]
-        valid = self.positions.reshape(1, -1) < valid_length.reshape(b, 1)  # [B, S]
-        mask = _additive(valid)
+        if self.layer_kernels:
+            ctx = {"slots": slot_mapping, "tables": block_tables, "lengths": valid_length, "rows": self.rows[:b]}
+        else:
+            valid = self.table_positions.reshape(1, -1) < valid_length.reshape(b, 1)  # [B, T]
+            ctx = {"slots": slot_mapping, "tables": block_tables, "mask": _additive(valid)}
         for layer in self.model.layers:
-            x = layer.decode(x, cos, sin, mask, index, b, valid_length)
+            x = layer.decode(x, cos, sin, ctx, b)
         return self._logits(x, decode=True)
 
 
@@ -240,15 +244,16 @@ class PrefillGraph(nn.Cell):
         super().__init__(auto_prefix=False)
         self.net = net
 
-    def construct(self, input_ids, valid_length):
-        return self.net.prefill(input_ids, valid_length)
+    def construct(self, input_ids, valid_length, block_tables, slot_mapping):
+        return self.net.prefill(input_ids, valid_length, block_tables, slot_mapping)
 
 
 class ChunkGraph(nn.Cell):
-    """The chunk graph: the decode step of every row (input_ids [B, 1], valid_length [B], as the inc graph) and C
-    tokens of one row's prompt (chunk_ids [1, C], chunk_length [1] of them valid) written from position start [1]
-    into row slot [1], so a server prefills a prompt piece by piece inside the decode steps of the other rows, and
-    from the end of a prefix the row already holds. Same parameters; logits [B + 1, V].
+    """The chunk graph: the decode step of every row (input_ids [B, 1], valid_length [B], block_tables [B, M],
+    slot_mapping [B], as the inc graph) and C tokens of one more sequence's prompt (chunk_ids [1, C], chunk_length [1]
+    of them valid, at positions from start [1], in the blocks chunk_block_table [1, M], written at chunk_slot_mapping
+    [C]), so a server prefills a prompt piece by piece inside the decode steps of the others, and from the end of a
+    prefix its blocks already hold. Same parameters; logits [B + 1, V].
 
     `every` (the score graph): the same call returning the logits of every piece position, [B + C, V] (row B + i:
     after the piece's token i; those past chunk_length are padding's), for speculative decoding's verify, prompt
@@ -258,8 +263,10 @@ class ChunkGraph(nn.Cell):
         super().__init__(auto_prefix=False)
         self.net, self.every = net, every
 
-    def construct(self, input_ids, valid_length, chunk_ids, chunk_length, start, slot):
-        return self.net.chunk(input_ids, valid_length, chunk_ids, chunk_length, start, slot, self.every)
+    def construct(self, input_ids, valid_length, block_tables, slot_mapping, chunk_ids, chunk_length, start,
+                  chunk_block_table, chunk_slot_mapping):
+        return self.net.chunk(input_ids, valid_length, block_tables, slot_mapping, chunk_ids, chunk_length, start,
+                              chunk_block_table, chunk_slot_mapping, self.every)
 
 
 class DecodeGraph(nn.Cell):
@@ -269,5 +276,5 @@ class DecodeGraph(nn.Cell):
         super().__init__(auto_prefix=False)
         self.net = net
 
-    def construct(self, input_ids, valid_length):
-        return self.net.decode(input_ids, valid_length)
+    def construct(self, input_ids, valid_length, block_tables, slot_mapping):
+        return self.net.decode(input_ids, valid_length, block_tables, slot_mapping)

@@ -160,7 +160,8 @@ def resolve(cfg: ExportConfig, model_cfg: ModelConfig) -> ExportConfig:
             chunks = default_chunks(profile, cfg.seq_length, cfg.dtype)
         if scores is None:
             scores = default_scores(profile, cfg.seq_length)
-    return dataclasses.replace(cfg, prefill_buckets=buckets, graph=graph, chunk_sizes=chunks, score_sizes=scores)
+    return dataclasses.replace(cfg, prefill_buckets=buckets, graph=graph, chunk_sizes=chunks, score_sizes=scores,
+                               block_size=cfg.block_size or profile.block_size)
 
 
 # what each stage does, in order, for a person watching (run_export's on_stage)
@@ -414,7 +415,7 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
                          prefill_buckets=sorted(e.tokens for e in rank0 if e.role == "prefill"),
                          tp_size=cfg.tp_size, cpu_kernels=kernels, graph=cfg.graph,
                          chunk_sizes=list(cfg.chunk_sizes), score_sizes=list(cfg.score_sizes),
-                         quantization=_quant_record(quant))
+                         quantization=_quant_record(quant), kv_cache=_kv_cache(cfg, model_cfg, kernels).to_dict())
     export = {**dataclasses.asdict(cfg), "checkpoint": os.path.abspath(cfg.checkpoint),
               "output": os.path.abspath(cfg.output), "mindspore_version": ms.__version__,
               "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokenizer_files": tokenizer_files}
@@ -424,6 +425,17 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
     write_yaml(tmp, cfg.name, model, export, infer)
     write_manifest(tmp, cfg.name, entries, hashed, exported_with=checkpoint_files.exporter_versions(ms.__version__),
                    family=model_cfg.model_type, quantization=_quant_record(quant))
+
+
+def _kv_cache(cfg: ExportConfig, model_cfg: ModelConfig, kernels: bool):
+    """The paged KV cache the graphs read and write (lite_runtime/folder.py KVCacheSpec), one rank's heads."""
+    from export.config import tensor_parallel_config
+    from lite_runtime.folder import KVCacheSpec
+
+    rank = tensor_parallel_config(model_cfg, cfg.tp_size) if cfg.tp_size > 1 else model_cfg
+    return KVCacheSpec(block_size=cfg.block_size, max_blocks=-(-cfg.seq_length // cfg.block_size),
+                       layout="blocks_heads" if kernels else "blocks_tokens", layers=model_cfg.num_hidden_layers,
+                       kv_heads=rank.num_key_value_heads, head_dim=model_cfg.head_dim, dtype=cfg.compute_dtype)
 
 
 def _small_files_bytes(checkpoint: str, profile) -> int:

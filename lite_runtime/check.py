@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mslite, tensor-parallel folders: the HCCL rank table (default: $RANK_TABLE_FILE)")
     p.add_argument("--ge_cache_dir", default=None,
                    help="mslite: root of GE's compile cache (default ~/.cache/mslite-llm/ge; 'none' turns it off)")
+    from lite_runtime.kv_pool import add_pool_arguments
+
+    add_pool_arguments(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.add_argument("-v", "--verbose", action="store_true", help="log which backend was chosen and why")
     return p
@@ -228,6 +231,7 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
         pass
     standins = dict(generator.backend.standins)
     info["standins"] = standins
+    info["kv_cache"] = generator.runner.pool_plan.line() + "; every replay's block tables shuffled (not contiguous)"
     if exact:
         info["quant_activations"] = {"replays": "exact", **({"fast replay": "int16"} if limits else {})}
     return Report(name=folder.name, backend=generator.backend_name, dtype=config.compute_dtype, tolerance=tolerance,
@@ -261,6 +265,8 @@ def print_report(report: Report, out=None) -> None:
     print(report.form_line(), file=out)
     if report.activations_line():
         print(report.activations_line(), file=out)
+    if report.info.get("kv_cache"):
+        print(report.info["kv_cache"], file=out)
     print(report.verdict(), file=out)
 
 
@@ -285,7 +291,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     overrides = {k: v for k, v in (("device_id", args.device_id), ("ge_cache_dir", args.ge_cache_dir),
-                                   ("rank_id", args.rank_id), ("rank_table_file", args.rank_table_file)) if v is not None}
+                                   ("rank_id", args.rank_id), ("rank_table_file", args.rank_table_file),
+                                   ("num_blocks", args.num_blocks), ("kv_cache_memory", args.kv_cache_memory))
+                 if v is not None}
     try:
         # the folder read and hashed first: nothing is said about loading a folder that is not one
         config = InferConfig.from_folder(args.model_dir, backend=args.backend, verify_checksums="always",

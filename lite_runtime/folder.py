@@ -13,12 +13,21 @@ from lite_runtime import verified
 from lite_runtime.errors import ModelFolderError
 
 FORMAT = "mslite-llm-model-folder"
-FORMAT_VERSION = 1  # what export writes for float folders
-# quantized folders (int8/int4 linear layers, the manifest's `quantization`): version 2, so a runtime that predates
-# them refuses such a folder by its version instead of loading integer weights it cannot run
-QUANTIZED_FORMAT_VERSION = 2
+# the paged KV cache (2026-11-28): every graph writes and reads the cache through slots and block tables, and the
+# cache is not in the weights file (the runtime sizes the pool at load: infer.kv_cache). A float folder is version 3,
+# a quantized one (int8/int4 linear layers, the manifest's `quantization`) version 4, so a runtime that predates
+# either refuses it by its version
+FORMAT_VERSION = 3
+QUANTIZED_FORMAT_VERSION = 4
 QUANT_BITS = (8, 4)
-SUPPORTED_VERSIONS = (1, 2)
+SUPPORTED_VERSIONS = (3, 4)
+BEFORE_PAGED = (1, 2)  # folders whose caches were rows in the weights file: refused with "re-export"
+# a layer's KV cache Parameters (export/layers.py Attention): no data in the folder, the runtime's pool
+KV_CACHE_SUFFIXES = (".key_cache", ".value_cache")
+
+
+def is_kv_cache(name: str) -> bool:
+    return name.endswith(KV_CACHE_SUFFIXES)
 MANIFEST = "manifest.json"
 GE_CONFIG = "config.ini"
 GOLDEN = "golden.json"
@@ -26,10 +35,59 @@ GOLDEN = "golden.json"
 # (byte 0 is 1 on little-endian machines), then each tensor at an offset that is a multiple of DATA_ALIGN.
 DATA_HEADER = 64
 DATA_ALIGN = 64
-# every folder has prefill and inc graphs, and one chunk graph unless tensor-parallel; folders exported before the
-# chunk graph (2026-11-24) may have slot graphs, which nothing runs any more (a one-row prefill is a chunk at 0)
-ROLES = ("prefill", "inc", "chunk", "score", "slot")
+# every folder has prefill and inc graphs, and chunk and score graphs unless tensor-parallel
+ROLES = ("prefill", "inc", "chunk", "score")
 REQUIRED_ROLES = ("prefill", "inc")
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The paged KV cache a folder's graphs read and write (the yaml's infer.kv_cache; docs/architecture.md, "The KV
+    cache: a pool of blocks"): per layer two caches of `block_size`-position blocks, `layout` "blocks_heads" ([NB,
+    KH, BS, D]: the CPU kernels') or "blocks_tokens" ([NB, BS, KH, D]: ReshapeAndCache's and PagedAttention's),
+    `kv_heads` per rank, a sequence of at most `max_blocks` blocks (its block table's width). The pool's size, NB,
+    is the runtime's choice at load; block 0 is the null block no sequence is given."""
+
+    block_size: int
+    max_blocks: int
+    layout: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+    LAYOUTS = ("blocks_heads", "blocks_tokens")
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes over every layer's key and value caches (one rank's)."""
+        return 2 * self.layers * self.block_size * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    def shape(self, blocks: int) -> Tuple[int, ...]:
+        if self.layout == "blocks_heads":
+            return (blocks, self.kv_heads, self.block_size, self.head_dim)
+        return (blocks, self.block_size, self.kv_heads, self.head_dim)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"block_size": self.block_size, "max_blocks": self.max_blocks, "layout": self.layout,
+                "layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim, "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str) -> "KVCacheSpec":
+        try:
+            spec = cls(int(raw["block_size"]), int(raw["max_blocks"]), str(raw["layout"]), int(raw["layers"]),
+                       int(raw["kv_heads"]), int(raw["head_dim"]), str(raw["dtype"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelFolderError(f"{where}: infer.kv_cache is malformed ({type(exc).__name__}: {exc}); re-export "
+                                   "the folder") from None
+        if spec.layout not in cls.LAYOUTS or spec.dtype not in DTYPE_BYTES or min(
+                spec.block_size, spec.max_blocks, spec.layers, spec.kv_heads, spec.head_dim) < 1:
+            raise ModelFolderError(f"{where}: infer.kv_cache {raw!r} is not one this runtime runs; re-export the "
+                                   "folder")
+        return spec
+
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -90,6 +148,10 @@ class ModelFolder:
         """The linear layers' method ({bits, group_size, symmetric, source}: export/quantize.py), None: float."""
         q = self.manifest.get("quantization")
         return dict(q) if q else None
+
+    @property
+    def kv_cache(self) -> KVCacheSpec:
+        return KVCacheSpec.from_dict(self.infer.get("kv_cache"), self.yaml_path)
 
     @property
     def tp_size(self) -> int:
@@ -208,6 +270,10 @@ def load_folder(path: str, verify: Any = True) -> ModelFolder:
             manifest = json.load(fh)
     except (OSError, ValueError) as exc:
         raise ModelFolderError(f"{manifest_path}: unreadable ({exc}); re-copy the folder") from None
+    if manifest.get("format") == FORMAT and manifest.get("format_version") in BEFORE_PAGED:
+        raise ModelFolderError(f"{manifest_path}: format version {manifest['format_version']} was exported before "
+                               "the paged KV cache (its cache is rows in the weights file, which this runtime does "
+                               "not run); re-export the folder with this version's python -m export")
     if manifest.get("format") != FORMAT or manifest.get("format_version") not in SUPPORTED_VERSIONS:
         raise ModelFolderError(f"{manifest_path}: format {manifest.get('format')!r} version "
                                f"{manifest.get('format_version')!r} is not supported (this runtime reads "
@@ -239,14 +305,14 @@ def _check_quantization(manifest_path: str, manifest: Dict[str, Any]) -> None:
     """A version-2 folder says how its layers are quantized, in a form this runtime runs; a version-1 one says
     nothing of it."""
     q = manifest.get("quantization")
-    if manifest.get("format_version") == 1:
+    if manifest.get("format_version") == FORMAT_VERSION:
         if q:
-            raise ModelFolderError(f"{manifest_path}: format version 1 with a quantization section; re-export the "
-                                   "folder")
+            raise ModelFolderError(f"{manifest_path}: format version {FORMAT_VERSION} with a quantization section; "
+                                   "re-export the folder")
         return
     if not isinstance(q, dict):
-        raise ModelFolderError(f"{manifest_path}: format version 2 without its quantization section; re-export the "
-                               "folder")
+        raise ModelFolderError(f"{manifest_path}: format version {QUANTIZED_FORMAT_VERSION} without its quantization "
+                               "section; re-export the folder")
     bits, group = q.get("bits"), q.get("group_size")
     if bits not in QUANT_BITS or not isinstance(group, int) or group < 0 or not isinstance(q.get("symmetric"), bool):
         raise ModelFolderError(f"{manifest_path}: quantization {q!r} is not one this runtime runs (int8 or int4, "
@@ -326,13 +392,18 @@ def _check_specs_against_yaml(folder: ModelFolder) -> None:
         raise ModelFolderError(f"{folder.yaml_path}: infer.model_name {infer['model_name']!r} disagrees with "
                                f"{MANIFEST} family {family!r}; re-export the folder")
     b, s, vocab = folder.batch_size, folder.seq_length, int(infer["vocab_size"])
+    cache = folder.kv_cache
+    if cache.max_blocks * cache.block_size < s:
+        raise ModelFolderError(f"{folder.yaml_path}: infer.kv_cache's {cache.max_blocks} blocks of {cache.block_size} "
+                               f"do not hold seq_length {s}; re-export the folder")
     for key, spec in folder.graphs.items():
-        rows = 1 if spec.role == "slot" else b  # a slot graph (older folders) prefilled one row of the cache
+        rows = b
         piece = spec.role in ("chunk", "score")
-        ids = (b, 1) if piece else (rows, spec.tokens)  # the chunk and score graphs: a step, and a piece
+        n = 1 if piece else spec.tokens
         for t in spec.inputs:
-            want = {"input_ids": ids, "valid_length": (rows,), "slot": (1,), "start": (1,), "chunk_length": (1,),
-                    "chunk_ids": (1, spec.tokens)}.get(t.name)
+            want = {"input_ids": (rows, n), "valid_length": (rows,), "block_tables": (rows, cache.max_blocks),
+                    "slot_mapping": (rows * n,), "start": (1,), "chunk_length": (1,), "chunk_ids": (1, spec.tokens),
+                    "chunk_block_table": (1, cache.max_blocks), "chunk_slot_mapping": (spec.tokens,)}.get(t.name)
             if want is not None and t.shape != want:
                 raise ModelFolderError(f"{folder.yaml_path}: batch_size {b} / seq_length {s} disagree with the "
                                        f"{spec.role} graph's {t.name} shape {list(t.shape)} "

@@ -1,10 +1,10 @@
 """TextGenerator: the `text_generation` task. Generates token by token through a ModelRunner (lite_runtime/runner.py).
 
-The KV cache lives in the graphs, and the runner records which tokens each cache row holds, so
-`infer` (one step) and `generate` (a whole request) can be called in any order and any number
-of times: a step that extends every cached row by one token runs the incremental graph, anything
-else runs prefill. The runner's lock serialises callers, so a streaming thread cannot interleave with
-another request on the same cache.
+Each graph row's sequence keeps its blocks of the runner's KV pool and the tokens they hold (SequenceBlocks) between
+calls, so `infer` (one step) and `generate` (a whole request) can be called in any order and any number of times: a
+step that extends every row's sequence by one token runs the incremental graph, anything else runs prefill (the
+rows' old blocks given back, findable by their tokens for prefix caching). The runner's lock serialises callers, so a
+streaming thread cannot interleave with another request on the same cache.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import numpy as np
 
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError, MissingDependencyError
-from lite_runtime.runner import ModelRunner
+from lite_runtime.blocks import PoolExhausted
+from lite_runtime.runner import ModelRunner, SequenceBlocks, StepRow
 from lite_runtime.sampling import (GenerationSettings, check_vocabulary, pick, probability, process, seeded,
                                    softmax)
 from lite_runtime.speculative import DraftFolder, Pacer, PromptLookup, SpecStats, accept, same_vocabulary
@@ -85,6 +86,7 @@ class TextGenerator:
         self.defaults = GenerationSettings.from_generation_config(self.config.model_dir).updated(
             eos_token_id=self.config.eos_token_id or None, pad_token_id=self.config.pad_token_id)
         self.pad = runner.pad
+        self.seqs = [SequenceBlocks(runner.pool) for _ in range(self.batch_size)]  # each graph row's sequence
         self._local = threading.local()  # last_output: per calling thread, so concurrent callers do not race
 
     def warm(self, key: str) -> None:
@@ -112,24 +114,57 @@ class TextGenerator:
             self._tokenizer = AutoTokenizer.from_pretrained(path)
         return self._tokenizer
 
-    # --- the cache: rows 0..n-1 of a batch --------------------------------------------------------------
+    # --- the cache: rows 0..n-1 of a batch, each its sequence's blocks ------------------------------------------
+    @property
+    def held(self) -> List[List[int]]:
+        """What each graph row's sequence holds (its tokens' keys and values are in its blocks)."""
+        return [list(seq.tokens) for seq in self.seqs]
+
+    def release(self) -> None:
+        """Give every row's blocks back to the pool (their full blocks stay findable: prefix caching)."""
+        with self.runner.request():
+            for seq in self.seqs:
+                seq.release()
+
+    def _reserve(self, seq: SequenceBlocks, length: int) -> None:
+        try:
+            seq.reserve(length)
+        except PoolExhausted:
+            pool = self.runner.pool
+            raise InferError(f"the KV cache pool has {pool.num_free} free blocks of {pool.capacity} ({pool.block_size} "
+                             f"tokens each) and a sequence of {length} tokens needs {pool.blocks_for(length)}; load "
+                             "the folder with more (num_blocks / kv_cache_memory, --num_blocks / --kv_cache_memory), "
+                             "or generate fewer rows at once") from None
+
     def _step(self, advance: Dict[int, int]) -> np.ndarray:
-        """Append advance[row] to those rows; every other row rewrites its last token (what it holds is unchanged)."""
-        tokens, lengths = [self.pad] * self.batch_size, [1] * self.batch_size
-        for i, held in enumerate(self.runner.held):
-            if i in advance:
-                tokens[i], lengths[i] = int(advance[i]), len(held) + 1
-            elif held:
-                tokens[i], lengths[i] = held[-1], len(held)
-        return self.runner.step(tokens, lengths)
+        """Append advance[row] to those rows' sequences; the other rows are idle (they write nowhere)."""
+        rows: List[Optional[StepRow]] = [None] * self.batch_size
+        for i, token in advance.items():
+            seq = self.seqs[i]
+            self._reserve(seq, len(seq.tokens) + 1)
+            rows[i] = StepRow(int(token), len(seq.tokens) + 1, seq.blocks)
+        logits = self.runner.step(rows)
+        for i, token in advance.items():
+            self.seqs[i].tokens.append(int(token))
+        return logits
+
+    def _prefill(self, rows: List[List[int]]) -> np.ndarray:
+        """Rows 0..n-1 prefilled from position 0, each into fresh blocks (the old ones given back first)."""
+        for seq in self.seqs:
+            seq.release()
+        for seq, row in zip(self.seqs, rows):
+            self._reserve(seq, len(row))
+        logits = self.runner.prefill(rows, [seq.blocks for seq in self.seqs[:len(rows)]])
+        for seq, row in zip(self.seqs, rows):
+            seq.tokens = list(row)
+        return logits
 
     def _forward(self, rows: List[List[int]]) -> np.ndarray:
-        """Logits after each row's last token, reusing the cache when every row extends what its cache row holds
-        by one token."""
-        held = self.runner.held
-        if all(held[i] is not None and r[:-1] == held[i] for i, r in enumerate(rows)):
+        """Logits after each row's last token, reusing the cache when every row extends what its sequence holds by one
+        token."""
+        if all(self.seqs[i].tokens and r[:-1] == self.seqs[i].tokens for i, r in enumerate(rows)):
             return self._step({i: r[-1] for i, r in enumerate(rows)})[:len(rows)]
-        return self.runner.prefill(rows)
+        return self._prefill(rows)
 
     # --- checks -----------------------------------------------------------------------------------
     @staticmethod
@@ -258,7 +293,7 @@ class TextGenerator:
     def infer(self, input_ids: Sequence[Sequence[int]], **kwargs) -> InferOutput:
         """One step for callers that drive the loop: the next token of each row and its probability."""
         s = self._settings(kwargs)
-        rows = self._check_rows(input_ids, self.runner.held)
+        rows = self._check_rows(input_ids, self.held)
         rng = seeded(s.seed) if s.do_sample else None
         with self.runner.request():
             logits = self._forward(rows)
@@ -288,7 +323,7 @@ class TextGenerator:
             if streamer is not None:
                 streamer.put(np.array(rows) if len(rows) == 1 else [np.array(r) for r in rows])
             start = time.perf_counter()
-            logits = self.runner.prefill(rows)
+            logits = self._prefill(rows)
             out.prefill_seconds = time.perf_counter() - start
             start = time.perf_counter()
             while True:
@@ -377,7 +412,8 @@ class TextGenerator:
             if streamer is not None:
                 streamer.put(np.array([row]))
             start = time.perf_counter()
-            logits = runner.prefill([row])[0]
+            logits = self._prefill([row])[0]
+            cache = self.seqs[0]
             out.prefill_seconds = time.perf_counter() - start
             start = time.perf_counter()
 
@@ -407,7 +443,8 @@ class TextGenerator:
                     pacer.plain(time.perf_counter() - tick)
                     continue
                 checking = time.perf_counter()
-                _, verify = runner.chunk(0, [token] + drafts, len(seq) - 1, *runner.scratch_step(), every=True)
+                self._reserve(cache, len(seq) + len(drafts))  # the token and the drafts' positions
+                _, verify = runner.chunk([token] + drafts, len(seq) - 1, cache.blocks, runner.idle(), every=True)
                 verified = time.perf_counter() - checking
                 kept = 0
                 for i, d in enumerate(drafts):
@@ -425,7 +462,10 @@ class TextGenerator:
                         break
                 if forced is None and reason is None:
                     logits = np.array(verify[kept])  # a copy: the graph's output buffer is reused by the next call
-                runner.held[0] = list(seq)  # what the row holds: the kept tokens (rejected positions lie past it)
+                # what the sequence holds: the kept tokens; the rejected drafts' positions lie past them, and the
+                # blocks only they used go back to the pool
+                cache.tokens = list(seq)
+                cache.truncate(len(seq))
                 stats.rounds += 1
                 stats.drafted += len(drafts)
                 stats.accepted += kept

@@ -277,9 +277,19 @@ class RowResult:
 
 
 def replay(generator, reference: Reference, tol: Tolerance, progress=None) -> List[RowResult]:
-    """Run every reference batch teacher-forced through `generator.infer`; one RowResult per row."""
+    """Run every reference batch teacher-forced through `generator.infer`; one RowResult per row. The rows' blocks go
+    back to the pool after."""
+    try:
+        return _replay(generator, reference, tol, progress)
+    finally:
+        if hasattr(generator, "release"):
+            generator.release()
+
+
+def _replay(generator, reference: Reference, tol: Tolerance, progress=None) -> List[RowResult]:
     results: List[RowResult] = []
     for batch in reference.batches:
+        _scatter(getattr(generator, "runner", None))
         rows = [list(r.prompt) for r in batch.rows]
         graph = graph_key("prefill", generator.prefill_size(max(len(r) for r in rows)))
         mine = [RowResult(len(results) + i, graph, len(r.prompt)) for i, r in enumerate(batch.rows)]
@@ -296,6 +306,14 @@ def replay(generator, reference: Reference, tol: Tolerance, progress=None) -> Li
     return results
 
 
+def _scatter(runner) -> None:
+    """Every replay hands out the pool's blocks out of order (BlockPool.scatter): its sequences' block tables skip and
+    run backwards, so only graphs that read and write through their tables pass."""
+    pool = getattr(runner, "pool", None)
+    if pool is not None:
+        pool.scatter()
+
+
 def halves(n: int, sizes: List[int]) -> List[Tuple[int, int]]:
     """[start, end) of the pieces of n tokens as the replays write them: the first half in pieces of the largest size
     (a prompt going in alone), the rest in pieces of the smallest (a chat's next turn, a verify)."""
@@ -305,20 +323,24 @@ def halves(n: int, sizes: List[int]) -> List[Tuple[int, int]]:
 
 
 def replay_chunks(runner, reference: Reference, tol: Tolerance, progress=None) -> List[RowResult]:
-    """The reference rows again, the way the server runs them (lite_runtime.batching), teacher-forced: row i goes
-    into cache row B-1-i piece by piece through the chunk graphs, each piece in the same call as a decode step of
-    the rows already in (the other rows writing scratch, as the engine's do); once its last piece is in, it is
-    stepped with them, and the next row starts. Each prompt goes in as two parts: its first half from position 0 in
-    pieces of the largest chunk graph (as a prompt goes in while nothing else runs), then the rest from the middle
-    in pieces of the smallest (as the next turn of a chat goes in after the prefix its row kept, while others
+    """The reference rows again, the way the server runs them (lite_runtime.batching), teacher-forced: row i, a
+    sequence of its own blocks, goes in piece by piece through the chunk graphs, each piece in the same call as a
+    decode step of the rows already in (graph row B-1-i; the others idle, as the engine's are); once its last piece is
+    in, it is stepped with them, and the next row starts. Each prompt goes in as two parts: its first half from
+    position 0 in pieces of the largest chunk graph (as a prompt goes in while nothing else runs), then the rest from
+    the middle in pieces of the smallest (as the next turn of a chat goes in after the prefix it kept, while others
     decode), whatever the sizes. One RowResult per row; graph `chunk_<C>[+<C>]`."""
+    from lite_runtime.runner import SequenceBlocks, StepRow
+
     results: List[RowResult] = []
     b, sizes = runner.batch_size, runner.chunk_sizes
     graph = "+".join(graph_key("chunk", n) if i == 0 else str(n) for i, n in enumerate(sizes))
     for batch in reference.batches:
+        _scatter(runner)
         refs = batch.rows
         slots = [b - 1 - i for i in range(len(refs))]
         rows = [list(r.prompt) for r in refs]
+        seqs = [SequenceBlocks(runner.pool) for _ in refs]
         done = [0] * len(refs)  # steps judged per row
         mine = [RowResult(len(results) + i, graph, len(r.prompt)) for i, r in enumerate(refs)]
 
@@ -332,26 +354,29 @@ def replay_chunks(runner, reference: Reference, tol: Tolerance, progress=None) -
         def pieces(prompt: List[int]) -> List[tuple]:
             return [(start, prompt[start:end]) for start, end in halves(len(prompt), sizes)]
 
-        joining, queue = 0, pieces(rows[0])
-        while joining < len(refs) or any(0 < d < len(r.tokens) for d, r in zip(done, refs)):
-            live = {slots[i]: i for i in range(joining) if done[i] < len(refs[i].tokens)}
-            tokens, lengths, record = [runner.pad] * b, [1] * b, [False] * b
-            for row in range(b):
-                if row in live:
-                    tokens[row], lengths[row], record[row] = rows[live[row]][-1], len(rows[live[row]]), True
+        try:
+            joining, queue = 0, pieces(rows[0])
+            while joining < len(refs) or any(0 < d < len(r.tokens) for d, r in zip(done, refs)):
+                live = {slots[i]: i for i in range(joining) if done[i] < len(refs[i].tokens)}
+                step = runner.idle()
+                for row, i in live.items():
+                    seqs[i].reserve(len(rows[i]))
+                    step[row] = StepRow(rows[i][-1], len(rows[i]), seqs[i].blocks)
+                if joining < len(refs):
+                    start, piece = queue.pop(0)
+                    seqs[joining].reserve(start + len(piece))
+                    logits, last = runner.chunk(piece, start, seqs[joining].blocks, step)
                 else:
-                    lengths[row] = runner.scratch_length(row)
-            if joining < len(refs):
-                start, piece = queue.pop(0)
-                logits, last = runner.chunk(slots[joining], piece, start, tokens, lengths, record)
-            else:
-                logits = runner.step(tokens, lengths, record)
-            for row, i in live.items():
-                judge(i, logits[row])
-            if joining < len(refs) and not queue:  # its last piece: its first step is judged, it decodes from now
-                judge(joining, last)
-                joining += 1
-                queue = pieces(rows[joining]) if joining < len(refs) else []
+                    logits = runner.step(step)
+                for row, i in live.items():
+                    judge(i, logits[row])
+                if joining < len(refs) and not queue:  # its last piece: its first step is judged, it decodes from now
+                    judge(joining, last)
+                    joining += 1
+                    queue = pieces(rows[joining]) if joining < len(refs) else []
+        finally:
+            for seq in seqs:
+                seq.release(commit=False)
         for r in mine:
             r.close(tol)
         results.extend(mine)
@@ -362,11 +387,13 @@ def replay_scores(runner, reference: Reference, tol: Tolerance, progress=None) -
     """The reference rows once more through the score graphs (every position's logits: speculative decoding's verify,
     prompt logprobs, perplexity), teacher-forced: the first row of each reference batch (one prompt per prefill
     bucket: short and long prompts both, at a third of the time of every row; the graphs' arithmetic is the chunk
-    graphs', which replay_chunks holds on every row); its prompt and reference tokens go into cache row 0 as
-    pieces, the first half of the sequence in pieces of the largest score graph, the rest in pieces of the smallest
+    graphs', which replay_chunks holds on every row); its prompt and reference tokens go into a sequence of its own
+    as pieces, the first half of the sequence in pieces of the largest score graph, the rest in pieces of the smallest
     (as a verify of draft tokens goes in), and the logits at every position from the prompt's last on are judged
     against that step of the reference: a whole continuation per piece. One RowResult per row; graph
     `score_<C>[+<C>]`."""
+    from lite_runtime.runner import SequenceBlocks
+
     results: List[RowResult] = []
     sizes = runner.score_sizes
     graph = "+".join(graph_key("score", n) if i == 0 else str(n) for i, n in enumerate(sizes))
@@ -379,12 +406,18 @@ def replay_scores(runner, reference: Reference, tol: Tolerance, progress=None) -
             mine = RowResult(row_index - 1, graph, len(ref.prompt))
             seq = list(ref.prompt) + list(ref.tokens[:-1])
             first = len(ref.prompt) - 1  # the position whose logits give step 0
-            for start, end in halves(len(seq), sizes):
-                _, logits = runner.chunk(0, seq[start:end], start, *runner.scratch_step(), every=True)
-                for pos in range(max(start, first), end):
-                    mine.judge(pos - first, logits[pos - start], ref, tol)
-                    if progress is not None:
-                        progress(1)
+            _scatter(runner)
+            cache = SequenceBlocks(runner.pool)
+            try:
+                cache.reserve(len(seq))
+                for start, end in halves(len(seq), sizes):
+                    _, logits = runner.chunk(seq[start:end], start, cache.blocks, runner.idle(), every=True)
+                    for pos in range(max(start, first), end):
+                        mine.judge(pos - first, logits[pos - start], ref, tol)
+                        if progress is not None:
+                            progress(1)
+            finally:
+                cache.release(commit=False)
             mine.close(tol)
             results.append(mine)
     return results

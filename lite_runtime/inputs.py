@@ -1,4 +1,5 @@
-"""InputOfInfer: per model family, token ids -> the named graph inputs of the prefill, inc and chunk graphs."""
+"""InputOfInfer: per model family, token ids, block tables and slots -> the named graph inputs of the prefill, inc and
+chunk graphs."""
 from __future__ import annotations
 
 from typing import Dict, Sequence, Type
@@ -9,31 +10,41 @@ from lite_runtime.errors import InferError
 
 
 class DecoderInputs:
-    """The graphs of `python -m export` for every family it exports (qwen2, qwen3, llama): `input_ids` and
-    `valid_length` (positions are derived in-graph; rope scaling is baked into the graphs' tables).
+    """The graphs of `python -m export` for every family it exports (qwen2, qwen3, llama): `input_ids`,
+    `valid_length`, and the paged KV cache's `block_tables` and `slot_mapping` (positions are derived in-graph; rope
+    scaling is baked into the graphs' tables). The runner (lite_runtime/runner.py) computes the tables and slots.
 
-    prefill: input_ids [B, S] right-padded with pad_token_id, valid_length [B] = prompt lengths.
-    inc:     input_ids [B, 1] = each row's newest token, valid_length [B] = tokens in the cache after it.
-    chunk:   inc's inputs (the step of every row) and one row's piece: chunk_ids [1, C] right-padded, chunk_length
-             [1] = its tokens, start [1] = the position of its first token, slot [1] = the cache row it writes.
+    prefill: input_ids [B, S] right-padded with pad_token_id, valid_length [B] = prompt lengths, block_tables [B, M],
+             slot_mapping [B*S] (each token's slot: block * block_size + position in it; -1 for padding).
+    inc:     input_ids [B, 1] = each row's newest token, valid_length [B] = tokens of its sequence after it,
+             block_tables [B, M], slot_mapping [B] (-1: an idle row).
+    chunk:   inc's inputs (the step of every row) and one more sequence's piece: chunk_ids [1, C] right-padded,
+             chunk_length [1] = its tokens, start [1] = the position of its first token, chunk_block_table [1, M] = its
+             blocks, chunk_slot_mapping [C] = where its tokens go (-1 for padding).
     """
 
-    def prefill(self, rows: Sequence[Sequence[int]], seq_length: int, pad_token_id: int) -> Dict[str, np.ndarray]:
+    def prefill(self, rows: Sequence[Sequence[int]], seq_length: int, pad_token_id: int, tables: np.ndarray,
+                slots: np.ndarray) -> Dict[str, np.ndarray]:
         ids = np.full((len(rows), seq_length), pad_token_id, np.int32)
         for i, row in enumerate(rows):
             ids[i, :len(row)] = row
-        return {"input_ids": ids, "valid_length": np.array([len(r) for r in rows], np.int32)}
+        return {"input_ids": ids, "valid_length": np.array([len(r) for r in rows], np.int32),
+                "block_tables": np.asarray(tables, np.int32), "slot_mapping": np.asarray(slots, np.int32)}
 
-    def chunk(self, step_tokens: Sequence[int], step_lengths: Sequence[int], tokens: Sequence[int], size: int,
-              start: int, slot: int, pad_token_id: int) -> Dict[str, np.ndarray]:
-        piece = self.prefill([tokens], size, pad_token_id)
-        return {**self.increment(step_tokens, step_lengths), "chunk_ids": piece["input_ids"],
-                "chunk_length": piece["valid_length"], "start": np.array([start], np.int32),
-                "slot": np.array([slot], np.int32)}
+    def chunk(self, step_tokens: Sequence[int], step_lengths: Sequence[int], step_tables: np.ndarray,
+              step_slots: Sequence[int], tokens: Sequence[int], size: int, start: int, table: np.ndarray,
+              slots: Sequence[int], pad_token_id: int) -> Dict[str, np.ndarray]:
+        ids = np.full((1, size), pad_token_id, np.int32)
+        ids[0, :len(tokens)] = tokens
+        return {**self.increment(step_tokens, step_lengths, step_tables, step_slots), "chunk_ids": ids,
+                "chunk_length": np.array([len(tokens)], np.int32), "start": np.array([start], np.int32),
+                "chunk_block_table": np.asarray(table, np.int32), "chunk_slot_mapping": np.asarray(slots, np.int32)}
 
-    def increment(self, tokens: Sequence[int], lengths: Sequence[int]) -> Dict[str, np.ndarray]:
+    def increment(self, tokens: Sequence[int], lengths: Sequence[int], tables: np.ndarray,
+                  slots: Sequence[int]) -> Dict[str, np.ndarray]:
         return {"input_ids": np.asarray(tokens, np.int32).reshape(-1, 1),
-                "valid_length": np.asarray(lengths, np.int32)}
+                "valid_length": np.asarray(lengths, np.int32), "block_tables": np.asarray(tables, np.int32),
+                "slot_mapping": np.asarray(slots, np.int32)}
 
 
 class InputOfInfer:

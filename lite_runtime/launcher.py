@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mslite: where GE keeps compiled graphs, so a restart does not recompile (default "
                         "~/.cache/mslite-llm/ge, one folder per model folder content, Lite and CANN version; "
                         "'none' turns it off)")
+    from lite_runtime.kv_pool import add_pool_arguments
+
+    add_pool_arguments(p)
     p.add_argument("--warm_up", choices=WARM_UP, default=None,
                    help="graphs to run once at load: auto (default): all on mslite, where GE compiles for minutes "
                         "per graph, smallest on ms; smallest: the inc graph and the smallest prefill graph; all "
@@ -89,7 +92,8 @@ def load(args: argparse.Namespace):
                                ("tokenizer_path", args.tokenizer_path), ("ge_config_path", args.config_path),
                                ("infer_seq_length", args.seq_length), ("batch_size", args.batch_size),
                                ("warm_up", args.warm_up), ("ge_cache_dir", args.ge_cache_dir),
-                               ("rank_table_file", args.rank_table_file)) if v is not None}
+                               ("rank_table_file", args.rank_table_file), ("num_blocks", args.num_blocks),
+                               ("kv_cache_memory", args.kv_cache_memory)) if v is not None}
     if args.model_dir:
         return pipeline("text_generation", model=args.model_dir, backend=args.backend, **extra)
     if args.prefill_model_path and args.increment_model_path:

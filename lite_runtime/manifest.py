@@ -61,6 +61,9 @@ class InferSection:
     score_sizes: List[int] = dataclasses.field(default_factory=list)  # of the score graphs (every position's logits)
     # the linear layers' weight-only quantization {bits, group_size, symmetric, source} (export/quantize.py), or None
     quantization: Optional[Dict[str, Any]] = None
+    # the paged KV cache the graphs read and write (lite_runtime/folder.py KVCacheSpec.to_dict); the pool's size is
+    # the runtime's choice at load
+    kv_cache: Optional[Dict[str, Any]] = None
 
 
 def write_yaml(folder: str, name: str, model: Dict[str, Any], export: Dict[str, Any], infer: InferSection) -> str:

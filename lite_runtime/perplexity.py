@@ -34,24 +34,31 @@ def log_softmax_at(logits: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
 
 
 def score(runner, ids: Sequence[int], progress: Optional[Callable[[int], None]] = None) -> np.ndarray:
-    """log p(ids[i] | ids[:i]) for i in 1..len-1 ([len - 1] float64), from position 0 of cache row 0, in pieces of
-    the largest score graph (the other rows write scratch). `ids` must fit the graphs (seq_length)."""
+    """log p(ids[i] | ids[:i]) for i in 1..len-1 ([len - 1] float64), from position 0 of a sequence of its own (blocks
+    of the runner's pool, given back after), in pieces of the largest score graph (the graph rows idle). `ids` must fit the graphs (seq_length)."""
     if not runner.score_sizes:
         raise InferError(runner.missing("score"))
     ids = [int(t) for t in ids]
     if len(ids) > runner.seq_length:
         raise InferError(f"{len(ids)} tokens do not fit the graphs' seq_length {runner.seq_length}; score them in "
                          "windows (perplexity() does)")
+    from lite_runtime.runner import SequenceBlocks
+
     size = runner.score_sizes[-1]
     out = np.empty(max(len(ids) - 1, 0), np.float64)
+    cache = SequenceBlocks(runner.pool)
     with runner.request():
-        for start in range(0, len(ids) - 1, size):
-            piece = ids[start:start + size]
-            _, logits = runner.chunk(0, piece, start, *runner.scratch_step(), every=True)
-            n = min(len(piece), len(ids) - 1 - start)  # the piece's positions that predict a token of ids
-            out[start:start + n] = log_softmax_at(logits[:n], ids[start + 1:start + 1 + n])
-            if progress is not None:
-                progress(len(piece))
+        try:
+            cache.reserve(len(ids))
+            for start in range(0, len(ids) - 1, size):
+                piece = ids[start:start + size]
+                _, logits = runner.chunk(piece, start, cache.blocks, runner.idle(), every=True)
+                n = min(len(piece), len(ids) - 1 - start)  # the piece's positions that predict a token of ids
+                out[start:start + n] = log_softmax_at(logits[:n], ids[start + 1:start + 1 + n])
+                if progress is not None:
+                    progress(len(piece))
+        finally:
+            cache.release(commit=False)
     return out
 
 

@@ -1,18 +1,20 @@
-"""ModelRunner: a folder's graphs on one backend, and what each row of the KV cache holds.
+"""ModelRunner: a folder's graphs on one backend, the paged KV cache's pool of blocks, and the graph calls in terms of
+sequences (docs/architecture.md, "The KV cache: a pool of blocks").
 
 Both callers go through it: TextGenerator (the HF-style API: a batch prefilled together, then stepped) and
-BatchEngine (the server: each request in its own row, prefilled piece by piece by the chunk graph between the
-decode steps of the others). Three graph calls, each returning the float32 logits and recording what it wrote:
+BatchEngine (the server: each request a sequence of its own, prefilled piece by piece by the chunk graph between the
+decode steps of the others). The runner owns the pool (lite_runtime/blocks.py BlockPool, sized at load:
+lite_runtime/kv_pool.py); its callers take and give back blocks, and hand each call the block table of each sequence
+it touches. Three graph calls, each returning the float32 logits:
 
-    prefill(rows)                   the prefill graph of the smallest bucket that fits: rows 0..n-1 (padding rows after)
-    step(tokens, lengths)           the inc graph: row i's token at position lengths[i] - 1
-    chunk(slot, tokens, start, ...) the chunk graph: a step as `step`, and one row's tokens at [start, start + len)
-    chunk(..., every=True)          the score graph: the same, returning the logits after every token of the piece
+    prefill(rows, tables)                  the prefill graph of the smallest bucket that fits: rows 0..n-1
+    step(rows)                             the inc graph: each graph row a (token, length, table) or None (idle)
+    chunk(tokens, start, table, rows)      the chunk graph: a step as `step`, and one sequence's tokens at
+                                           [start, start + len)
+    chunk(..., every=True)                 the score graph: the same, the logits after every token of the piece
 
-`held[row]` is the list of tokens whose keys and values sit at positions [0, len) of that row, or None when unknown.
-Every call keeps it true (a write at position p keeps what lies before p), so the generator reuses the cache when a
-request extends its rows by one token, and the engine reuses a row's prefix for a prompt that begins with it (the
-next turn of a chat) whatever ran in between. A failed call leaves the rows it may have written unknown.
+A row's token goes to position length - 1 of its sequence (slot: the block its table lists for it, and the position
+in that block); an idle row writes nowhere (slot -1) and reads the null block. The graphs never see the pool's size.
 
 Graphs are checked against the manifest on first use and compiled at load or while idle (warm_up_keys). One
 re-entrant lock serialises the calls; `request()` holds it for a caller's whole sequence of calls (generate) and
@@ -22,14 +24,17 @@ measure their own calls.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import logging
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
 from lite_runtime.backends import check_inputs, load_backend, resolve_backend
+from lite_runtime.blocks import NULL_BLOCK, BlockPool, PoolExhausted, SequenceBlocks  # noqa: F401
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError
 from lite_runtime.folder import graph_key, graph_role, graph_tokens
@@ -59,51 +64,52 @@ def warm_up_keys(setting: str, backend: str, keys: List[str]) -> List[str]:
     return []
 
 
+class StepRow(NamedTuple):
+    """A graph row's part of a step: its sequence's newest `token`, at position `length` - 1, in `table`'s blocks."""
+
+    token: int
+    length: int
+    table: Sequence[int]
+
+
 class ModelRunner:
     def __init__(self, config: InferConfig) -> None:
+        from lite_runtime.kv_pool import plan_pool
+
         self.backend_name = resolve_backend(config.backend, config.target)
         self.inputs = InputOfInfer.get(config.model_name)
+        if config.folder is None:
+            raise InferError("graphs without their model folder cannot run: the paged KV cache's block size and "
+                             "layout are the folder's (infer.kv_cache); load the folder")
+        self.cache = spec = config.folder.kv_cache
+        self.batch_size, self.seq_length = int(config.batch_size), int(config.infer_seq_length)
+        # the pool: the deployer's size, else from free memory (lite_runtime/kv_pool.py); the backend allocates it
+        self.pool_plan = plan_pool(spec, self.seq_length, self.batch_size, config.folder.path, config.num_blocks,
+                                   config.kv_cache_memory, _free_after_weights(config))
+        config = dataclasses.replace(config, num_blocks=self.pool_plan.num_blocks, kv_cache_memory=None)
         self.backend = load_backend(self.backend_name, config)
         self.config = config = getattr(self.backend, "config", config)  # the rank resolved; the caller's untouched
-        self.batch_size, self.seq_length = int(config.batch_size), int(config.infer_seq_length)
-        self.pad = int(config.pad_token_id or 0)  # what padding positions and free rows are given
+        self.pool = BlockPool(self.pool_plan.num_blocks, spec.block_size, _identity(config.folder))
+        self.block_size, self.max_blocks = spec.block_size, spec.max_blocks
+        self.pad = int(config.pad_token_id or 0)  # what padding positions and idle rows are given
         paths = config.graph_paths()
         # prompt-length buckets: a batch prefills on the smallest full graph its longest prompt fits
         self.prefill_sizes = sorted(graph_tokens(k) for k in paths if graph_role(k) == "prefill")
         self.chunk_sizes = sorted(graph_tokens(k) for k in paths if graph_role(k) == "chunk")
         self.score_sizes = sorted(graph_tokens(k) for k in paths if graph_role(k) == "score")
-        self.held: List[Optional[List[int]]] = [None] * self.batch_size
         self._checked = set()  # graphs whose engine specs were checked (and compiled, or about to be)
         self._inputs_checked = set()  # graphs whose first inputs were checked against their specs
         self._lock = threading.RLock()
         self._count_lock = threading.Lock()
         self._requests = 0  # callers under way or waiting (the idle warm-up gives way to them)
         self._last_request = time.monotonic()
-        self._check_graph_specs()
         self._warm_up()
 
     # --- loading ----------------------------------------------------------------------------------
-    def _check_graph_specs(self) -> None:
-        """Graphs loaded without a folder: their shapes against the config, from the engine, before any call.
-
-        A folder's manifest was checked against its yaml when it was read; what the engine reports is
-        checked against the manifest when each graph is first used (_check_engine_specs), so loading
-        reads no graph that no request needs.
-        """
-        if self.config.folder is not None:
-            return
-        for key, path in self.config.graph_paths().items():
-            got = tuple(self.backend.input_specs(key))
-            ids = next((s for s in got if s.name == "input_ids"), None)
-            want = (self.batch_size, graph_tokens(key))
-            if ids is None or tuple(ids.shape) != want:
-                raise InferError(f"{path}: input_ids shape {list(ids.shape) if ids else None} does not match "
-                                 f"batch_size {self.batch_size} and seq_length {self.seq_length}")
-
     def _check_engine_specs(self, key: str) -> None:
+        """What the engine reports against the manifest (checked against the yaml when the folder was read), when
+        each graph is first used: loading reads no graph that no request needs."""
         folder = self.config.folder
-        if folder is None:
-            return
         got = tuple(self.backend.input_specs(key))
         if got != folder.graphs[key].inputs:
             raise InferError(f"{folder.graphs[key].path}: the graph's inputs "
@@ -133,9 +139,8 @@ class ModelRunner:
             self._checked.add(key)
             if hasattr(self.backend, "prepare"):  # compiles without running: the KV cache is untouched
                 self.backend.prepare(key)
-            else:  # mslite: GE compiles on the first run, which writes the cache
-                self.held = [None] * self.batch_size
-                self.backend.run(key, {s.name: np.ones(s.shape, s.dtype) for s in self.backend.input_specs(key)})
+            else:  # mslite: GE compiles on the first run: idle rows, which write nowhere and read the null block
+                self.backend.run(key, self._warm_inputs(key))
 
     def _warm_up_when_idle(self, keys: List[str]) -> None:
         """Compile `keys` one at a time, each only once no request has run for IDLE_SECONDS.
@@ -196,36 +201,82 @@ class ModelRunner:
                              "folder with pipeline() to generate outside the server")
         return next(n for n in self.prefill_sizes if n >= longest)
 
-    def prefill(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
-        """Rows 0..n-1 prefilled with `rows` (every other row gets one padding token): float32 logits [n, V]."""
-        full = [list(r) for r in rows] + [[self.pad]] * (self.batch_size - len(rows))
+    # --- block tables and slots -------------------------------------------------------------------------
+    def tables(self, tables: Sequence[Optional[Sequence[int]]]) -> np.ndarray:
+        """[rows, M] int32: each sequence's blocks in order, the rest the null block (None: an idle row)."""
+        out = np.full((len(tables), self.max_blocks), NULL_BLOCK, np.int32)
+        for i, table in enumerate(tables):
+            if table:
+                if len(table) > self.max_blocks:
+                    raise InferError(f"a block table of {len(table)} blocks is longer than the folder's "
+                                     f"{self.max_blocks} ({self.seq_length} tokens in blocks of {self.block_size})")
+                out[i, :len(table)] = table
+        return out
+
+    def slots(self, table: Sequence[int], start: int, count: int) -> List[int]:
+        """Where positions [start, start + count) of a sequence with blocks `table` go; InferError when the table does
+        not reach that far (a caller's bug: blocks are taken before the call that writes them)."""
+        bs = self.block_size
+        if count and (start + count - 1) // bs >= len(table):
+            raise InferError(f"positions up to {start + count - 1} need {(start + count - 1) // bs + 1} blocks; the "
+                             f"sequence has {len(table)}")
+        return [int(table[p // bs]) * bs + p % bs for p in range(start, start + count)]
+
+    def _warm_inputs(self, key: str) -> Dict[str, np.ndarray]:
+        """A call in which every row is idle (its writes skipped, its reads the null block)."""
+        arrays = {}
+        for spec in self.backend.input_specs(key):
+            if spec.name.endswith("slot_mapping"):
+                arrays[spec.name] = np.full(spec.shape, -1, spec.dtype)
+            elif spec.name.endswith(("block_tables", "block_table", "start")):
+                arrays[spec.name] = np.zeros(spec.shape, spec.dtype)
+            else:
+                arrays[spec.name] = np.ones(spec.shape, spec.dtype)
+        return arrays
+
+    def _step_arrays(self, rows: Sequence[Optional[StepRow]]) -> Tuple[List[int], List[int], np.ndarray, List[int]]:
+        """tokens, lengths, tables, slots of a step's graph rows (B of them; an idle row: pad, length 1, nowhere)."""
+        if len(rows) != self.batch_size:
+            raise InferError(f"a step has {len(rows)} rows; the graphs take {self.batch_size}")
+        tokens, lengths, slots = [], [], []
+        for row in rows:
+            if row is None:
+                tokens.append(self.pad), lengths.append(1), slots.append(-1)
+            else:
+                if not 1 <= row.length <= self.seq_length:
+                    raise InferError(f"a step at position {row.length - 1} is outside the graphs' {self.seq_length}")
+                tokens.append(int(row.token)), lengths.append(int(row.length))
+                slots += self.slots(row.table, row.length - 1, 1)
+        return tokens, lengths, self.tables([None if r is None else r.table for r in rows]), slots
+
+    # --- graph calls --------------------------------------------------------------------------------
+    def prefill(self, rows: Sequence[Sequence[int]], tables: Sequence[Sequence[int]]) -> np.ndarray:
+        """Rows 0..n-1 prefilled with `rows`, each into its blocks `tables[i]` from position 0 (the other rows idle):
+        float32 logits [n, V]."""
         tokens = self.prefill_size(max(len(r) for r in rows))
+        full = [list(r) for r in rows] + [[self.pad]] * (self.batch_size - len(rows))
+        slots = np.full((self.batch_size, tokens), -1, np.int32)
+        for i, (row, table) in enumerate(zip(rows, tables)):
+            slots[i, :len(row)] = self.slots(table, 0, len(row))
+        arrays = self.inputs.prefill(full, tokens, self.pad, self.tables(list(tables) + [None] * (
+            self.batch_size - len(rows))), slots.reshape(-1))
         with self.request():
-            self.held = [None] * self.batch_size  # the graph writes every row: unknown until it has run
-            logits = self._run(graph_key("prefill", tokens), self.inputs.prefill(full, tokens, self.pad))
-            self.held = full
+            logits = self._run(graph_key("prefill", tokens), arrays)
         return logits[:len(rows)]
 
-    def step(self, tokens: Sequence[int], lengths: Sequence[int],
-             record: Optional[Sequence[bool]] = None) -> np.ndarray:
-        """One decode step of every row: tokens[i] at position lengths[i] - 1 of row i. float32 logits [B, V].
-
-        `record[i]` False: row i's write is scratch (a free row must take part in the step): its held prefix keeps
-        what lies before the write and is not extended by it."""
+    def step(self, rows: Sequence[Optional[StepRow]]) -> np.ndarray:
+        """One decode step: each graph row's token at position length - 1 of its sequence. float32 logits [B, V]."""
+        tokens, lengths, tables, slots = self._step_arrays(rows)
         with self.request():
-            before, self.held = self.held, [None] * self.batch_size
-            logits = self._run("inc", self.inputs.increment(tokens, lengths))
-            self.held = self._stepped(before, tokens, lengths, record)
-        return logits
+            return self._run("inc", self.inputs.increment(tokens, lengths, tables, slots))
 
-    def chunk(self, slot: int, tokens: Sequence[int], start: int, step_tokens: Sequence[int],
-              step_lengths: Sequence[int], record: Sequence[bool],
+    def chunk(self, tokens: Sequence[int], start: int, table: Sequence[int], rows: Sequence[Optional[StepRow]],
               every: bool = False) -> Tuple[np.ndarray, np.ndarray]:
-        """A decode step of every row (as `step`; row `slot`'s part must be scratch) and `tokens` into row `slot` at
-        positions [start, start + len), in one call of the smallest chunk graph that holds them; positions before
-        `start` must hold the prompt's first tokens. Returns the step's float32 logits [B, V] and the piece's last
-        token's [V]; with `every`, through the smallest score graph, the logits after each of the piece's tokens
-        [len, V] instead (a view of the graph's output: copy what outlives the next call)."""
+        """A decode step of the graph rows (as `step`) and `tokens` of one more sequence (blocks `table`) at positions
+        [start, start + len), in one call of the smallest chunk graph that holds them; positions before `start` must
+        be in its blocks already. Returns the step's float32 logits [B, V] and the piece's last token's [V]; with
+        `every`, through the smallest score graph, the logits after each of the piece's tokens [len, V] instead (a
+        view of the graph's output: copy what outlives the next call)."""
         role = "score" if every else "chunk"
         sizes = self.score_sizes if every else self.chunk_sizes
         if not sizes:
@@ -233,18 +284,19 @@ class ModelRunner:
         size = next((n for n in sizes if n >= len(tokens)), None)
         if not tokens or size is None or not 0 <= start <= self.seq_length - len(tokens):
             raise InferError(f"a piece of {len(tokens)} tokens at position {start} does not fit the {role} graphs "
-                             f"({', '.join(map(str, sizes))} tokens) in rows of {self.seq_length}")
-        if record[slot]:
-            raise InferError(f"row {slot} takes a piece and a step token in one call; its step part must be scratch")
-        arrays = self.inputs.chunk(step_tokens, step_lengths, tokens, size, start, slot, self.pad)
+                             f"({', '.join(map(str, sizes))} tokens) in sequences of {self.seq_length}")
+        step_tokens, lengths, tables, slots = self._step_arrays(rows)
+        piece_slots = self.slots(table, start, len(tokens)) + [-1] * (size - len(tokens))
+        arrays = self.inputs.chunk(step_tokens, lengths, tables, slots, tokens, size, start, self.tables([table]),
+                                   piece_slots, self.pad)
         with self.request():
-            before, self.held = self.held, [None] * self.batch_size
             logits = self._run(graph_key(role, size), arrays)
-            held = self._stepped(before, step_tokens, step_lengths, record)  # the step's writes come first
-            held[slot] = _written(held[slot], start, list(tokens), True)
-            self.held = held
         b = self.batch_size
         return logits[:b], (logits[b:b + len(tokens)] if every else logits[b])
+
+    def idle(self) -> List[Optional[StepRow]]:
+        """A step in which every row is idle (a piece alone: `chunk(..., runner.idle())`)."""
+        return [None] * self.batch_size
 
     def missing(self, role: str) -> str:
         """Why a folder has no graph of `role` loaded, and what to do."""
@@ -257,31 +309,35 @@ class ModelRunner:
         return (f"{self.config.prefill_model_path}: this folder has no {role} graph (exported before them, or with "
                 f"--{role}_sizes none), {what}; re-export it with python -m export")
 
-    def scratch_step(self) -> Tuple[List[int], List[int], List[bool]]:
-        """A step in which every row writes scratch (`scratch_length`): tokens, lengths and record for `chunk`."""
-        b = self.batch_size
-        return [self.pad] * b, [self.scratch_length(r) for r in range(b)], [False] * b
 
-    def _stepped(self, before, tokens, lengths, record) -> List[Optional[List[int]]]:
-        return [_written(h, int(p) - 1, [int(t)], record is None or record[i])
-                for i, (h, t, p) in enumerate(zip(before, tokens, lengths))]
+def _identity(folder) -> bytes:
+    """The folder's identity, which salts every block hash (lite_runtime/blocks.py): the manifest's bytes (every file's
+    sha256), so blocks are shared only between sequences of the very same folder."""
+    import os
 
-    def scratch_length(self, row: int) -> int:
-        """The valid_length that makes a step's write to `row` scratch: just past what the row holds (at its last
-        position when it is full, which it then no longer holds)."""
-        return min(len(self.held[row] or ()), self.seq_length - 1) + 1
-
-    def forget(self) -> None:
-        """Every row unknown (something else wrote the cache)."""
-        with self._lock:
-            self.held = [None] * self.batch_size
+    try:
+        with open(os.path.join(folder.path, "manifest.json"), "rb") as fh:
+            return hashlib.sha256(fh.read()).digest()
+    except OSError:
+        return hashlib.sha256(folder.path.encode()).digest()
 
 
-def _written(held: Optional[List[int]], start: int, tokens: List[int], record: bool) -> Optional[List[int]]:
-    """What a row holds after `tokens` were written at positions [start, start + len): the prefix before them and,
-    when recorded, them; None when what lies before `start` is unknown."""
-    if start == 0 and record:
-        return list(tokens)
-    if held is None or start > len(held):
+def _free_after_weights(config) -> Optional[int]:
+    """Memory free for the KV pool (lite_runtime/kv_pool.py): on Atlas (the mslite backend) the device's, less this
+    rank's weights (pyACL); on the CPU what is available, less what the ms backend still needs for the weights (a
+    float16 folder's float32 copies; mapped weights are page cache). None where unknown, and for a tensor-parallel
+    folder: every rank must run the very same pool (the same block tables on every rank), which free memory measured
+    per process would not give; its default is then fixed (--num_blocks sizes it)."""
+    from lite_runtime.backends import mslite_importable
+    from lite_runtime.memory import available_bytes, ms_backend_needs
+
+    if config.folder.tp_size > 1:
         return None
-    return held[:start] + tokens if record else held[:start]
+    if config.target == "Ascend" and config.backend != "ms" and mslite_importable():
+        from lite_runtime.backends.mslite import pool_free_bytes
+
+        return pool_free_bytes(config)
+    have = available_bytes()
+    if have is None:
+        return None
+    return max(0, have - ms_backend_needs(config.folder, 0))

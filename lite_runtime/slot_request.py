@@ -69,9 +69,14 @@ class SlotRequest:
     started: Optional[float] = None  # when it took its row (its prefill began)
     token_times: List[float] = field(default_factory=list)  # when each generated token was chosen (monotonic)
     ended: Optional[float] = None
-    slot: Optional[int] = None
-    cached: int = 0  # prompt tokens its row already held (prefix reuse): not prefilled again
-    prefilled: int = 0  # prompt tokens in its row so far (cached ones included)
+    slot: Optional[int] = None  # its graph row while it runs
+    seq: Any = None  # its blocks of the KV pool and the tokens in them (lite_runtime/blocks.py SequenceBlocks)
+    order: int = 0  # when it was (last) admitted: the youngest is preempted first
+    begun: bool = False  # its prompt has started going in (prefix caching looked it up)
+    recomputing: bool = False  # preempted: its context goes in again, and no token is chosen at its end
+    preempted: int = 0  # times it gave its blocks back
+    cached: int = 0  # prompt tokens found in the pool's blocks (prefix caching): not prefilled again
+    prefilled: int = 0  # tokens of its context in its blocks so far (cached ones included)
     token_logprobs: List[TokenLogprob] = field(default_factory=list)
     prompt_entries: List[TokenLogprob] = field(default_factory=list)  # prompt_logprobs: one per prompt token so far
     _sent_logprobs: int = 0  # token_logprobs already sent with text
@@ -79,10 +84,15 @@ class SlotRequest:
     def __post_init__(self) -> None:
         self.rng = seeded(self.settings.seed)
 
+    def context(self) -> List[int]:
+        """What must be in its blocks before its next step: the prompt and every generated token but the newest
+        (which the next step feeds)."""
+        return self.prompt + self.generated[:-1] if self.generated else self.prompt
+
     @property
     def decoding(self) -> bool:
-        """Its prompt is in its row and it has a token to feed to the next decode step."""
-        return self.prefilled == len(self.prompt) and bool(self.generated)
+        """Its context is in its blocks and it has a token to feed to the next decode step."""
+        return bool(self.generated) and self.seq is not None and len(self.seq.tokens) == len(self.context())
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:

@@ -4,7 +4,7 @@ The score graph (export/model.py ChunkGraph `every`) takes the row's last chosen
 piece at the row's own position and returns the logits after each of them: K + 1 positions of the target for one
 reading of its weights. The tokens the target agrees with are kept, and the logits after the last kept one choose
 the next token as a plain step would. Rejected positions need no cleanup: the row's length is a graph input, so
-what lies past it is never read before it is written again (ModelRunner.held is cut back to the kept tokens).
+what lies past it is never read before it is written again (the sequence's blocks are cut back to the kept tokens).
 
 Proposers (HF's names):
 - prompt lookup (`prompt_lookup_num_tokens`): the tokens that followed the last n-gram (3, 2, then 1 tokens) where
@@ -190,25 +190,34 @@ class DraftFolder:
 
     def lacking(self, seq: List[int]) -> int:
         """Tokens of `seq` the draft's row 0 does not hold yet (what its next proposal takes in first)."""
-        return len(seq) - common_prefix(self.runner.held[0], seq)
+        return len(seq) - common_prefix(self.generator.seqs[0].tokens, seq)
 
     def logits_after(self, seq: List[int]) -> Optional[np.ndarray]:
-        """The draft's logits after `seq` [V] (its row 0 made to hold it), or None when seq does not fit its graphs."""
-        r = self.runner
+        """The draft's logits after `seq` [V] (its row 0's sequence made to hold it), or None when seq does not fit its
+        graphs."""
+        from lite_runtime.runner import StepRow
+
+        g, r = self.generator, self.runner
         if len(seq) > r.seq_length - 1:
             return None
-        kept = min(common_prefix(r.held[0], seq), len(seq) - 1)
+        cache = g.seqs[0]
+        kept = min(common_prefix(cache.tokens, seq), len(seq) - 1)
         new = seq[kept:]
         with r.request():
-            if kept and len(new) == 1:
-                tokens, lengths, record = r.scratch_step()
-                tokens[0], lengths[0], record[0] = new[0], len(seq), True
-                return r.step(tokens, lengths, record)[0]
-            if kept and r.score_sizes and len(new) <= r.score_sizes[-1]:
-                return r.chunk(0, new, kept, *r.scratch_step(), every=True)[1][-1]
+            cache.truncate(kept)  # what it holds past the common prefix is another sequence's
+            if kept and (len(new) == 1 or (r.score_sizes and len(new) <= r.score_sizes[-1])):
+                g._reserve(cache, len(seq))
+                if len(new) == 1:
+                    rows = r.idle()
+                    rows[0] = StepRow(new[0], len(seq), cache.blocks)
+                    out = r.step(rows)[0]
+                else:
+                    out = r.chunk(new, kept, cache.blocks, r.idle(), every=True)[1][-1]
+                cache.tokens = list(seq)
+                return out
             if not r.prefill_sizes or len(seq) > r.prefill_sizes[-1]:
                 return None
-            return r.prefill([seq])[0]
+            return g._prefill([seq])[0]
 
     def propose(self, seq: List[int], k: int, settings: GenerationSettings,
                 rng: Optional[np.random.Generator]) -> Tuple[List[int], List[Optional[np.ndarray]]]:

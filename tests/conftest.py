@@ -45,7 +45,8 @@ def checkpoints(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory, checkpoints):
-    """One model folder per checkpoint (cpu profile, fp32, batch 2, seq_length 32), and one with buckets."""
+    """One model folder per checkpoint (cpu profile, fp32, batch 2, seq_length 32, KV blocks of 8: a sequence spans
+    four), and one with buckets."""
     from export.config import ExportConfig
     from export.pipeline import run_export
 
@@ -56,20 +57,21 @@ def exported(tmp_path_factory, checkpoints):
     for name, (ckpt, buckets) in plans.items():
         out = str(root / name)
         run_export(ExportConfig(checkpoint=ckpt, output=out, name=name, seq_length=32, batch_size=2,
-                                dtype="float32", device="cpu", prefill_buckets=buckets))
+                                dtype="float32", device="cpu", prefill_buckets=buckets, block_size=8))
         folders[name] = out
     return folders
 
 
 @pytest.fixture(scope="session")
 def serve_folder(tmp_path_factory, checkpoints):
-    """The server's folder: gqa_tied at batch 4, seq_length 64, buckets 16 / 32 / 64 (slot graphs of three sizes)."""
+    """The server's folder: gqa_tied at batch 4, seq_length 64, buckets 16 / 32 / 64 (slot graphs of three sizes), KV
+    blocks of 8 (prefix caching shares whole blocks)."""
     from export.config import ExportConfig
     from export.pipeline import run_export
 
     out = str(tmp_path_factory.mktemp("serve") / "serve4")
     run_export(ExportConfig(checkpoint=checkpoints["gqa_tied"], output=out, name="serve4", seq_length=64,
-                            batch_size=4, dtype="float32", device="cpu", prefill_buckets=(16, 32)))
+                            batch_size=4, dtype="float32", device="cpu", prefill_buckets=(16, 32), block_size=8))
     return out
 
 
@@ -109,7 +111,8 @@ def atlas_exported(tmp_path_factory, checkpoints):
                               ("bfloat16", "bfloat16", None)):
         out = str(root / f"atlas_{key}")
         run_export(ExportConfig(checkpoint=checkpoints["gqa_tied"], output=out, name=f"atlas_{key}", seq_length=32,
-                                batch_size=2, dtype=dtype, device="atlas_800i_a2", prefill_buckets=(8,), graph=graph))
+                                batch_size=2, dtype=dtype, device="atlas_800i_a2", prefill_buckets=(8,), graph=graph,
+                                block_size=16))
         folders[key] = out
     return folders
 

@@ -68,3 +68,20 @@ def load_into(net, checkpoint: str) -> None:
         arr = np.ascontiguousarray(stored_as(where[param.name].stored(param.name), dtypes[param.dtype]))
         tensor = Tensor.from_numpy(arr)
         param.set_data(tensor.view(ms.bfloat16) if param.dtype == ms.bfloat16 else tensor)
+
+
+def paged_inputs(ids, lengths, seq_length: int, block_size: int, order=None):
+    """The block tables and slots of a prefill (ids [B, n], n > 1: positions 0..len-1) or a decode step (ids [B, 1]:
+    position len-1) of a network or graph whose caches are its nominal pool (1 + B*M blocks, M = ceil(seq_length /
+    block_size)): row r's sequence in the blocks `order` lists for it (default: blocks 1 + r*M .. (r + 1)*M, reversed
+    so a table runs backwards), padding written nowhere (slot -1). Returns (tables [B, M], slots [B*n]) int32."""
+    ids = np.asarray(ids)
+    b, n = ids.shape
+    m = -(-seq_length // block_size)
+    tables = np.array(order if order is not None else [[1 + r * m + j for j in range(m)][::-1] for r in range(b)],
+                      np.int32)
+    slots = np.full((b, n), -1, np.int32)
+    for r, length in enumerate(lengths):
+        for i, pos in enumerate(range(length) if n > 1 else [length - 1]):
+            slots[r, i] = tables[r, pos // block_size] * block_size + pos % block_size
+    return tables, slots.reshape(-1)

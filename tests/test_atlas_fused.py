@@ -80,17 +80,52 @@ def test_prompt_flash_attention_standin_refuses_another_mask():
     assert _call("MsliteLlmAtlasPromptFlashAttention", [q, q, q, mask, lens, lens, attrs, np.zeros_like(q)]) == 7
 
 
+def test_reshape_and_cache_standin_writes_each_token_at_its_slot_and_skips_negative_ones():
+    """ReshapeAndCache: token t's key and value at block slot // BS, position slot % BS of caches [NB, BS, KVN, D], in
+    place; a negative slot (padding, an idle row) is not written; the output is the key; a slot past the pool is
+    refused (4) before anything is written."""
+    nb, bs, kh, d = 4, 4, 2, 16
+    kc, vc = (RNG.standard_normal((nb, bs, kh, d)).astype(np.float16) for _ in range(2))
+    old = kc.copy(), vc.copy()
+    key, value = (RNG.standard_normal((3, kh * d)).astype(np.float16) for _ in range(2))
+    slots = np.array([9, -1, 2], np.int32)
+    out = np.zeros_like(key)
+    assert _call("MsliteLlmAtlasReshapeAndCache", [key, value, kc, vc, slots, out]) == 0
+    np.testing.assert_array_equal(out, key)
+    for cache, before, new in ((kc, old[0], key), (vc, old[1], value)):
+        want = before.copy()
+        want[2, 1], want[0, 2] = new[0].reshape(kh, d), new[2].reshape(kh, d)
+        np.testing.assert_array_equal(cache, want)
+    kept = kc.copy()
+    assert _call("MsliteLlmAtlasReshapeAndCache", [key, value, kc, vc, np.array([0, 16, 1], np.int32), out]) == 4
+    np.testing.assert_array_equal(kc, kept)
+
+
 @pytest.mark.parametrize("lengths", [(1, 12), (12, 5)])
-def test_incre_flash_attention_standin_against_numpy(lengths):
-    """One query per row against the first actual_seq_lengths positions of the whole cache, GQA 7:1."""
-    b, h, kh, s, d = 2, 14, 2, 12, 32
-    q = RNG.standard_normal((b, h, 1, d)).astype(np.float16)
-    k, v = (RNG.standard_normal((b, kh, s, d)).astype(np.float16) for _ in range(2))
+def test_paged_attention_standin_against_numpy(lengths):
+    """PagedAttention: query t over positions 0 .. context_lens[t] - 1 of its sequence, position p in block
+    block_tables[t][p // BS] (shuffled blocks), GQA 7:1; blocks no table lists hold NaN (never read); attributes
+    that disagree with the shapes are refused (6)."""
+    t, h, kh, bs, d = 2, 14, 2, 4, 32
+    s = 12
+    m = s // bs
+    k, v = (RNG.standard_normal((t, kh, s, d)).astype(np.float16) for _ in range(2))
+    tables = RNG.permutation(np.arange(1, 1 + t * m)).reshape(t, m).astype(np.int32)
+    kc, vc = (np.full((1 + t * m + 1, bs, kh, d), np.nan, np.float16) for _ in range(2))
+    for r in range(t):
+        for j in range(m):
+            kc[tables[r, j]] = k[r, :, j * bs:(j + 1) * bs].transpose(1, 0, 2)
+            vc[tables[r, j]] = v[r, :, j * bs:(j + 1) * bs].transpose(1, 0, 2)
+    q = RNG.standard_normal((t, h, d)).astype(np.float16)
     out = np.zeros_like(q)
-    attrs = np.array([d ** -0.5], np.float32)
-    assert _call("MsliteLlmAtlasIncreFlashAttention", [q, k, v, np.array(lengths, np.int64), attrs, out]) == 0
+    attrs = np.array([h, d ** -0.5, kh], np.float32)
+    lens = np.array(lengths, np.int32)
+    assert _call("MsliteLlmAtlasPagedAttention", [q, kc, vc, tables, lens, attrs, out]) == 0
     keep = np.stack([(np.arange(s) < n)[None] for n in lengths])
-    np.testing.assert_allclose(out.astype(np.float32), _attention(q, k, v, keep, d ** -0.5), rtol=2e-3, atol=2e-3)
+    want = _attention(q[:, :, None], k, v, keep, d ** -0.5)[:, :, 0]
+    np.testing.assert_allclose(out.astype(np.float32), want, rtol=2e-3, atol=2e-3)
+    assert _call("MsliteLlmAtlasPagedAttention", [q, kc, vc, tables, lens, np.array([h, 1.0, 1], np.float32),
+                                                  out]) == 6
 
 
 def test_norm_and_rotary_standins_against_numpy():
@@ -131,14 +166,16 @@ def test_the_layout_enum_is_mindspores():
 
 # ---- fused folders, end to end on the CPU ------------------------------------------------------------------------
 
-FUSED_OPS = {"PromptFlashAttention", "IncreFlashAttention", "RmsNorm", "AddRmsNorm", "RotaryPositionEmbedding"}
+FUSED_OPS = {"PromptFlashAttention", "ReshapeAndCache", "PagedAttention", "RmsNorm", "AddRmsNorm",
+             "RotaryPositionEmbedding"}
 
 
 def _export(checkpoint: str, out: str, **kw):
     from export.config import ExportConfig
     from export.pipeline import run_export
 
-    settings = dict(seq_length=32, batch_size=2, dtype="float16", device="atlas_800i_a2", prefill_buckets=(8,))
+    settings = dict(seq_length=32, batch_size=2, dtype="float16", device="atlas_800i_a2", prefill_buckets=(8,),
+                    block_size=16)  # a sequence spans two blocks
     settings.update(kw)
     run_export(ExportConfig(checkpoint=checkpoint, output=out, name=os.path.basename(out), **settings))
     return out
@@ -223,17 +260,20 @@ def test_a_wrong_wiring_fails_check(miswire, checkpoints, tmp_path, monkeypatch)
 
 
 def test_a_chunk_that_forgets_its_offset_fails_check(checkpoints, tmp_path, monkeypatch):
-    """The chunk graph's attention told the row holds only the chunk (actual_seq_lengths_kv without `start`): the
-    prefill graphs pass and the chunk replay, which writes each prompt's second half from the middle, fails."""
+    """The chunk graph's PagedAttention told that the piece's sequence begins with the piece (its queries' context
+    lengths without `start`): the prefill graphs pass and the chunk replay, which writes each prompt's second half
+    from the middle, fails."""
     import export.atlas_layers as layers
+    from mindspore import ops
+
     from lite_runtime.check import run_check
 
     chunk = layers.FusedDecoderLayer.chunk
 
-    def without_start(self, x, cos, sin, ctx, b, n):  # actual_seq_lengths_kv := actual_seq_lengths
-        wrong = {"lengths": ctx["lengths"], "piece_lengths": ctx["piece_lengths"], "piece_kv": ctx["piece_lengths"],
-                 "mask": ctx["mask"], "step_index": ctx["step_index"], "piece_index": ctx["piece_index"],
-                 "pick": ctx["pick"], "slot": ctx["slot"]}
+    def without_start(self, x, cos, sin, ctx, b, n):
+        lengths = ctx["lengths"]
+        piece = lengths[b:] - lengths[b:b + 1] + 1  # 1..n: as if the piece started at position 0
+        wrong = {"slots": ctx["slots"], "tables": ctx["tables"], "lengths": ops.cat((lengths[:b], piece))}
         return chunk(self, x, cos, sin, wrong, b, n)
 
     monkeypatch.setattr(layers.FusedDecoderLayer, "chunk", without_start)
@@ -245,7 +285,9 @@ def test_a_chunk_that_forgets_its_offset_fails_check(checkpoints, tmp_path, monk
 @pytest.mark.parametrize("device, dtype, why", [
     ("atlas_800", "float16", "device profile 'atlas_800' (Ascend910A) has no fused attention operators we can use"),
     ("atlas_300i_duo", "float16",
-     "device profile 'atlas_300i_duo' (Ascend310P) has no fused attention operators we can use"),
+     "device profile 'atlas_300i_duo' (Ascend310P): the 310P's PagedAttention and ReshapeAndCache keep the paged KV "
+     "cache in the FRACTAL_NZ layout, which this export does not write; its folders take the plain form (the blocks "
+     "through Gather and ScatterNdUpdate)"),
     ("atlas_800i_a2", "float32", "the fused attention operators take float16 or bfloat16, not float32"),
     ("cpu", "float32", "device profile 'cpu' (CPU) has no fused attention operators we can use"),
 ])
@@ -300,9 +342,9 @@ def test_a_fused_op_written_differently_is_refused_by_name(atlas_exported, tmp_p
     with open(path, "rb") as fh:
         model.ParseFromString(fh.read())
     prims = {p.name: p.op_type for p in model.primitives}
-    node = next(n for n in model.graph.node if prims.get(n.op_type[len("REF::"):]) == "IncreFlashAttention")
+    node = next(n for n in model.graph.node if prims.get(n.op_type[len("REF::"):]) == "PagedAttention")
     node.input.append(node.input[-1])
     with pytest.raises(InferError) as err:
         standins.substitute(model, lambda f: f, path)
-    assert str(err.value) == (f"{path}: IncreFlashAttention has 22 inputs where MindSpore 2.10 writes 21; the CPU "
+    assert str(err.value) == (f"{path}: PagedAttention has 17 inputs where MindSpore 2.10 writes 16; the CPU "
                               "stand-ins follow 2.10's definitions: re-export with mindspore 2.10 to check it here")

@@ -208,9 +208,10 @@ def test_each_code_path_gives_the_same_answers(isa):
             t.test_embed_copies_and_widens_the_rows_of_the_ids(dtype, "int64")
         t.test_embed_refuses_ids_outside_the_table_and_writes_nothing()
         import test_fused_kernels as f
-        for d in (64, 80):
-            f.test_attention_of_prompts_at_real_head_sizes(d)
-        f.test_attention_rows_read_the_cache_row_each_query_names()
+        for d, bs in ((64, 64), (80, 16)):
+            f.test_attention_of_prompts_at_real_head_sizes(d, bs)
+        f.test_attention_rows_read_the_sequence_each_query_names()
+        f.test_decode_attention_reads_each_sequences_blocks_in_place_with_gqa()
     """)
     env = dict(os.environ, MSLITE_LLM_CPU_KERNELS_ISA=isa,
                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))

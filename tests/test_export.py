@@ -48,7 +48,17 @@ def graph_cells(folder: str, work: str):
 
     with open(os.path.join(folder, "manifest.json")) as fh:
         graphs = sorted(json.load(fh)["graphs"], key=lambda g: (g["role"] != "prefill", -g["tokens"]))
-    return tuple(nn.GraphCell(ms.load(with_local_kernels(folder, g["file"], work))) for g in (graphs[0], graphs[-1]))
+    with open(os.path.join(folder, manifest_yaml(folder))) as fh:
+        seq_length = yaml.safe_load(fh)["infer"]["seq_length"]
+    cells = tuple(nn.GraphCell(ms.load(with_local_kernels(folder, g["file"], work))) for g in (graphs[0], graphs[-1]))
+    for cell in cells:
+        cell.seq_length = seq_length
+    return cells
+
+
+def manifest_yaml(folder: str) -> str:
+    with open(os.path.join(folder, "manifest.json")) as fh:
+        return json.load(fh)["yaml"]
 
 
 def hand_off_cache(src, dst) -> None:
@@ -59,10 +69,28 @@ def hand_off_cache(src, dst) -> None:
             dst_params[p.name].set_data(p)
 
 
-def run(cell, ids, lengths):
+def run(cell, ids, lengths, block_size=64, written=None):
+    """A prefill (ids [B, n]) or decode step (ids [B, 1]) of a graph loaded on its own: row b's sequence in blocks
+    1 + b*M .. (b + 1)*M of the caches (the graph's nominal pool holds 1 + B*M), each token written at its slot: a
+    prompt's positions 0..len-1 (padding nowhere), a step's position len-1 (`written`: the positions, default as
+    said)."""
     import mindspore as ms
 
-    return cell(ms.Tensor(np.asarray(ids, np.int32)), ms.Tensor(np.asarray(lengths, np.int32))).asnumpy()
+    ids = np.asarray(ids, np.int32)
+    b, n = ids.shape
+    m = -(-cell_seq_length(cell) // block_size)
+    tables = np.array([[1 + r * m + j for j in range(m)] for r in range(b)], np.int32)
+    slots = np.full((b, n), -1, np.int32)
+    for r, length in enumerate(lengths):
+        for i, pos in enumerate(range(length) if n > 1 else [length - 1]):
+            slots[r, i] = tables[r, pos // block_size] * block_size + pos % block_size
+    return cell(ms.Tensor(ids), ms.Tensor(np.asarray(lengths, np.int32)), ms.Tensor(tables),
+                ms.Tensor(slots.reshape(-1))).asnumpy()
+
+
+def cell_seq_length(cell) -> int:
+    """The sequence length a graph's caches serve: blocks per sequence (its block table's width) times block size."""
+    return cell.seq_length
 
 
 def export_cli(capsys, *args) -> tuple:
@@ -84,7 +112,7 @@ def test_folder_contents_and_manifest(exported):
         "generation_config.json", "golden.json"])
     with open(os.path.join(folder, "manifest.json")) as fh:
         manifest = json.load(fh)
-    assert manifest["format_version"] == 1 and manifest["yaml"] == "gqa_tied.yaml"
+    assert manifest["format_version"] == 3 and manifest["yaml"] == "gqa_tied.yaml"
     assert set(manifest["files"]) == set(files) - {"manifest.json"}
     assert {g["variables"] for g in manifest["graphs"]} == {"gqa_tied_variables/data_0"}
     for rel, entry in manifest["files"].items():
@@ -92,26 +120,35 @@ def test_folder_contents_and_manifest(exported):
             data = fh.read()
         assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}, rel
     specs = {(g["role"], g["tokens"]): (g["inputs"], g["outputs"]) for g in manifest["graphs"]}
+    # every graph reads and writes the paged KV cache through block tables (blocks of 8: a sequence of 32 spans 4)
+    # and slots (block * 8 + position in it; -1 writes nowhere)
+    paged = [{"name": "block_tables", "dtype": "int32", "shape": [2, 4]}]
     assert specs["prefill", 32] == ([{"name": "input_ids", "dtype": "int32", "shape": [2, 32]},
-                                 {"name": "valid_length", "dtype": "int32", "shape": [2]}],
-                                [{"name": "logits", "dtype": "float32", "shape": [2, 512]}])
-    # the chunk graphs (for lite_runtime.serve): the decode step of both rows and a piece of one row's prompt at an
+                                     {"name": "valid_length", "dtype": "int32", "shape": [2]}] + paged +
+                                    [{"name": "slot_mapping", "dtype": "int32", "shape": [64]}],
+                                    [{"name": "logits", "dtype": "float32", "shape": [2, 512]}])
+    # the chunk graphs (for lite_runtime.serve): the decode step of both rows and a piece of one more sequence at an
     # offset, cpu's 8 and 128 tokens (float32 weights), at most seq_length; logits of the two rows and of the
     # piece's last token
-    assert specs["chunk", 32][0][2]["shape"] == [1, 32]
-    assert specs["chunk", 8] == ([{"name": "input_ids", "dtype": "int32", "shape": [2, 1]},
-                               {"name": "valid_length", "dtype": "int32", "shape": [2]},
-                               {"name": "chunk_ids", "dtype": "int32", "shape": [1, 8]},
-                               {"name": "chunk_length", "dtype": "int32", "shape": [1]},
-                               {"name": "start", "dtype": "int32", "shape": [1]},
-                               {"name": "slot", "dtype": "int32", "shape": [1]}],
-                              [{"name": "logits", "dtype": "float32", "shape": [3, 512]}])
+    step = [{"name": "input_ids", "dtype": "int32", "shape": [2, 1]},
+            {"name": "valid_length", "dtype": "int32", "shape": [2]}] + paged + [
+        {"name": "slot_mapping", "dtype": "int32", "shape": [2]}]
+    assert specs["chunk", 32][0][4]["shape"] == [1, 32]
+    assert specs["chunk", 8] == (step + [{"name": "chunk_ids", "dtype": "int32", "shape": [1, 8]},
+                                         {"name": "chunk_length", "dtype": "int32", "shape": [1]},
+                                         {"name": "start", "dtype": "int32", "shape": [1]},
+                                         {"name": "chunk_block_table", "dtype": "int32", "shape": [1, 4]},
+                                         {"name": "chunk_slot_mapping", "dtype": "int32", "shape": [8]}],
+                                 [{"name": "logits", "dtype": "float32", "shape": [3, 512]}])
     # the score graphs: the chunk graph's inputs, the logits of both rows and of every piece position
     assert specs["score", 8] == (specs["chunk", 8][0], [{"name": "logits", "dtype": "float32", "shape": [10, 512]}])
     assert specs["score", 32][1][0]["shape"] == [34, 512]
-    assert specs["inc", 1] == ([{"name": "input_ids", "dtype": "int32", "shape": [2, 1]},
-                             {"name": "valid_length", "dtype": "int32", "shape": [2]}],
-                            [{"name": "logits", "dtype": "float32", "shape": [2, 512]}])
+    assert specs["inc", 1] == (step, [{"name": "logits", "dtype": "float32", "shape": [2, 512]}])
+    # the cache is not in the weights file (a folder's size is its weights): the yaml says its layout
+    with open(os.path.join(folder, "gqa_tied.yaml")) as fh:
+        assert yaml.safe_load(fh)["infer"]["kv_cache"] == {
+            "block_size": 8, "max_blocks": 4, "layout": "blocks_heads", "layers": 2, "kv_heads": 2, "head_dim": 16,
+            "dtype": "float32"}
 
 
 def test_yaml_carries_what_the_runtime_needs(exported):
@@ -143,7 +180,7 @@ def test_exported_graphs_match_hf(exported, checkpoints, name, tmp_path):
     the runtime's ms backend shares one instead (see lite_runtime/backends/ms.py)."""
     prefill, inc = graph_cells(exported[name], str(tmp_path))
     rows = prompts(2, [4, 13], seed=11)
-    logits = run(prefill, right_pad(rows, 32), [len(r) for r in rows])
+    logits = run(prefill, right_pad(rows, 32), [len(r) for r in rows], block_size=8)
     hand_off_cache(prefill, inc)
     for step in range(3):
         for b, row in enumerate(rows):
@@ -151,7 +188,7 @@ def test_exported_graphs_match_hf(exported, checkpoints, name, tmp_path):
         nxt = logits.argmax(-1)
         for b in range(2):
             rows[b].append(int(nxt[b]))
-        logits = run(inc, nxt.reshape(2, 1), [len(r) for r in rows])
+        logits = run(inc, nxt.reshape(2, 1), [len(r) for r in rows], block_size=8)
 
 
 def test_sharded_bfloat16_checkpoint_written_by_hf(tmp_path, checkpoints, capsys):
@@ -174,7 +211,7 @@ def test_sharded_bfloat16_checkpoint_written_by_hf(tmp_path, checkpoints, capsys
     row = prompts(1, [6], seed=2)[0]
     with torch.no_grad():  # the reference: the same bf16 weights, widened to fp32
         ref = model.float()(torch.tensor([row])).logits[0, -1].numpy()
-    assert rel_err(run(prefill, right_pad([row], 16), [6])[0], ref) < TOL
+    assert rel_err(run(prefill, right_pad([row], 16), [6], block_size=64)[0], ref) < TOL
 
 
 def test_summary_line_and_overwrite(tmp_path, checkpoints, capsys):

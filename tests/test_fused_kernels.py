@@ -79,26 +79,51 @@ def test_qkv_rope_with_per_head_norms(rows):
                        *outs) == 4
 
 
+def paged(contiguous, block_size, rng, spare=2):
+    """Caches given per sequence, [R, KH, S, D] (row r's positions 0..S-1), as the kernels hold them: a pool [NB, KH,
+    BS, D] whose blocks are handed out shuffled (each row's block table skips and runs in any order), the null block
+    0 and `spare` blocks no table lists full of NaN (never read). Returns (pool, tables [R, M] int32)."""
+    r, kh, s, d = contiguous.shape
+    m = -(-s // block_size)
+    tables = rng.permutation(np.arange(1, 1 + r * m + spare))[:r * m].reshape(r, m).astype(np.int32)
+    pool = np.full((1 + r * m + spare, kh, block_size, d), np.nan, np.float32)
+    for row in range(r):
+        for j in range(m):
+            part = contiguous[row, :, j * block_size:(j + 1) * block_size]
+            pool[tables[row, j], :, :part.shape[1]] = part
+    return pool, tables
+
+
+def slots_at(tables, rows, positions, block_size):
+    """The slot of position positions[i] of the sequence whose table is tables[rows[i]] (-1 where a position is
+    negative: not written)."""
+    return np.array([-1 if p < 0 else tables[r, p // block_size] * block_size + p % block_size
+                     for r, p in zip(rows, positions)], np.int32)
+
+
 @pytest.mark.parametrize("rows, qk_norm", [(1, False), (3, True)])
 def test_decode_qkv_normalises_projects_rotates_and_writes_the_cache_in_place(rows, qk_norm):
     """The decode step's first op: the input RMSNorm, q/k/v, Qwen3's head norms, RoPE, and k, v written into the
-    caches at each row's valid_length - 1 (nothing else of the caches changes); a position past the cache is
-    refused before anything is written."""
+    paged caches at each row's slot (a negative slot: not written; nothing else of the caches changes); a slot past
+    the pool is refused before anything is written."""
     rng = np.random.default_rng(200 + rows)
-    e, h, kh, d, s, eps = 96, 4, 2, 16, 12, 1e-6
+    e, h, kh, d, s, bs, eps = 96, 4, 2, 16, 12, 4, 1e-6
     x = rng.standard_normal((rows, e), dtype=np.float32)
     ln = (1 + 0.1 * rng.standard_normal(e)).astype(np.float32)
     mats = [(rng.standard_normal((o, e), dtype=np.float32), rng.standard_normal(o, dtype=np.float32))
             for o in (h * d, kh * d, kh * d)]
     angle = rng.uniform(0, 6, (rows, d // 2)).astype(np.float32)
     cos, sin = np.cos(np.tile(angle, 2)).astype(np.float32), np.sin(np.tile(angle, 2)).astype(np.float32)
-    caches = [rng.standard_normal((rows + 1, kh, s, d), dtype=np.float32) for _ in range(2)]  # a row more: untouched
+    contiguous = [rng.standard_normal((rows + 1, kh, s, d), dtype=np.float32) for _ in range(2)]  # a row more
+    kc, tables = paged(contiguous[0], bs, rng)
+    caches = [kc, repage(contiguous[1], tables, bs, kc.shape[0])]
     before = [c.copy() for c in caches]
-    valid = np.array([3, 12, 1][:rows], np.int32)
+    positions = np.array([2, 11, -1][:rows])  # the third row idle: written nowhere
+    slots = slots_at(tables, range(rows), positions, bs)
     norms = [(1 + 0.1 * rng.standard_normal(d)).astype(np.float32) for _ in range(2)] if qk_norm else []
     q = np.full((rows, h * d), np.nan, np.float32)
     eps_t = np.array([eps], np.float32)
-    args = [x, ln, eps_t, *[t for m in mats for t in m], cos, sin, *caches, valid, *norms, q]
+    args = [x, ln, eps_t, *[t for m in mats for t in m], cos, sin, *caches, slots, *norms, q]
     types = [None] * 13 + ["int32"] + [None] * (len(norms) + 1)
     assert call_kernel(cpu_kernels.DECODE_QKV, *args, dtypes=types) == 0
 
@@ -114,26 +139,23 @@ def test_decode_qkv_normalises_projects_rotates_and_writes_the_cache_in_place(ro
     q_ref, k_ref = rope64(plain[0], cos, sin, d), rope64(plain[1], cos, sin, d)
     assert close(q, q_ref)
     for cache, old, ref in zip(caches, before, (k_ref, plain[2])):
-        expect = old.astype(np.float64)
-        for r in range(rows):
-            expect[r, :, valid[r] - 1] = ref[r].reshape(kh, d)
-        assert close(cache, expect)
         written = np.zeros(cache.shape, bool)
-        for r in range(rows):
-            written[r, :, valid[r] - 1] = True
-        assert np.array_equal(cache[~written], old[~written])  # nothing else moved
+        for r, slot in enumerate(slots):
+            if slot >= 0:
+                written[slot // bs, :, slot % bs] = True
+                assert close(cache[slot // bs, :, slot % bs], ref[r].reshape(kh, d))
+        assert np.array_equal(cache[~written], old[~written], equal_nan=True)  # nothing else moved
     kept = [c.copy() for c in caches]
-    args[13] = np.array([13, 1, 1][:rows], np.int32)  # past the cache's 12 positions
+    args[13] = np.array([caches[0].shape[0] * bs, 0, 0][:rows], np.int32)  # past the pool's last slot
     assert call_kernel(cpu_kernels.DECODE_QKV, *args, dtypes=types) == 4
-    assert all(np.array_equal(c, k) for c, k in zip(caches, kept))
+    assert all(np.array_equal(c, k, equal_nan=True) for c, k in zip(caches, kept))
 
 
-def test_decode_qkv_writes_a_prompt_of_each_cache_row():
-    """The CPU prefill graph's form: N = B x n rows of x, n tokens of each cache row in turn, each written at its
-    own valid_length - 1; the same q and cache values as the decode form row by row. N neither <= B nor a multiple
-    of B is refused before anything is written."""
+def test_decode_qkv_writes_a_prompt_of_each_sequence():
+    """The CPU prefill graph's form: N = B x n rows of x, n tokens of each sequence in turn, each written at its own
+    slot (padding at slot -1: nowhere); the same q and cache values as the decode form token by token."""
     rng = np.random.default_rng(7)
-    b, n, e, h, kh, d, s, eps = 2, 5, 64, 4, 2, 16, 8, 1e-6
+    b, n, e, h, kh, d, s, bs, eps = 2, 5, 64, 4, 2, 16, 8, 2, 1e-6
     x = rng.standard_normal((b * n, e), dtype=np.float32)
     ln = (1 + 0.1 * rng.standard_normal(e)).astype(np.float32)
     mats = [t for o in (h * d, kh * d, kh * d) for t in (rng.standard_normal((o, e), dtype=np.float32),
@@ -142,28 +164,52 @@ def test_decode_qkv_writes_a_prompt_of_each_cache_row():
     cos, sin = np.cos(np.tile(angle, 2)).astype(np.float32), np.sin(np.tile(angle, 2)).astype(np.float32)
     eps_t = np.array([eps], np.float32)
     types = [None] * 13 + ["int32", None]
-    caches = [rng.standard_normal((b, kh, s, d), dtype=np.float32) for _ in range(2)]
+    kc, tables = paged(np.zeros((b, kh, s, d), np.float32), bs, rng)
+    caches = [kc, kc.copy()]
     before = [c.copy() for c in caches]
-    lengths = np.tile(np.arange(1, n + 1, dtype=np.int32), b)
+    positions = [p if p < 4 or r == 0 else -1 for r in range(b) for p in range(n)]  # row 1: a prompt of 4, padded
+    slots = slots_at(tables, np.repeat(np.arange(b), n), positions, bs)
     q = np.full((b * n, h * d), np.nan, np.float32)
-    assert call_kernel(cpu_kernels.DECODE_QKV, x, ln, eps_t, *mats, cos, sin, *caches, lengths, q, dtypes=types) == 0
-    # the reference: each token alone through the decode form (one row of x, a one-row cache)
-    for i in range(b * n):
-        row, pos = i // n, lengths[i] - 1
-        one = [c[row:row + 1].copy() for c in before]
+    assert call_kernel(cpu_kernels.DECODE_QKV, x, ln, eps_t, *mats, cos, sin, *caches, slots, q, dtypes=types) == 0
+    for i in range(b * n):  # the reference: each token alone through the decode form
+        one = [c.copy() for c in before]
         q1 = np.full((1, h * d), np.nan, np.float32)
         assert call_kernel(cpu_kernels.DECODE_QKV, x[i:i + 1], ln, eps_t, *mats, cos[i:i + 1], sin[i:i + 1], *one,
-                           lengths[i:i + 1], q1, dtypes=types) == 0
+                           slots[i:i + 1], q1, dtypes=types) == 0
         assert close(q[i:i + 1], q1.astype(np.float64))
-        for cache, ref in zip(caches, one):
-            assert close(cache[row, :, pos], ref[0, :, pos].astype(np.float64))
-    for cache, old in zip(caches, before):  # positions n.. untouched
-        assert np.array_equal(cache[:, :, n:], old[:, :, n:])
-    kept = [c.copy() for c in caches]
-    odd = np.ones(3, np.int32)  # 3 rows against a 2-row cache
-    assert call_kernel(cpu_kernels.DECODE_QKV, x[:3], ln, eps_t, *mats, cos[:3], sin[:3], *caches, odd,
-                       q[:3].copy(), dtypes=types) == 4
-    assert all(np.array_equal(c, k) for c, k in zip(caches, kept))
+        if slots[i] >= 0:
+            for cache, ref in zip(caches, one):
+                at = (slots[i] // bs, slice(None), slots[i] % bs)
+                assert close(cache[at], ref[at].astype(np.float64))
+    untouched = np.ones(caches[0].shape, bool)
+    for slot in slots[slots >= 0]:
+        untouched[slot // bs, :, slot % bs] = False
+    for cache, old in zip(caches, before):
+        assert np.array_equal(cache[untouched], old[untouched], equal_nan=True)
+
+
+def test_write_cache_writes_each_token_at_its_slot_and_skips_negative_ones():
+    """The chunk graph's writes (MsliteLlmWriteCache): k, v [N, KH*D] at slot_mapping, -1 skipped; a slot past the
+    pool refused before anything is written."""
+    rng = np.random.default_rng(3)
+    nb, kh, bs, d = 5, 2, 4, 8
+    kc, vc = (rng.standard_normal((nb, kh, bs, d), dtype=np.float32) for _ in range(2))
+    old = [kc.copy(), vc.copy()]
+    k, v = (rng.standard_normal((3, kh * d), dtype=np.float32) for _ in range(2))
+    slots = np.array([13, -1, 4], np.int32)
+    flag = np.zeros(1, np.float32)
+    types = [None] * 4 + ["int32", None]
+    assert call_kernel(cpu_kernels.WRITE_CACHE, k, v, kc, vc, slots, flag, dtypes=types) == 0
+    for cache, before, new in ((kc, old[0], k), (vc, old[1], v)):
+        want = before.copy()
+        for i, slot in enumerate(slots):
+            if slot >= 0:
+                want[slot // bs, :, slot % bs] = new[i].reshape(kh, d)
+        assert np.array_equal(cache, want)
+    kept = [kc.copy(), vc.copy()]
+    assert call_kernel(cpu_kernels.WRITE_CACHE, k, v, kc, vc, np.array([0, 20, 1], np.int32), flag,
+                       dtypes=types) == 4
+    assert np.array_equal(kc, kept[0]) and np.array_equal(vc, kept[1])
 
 
 def test_norm_swiglu_is_the_norm_then_swiglu():
@@ -222,23 +268,49 @@ def test_swiglu_and_projection_with_residual(rows):
     assert call_kernel(cpu_kernels.GEMV_ADD, x, wg, r[:, :5], z) == 4
 
 
-def test_decode_attention_reads_each_rows_valid_positions_with_gqa():
+ATTENTION_TYPES = [None, None, None, "int32", "int32", "int32", None]
+
+
+def test_decode_attention_reads_each_sequences_blocks_in_place_with_gqa():
+    """Query i over the first lengths[i] positions of the blocks its table lists, read where they are (shuffled
+    blocks; positions past a length and blocks no table lists are NaN: never read); wrong dtypes (2) and a table
+    entry outside the pool (4) are refused."""
     rng = np.random.default_rng(7)
-    b, h, kh, s, d = 2, 6, 2, 40, 16
+    b, h, kh, s, d, bs = 2, 6, 2, 40, 16, 8
     q = rng.standard_normal((b, h * d), dtype=np.float32)
     k, v = (rng.standard_normal((b, kh, s, d), dtype=np.float32) for _ in range(2))
     valid = np.array([5, 33], np.int32)
     k[0, :, 5:] = v[0, :, 5:] = np.nan  # past row 0's length: must not be read
+    kp, tables = paged(k, bs, rng)
+    vp = repage(v, tables, bs, kp.shape[0])
     out = np.full_like(q, np.nan)
-    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, out,
-                       dtypes=[None, None, None, "int32", None]) == 0
-    check_attention(out, q, k, v, valid, range(b))
-    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, out) == 2  # valid_length must be int32
+    rows = np.arange(b, dtype=np.int32)
+    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, kp, vp, valid, rows, tables, out,
+                       dtypes=ATTENTION_TYPES) == 0
+    check_attention(out, q, k, v, valid, rows)
+    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, kp, vp, valid, rows, tables, out) == 2  # int32 inputs
+    bad = tables.copy()
+    bad[1, 2] = kp.shape[0]  # a block past the pool, inside row 1's length
+    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, kp, vp, valid, rows, bad, out, dtypes=ATTENTION_TYPES) == 4
+    long = valid.copy()
+    long[0] = tables.shape[1] * bs + 1  # longer than its table reaches
+    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, kp, vp, long, rows, tables, out, dtypes=ATTENTION_TYPES) == 4
+
+
+def repage(contiguous, tables, block_size, blocks):
+    """Caches per sequence [R, KH, S, D] into a pool of `blocks` blocks through the given tables (NaN elsewhere)."""
+    r, kh, s, d = contiguous.shape
+    pool = np.full((blocks, kh, block_size, d), np.nan, np.float32)
+    for row in range(r):
+        for j in range(tables.shape[1]):
+            part = contiguous[row, :, j * block_size:(j + 1) * block_size]
+            pool[tables[row, j], :, :part.shape[1]] = part
+    return pool
 
 
 def check_attention(out, q, k, v, valid, rows):
-    """Each query row i of `out` against float64 softmax attention over positions [0, valid[i]) of cache row
-    rows[i], query head h reading kv head h // (H / KH)."""
+    """Each query row i of `out` against float64 softmax attention over positions [0, valid[i]) of sequence rows[i]
+    (k, v given per sequence: [R, KH, S, D]), query head h reading kv head h // (H / KH)."""
     kh, d = k.shape[1], k.shape[3]
     h = q.shape[1] // d
     for i, (row, n) in enumerate(zip(rows, valid)):
@@ -251,29 +323,37 @@ def check_attention(out, q, k, v, valid, rows):
             assert close(out[i, head * d:(head + 1) * d], ref, np.nanmax(np.abs(v)))
 
 
-def test_attention_rows_read_the_cache_row_each_query_names():
-    """The chunk graph's form (a rows input): query i reads cache row rows[i] up to valid_length[i]; the step's rows
-    and a piece's tokens, which all read one row at growing lengths, in one call."""
+def test_attention_rows_read_the_sequence_each_query_names():
+    """The chunk graph's form: query i reads the sequence whose table is tables[rows[i]] up to lengths[i]; the step's
+    rows and a piece's tokens, which all read one sequence at growing lengths, in one call; an idle row reads the
+    null block (length 1, a table of zeros)."""
     rng = np.random.default_rng(8)
-    b, h, kh, s, d = 3, 4, 2, 32, 8
+    b, h, kh, s, d, bs = 3, 4, 2, 32, 8, 4
     k, v = (rng.standard_normal((b, kh, s, d), dtype=np.float32) for _ in range(2))
-    rows = np.array([0, 1, 2, 1, 1, 1], np.int32)  # three step rows, then three piece tokens of row 1
-    valid = np.array([4, 9, 1, 10, 11, 12], np.int32)
+    rows = np.array([0, 1, 2, 3, 1, 1, 1], np.int32)  # four step rows (3: idle), then three piece tokens of row 1
+    valid = np.array([4, 9, 1, 1, 10, 11, 12], np.int32)
     q = rng.standard_normal((len(rows), h * d), dtype=np.float32)
     k[1, :, 12:] = v[1, :, 12:] = np.nan  # past the longest query of row 1: never read
+    kp, tables = paged(k, bs, rng)
+    vp = repage(v, tables, bs, kp.shape[0])
+    kp[0] = vp[0] = 0.0  # the null block: what an idle row reads
+    tables = np.concatenate([tables, np.zeros((1, tables.shape[1]), np.int32)])
     out = np.full_like(q, np.nan)
-    int32 = [None, None, None, "int32", "int32", None]
-    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, rows, out, dtypes=int32) == 0
-    check_attention(out, q, k, v, valid, rows)
-    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, rows[:5], out, dtypes=int32) == 4
+    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, kp, vp, valid, rows, tables, out,
+                       dtypes=ATTENTION_TYPES) == 0
+    check_attention(out[:3], q[:3], k, v, valid[:3], rows[:3])
+    check_attention(out[4:], q[4:], k, v, valid[4:], rows[4:])
+    assert np.array_equal(out[3], np.zeros_like(out[3]))
+    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, kp, vp, valid, rows[:5], tables, out,
+                       dtypes=ATTENTION_TYPES) == 4
 
 
-@pytest.mark.parametrize("d", [64, 128, 80])
-def test_attention_of_prompts_at_real_head_sizes(d):
+@pytest.mark.parametrize("d, bs", [(64, 64), (128, 16), (80, 128)])
+def test_attention_of_prompts_at_real_head_sizes(d, bs):
     """The CPU prefill graph's form at Qwen's head sizes (64, 128; 80: a size not a multiple of the 32-value output
-    blocks): two rows' prompts, each token reading its own row up to its position (blocks of 8 queries of one row,
-    the value rows read in blocks of 128 positions), GQA 7:1 as the 0.5B shape's; scores large enough that most of
-    each softmax underflows to zero."""
+    blocks), in blocks of 16, 64 and 128: two rows' prompts, each token reading its own sequence up to its position
+    (blocks of 8 queries of one row), GQA 7:1 as the 0.5B shape's; scores large enough that most of each softmax
+    underflows to zero."""
     rng = np.random.default_rng(d)
     h, kh, s, lengths = 14, 2, 320, (300, 45)
     k, v = (rng.standard_normal((2, kh, s, d), dtype=np.float32) for _ in range(2))
@@ -283,9 +363,11 @@ def test_attention_of_prompts_at_real_head_sizes(d):
          ).astype(np.float32)
     for r, n in enumerate(lengths):
         k[r, :, n:] = v[r, :, n:] = np.nan  # past each row's prompt: never read
+    kp, tables = paged(k, bs, rng)
+    vp = repage(v, tables, bs, kp.shape[0])
     out = np.full_like(q, np.nan)
-    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k, v, valid, rows, out,
-                       dtypes=[None, None, None, "int32", "int32", None]) == 0
+    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, kp, vp, valid, rows, tables, out,
+                       dtypes=ATTENTION_TYPES) == 0
     check_attention(out, q, k, v, valid, rows)
 
 
@@ -375,9 +457,9 @@ def test_fused_ops_take_quantized_weights(bits, group, offset, rows):
     caches = {}
 
     def decode_qkv_args(ws):
-        caches[id(ws)] = [np.zeros((rows, kh, s, d), np.float32) for _ in range(2)]
-        valid = np.arange(1, rows + 1, dtype=np.int32) + 3
-        args = [x, ln, eps_t] + qkv(ws) + [cos, sin] + caches[id(ws)] + [valid]
+        caches[id(ws)] = [np.zeros((rows + 1, kh, s, d), np.float32) for _ in range(2)]  # blocks of s positions
+        slots = (np.arange(rows, dtype=np.int32)[::-1] + 1) * s + 3  # each row's position 3, in blocks rows..1
+        args = [x, ln, eps_t] + qkv(ws) + [cos, sin] + caches[id(ws)] + [slots.astype(np.int32)]
         return args, [None] * (len(args) - 1) + ["int32"]
     got, want = run(cpu_kernels.DECODE_QKV, [(rows, h * d)], decode_qkv_args)
     agree(got[0], want[0], "decode_qkv q")

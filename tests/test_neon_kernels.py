@@ -86,26 +86,31 @@ def reader(path):
 
 
 def parse_attention(path):
+    """The driver's attention cases, each sequence's caches gathered back through its block table to [1, KH, S, D]."""
     take, more = reader(path)
     cases, (h, kh, s) = [], (14, 2, 160)
     while more():
-        d, n, rc = (int(v) for v in take(3, np.int64))
-        arrays = [take(int(np.prod(shape)), np.float32).reshape(shape)
-                  for shape in ((n, h * d), (2, kh, s, d), (2, kh, s, d), (n, h * d))]
-        cases.append(dict(d=d, n=n, rc=rc, q=arrays[0], k=arrays[1], v=arrays[2], out=arrays[3]))
+        d, n, rc, bs, nb = (int(v) for v in take(5, np.int64))
+        q = take(n * h * d, np.float32).reshape(n, h * d)
+        k, v = (take(nb * kh * bs * d, np.float32).reshape(nb, kh, bs, d) for _ in range(2))
+        table = take(s // bs, np.int32)
+        out = take(n * h * d, np.float32).reshape(n, h * d)
+        k, v = (np.concatenate([c[b] for b in table], axis=1)[None] for c in (k, v))  # [1, KH, S, D]
+        cases.append(dict(d=d, n=n, rc=rc, q=q, k=k, v=v, out=out))
     return cases
 
 
 def test_neon_attention_against_float64(binary, tmp_path):
-    """The kernels' attention as the CPU prefill graph calls it (150 queries of one cache row, lengths 1..150: blocks
-    of 8 queries, values in blocks of 128 positions; head sizes 64 and 80), built for AArch64 and run under qemu."""
+    """The kernels' attention as the CPU prefill graph calls it (150 queries of one sequence, lengths 1..150: blocks
+    of 8 queries, read from the paged cache's blocks of 32 through a table that runs backwards; head sizes 64 and 80),
+    built for AArch64 and run under qemu."""
     from test_fused_kernels import check_attention
 
     isa, _, cases = run(binary, tmp_path, attention=True)
     assert isa == "neon" and [c["d"] for c in cases] == [64, 80]
     for c in cases:
         assert c["rc"] == 0
-        check_attention(c["out"], c["q"], c["k"], c["v"], np.arange(1, c["n"] + 1), [1] * c["n"])
+        check_attention(c["out"], c["q"], c["k"], c["v"], np.arange(1, c["n"] + 1), [0] * c["n"])
 
 
 def parse(path):

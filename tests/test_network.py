@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from reference import hf_last_logits, load_into, prompts, rel_err, right_pad
+from reference import hf_last_logits, load_into, paged_inputs, prompts, rel_err, right_pad
 
 TOL = 1e-4
 
@@ -13,15 +13,19 @@ def build(checkpoint: str, batch: int, seq: int, dtype: str = "float32"):
     from export.config import ModelConfig
     from export.model import CausalLM, DecodeGraph, PrefillGraph
 
-    net = CausalLM(ModelConfig.from_file(f"{checkpoint}/config.json"), batch, seq, dtype)
+    net = CausalLM(ModelConfig.from_file(f"{checkpoint}/config.json"), batch, seq, dtype, block_size=8)
     load_into(net, checkpoint)
     return PrefillGraph(net), DecodeGraph(net)
 
 
 def run(cell, ids, lengths):
+    """A prefill or decode step, each row's sequence in blocks of its own whose table runs backwards."""
     import mindspore as ms
 
-    return cell(ms.Tensor(np.asarray(ids, np.int32)), ms.Tensor(np.asarray(lengths, np.int32))).asnumpy()
+    net = cell.net
+    tables, slots = paged_inputs(ids, lengths, net.seq_length, net.block_size)
+    return cell(ms.Tensor(np.asarray(ids, np.int32)), ms.Tensor(np.asarray(lengths, np.int32)), ms.Tensor(tables),
+                ms.Tensor(slots)).asnumpy()
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ def folder_tensors(folder: str):
 
     with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as fh:
         manifest = json.load(fh)
-    places = {}
+    places, caches = {}, {}
     for g in manifest["graphs"]:
         proto = mind_ir_pb2.ModelProto()
         with open(os.path.join(folder, g["file"]), "rb") as fh:
@@ -52,10 +52,15 @@ def folder_tensors(folder: str):
             assert not p.raw_data, (g["file"], p.name)
             ext = p.external_data
             key = (g.get("rank", 0), p.name.rsplit(":", 1)[-1])
+            if key[1].endswith(("key_cache", "value_cache")):  # the paged KV cache: no data, the runtime's pool
+                assert not p.HasField("external_data"), (g["file"], p.name)
+                caches.setdefault(key, tuple(p.dims))
+                continue
             place = (ext.location, ext.offset, ext.length)
             assert places.setdefault(key, place) == place, key
             assert ext.location == g["variables"]
-    return places, manifest
+    assert caches, "no KV cache parameters"
+    return places, manifest, caches
 
 
 def hf_state(checkpoint: str):
@@ -69,7 +74,7 @@ def hf_state(checkpoint: str):
 def assert_weights_are_the_checkpoints(folder: str, checkpoint: str) -> None:
     import yaml
 
-    places, manifest = folder_tensors(folder)
+    places, manifest, caches = folder_tensors(folder)
     with open(os.path.join(folder, manifest["yaml"]), encoding="utf-8") as fh:
         doc = yaml.safe_load(fh)
     infer, config = doc["infer"], doc["model"]["config"]
@@ -84,15 +89,19 @@ def assert_weights_are_the_checkpoints(folder: str, checkpoint: str) -> None:
         assert offset % 64 == 0 and len(data) == length
         if name == "model.embed_tokens.vocab_start":  # vocab-parallel: each rank's first row
             assert vocab_parallel and np.frombuffer(data, np.int32).tolist() == [rank * config["vocab_size"] // tp]
-        elif name.endswith(("key_cache", "value_cache")):
-            item = {"float32": 4, "float16": 2, "bfloat16": 2}[infer["compute_dtype"]]
-            assert length == b * config["num_key_value_heads"] // tp * s * config["head_dim"] * item, name
-            assert not any(data), name
         else:
             matrix = state[name].ndim == 2
             dtype = infer["dtype"] if matrix else infer["compute_dtype"]  # CPU 16-bit folders: only the matrices
             assert data == torch_bytes(state, name, dtype, rank, tp, vocab_parallel), (rank, name, dtype)
         sizes.setdefault(location, []).append((offset, length))
+    # the caches: declared in blocks (the runtime sets their number), this rank's kv heads, the yaml's layout
+    kv = infer["kv_cache"]
+    per_rank = config["num_key_value_heads"] // tp
+    assert kv["max_blocks"] == -(-s // kv["block_size"]) and kv["kv_heads"] == per_rank
+    for (rank, name), dims in caches.items():
+        shape = (per_rank, kv["block_size"]) if kv["layout"] == "blocks_heads" else (kv["block_size"], per_rank)
+        assert dims[1:] == shape + (config["head_dim"],), (name, dims)
+    assert len(caches) == 2 * config["num_hidden_layers"] * tp
     for location, spans in sizes.items():  # the file is the 64-byte header and the tensors, each aligned, no gaps
         spans.sort()
         end = 64

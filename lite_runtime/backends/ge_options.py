@@ -94,6 +94,7 @@ def cache_plan(config, lite_version: Optional[str], cann: Optional[Dict[str, str
     with open(os.path.join(config.folder.path, "manifest.json"), "rb") as fh:
         digest.update(fh.read())  # every file's sha256: a re-export changes it
     digest.update(f"|lite={lite_version}|cann={(cann or {}).get('lines', '')}".encode())
+    digest.update(f"|blocks={config.num_blocks}".encode())  # the KV pool's size is in the graphs GE compiles
     folder = os.path.join(os.path.abspath(os.path.expanduser(root)), f"{config.folder.name}-{digest.hexdigest()[:16]}")
     return {"dir": folder, "session_options": {"ge.graph_compiler_cache_dir": folder},
             "graph_keys": {key: f"{config.folder.name}_{key}_rank{int(config.rank_id)}" for key in config.graph_paths()}}

@@ -2,10 +2,11 @@
 
 Graphs are read, loaded and compiled on first use (MsBackend). Weights and KV cache are held once:
 - every graph is loaded without parameter data (a copy of its proto with the data references
-  cleared), so mindspore.load reads no weights;
+  cleared), so mindspore.load reads no weights; its KV caches' first dimension is set to the pool's
+  blocks (the runner's choice at load: lite_runtime/kv_pool.py);
 - the first graph loaded has its Parameters set from the weights file itself, memory-mapped
-  copy-on-write: the weights are the page cache's pages, never copied, and the KV cache's pages
-  become private only as they are written;
+  copy-on-write: the weights are the page cache's pages, never copied; the KV caches are zero pages,
+  memory only once a block is written;
 - every later graph's Parameters are pointed at the first one's with `set_data`, which shares
   the storage: all graphs read and write the same cache, and nothing is handed over.
 (`mindspore.load` with the data and `GraphCell(params_init=...)` would each hold another copy.)
@@ -84,12 +85,25 @@ _NUMPY = {"FLOAT": np.float32, "FLOAT16": np.float16, "INT32": np.int32, "INT64"
           "QINT4X2": np.uint8}
 
 
-def _parameter_arrays(model, path: str) -> Dict[str, np.ndarray]:
-    """Each parameter of a parsed MindIR as a numpy array: external data memory-mapped copy-on-write.
+def _size_caches(model, num_blocks: int) -> None:
+    """The KV caches' first dimension (their blocks) set to the pool's size, in a parsed MindIR: the graphs index them
+    only through block tables and slots, so any size loads (docs/architecture.md, "The KV cache: a pool of blocks")."""
+    from lite_runtime.folder import is_kv_cache
 
-    Nothing is read here; pages come in as the graph touches them, and writes (the KV cache)
-    stay private to this process. Embedded data (graphs not written by our export) is copied.
+    for param in model.graph.parameter:
+        if is_kv_cache(param.name.rsplit(":", 1)[-1]):
+            param.dims[0] = int(num_blocks)
+
+
+def _parameter_arrays(model, path: str) -> Dict[str, np.ndarray]:
+    """Each parameter of a parsed MindIR as a numpy array: external data memory-mapped copy-on-write, and the KV
+    caches zeros of their (pool-sized) shape.
+
+    Nothing is read here; pages come in as the graph touches them. The caches are calloc'd zero pages: memory only as
+    blocks are written, a block at a time. Embedded data (graphs not written by our export) is copied.
     """
+    from lite_runtime.folder import is_kv_cache
+
     from mindspore.train import mind_ir_pb2
 
     from lite_runtime.errors import InferError
@@ -105,6 +119,9 @@ def _parameter_arrays(model, path: str) -> Dict[str, np.ndarray]:
                              "backend cannot run; re-export with --dtype float32")
         shape = tuple(param.dims)
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if is_kv_cache(name):
+            arrays[name] = np.zeros(shape, dtype)
+            continue
         if param.raw_data:
             data = np.frombuffer(param.raw_data, dtype=dtype).copy()
         else:
@@ -253,6 +270,7 @@ class MsBackend:
 
             refuse_if_too_big(config.folder, int(config.rank_id) if self._tp else 0)
         self._paths = config.graph_paths()
+        self._num_blocks = int(config.num_blocks)  # the KV pool's blocks (the runner's plan: lite_runtime/kv_pool.py)
         self._parsed = {}  # key -> parsed proto, read for its specs and not loaded yet
         self.specs = {}
         self.cells = {}
@@ -278,6 +296,7 @@ class MsBackend:
         path = self._paths[key]
         model = self._parse(key)
         del self._parsed[key]
+        _size_caches(model, self._num_blocks)
         arrays = _parameter_arrays(model, path) if not self._owned else None  # read before the data is cleared
         _relocate_kernels(model, path)
         _substitute_standins(model, path, self.standins)

@@ -14,6 +14,16 @@ functions `context_plan`, `build_plan` and `read_ge_config`, which the tests che
 `add_model` must come before `build_from_file`: it tags both models with one group id, and that
 id is what makes GE build them into one session, sharing the weights and the KV cache Parameters.
 
+The KV cache pool (docs/architecture.md, "The KV cache: a pool of blocks"): a folder's graphs declare each layer's
+caches as Parameters of a nominal block count and no data. MindSpore's MindIR loader gives a Parameter without data
+a zero tensor of its declared shape, and GE keeps a Parameter that ReshapeAndCache writes as a variable (read from
+MindSpore's load_model.cc and GE's graph converter; helper report in docs/architecture.md). So the pool's size is set
+by rewriting the caches' first dimension in a copy of each graph (`sized_graphs`, written under the GE cache root: a
+graph without its weights is kilobytes to a few megabytes), built with `[model_file] mindir_path` pointing at the
+folder's own graph file, so that the weights file resolves in the folder (Lite takes the directory of mindir_path as
+the base of `external_data.location`). The default size comes from the device's free memory (pyACL
+`acl.rt.get_mem_info`, `device_free_bytes`) less this rank's weights.
+
 Before anything is built, `mindspore_lite.__version__` is compared with the MindSpore that
 exported the folder (manifest `exported_with`): an older Lite is refused, a newer one warned
 about (lite_runtime/versions.py); and a quantized folder is refused on a SoC whose WeightQuantBatchMatmul cannot
@@ -196,12 +206,15 @@ def quantization_check(config, soc: Optional[str]) -> None:
         quantization_plan(folder.quantization, soc, manifest)
 
 
-def build_plan(config, cache: Optional[Dict[str, Any]] = None, soc: Optional[str] = None) -> List[Tuple]:
+def build_plan(config, cache: Optional[Dict[str, Any]] = None, soc: Optional[str] = None,
+               sized: Optional[Dict[str, str]] = None) -> List[Tuple]:
     """The calls that load every graph into one ModelGroup, in the order they must happen.
 
     Each build_from_file carries a config_dict (applied over the ini): with `cache` (cache_plan), GE's
-    compile-cache directory for the session and this graph's cache key; else empty. A quantized folder is first
-    checked against the SoC it records and this device's `soc` (device_soc; None: unknown), quantization_check.
+    compile-cache directory for the session and this graph's cache key; with `sized` (sized_graphs: key -> the
+    graph's copy with the pool's block count), the copy is built and `[model_file] mindir_path` names the folder's
+    own graph, whose directory Lite resolves the weights file in. A quantized folder is first checked against the
+    SoC it records and this device's `soc` (device_soc; None: unknown), quantization_check.
     """
     quantization_check(config, soc)
     if not config.ge_config_path:
@@ -218,11 +231,89 @@ def build_plan(config, cache: Optional[Dict[str, Any]] = None, soc: Optional[str
         if cache is not None:
             out.update({"ge_session_options": dict(cache["session_options"]),
                         "ge_graph_options": {"ge.graph_key": cache["graph_keys"][key]}})
+        if sized is not None:
+            out["model_file"] = {"mindir_path": os.path.abspath(paths[key])}
         return out
 
     return ([("Model", key) for key in paths] + [("ModelGroup", "SHARE_WEIGHT"), ("add_model", tuple(paths))]
-            + [("build_from_file", key, path, "MINDIR", config.ge_config_path, options(key))
-               for key, path in paths.items()])
+            + [("build_from_file", key, sized[key] if sized is not None else path, "MINDIR", config.ge_config_path,
+                options(key)) for key, path in paths.items()])
+
+
+def pool_dir(config) -> str:
+    """Where the graphs sized to this load's pool are written: per folder (its manifest's digest), block count and
+    rank, under the GE cache root (~/.cache/mslite-llm by default; also when the GE cache itself is off)."""
+    import hashlib
+
+    from lite_runtime.backends.ge_options import DEFAULT_CACHE_ROOT, OFF
+
+    root = DEFAULT_CACHE_ROOT if config.ge_cache_dir is None or str(config.ge_cache_dir).lower() in OFF \
+        else config.ge_cache_dir
+    with open(os.path.join(config.folder.path, MANIFEST), "rb") as fh:
+        digest = hashlib.sha256(fh.read()).hexdigest()[:16]
+    return os.path.join(os.path.abspath(os.path.expanduser(root)), "pool",
+                        f"{config.folder.name}-{digest}-{int(config.num_blocks)}blocks-rank{int(config.rank_id)}")
+
+
+def sized_graphs(config, num_blocks: int, dest: str) -> Dict[str, str]:
+    """Each graph of `config` (this rank's) with its KV caches' first dimension set to `num_blocks`, written to `dest`
+    (atomically: a temporary file renamed), keyed like graph_paths; the rest of each graph, its weights' locations
+    included, byte for byte (lite_runtime/mindir_edit.py). Data only: tests read the files back."""
+    from lite_runtime.folder import is_kv_cache
+    from lite_runtime.mindir_edit import MindIRError, set_first_dims
+
+    os.makedirs(dest, exist_ok=True)
+    out = {}
+    for key, path in config.graph_paths().items():
+        with open(path, "rb") as fh:
+            data = fh.read()
+        try:
+            sized, count = set_first_dims(data, is_kv_cache, num_blocks)
+        except MindIRError as exc:
+            raise InferError(f"{path}: {exc}; re-copy the model folder") from None
+        if not count:
+            raise InferError(f"{path}: the graph has no KV cache parameters; re-export the folder")
+        target = os.path.join(dest, os.path.basename(path))
+        tmp = f"{target}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(sized)
+        os.replace(tmp, target)
+        out[key] = target
+    return out
+
+
+def device_free_bytes(device_id: int) -> Optional[int]:  # pragma: no cover - needs pyACL and an Ascend device
+    """The device's free on-chip memory (HBM; DDR on the 310P, which pyACL maps itself), in bytes, through pyACL's
+    `acl.rt.get_mem_info(ACL_HBM_MEM)` (CANN: "get the free and total memory of the device, excluding the system's
+    reserve"; the device must be set first). None where pyACL cannot be imported or does not answer."""
+    try:
+        import acl
+    except (ImportError, OSError):
+        return None
+    acl_hbm_mem = 1
+    try:
+        acl.init()  # 100002 (initialized already) is fine
+        if acl.rt.set_device(int(device_id)) != 0:
+            return None
+        try:
+            free, _total, ret = acl.rt.get_mem_info(acl_hbm_mem)
+        finally:
+            acl.rt.reset_device(int(device_id))
+    except Exception:  # noqa: BLE001  (an old pyACL without these calls: the default is then the safe one)
+        return None
+    return int(free) if ret == 0 and free else None
+
+
+def pool_free_bytes(config) -> Optional[int]:  # pragma: no cover - needs pyACL and an Ascend device
+    """What the KV pool may take on this rank's device: its free memory less this rank's weights (loaded next)."""
+    free = device_free_bytes(rank_and_device(config)[1])
+    if free is None or config.folder is None:
+        return None
+    from lite_runtime.folder import data_location, rank_name
+
+    folder = config.folder
+    weights = os.path.join(folder.path, data_location(rank_name(folder.name, int(config.rank_id), config.tp_size)))
+    return max(0, free - (os.path.getsize(weights) if os.path.isfile(weights) else 0))
 
 
 def exported_mindspore(config):
@@ -260,7 +351,9 @@ class MsLiteBackend:  # pragma: no cover - needs mindspore_lite and an Ascend de
             os.makedirs(cache["dir"], exist_ok=True)  # GE wants it to exist
             log.warning("GE compile cache: %s (a restart with this folder, Lite and CANN reuses the compiled graphs; "
                         "delete it to reclaim the disk)", cache["dir"])
-        plan = build_plan(config, cache, soc)
+        # the pool's size (the runner's plan, lite_runtime/kv_pool.py) written into a copy of each graph
+        sized = sized_graphs(config, int(config.num_blocks), pool_dir(config))
+        plan = build_plan(config, cache, soc, sized)
         context = mslite.Context()
         for attr, value in settings.items():
             owner = context

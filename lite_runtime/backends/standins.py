@@ -1,15 +1,15 @@
 """The `ms` backend's CPU stand-ins for Ascend's fused operators: a parsed MindIR's fused-op nodes rewritten, before
 the graph is loaded, into aot Custom ops calling cpu_kernels/atlas_ops.cc.
 
-A `--graph fused` folder (export/atlas_ops.py) calls PromptFlashAttention, IncreFlashAttention, RmsNorm, AddRmsNorm
-and RotaryPositionEmbedding. MindSpore's CPU build infers their shapes, so the graphs export, but it has no kernels
+A `--graph fused` folder (export/atlas_layers.py) calls PromptFlashAttention, PagedAttention, ReshapeAndCache, RmsNorm,
+AddRmsNorm and RotaryPositionEmbedding (and WeightQuantBatchMatmul when quantized). MindSpore's CPU build infers their shapes, so the graphs export, but it has no kernels
 for them. Each node is replaced in place: same data inputs, same output (the node's recorded shape, which is what a
 loaded Custom op's abstract comes from), the op's scalar arguments (scale, sparse_mode, epsilon, ...) passed as a
 float32 constant, and the arguments a stand-in does not implement refused with one line naming the op and value.
 Everything else in the graph is untouched: the stand-ins prove the folder's own wiring, not Ascend's kernels.
 
 Node inputs by position follow MindSpore 2.10's op definitions (mindspore/ops/auto_generate/gen_ops_prim.py:
-PromptFlashAttention.__call__, IncreFlashAttention.__call__, RmsNorm, AddRmsNorm, RotaryPositionEmbedding), in
+PromptFlashAttention.__call__, ReshapeAndCache, PagedAttention, RmsNorm, AddRmsNorm, RotaryPositionEmbedding), in
 which the constructor's arguments follow the tensors. Importable without MindSpore (it edits the proto only).
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ class Standin:
     outputs: int = 1
     arity: int = 0  # inputs of the node in MindSpore 2.10's definition
     optional: Tuple[int, ...] = ()  # tensors that may be None: passed after `tensors` when set, left out when not
+    writes: bool = False  # writes a Parameter input in place (ReshapeAndCache): no attrs, marked side_effect_mem
 
 
 _STANDINS: Dict[str, Standin] = {
@@ -45,11 +46,6 @@ _STANDINS: Dict[str, Standin] = {
         "MsliteLlmAtlasPromptFlashAttention", (0, 1, 2, 3, 4, 5), (13, 18, 14, 15), nones=tuple(range(6, 12)),
         checks=((16, "input_layout", lambda v: v == LAYOUT_BNSD), (18, "sparse_mode", lambda v: v in (0, 2, 3))),
         arity=20),
-    # q, key, value, atten_mask, actual_seq_lengths | pse_shift .. kv_padding_size | num_heads, input_layout,
-    # scale_value, num_key_value_heads, block_size, inner_precise
-    "IncreFlashAttention": Standin(
-        "MsliteLlmAtlasIncreFlashAttention", (0, 1, 2, 4), (17,), nones=(3,) + tuple(range(5, 15)),
-        checks=((16, "input_layout", lambda v: v == LAYOUT_BNSD), (19, "block_size", lambda v: v == 0)), arity=21),
     # x, gamma, epsilon -> y, rstd
     "RmsNorm": Standin("MsliteLlmAtlasRmsNorm", (0, 1), (2,), outputs=2, arity=3),
     # x1, x2, gamma, epsilon -> y, rstd, x1 + x2
@@ -63,6 +59,16 @@ _STANDINS: Dict[str, Standin] = {
         checks=((7, "transpose_x", lambda v: not v), (8, "transpose_weight", lambda v: bool(v))), arity=10,
         optional=(3,)),
 }
+_STANDINS.update({
+    # key, value, key_cache, value_cache, slot_mapping, U (the side effect's monad) -> key's shape; writes the caches
+    "ReshapeAndCache": Standin("MsliteLlmAtlasReshapeAndCache", (0, 1, 2, 3, 4), (), arity=6, writes=True),
+    # query, key_cache, value_cache, block_tables, context_lens | antiquant_scale, antiquant_offset, attn_mask,
+    # q_seq_lens, alibi_mask | head_num, scale_value, kv_head_num, kv_cache_quant_mode, mask_mode, mla_v_dim
+    "PagedAttention": Standin(
+        "MsliteLlmAtlasPagedAttention", (0, 1, 2, 3, 4), (10, 11, 12), nones=(5, 6, 7, 8, 9),
+        checks=((13, "kv_cache_quant_mode", lambda v: v == 0), (14, "mask_mode", lambda v: v == 0),
+                (15, "mla_v_dim", lambda v: v == 0)), arity=16),
+})
 FUSED_OPS = tuple(_STANDINS)
 
 # ops the export inserts between a tensor and a fused op's tuple-typed input: the stand-in reads the tensor itself
@@ -131,11 +137,16 @@ def substitute(model, local_func: Callable[[str], str], where: str) -> Dict[str,
             node_in = nodes.get(inputs[index])
             if node_in is None or node_in.op_type != "Constant" or _scalar_or_tensor(node_in) is not None:
                 tensors.append(_through(inputs[index], nodes, prims))
-        attrs = _constant(model, f"{node.name}:standin_attrs", scalars)
-        added.append(attrs)
-        prim = _custom_primitive(model, local_func(spec.function), spec.outputs > 1, len(model.primitives))
+        if spec.writes:
+            extra = []
+        else:
+            attrs = _constant(model, f"{node.name}:standin_attrs", scalars)
+            added.append(attrs)
+            extra = [attrs.output[0]]
+        prim = _custom_primitive(model, local_func(spec.function), spec.outputs > 1, len(model.primitives),
+                                 spec.writes)
         del node.input[:]
-        node.input.extend(tensors + [attrs.output[0]])
+        node.input.extend(tensors + extra)
         node.op_type = "REF::" + prim.name
         done[op] = done.get(op, 0) + 1
     if done:
@@ -165,8 +176,8 @@ def _scalar_or_tensor(node):
 
 
 def _through(name: str, nodes, prims) -> str:
-    """A tensor input, seen through the ops the export inserts before tuple-typed inputs (TensorToTuple) and the
-    one-tensor lists of IncreFlashAttention's key and value (MakeTuple)."""
+    """A tensor input, seen through the ops the export inserts before tuple-typed inputs (TensorToTuple) and one-tensor
+    lists (MakeTuple)."""
     node = nodes.get(name)
     if node is None:
         return name
@@ -193,7 +204,7 @@ def _constant(model, name: str, values: Sequence[float]):
     return node
 
 
-def _custom_primitive(model, func: str, multi_output: bool, index: int):
+def _custom_primitive(model, func: str, multi_output: bool, index: int, writes: bool = False):
     prim = model.primitives.add()
     prim.name = f"Custom:standin{index}"
     prim.op_type = "Custom"
@@ -203,7 +214,8 @@ def _custom_primitive(model, func: str, multi_output: bool, index: int):
         attr = prim.attribute.add()
         attr.name, attr.s = name, value.encode()
         attr.type = type(attr).AttributeType.Value("STRING")
-    for name, value in (("multi_output", multi_output), ("autodiff", False)):
+    flags = (("multi_output", multi_output), ("autodiff", False)) + ((("side_effect_mem", True),) if writes else ())
+    for name, value in flags:
         attr = prim.attribute.add()
         attr.name, attr.i = name, int(value)
         attr.type = type(attr).AttributeType.Value("BOOL")

@@ -137,9 +137,11 @@ def create_app(service: Service):
     @app.get("/health")
     async def health():
         busy, waiting = service.engine.load()
+        free, blocks = service.engine.blocks()
         body = {"status": "draining" if service.draining else "ok", "model": service.model_name,
                 "backend": service.generator.backend_name, "rows": service.engine.rows, "rows_busy": busy,
-                "waiting": waiting}
+                "waiting": waiting, "kv_blocks": blocks, "kv_blocks_free": free,
+                "kv_block_size": service.engine.pool.block_size}
         return JSONResponse(body, status_code=503 if service.draining else 200)
 
     @app.get("/metrics", include_in_schema=False)

@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model_name", default=None,
                    help="the model id /v1/models lists and responses carry (default: the folder's name as exported, "
                         "python -m export --name; requests may also use that name and the folder's directory name)")
+    from lite_runtime.kv_pool import add_pool_arguments
+
+    add_pool_arguments(p)
     p.add_argument("--device_id", type=int, default=0)
     p.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"))
     return p
@@ -237,14 +240,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                                speculative=args.speculative, draft_model=args.draft_model,
                                speculative_tokens=args.speculative_tokens,
                                reasoning_parser=args.reasoning_parser, max_reasoning_tokens=args.max_reasoning_tokens,
-                               device_id=args.device_id)
+                               device_id=args.device_id, num_blocks=args.num_blocks,
+                               kv_cache_memory=args.kv_cache_memory)
     except InferError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     g = service.generator
     print(f"serving {service.model_name} on http://{args.host}:{args.port}/v1 (backend {g.backend_name}, "
-          f"{g.batch_size} row(s) of {g.seq_length} tokens{', API key required' if api_key else ''})",
+          f"{g.batch_size} sequence(s) a step, up to {g.seq_length} tokens each{', API key required' if api_key else ''})",
           file=sys.stderr, flush=True)
+    print(g.runner.pool_plan.line(), file=sys.stderr, flush=True)
     try:
         config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=10)

@@ -39,21 +39,32 @@ class Metrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Submitted to ended", buckets=_E2E, registry=r)
         self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Submitted to its row's prefill",
                                     buckets=_TTFT, registry=r)
-        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in a cache row",
-                                      registry=r)
-        self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens found in the row (not prefilled again)",
-                                   registry=r)
+        # the paged KV cache's pool (lite_runtime/blocks.py), read from the engine at each scrape (vLLM's names)
+        _Live(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the KV cache's blocks (prefix caching)",
+              "counter", lambda: engine.prefix_queries, r)
+        _Live(PREFIX + "prefix_cache_hits", "Prompt tokens found in blocks some request computed (not prefilled "
+              "again)", "counter", lambda: engine.prefix_hits, r)
+        _Live(PREFIX + "num_preemptions", "Requests that gave their blocks back for an older one (recomputed later)",
+              "counter", lambda: engine.preemptions, r)
+        Gauge(PREFIX + "kv_cache_usage_perc", "The fraction of the KV cache's blocks in use (1 = all)",
+              registry=r).set_function(lambda: engine.pool.usage())
+        Gauge(PREFIX + "kv_cache_blocks", "The KV cache's blocks (the null block not counted)",
+              registry=r).set(engine.pool.capacity)
+        Gauge(PREFIX + "kv_cache_blocks_free", "Blocks no request holds (their contents kept for prefix caching)",
+              registry=r).set_function(lambda: engine.pool.num_free)
+        Gauge(PREFIX + "kv_cache_block_size", "Tokens per block", registry=r).set(engine.pool.block_size)
         # speculative decoding (vLLM: spec_decode_num_draft_tokens / spec_decode_num_accepted_tokens)
         self.spec_drafted = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens checked by the score graph",
                                     registry=r)
         self.spec_accepted = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens kept", registry=r)
         self.rejections = Counter(PREFIX + "queue_rejections", "Requests refused with 503: queue full", registry=r)
         self.invalid = Counter(PREFIX + "invalid_requests", "Requests refused with a 4xx", ["endpoint"], registry=r)
-        Gauge(PREFIX + "num_requests_running", "Choices holding a cache row", registry=r).set_function(
+        Gauge(PREFIX + "num_requests_running", "Choices running in a graph row", registry=r).set_function(
             lambda: engine.load()[0])
-        Gauge(PREFIX + "num_requests_waiting", "Choices waiting for a cache row", registry=r).set_function(
+        Gauge(PREFIX + "num_requests_waiting", "Choices waiting for a graph row", registry=r).set_function(
             lambda: engine.load()[1])
-        Gauge(PREFIX + "rows", "Cache rows (the folder's batch size)", registry=r).set(engine.rows)
+        Gauge(PREFIX + "rows", "Graph rows: the sequences a step serves (the folder's batch size)",
+              registry=r).set(engine.rows)
 
     def ended(self, endpoint: str, requests: Sequence, finish_reason: str) -> None:
         """One request's choices have all ended (engine thread or event loop: prometheus-client is thread-safe)."""
@@ -70,8 +81,6 @@ class Metrics:
                 self.itl.observe(b - a)
             if request.started is not None:
                 self.queue_time.observe(request.started - request.submitted)
-                self.prefix_queries.inc(len(request.prompt))
-                self.prefix_hits.inc(request.cached)
             if request.ended is not None:
                 self.e2e.observe(request.ended - request.submitted)
 
@@ -82,6 +91,24 @@ class Metrics:
         from prometheus_client import generate_latest
 
         return generate_latest(_WithoutCreated(self.registry))
+
+
+class _Live:
+    """A counter whose value the engine keeps (read at each scrape), registered in `registry`."""
+
+    def __init__(self, name: str, documentation: str, kind: str, read, registry) -> None:
+        self.name, self.documentation, self.kind, self.read = name, documentation, kind, read
+        registry.register(self)
+
+    def describe(self):
+        return self.collect()
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily(self.name, self.documentation)
+        family.add_metric([], float(self.read()))
+        return [family]
 
 
 class _WithoutCreated:

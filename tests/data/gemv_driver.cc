@@ -1,9 +1,9 @@
 // Test driver for the CPU kernel library (cpu_kernels/*.cc) built for another architecture
 // (tests/test_neon_kernels.py): calls MsliteLlmGemv / MsliteLlmGemvBias as MindSpore's aot CPU kernel does, on seeded
 // random inputs, and writes each case (its shapes, inputs and output) to the file named by argv[1], for Python to
-// check against float64 references; with argv[2], MsliteLlmDecodeAttention in the CPU prefill graph's form (a
-// prompt's queries, each over its own row's positions up to its own) at head sizes 64 and 80, written there the same
-// way.
+// check against float64 references; with argv[2], MsliteLlmPagedAttention in the CPU prefill graph's form (a
+// prompt's queries, each over its sequence's positions up to its own, read from the paged cache's blocks through
+// a block table that runs backwards) at head sizes 64 and 80, written there the same way.
 // The first line of stdout is MsliteLlmIsa(): the code path the library chose.
 #include <cstdint>
 #include <cstdio>
@@ -15,8 +15,8 @@ int MsliteLlmGemv(int nparam, void** params, int* ndims, int64_t** shapes, const
                   void* extra);
 int MsliteLlmGemvBias(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
                       void* extra);
-int MsliteLlmDecodeAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
-                             void* stream, void* extra);
+int MsliteLlmPagedAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                            void* stream, void* extra);
 int MsliteLlmQuantMatmulOffset(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                                void* stream, void* extra);
 int MsliteLlmQuantMatmul(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
@@ -48,27 +48,30 @@ static uint16_t to_bf16(float f) {
   return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// queries [n, H*D] of cache row `row` at lengths 1..n over K, V [2, KH, S, D]: (D, n, rc), q, k, v, out
+// queries [n, H*D] of one sequence at lengths 1..n over K, V pools [NB, KH, BS, D], the sequence in blocks M..1
+// (its table runs backwards; block 0 the null block): (D, n, rc, BS, NB), q, k, v, table [M], out
 static void attention_cases(std::FILE* out) {
-  const int64_t h = 14, kh = 2, s = 160, n = 150, row = 1;
+  const int64_t h = 14, kh = 2, s = 160, n = 150, bs = 32, m = s / bs, nb = m + 1;
   for (int64_t d : {64, 80}) {
-    std::vector<float> q(n * h * d), k(2 * kh * s * d), v(2 * kh * s * d), y(n * h * d, -1.f);
+    std::vector<float> q(n * h * d), k(nb * kh * bs * d), v(nb * kh * bs * d), y(n * h * d, -1.f);
     for (float& x : q) x = 3.f * uniform();
     for (float& x : k) x = uniform();
     for (float& x : v) x = uniform();
-    std::vector<int32_t> valid(n), rows(n, int32_t(row));
+    std::vector<int32_t> valid(n), rows(n, 0), table(m);
     for (int64_t i = 0; i < n; ++i) valid[i] = int32_t(i + 1);
-    int64_t sq[2] = {n, h * d}, sc[4] = {2, kh, s, d}, sn[1] = {n};
-    void* params[6] = {q.data(), k.data(), v.data(), valid.data(), rows.data(), y.data()};
-    int64_t* shapes[6] = {sq, sc, sc, sn, sn, sq};
-    int ndims[6] = {2, 4, 4, 1, 1, 2};
-    const char* types[6] = {"float32", "float32", "float32", "int32", "int32", "float32"};
-    const int rc = MsliteLlmDecodeAttention(6, params, ndims, shapes, types, nullptr, nullptr);
-    const int64_t head[3] = {d, n, rc};
+    for (int64_t j = 0; j < m; ++j) table[j] = int32_t(m - j);
+    int64_t sq[2] = {n, h * d}, sc[4] = {nb, kh, bs, d}, sn[1] = {n}, st[2] = {1, m};
+    void* params[7] = {q.data(), k.data(), v.data(), valid.data(), rows.data(), table.data(), y.data()};
+    int64_t* shapes[7] = {sq, sc, sc, sn, sn, st, sq};
+    int ndims[7] = {2, 4, 4, 1, 1, 2, 2};
+    const char* types[7] = {"float32", "float32", "float32", "int32", "int32", "int32", "float32"};
+    const int rc = MsliteLlmPagedAttention(7, params, ndims, shapes, types, nullptr, nullptr);
+    const int64_t head[5] = {d, n, rc, bs, nb};
     std::fwrite(head, sizeof head, 1, out);
     std::fwrite(q.data(), 4, q.size(), out);
     std::fwrite(k.data(), 4, k.size(), out);
     std::fwrite(v.data(), 4, v.size(), out);
+    std::fwrite(table.data(), 4, table.size(), out);
     std::fwrite(y.data(), 4, y.size(), out);
   }
 }
