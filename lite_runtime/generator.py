@@ -8,6 +8,8 @@ streaming thread cannot interleave with another request on the same cache.
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import threading
 import time
@@ -123,6 +125,16 @@ class TextGenerator:
     def release(self) -> None:
         """Give every row's blocks back to the pool (their full blocks stay findable: prefix caching)."""
         with self.runner.request():
+            for seq in self.seqs:
+                seq.release()
+
+    @contextlib.contextmanager
+    def _releasing(self):
+        """generate()'s blocks go back to the pool when it returns or fails (infer(), a caller's own loop, keeps its
+        rows' blocks between calls)."""
+        try:
+            yield
+        finally:
             for seq in self.seqs:
                 seq.release()
 
@@ -319,7 +331,7 @@ class TextGenerator:
         proposer = self._proposer(prompt_lookup_num_tokens, assistant_model, len(rows))
         if proposer is not None:
             return self._generate_speculative(rows[0], s, limits[0], eos, rng, out, streamer, *proposer)
-        with self.runner.request():
+        with self.runner.request(), self._releasing():
             if streamer is not None:
                 streamer.put(np.array(rows) if len(rows) == 1 else [np.array(r) for r in rows])
             start = time.perf_counter()
@@ -408,7 +420,7 @@ class TextGenerator:
         pacer = Pacer(k_max, k_start)
         reason: Optional[str] = None
         forced: Optional[int] = None
-        with runner.request():
+        with runner.request(), self._releasing():
             if streamer is not None:
                 streamer.put(np.array([row]))
             start = time.perf_counter()

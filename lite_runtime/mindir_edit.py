@@ -70,6 +70,7 @@ def _fields(buf: bytes) -> Iterator[Tuple[int, int, int, int, int]]:
         if end > len(buf):
             raise MindIRError("a field runs past the end of the message")
         yield number, wire, start, pos, end
+        pos = end
 
 
 def _rewrite(buf: bytes, number: int, edit: Callable[[bytes], Optional[bytes]]) -> bytes:

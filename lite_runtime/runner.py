@@ -79,8 +79,9 @@ class ModelRunner:
         self.backend_name = resolve_backend(config.backend, config.target)
         self.inputs = InputOfInfer.get(config.model_name)
         if config.folder is None:
-            raise InferError("graphs without their model folder cannot run: the paged KV cache's block size and "
-                             "layout are the folder's (infer.kv_cache); load the folder")
+            raise InferError(f"{config.prefill_model_path}: graph files without their model folder cannot run: the "
+                             "paged KV cache's block size and layout are the folder's (its yaml's infer.kv_cache); "
+                             "load the folder (pipeline(model=<folder>), run_infer_main.py --model_dir)")
         self.cache = spec = config.folder.kv_cache
         self.batch_size, self.seq_length = int(config.batch_size), int(config.infer_seq_length)
         # the pool: the deployer's size, else from free memory (lite_runtime/kv_pool.py); the backend allocates it
@@ -337,6 +338,9 @@ def _free_after_weights(config) -> Optional[int]:
         from lite_runtime.backends.mslite import pool_free_bytes
 
         return pool_free_bytes(config)
+    from lite_runtime.memory import refuse_if_too_big
+
+    refuse_if_too_big(config.folder)  # the weights first: a folder that cannot load is told so, not about its pool
     have = available_bytes()
     if have is None:
         return None

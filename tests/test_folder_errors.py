@@ -97,7 +97,7 @@ def test_yaml_that_disagrees_with_the_graphs(folder):
     manifest["files"]["gqa_tied.yaml"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
     (folder / "manifest.json").write_text(json.dumps(manifest))
     assert error_of(InferConfig.from_folder, str(folder)) == (
-        f"{yaml_path}: no prefill graph of seq_length 64 tokens in manifest.json; re-export the folder")
+        f"{yaml_path}: infer.kv_cache's 4 blocks of 8 do not hold seq_length 64; re-export the folder")
 
 
 def test_family_is_read_from_the_folder_never_guessed(folder):
@@ -219,12 +219,47 @@ def test_graph_paths_without_a_folder(exported, checkpoints):
     assert error_of(pipeline, "text_generation", model=paths, backend="ms") == (
         "infer_seq_length and batch_size are needed when loading graph files without a model folder; pass the "
         "values the graphs were exported with")
-    assert error_of(pipeline, "text_generation", model=paths, backend="ms", infer_seq_length=64, batch_size=2,
-                    target="CPU") == (f"{paths[0]}: input_ids shape [2, 32] does not match batch_size 2 and "
-                                      "seq_length 64")
-    pipe = pipeline("text_generation", model=paths, backend="ms", infer_seq_length=32, batch_size=2, target="CPU",
-                    tokenizer_path=checkpoints["mha_untied"])
-    from reference import hf_generate
+    assert error_of(pipeline, "text_generation", model=paths, backend="ms", infer_seq_length=32, batch_size=2,
+                    target="CPU") == (
+        f"{paths[0]}: graph files without their model folder cannot run: the paged KV cache's block size and layout "
+        "are the folder's (its yaml's infer.kv_cache); load the folder (pipeline(model=<folder>), run_infer_main.py "
+        "--model_dir)")
 
-    assert pipe.generate([[5, 6, 7]], max_new_tokens=6).sequences[0] == hf_generate(
-        checkpoints["mha_untied"], [5, 6, 7], max_new_tokens=6, do_sample=False, eos_token_id=None)
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_folder_exported_before_the_paged_cache_is_refused_with_re_export(folder, version):
+    """Format 1 (float) and 2 (quantized) folders hold their cache as rows in the weights file: refused at load by
+    name, never served another way."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["format_version"] = version
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert error_of(pipeline, "text_generation", model=str(folder), backend="ms") == (
+        f"{folder / 'manifest.json'}: format version {version} was exported before the paged KV cache (its cache is "
+        "rows in the weights file, which this runtime does not run); re-export the folder with this version's python "
+        "-m export")
+
+
+def test_a_kv_pool_that_cannot_hold_one_request_or_the_memory_is_refused_at_load(folder):
+    """--num_blocks below one longest request (and the null block), a --kv_cache_memory larger than what is free, and
+    both at once: one line each, with the numbers, before any graph loads."""
+    from lite_runtime.folder import load_folder
+    from lite_runtime.kv_pool import GIB, plan_pool
+
+    spec = load_folder(str(folder)).kv_cache  # blocks of 8 positions, 4 per sequence of 32
+    where = str(folder)
+    assert error_of(pipeline, "text_generation", model=where, backend="ms", num_blocks=4) == (
+        f"{where}: a KV cache pool of 4 blocks (24 tokens, 0.000 GiB) cannot hold one request of seq_length 32 (4 "
+        "blocks of 8, and the null block); give --num_blocks 5 or more (--kv_cache_memory 0.000 or more)")
+    assert error_of(plan_pool, spec, 32, 2, where, kv_cache_memory=2.0, available=GIB) == (
+        f"{where}: --kv_cache_memory 2 GiB is more than the 1.0 GiB free here (after the weights); give less, or "
+        "--num_blocks")
+    assert error_of(plan_pool, spec, 32, 2, where, num_blocks=10 ** 9, available=GIB) == (
+        f"{where}: --num_blocks 1000000000 is {10 ** 9 * spec.block_bytes / GIB:.2f} GiB of KV cache, more than the "
+        "1.0 GiB free here (after the weights); give fewer")
+    assert error_of(plan_pool, spec, 32, 2, where, num_blocks=9, kv_cache_memory=1.0) == (
+        "give --num_blocks or --kv_cache_memory, not both")
+    # the smallest pool that holds one request runs it: a prompt and its answer fill the sequence's 4 blocks
+    pipe = pipeline("text_generation", model=where, backend="ms", num_blocks=5)
+    assert pipe.runner.pool.capacity == 4
+    out = pipe.generate([[5, 6, 7]], max_new_tokens=29, eos_token_id=[])
+    assert len(out.sequences[0]) == 32 and pipe.runner.pool.num_free == 4

@@ -1,6 +1,8 @@
 """The mslite backend's decisions, checked as data (mindspore_lite itself cannot run here), and the GE ini files."""
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import subprocess
 import sys
@@ -219,10 +221,11 @@ def test_graph_boundary_is_int32_in_float32_out_in_every_dtype(atlas_exported, d
         inputs, outputs = mindir_specs(model)
         spec = {"inputs": [t.to_dict() for t in inputs], "outputs": [t.to_dict() for t in outputs]}
         assert spec == {"inputs": g["inputs"], "outputs": g["outputs"]}
-        chunk = [("chunk_ids", "int32"), ("chunk_length", "int32"), ("start", "int32"), ("slot", "int32")] \
-            if g["role"] in ("chunk", "score") else []
+        chunk = [("chunk_ids", "int32"), ("chunk_length", "int32"), ("start", "int32"), ("chunk_block_table", "int32"),
+                 ("chunk_slot_mapping", "int32")] if g["role"] in ("chunk", "score") else []
         assert [(t["name"], t["dtype"]) for t in spec["inputs"]] == [("input_ids", "int32"), ("valid_length", "int32"),
-                                                                   *chunk]
+                                                                   ("block_tables", "int32"),
+                                                                   ("slot_mapping", "int32"), *chunk]
         assert [(t["name"], t["dtype"]) for t in spec["outputs"]] == [("logits", "float32")]
         types = {mind_ir_pb2.TensorProto.DataType.Name(p.data_type) for p in model.graph.parameter}
         assert types == {"FLOAT16" if dtype == "float16" else "BFLOAT16"}
@@ -240,10 +243,11 @@ def test_ge_compile_cache_is_keyed_by_the_folders_content(tmp_path, exported):
     shutil.copytree(exported["gqa_tied_buckets"], folder)
     ini = os.path.join(GE_CONFIG_DIR, "atlas_800i_a2.ini")
     config = InferConfig.from_folder(str(folder), target="Ascend", ge_config_path=ini, rank_id=1,
-                                     ge_cache_dir=str(tmp_path / "cache"))
+                                     ge_cache_dir=str(tmp_path / "cache"), num_blocks=33)
     cann = {"file": "/usr/local/Ascend/ascend-toolkit/latest/version.cfg", "lines": "version=9.0.1"}
     plan = cache_plan(config, "2.10.0", cann)
-    digest = hashlib.sha256((folder / "manifest.json").read_bytes() + b"|lite=2.10.0|cann=version=9.0.1")
+    digest = hashlib.sha256((folder / "manifest.json").read_bytes() + b"|lite=2.10.0|cann=version=9.0.1"
+                            + b"|blocks=33")  # the pool's size is in the graphs GE compiles
     want_dir = str(tmp_path / "cache" / f"gqa_tied_buckets-{digest.hexdigest()[:16]}")
     assert plan == {"dir": want_dir, "session_options": {"ge.graph_compiler_cache_dir": want_dir},
                     "graph_keys": {"prefill_32": "gqa_tied_buckets_prefill_32_rank1",
@@ -255,8 +259,9 @@ def test_ge_compile_cache_is_keyed_by_the_folders_content(tmp_path, exported):
     assert [step[5] for step in steps] == [  # identical session options in every graph of the group, a key each
         {"ge_session_options": {"ge.graph_compiler_cache_dir": want_dir},
          "ge_graph_options": {"ge.graph_key": plan["graph_keys"][step[1]]}} for step in steps]
-    # another Lite, another CANN, or a re-exported folder: another cache folder
+    # another Lite, another CANN, another pool, or a re-exported folder: another cache folder
     assert cache_plan(config, "2.9.0", cann)["dir"] != want_dir
+    assert cache_plan(dataclasses.replace(config, num_blocks=34), "2.10.0", cann)["dir"] != want_dir
     assert cache_plan(config, "2.10.0", {"lines": "version=8.5.0"})["dir"] != want_dir
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["exported_with"]["mslite_llm"] = "0.1.1"
@@ -278,3 +283,67 @@ def test_warm_up_compiles_every_graph_at_load_on_atlas_and_the_short_ones_on_the
     assert warm_up_keys("auto", "ms", keys) == ["prefill_8", "inc"]
     assert warm_up_keys("smallest", "mslite", keys) == ["prefill_8", "inc"]
     assert warm_up_keys("all", "ms", keys) == keys and warm_up_keys("none", "mslite", keys) == []
+
+
+def test_the_pool_size_is_written_into_a_copy_of_each_graph_lite_builds(tmp_path, exported):
+    """Lite sizes nothing at load: the mslite backend writes each graph with its KV caches' first dimension set to the
+    pool's blocks (lite_runtime/mindir_edit.py, no MindSpore or protobuf on the device), everything else the same
+    bytes' meaning, and builds that copy with [model_file] mindir_path naming the folder's own graph, whose directory
+    Lite resolves the weights file in."""
+    from mindspore.train import mind_ir_pb2
+
+    from lite_runtime.backends.mslite import build_plan, pool_dir, sized_graphs
+    from lite_runtime.folder import is_kv_cache
+
+    folder = exported["gqa_tied_buckets"]
+    ini = os.path.join(GE_CONFIG_DIR, "atlas_800i_a2.ini")
+    config = InferConfig.from_folder(folder, target="Ascend", ge_config_path=ini, num_blocks=57)
+    where = pool_dir(config)
+    assert where.endswith("-57blocks-rank0") and os.path.basename(where).startswith("gqa_tied_buckets-")
+    sized = sized_graphs(config, 57, str(tmp_path / "pool"))
+    paths = config.graph_paths()
+    assert set(sized) == set(paths)
+    for key, path in paths.items():
+        original, copy = mind_ir_pb2.ModelProto(), mind_ir_pb2.ModelProto()
+        with open(path, "rb") as fh:
+            original.ParseFromString(fh.read())
+        with open(sized[key], "rb") as fh:
+            copy.ParseFromString(fh.read())
+        caches = [p for p in original.graph.parameter if is_kv_cache(p.name.rsplit(":", 1)[-1])]
+        assert len(caches) == 4  # two layers' key and value caches
+        for p in caches:
+            p.dims[0] = 57
+        assert copy == original  # protobuf's own edit equals ours, field for field
+    steps = [step for step in build_plan(config, None, None, sized) if step[0] == "build_from_file"]
+    assert [(step[2], step[5]) for step in steps] == [
+        (sized[step[1]], {"model_file": {"mindir_path": os.path.abspath(paths[step[1]])}}) for step in steps]
+
+
+def test_the_mindir_editor_uses_mind_ir_protos_field_numbers():
+    from mindspore.train import mind_ir_pb2
+
+    from lite_runtime import mindir_edit as e
+
+    fields = {(m.DESCRIPTOR.name, f.name): f.number for m in (mind_ir_pb2.ModelProto, mind_ir_pb2.GraphProto,
+                                                               mind_ir_pb2.TensorProto) for f in m.DESCRIPTOR.fields}
+    assert (fields["ModelProto", "graph"], fields["ModelProto", "functions"]) == (e.MODEL_GRAPH, e.MODEL_FUNCTIONS)
+    assert fields["GraphProto", "parameter"] == e.GRAPH_PARAMETER
+    assert (fields["TensorProto", "dims"], fields["TensorProto", "name"]) == (e.TENSOR_DIMS, e.TENSOR_NAME)
+    # packed dims too (proto3 writers), and a truncated message is an error, not a guess
+    t = mind_ir_pb2.TensorProto(name="g:model.layers.0.self_attn.key_cache", dims=[5, 2, 8, 16])
+    m = mind_ir_pb2.ModelProto()
+    m.graph.parameter.append(t)
+    data = m.SerializeToString()
+
+    def field(number, body):  # a length-delimited field
+        return e._varint((number << 3) | 2) + e._varint(len(body)) + body
+
+    dims = b"".join(e._varint(d) for d in (5, 2, 8, 16))
+    packed = field(7, field(3, field(1, dims) + field(7, t.name.encode())))
+    for raw in (data, packed):
+        out, count = e.set_first_dims(raw, lambda n: n.endswith("key_cache"), 300)
+        got = mind_ir_pb2.ModelProto()
+        got.ParseFromString(out)
+        assert count == 1 and list(got.graph.parameter[0].dims) == [300, 2, 8, 16]
+    with pytest.raises(e.MindIRError):
+        e.set_first_dims(data[:-3], lambda n: True, 3)

@@ -3,6 +3,7 @@ PyPI and httpx, against pipeline().generate on the same folder (batch 4, so four
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -266,8 +267,12 @@ def test_the_command_serves_and_warns_off_loopback_without_a_key(folder, tmp_pat
     finally:
         server.terminate()
         _, err = server.communicate(timeout=30)
-    assert f"serving serve4 on http://127.0.0.1:{port}/v1 (backend ms, 4 row(s) of {SEQ} tokens, API key " \
-           "required)" in err
+    assert f"serving serve4 on http://127.0.0.1:{port}/v1 (backend ms, 4 sequence(s) a step, up to {SEQ} tokens " \
+           "each, API key required)" in err
+    # the pool: blocks of 8, sized from free memory up to four longest sequences per graph row (4 x 4 x 8 blocks)
+    assert re.search(r"^KV cache: 128 blocks of 8 tokens \(1024 tokens, \d+\.\d MiB\), sized from free memory \(50% "
+                     r"of the \d+\.\d GiB free after the weights and 1 GiB for activations, at most 4 longest requests "
+                     r"per row\)$", err, re.M), err
 
 
 # --- /tokenize and /detokenize (vLLM's shape) -------------------------------------------------------------------

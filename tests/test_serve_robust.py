@@ -91,6 +91,37 @@ def test_a_disconnected_stream_is_cancelled_not_finished(server):
     assert server.service.engine.slots == [None] * 4
 
 
+def test_disconnects_under_load_give_every_block_back(server):
+    """A soak: twelve streams, eight at a time, each client leaving after its first event while others run (shared
+    prefixes among them): every request ends as cancelled, /health's free blocks and kv_cache_usage_perc return to
+    their idle values (every block free, 0), and the cached prefixes stay findable."""
+    import concurrent.futures
+
+    health = httpx.get(server.url + "/health").json()
+    assert health["kv_blocks_free"] == health["kv_blocks"] and health["kv_block_size"] == 8
+    system = prompts(1, [17], seed=90)[0]
+    bodies = [{"prompt": system + p, "max_tokens": 30, "temperature": 0, "stream": True}
+              for p in prompts(12, [3, 9, 5, 12, 4, 7, 6, 10, 8, 11, 2, 13], seed=91)]
+    before = _count(server, "mslite_llm:requests_total", endpoint="completions", finish_reason="cancelled")
+
+    def leave_early(body):
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            assert next(line for line in response.iter_lines() if line.startswith("data:"))
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(leave_early, bodies))
+    deadline = time.time() + 30
+    while _count(server, "mslite_llm:requests_total", endpoint="completions", finish_reason="cancelled") < before + 12:
+        assert time.time() < deadline, "not every request was cancelled"
+        time.sleep(0.05)
+    health = httpx.get(server.url + "/health").json()
+    assert (health["rows_busy"], health["waiting"], health["kv_blocks_free"]) == (0, 0, health["kv_blocks"])
+    assert _count(server, "mslite_llm:kv_cache_usage_perc") == 0.0
+    assert _count(server, "mslite_llm:kv_cache_blocks_free") == _count(server, "mslite_llm:kv_cache_blocks")
+    assert server.service.engine.pool.match(system + [0] * 7)  # the shared prefix's blocks: still findable
+
+
 def test_request_timeout_ends_a_request_with_a_504(serve_folder, server):
     from lite_runtime.mindspore_lock import MINDSPORE_LOCK
     from lite_runtime.serve import Service
@@ -284,7 +315,7 @@ def test_engine_a_failed_graph_call_ends_its_requests_and_the_engine_goes_on(eng
         _wait(lambda: bad)
         assert bad[0][0] == "error" and bad[0][2] == "engine_error"
         assert bad[0][1] == ("inference failed: a piece of 15 tokens at position 64 does not fit the chunk graphs "
-                             "(8, 64 tokens) in rows of 64")
+                             "(8, 64 tokens) in sequences of 64")
         engine.submit(_request([1, 2, 3], 4, good))
         _wait(lambda: good and good[-1][0] == "end")
         assert good[-1] == ("end", "length") and engine.idle()

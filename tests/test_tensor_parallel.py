@@ -40,7 +40,7 @@ def tp_folder(tmp_path_factory, checkpoints):
 
     out = str(tmp_path_factory.mktemp("tp") / "tp2")
     run_export(ExportConfig(checkpoint=checkpoints["gqa_tied"], output=out, name="tp2", seq_length=32, batch_size=2,
-                            dtype="float32", device="cpu", prefill_buckets=(16,), tp_size=2))
+                            dtype="float32", device="cpu", prefill_buckets=(16,), tp_size=2, block_size=16))
     return out
 
 
@@ -86,7 +86,11 @@ def test_the_folder_holds_each_ranks_graphs_and_weights(tp_folder):
     # each rank's q_proj holds its 2 heads of 4 (head_dim 16 for the tiny model's hidden 64)
     inc = next(g for g in manifest["graphs"] if g["role"] == "inc" and g["rank"] == 1)
     assert inc["inputs"] == [{"name": "input_ids", "dtype": "int32", "shape": [2, 1]},
-                             {"name": "valid_length", "dtype": "int32", "shape": [2]}]
+                             {"name": "valid_length", "dtype": "int32", "shape": [2]},
+                             {"name": "block_tables", "dtype": "int32", "shape": [2, 2]},
+                             {"name": "slot_mapping", "dtype": "int32", "shape": [2]}]
+    # the same block tables on every rank, each rank's caches its heads: 1 kv head of 2 per rank
+    assert folder.kv_cache.kv_heads == 1 and folder.kv_cache.max_blocks == 2
 
 
 def test_two_ranks_under_msrun_equal_hf_and_the_single_card_folder(tp_folder, checkpoints, pipes, tmp_path):
