@@ -158,8 +158,8 @@ ISA_FLAGS = {
 
 
 # the tools build_tool() builds: llama-bench for the speed columns, llama-perplexity / llama-quantize / llama-tokenize
-# for benchmarks/perplexity.py
-TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-tokenize")
+# for benchmarks/perplexity.py, llama-server for benchmarks/bench_paged_serve.py
+TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-tokenize", "llama-server")
 
 
 def build_tool(src: str, target: str = "llama-bench", isa: str = "native") -> str:
@@ -182,6 +182,8 @@ def build_tool(src: str, target: str = "llama-bench", isa: str = "native") -> st
         _run(["cmake", "-S", src, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release", *ISA_FLAGS[isa],
               "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
               "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], "cmake configure", 600)
+    if target == "llama-server":  # the server's target exists only with LLAMA_BUILD_SERVER (a reconfigure, once)
+        _run(["cmake", "-S", src, "-B", build, "-DLLAMA_BUILD_SERVER=ON"], "cmake configure (server)", 600)
     _say(f"building {target} on {os.cpu_count() or 2} cores (minutes the first time)")
     start = time.perf_counter()
     _build_with_progress(["cmake", "--build", build, "--target", target, "-j", str(os.cpu_count() or 2)],

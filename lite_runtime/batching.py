@@ -1,7 +1,9 @@
 """Continuous batching over a folder's static graphs and its paged KV cache (docs/architecture.md, "The KV cache: a
 pool of blocks"): a request is a sequence of blocks of the runner's pool, and a graph row while it runs.
 
-A request waits in a bounded queue until a graph row is free (the graph batch: sequences a step serves). Its prompt
+A request waits in a bounded queue until a graph row is free (the graph batch: sequences a step serves) and the pool
+has the blocks its first piece needs (admission by rows and free blocks; a step's prompt tokens are the token budget,
+`prefill_chunk` while others decode). Its prompt
 goes in piece by piece through the chunk graphs (ModelRunner.chunk): one piece of at most `prefill_chunk` tokens per
 engine step, in the same call as the decode step of the rows already generating, so the weights are read once for
 both and a long prompt costs the running streams a piece's arithmetic per token, not its whole prefill (chunked
@@ -184,12 +186,20 @@ class BatchEngine:
             request.emit(("error", "the server is shutting down", "server_shutdown"))
 
     def _admit(self) -> List[Tuple[int, SlotRequest]]:
-        """Waiting requests onto free rows, oldest first (under the lock). Blocks are taken as it goes in."""
+        """Waiting requests onto free rows, oldest first (under the lock), each while the pool has the free blocks
+        its first piece needs (or nothing runs: then it goes in and takes what it finds); blocks are taken as it goes
+        in. The first that does not fit waits at the head: first come, first served."""
         admit = []
+        free_blocks = self.pool.num_free
         while self.waiting:
             free = [row for row in range(self.rows) if self.slots[row] is None]
             if not free:
                 break
+            head = self.waiting[0]
+            need = self.pool.blocks_for(min(len(head.context()), self.runner.chunk_sizes[-1]))
+            if need > free_blocks and any(s is not None for s in self.slots):
+                break
+            free_blocks -= need
             request = self.waiting.popleft()
             self.slots[free[0]] = request  # taken now; _start fills it in
             admit.append((free[0], request))
