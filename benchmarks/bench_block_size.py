@@ -38,7 +38,7 @@ def export(checkpoint: str, out: str, block: int) -> str:
 
 def timings(pipe, length: int, steps: int) -> Dict[str, float]:
     """ms per decode step of 16 sequences at `length`, and ms of a 128-token piece at `length` beside them."""
-    from lite_runtime.runner import SequenceBlocks, StepRow
+    from lite_runtime.engine.runner import SequenceBlocks, StepRow
 
     runner = pipe.runner
     runner.pool.scatter()

@@ -48,7 +48,7 @@ def ours(folder: str, tokens: int, api: str = "runner") -> float:
         for _ in range(tokens):
             seq.append(pipe.infer([seq]).next_tokens[0])
         return tokens / (time.perf_counter() - start)
-    from lite_runtime.runner import SequenceBlocks, StepRow
+    from lite_runtime.engine.runner import SequenceBlocks, StepRow
 
     runner = pipe.runner
     seq = SequenceBlocks(runner.pool)  # one sequence's blocks in the KV pool, for the prompt and every step

@@ -117,7 +117,7 @@ def in_graph(folder: str, steps: int) -> Dict[str, object]:
     prompt = [int(t) for t in np.random.default_rng(0).integers(1, 300, 128)]
     lib = ctypes.CDLL(cpu_kernels.library_path())
     calls, ns = (ctypes.c_int64 * len(OPS))(), (ctypes.c_int64 * len(OPS))()
-    from lite_runtime.runner import SequenceBlocks, StepRow
+    from lite_runtime.engine.runner import SequenceBlocks, StepRow
 
     seq = SequenceBlocks(runner.pool)  # one sequence's blocks in the KV pool
     seq.reserve(len(prompt) + steps + 1)

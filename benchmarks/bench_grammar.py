@@ -47,7 +47,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     import jsonschema
     import numpy as np
 
-    from lite_runtime.sampling import GenerationSettings, process
+    from lite_runtime.engine.sampling import GenerationSettings, process
     from lite_runtime.serve.grammar import GrammarCompiler
     from lite_runtime.serve.protocol import ChatCompletionRequest, ResponseFormat
     from lite_runtime.serve.tools import HERMES

@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_speculative import TYPO_PARAGRAPH
 from lite_runtime import pipeline
-from lite_runtime.batching import BatchEngine, SlotRequest
-from lite_runtime.speculative import PromptLookup
+from lite_runtime.engine.scheduler import BatchEngine, SlotRequest
+from lite_runtime.engine.speculative import PromptLookup
 gen = pipeline("text_generation", model=sys.argv[1] if len(sys.argv) > 1 else "/work/s33/smollm2-f32", backend="ms", warm_up="all", chunk_graphs=True)
 eng = BatchEngine(gen)
 prompts = {"fix_typos": "Fix the typos in this paragraph and return it:\n\n" + TYPO_PARAGRAPH,

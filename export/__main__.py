@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens of the chunk graphs, comma-separated; each runs the decode step of every row and a "
                         "piece of one row's prompt in one call: the server (python -m lite_runtime.serve) prefills "
                         "each prompt piece by piece inside the running requests' decode steps (pieces of the smallest "
-                        "size; the largest when nothing else runs), and after the prefix a cache row kept from the "
-                        "previous turn. auto (default): 8,128 on cpu (2,128 for 16-bit weights), 256 on Atlas (GE "
+                        "size; the largest when nothing else runs), after the prefix the KV blocks it shares "
+                        "with earlier requests (prefix caching). auto (default): 8,128 on cpu (2,128 for 16-bit weights), 256 on Atlas (GE "
                         "compiles each graph for "
                         "minutes), at most --seq_length; none: no chunk graph (a folder the server refuses)")
     p.add_argument("--score_sizes", default="auto",
@@ -63,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Lite process per card (Atlas). Must divide the heads, kv heads and intermediate size "
                         "(default: 1)")
     p.add_argument("--graph", choices=("auto", "fused", "plain"), default="auto",
-                   help="Atlas graph form: fused runs Ascend's fused attention (PromptFlashAttention, "
-                        "IncreFlashAttention), RmsNorm and rotary operators with the lengths as tensors; plain only "
+                   help="Atlas graph form: fused runs Ascend's fused attention (PromptFlashAttention for "
+                        "prompts, ReshapeAndCache and PagedAttention for the paged cache), RmsNorm and rotary operators with the lengths as tensors; plain only "
                         "ops MindSpore's CPU also has. auto (default): fused where the profile's SoC has the "
                         "operators and the dtype is float16/bfloat16, else plain (ge_configs/README.md)")
     p.add_argument("--quantize", choices=("none", "int8", "int4"), default=None,

@@ -57,7 +57,7 @@ class CausalLM(nn.Cell):
           start [1] = the position of its first token, chunk_block_table [1, M] = its sequence's blocks,
           chunk_slot_mapping [C] = where its tokens go, -1 for padding): the step of every sequence and a piece of
           one more sequence's prompt, each piece token attending over its sequence up to its own position
-          (continuous batching, chunked prefill, prefix caching: lite_runtime/batching.py).
+          (continuous batching, chunked prefill, prefix caching: lite_runtime/engine/scheduler.py).
     prefill and decode return float32 logits [B, V] of each row's last valid token, chunk [B + 1, V]: the step's rows
     and the piece's last token. Positions come from the lengths inside the graph.
 

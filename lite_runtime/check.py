@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mslite, tensor-parallel folders: the HCCL rank table (default: $RANK_TABLE_FILE)")
     p.add_argument("--ge_cache_dir", default=None,
                    help="mslite: root of GE's compile cache (default ~/.cache/mslite-llm/ge; 'none' turns it off)")
-    from lite_runtime.kv_pool import add_pool_arguments
+    from lite_runtime.engine.kv_pool import add_pool_arguments
 
     add_pool_arguments(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")

@@ -65,7 +65,7 @@ class InferConfig:
     # mslite backend: root of GE's compile cache, one folder per folder content, Lite and CANN version
     # (lite_runtime/backends/ge_options.py); None: ~/.cache/mslite-llm/ge, "none": no cache
     ge_cache_dir: Optional[str] = None
-    # the paged KV cache's pool (lite_runtime/kv_pool.py): its blocks (the null block included), or its size in GiB;
+    # the paged KV cache's pool (lite_runtime/engine/kv_pool.py): its blocks (the null block included), or its size in GiB;
     # neither: sized from free memory at load. Fixed for the folder's life in this process
     num_blocks: Optional[int] = None
     kv_cache_memory: Optional[float] = None

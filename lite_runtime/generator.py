@@ -1,4 +1,4 @@
-"""TextGenerator: the `text_generation` task. Generates token by token through a ModelRunner (lite_runtime/runner.py).
+"""TextGenerator: the `text_generation` task. Generates token by token through a ModelRunner (lite_runtime/engine/runner.py).
 
 Each graph row's sequence keeps its blocks of the runner's KV pool and the tokens they hold (SequenceBlocks) between
 calls, so `infer` (one step) and `generate` (a whole request) can be called in any order and any number of times: a
@@ -20,11 +20,11 @@ import numpy as np
 
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError, MissingDependencyError
-from lite_runtime.blocks import PoolExhausted
-from lite_runtime.runner import ModelRunner, SequenceBlocks, StepRow
-from lite_runtime.sampling import (GenerationSettings, check_vocabulary, pick, probability, process, seeded,
+from lite_runtime.engine.blocks import PoolExhausted
+from lite_runtime.engine.runner import ModelRunner, SequenceBlocks, StepRow
+from lite_runtime.engine.sampling import (GenerationSettings, check_vocabulary, pick, probability, process, seeded,
                                    softmax)
-from lite_runtime.speculative import DraftFolder, Pacer, PromptLookup, SpecStats, accept, same_vocabulary
+from lite_runtime.engine.speculative import DraftFolder, Pacer, PromptLookup, SpecStats, accept, same_vocabulary
 from lite_runtime.tokenizer import FolderTokenizer, chat_problem, has_folder_tokenizer
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class GenerateOutput(list):
 
 
 class TextGenerator:
-    """The `text_generation` task over a ModelRunner (lite_runtime/runner.py), which it shares with the server's
+    """The `text_generation` task over a ModelRunner (lite_runtime/engine/runner.py), which it shares with the server's
     engine: the HF-style API (text in and out, generate, infer), the generation settings and input checks."""
 
     def __init__(self, config: InferConfig, tokenizer=None) -> None:
@@ -316,7 +316,7 @@ class TextGenerator:
                  prompt_lookup_num_tokens: Optional[int] = None, assistant_model=None, **kwargs) -> GenerateOutput:
         """Per row, the prompt ids followed by the generated ids, stopping at eos or the limit.
 
-        Speculative decoding (HF's names; lite_runtime/speculative.py), one row at a time: `prompt_lookup_num_tokens`
+        Speculative decoding (HF's names; lite_runtime/engine/speculative.py), one row at a time: `prompt_lookup_num_tokens`
         K drafts up to K tokens from the sequence itself, `assistant_model` (a folder, or a pipeline of one, with the
         same tokenizer) drafts with that model; the tokens are what decoding without them gives (greedy) or
         distributed as it (sampling)."""
@@ -362,7 +362,7 @@ class TextGenerator:
         out.finish_reasons = [str(r) for r in reasons]
         return out
 
-    # --- speculative decoding (lite_runtime/speculative.py) --------------------------------------------
+    # --- speculative decoding (lite_runtime/engine/speculative.py) --------------------------------------------
     def draft_generator(self, assistant_model) -> "TextGenerator":
         """The draft's TextGenerator: a pipeline or TextGenerator as given, a folder loaded once (on this one's
         backend) and kept; refused when its tokenizer or vocabulary is not this folder's."""
@@ -413,7 +413,7 @@ class TextGenerator:
 
     def _generate_speculative(self, row: List[int], s: GenerationSettings, limit: int, eos, rng, out: GenerateOutput,
                               streamer, proposer, k_max: int, k_start: int) -> GenerateOutput:
-        """generate() of one row with speculation (lite_runtime/speculative.py, module doc)."""
+        """generate() of one row with speculation (lite_runtime/engine/speculative.py, module doc)."""
         runner = self.runner
         seq = out[0]
         stats = out.speculative = SpecStats()

@@ -323,14 +323,14 @@ def halves(n: int, sizes: List[int]) -> List[Tuple[int, int]]:
 
 
 def replay_chunks(runner, reference: Reference, tol: Tolerance, progress=None) -> List[RowResult]:
-    """The reference rows again, the way the server runs them (lite_runtime.batching), teacher-forced: row i, a
+    """The reference rows again, the way the server runs them (lite_runtime.engine.scheduler), teacher-forced: row i, a
     sequence of its own blocks, goes in piece by piece through the chunk graphs, each piece in the same call as a
     decode step of the rows already in (graph row B-1-i; the others idle, as the engine's are); once its last piece is
     in, it is stepped with them, and the next row starts. Each prompt goes in as two parts: its first half from
     position 0 in pieces of the largest chunk graph (as a prompt goes in while nothing else runs), then the rest from
     the middle in pieces of the smallest (as the next turn of a chat goes in after the prefix it kept, while others
     decode), whatever the sizes. One RowResult per row; graph `chunk_<C>[+<C>]`."""
-    from lite_runtime.runner import SequenceBlocks, StepRow
+    from lite_runtime.engine.runner import SequenceBlocks, StepRow
 
     results: List[RowResult] = []
     b, sizes = runner.batch_size, runner.chunk_sizes
@@ -392,7 +392,7 @@ def replay_scores(runner, reference: Reference, tol: Tolerance, progress=None) -
     (as a verify of draft tokens goes in), and the logits at every position from the prompt's last on are judged
     against that step of the reference: a whole continuation per piece. One RowResult per row; graph
     `score_<C>[+<C>]`."""
-    from lite_runtime.runner import SequenceBlocks
+    from lite_runtime.engine.runner import SequenceBlocks
 
     results: List[RowResult] = []
     sizes = runner.score_sizes

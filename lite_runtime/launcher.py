@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mslite: where GE keeps compiled graphs, so a restart does not recompile (default "
                         "~/.cache/mslite-llm/ge, one folder per model folder content, Lite and CANN version; "
                         "'none' turns it off)")
-    from lite_runtime.kv_pool import add_pool_arguments
+    from lite_runtime.engine.kv_pool import add_pool_arguments
 
     add_pool_arguments(p)
     p.add_argument("--warm_up", choices=WARM_UP, default=None,

@@ -42,7 +42,7 @@ def score(runner, ids: Sequence[int], progress: Optional[Callable[[int], None]] 
     if len(ids) > runner.seq_length:
         raise InferError(f"{len(ids)} tokens do not fit the graphs' seq_length {runner.seq_length}; score them in "
                          "windows (perplexity() does)")
-    from lite_runtime.runner import SequenceBlocks
+    from lite_runtime.engine.runner import SequenceBlocks
 
     size = runner.score_sizes[-1]
     out = np.empty(max(len(ids) - 1, 0), np.float64)

@@ -1,4 +1,4 @@
-"""The paged KV cache's block manager (lite_runtime/blocks.py) as plain data: the null block, reference counts, the
+"""The paged KV cache's block manager (lite_runtime/engine/blocks.py) as plain data: the null block, reference counts, the
 LRU free queue, full-block hashes over parent, tokens and the folder's identity, and the invariants under any sequence
 of operations (hypothesis)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from lite_runtime.blocks import NULL_BLOCK, BlockPool, PoolExhausted, SequenceBlocks, slots_of
+from lite_runtime.engine.blocks import NULL_BLOCK, BlockPool, PoolExhausted, SequenceBlocks, slots_of
 
 
 def test_the_null_block_is_never_handed_out_and_blocks_come_least_recently_freed_first():

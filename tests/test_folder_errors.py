@@ -243,7 +243,7 @@ def test_a_kv_pool_that_cannot_hold_one_request_or_the_memory_is_refused_at_load
     """--num_blocks below one longest request (and the null block), a --kv_cache_memory larger than what is free, and
     both at once: one line each, with the numbers, before any graph loads."""
     from lite_runtime.folder import load_folder
-    from lite_runtime.kv_pool import GIB, plan_pool
+    from lite_runtime.engine.kv_pool import GIB, plan_pool
 
     spec = load_folder(str(folder)).kv_cache  # blocks of 8 positions, 4 per sequence of 32
     where = str(folder)

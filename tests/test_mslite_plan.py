@@ -276,7 +276,7 @@ def test_ge_compile_cache_is_keyed_by_the_folders_content(tmp_path, exported):
 
 
 def test_warm_up_compiles_every_graph_at_load_on_atlas_and_the_short_ones_on_the_cpu():
-    from lite_runtime.runner import warm_up_keys
+    from lite_runtime.engine.runner import warm_up_keys
 
     keys = ["prefill_32", "prefill_16", "prefill_8", "inc"]
     assert warm_up_keys("auto", "mslite", keys) == keys  # GE compiles for minutes: never inside a request

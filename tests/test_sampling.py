@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (LogitsProcessor, MinPLogitsW
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from lite_runtime.errors import InferError
-from lite_runtime.sampling import (GenerationSettings, min_p_filter, openai_penalties, process, repetition_penalty,
+from lite_runtime.engine.sampling import (GenerationSettings, min_p_filter, openai_penalties, process, repetition_penalty,
                                    sequence_bias, top_k_filter, top_p_filter)
 from reference import prompts
 

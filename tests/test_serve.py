@@ -195,7 +195,7 @@ BAD = [
     ("bool for a number", {"prompt": "a", "temperature": True}, _error("'temperature' must be a number, got true",
                                                                        "temperature")),
     ("n > rows", {"prompt": "a", "n": 5}, _error(
-        "'n' must be at most 4 (this model's cache rows: each choice takes one), got 5", "n")),
+        "'n' must be at most 4 (this folder's graph rows: each choice takes one), got 5", "n")),
     ("prompt too long", {"prompt": [5] * (SEQ + 1)}, _error(
         f"the prompt has {SEQ + 1} tokens; this model's graphs hold {SEQ} tokens per request, prompt and completion "
         "together: shorten it", "prompt", "context_length_exceeded")),

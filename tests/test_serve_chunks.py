@@ -1,4 +1,4 @@
-"""Chunked prefill and prefix reuse (lite_runtime/batching.py over the chunk graph): the engine driven directly, and the
+"""Chunked prefill and prefix reuse (lite_runtime/engine/scheduler.py over the chunk graph): the engine driven directly, and the
 server through the openai client, against pipeline().generate on the same folder (the solo run) and HF transformers.
 Same folder as test_serve (gqa_tied, batch 4, seq_length 64, chunk graphs of 8 and 64 tokens, float32)."""
 from __future__ import annotations
@@ -22,8 +22,8 @@ def pipe(serve_folder):
 
 def run(engine, prompt, max_tokens, eos=()):
     """Submit one greedy request and wait for its end; the SlotRequest."""
-    from lite_runtime.batching import SlotRequest
-    from lite_runtime.sampling import GenerationSettings
+    from lite_runtime.engine.scheduler import SlotRequest
+    from lite_runtime.engine.sampling import GenerationSettings
 
     done = threading.Event()
     request = SlotRequest(prompt=list(prompt), max_tokens=max_tokens, settings=GenerationSettings(), eos=eos,
@@ -41,8 +41,8 @@ def solo(pipe, prompt, max_tokens):
 def test_a_long_prompt_is_prefilled_between_the_running_rows_steps(pipe):
     """Three rows decode while a 40-token prompt arrives, prefilled 4 tokens per step: each of its 10 pieces is
     followed by a decode step of the others, so they keep getting tokens; every answer is its solo answer."""
-    from lite_runtime.batching import BatchEngine, SlotRequest
-    from lite_runtime.sampling import GenerationSettings
+    from lite_runtime.engine.scheduler import BatchEngine, SlotRequest
+    from lite_runtime.engine.sampling import GenerationSettings
 
     short, (long,) = prompts(3, [5, 6, 7], seed=41), prompts(1, [40], seed=42)
     want = [solo(pipe, p, 30) for p in short] + [solo(pipe, long, 4)]
@@ -76,11 +76,11 @@ def test_a_long_prompt_is_prefilled_between_the_running_rows_steps(pipe):
 
 
 def test_prefix_blocks_are_shared_across_requests(pipe, checkpoints):
-    """Prefix caching in whole blocks of 8 (lite_runtime/blocks.py): a request's full blocks stay findable after it
+    """Prefix caching in whole blocks of 8 (lite_runtime/engine/blocks.py): a request's full blocks stay findable after it
     ends; the next turn of a conversation finds the blocks its previous turn wrote, a repeated prompt all its full
     blocks but the one holding its last token (whose logits give the first token); another prompt finds none. Every
     answer equals the solo run's, and HF's."""
-    from lite_runtime.batching import BatchEngine
+    from lite_runtime.engine.scheduler import BatchEngine
 
     pipe.runner.pool.reset_cache()
     engine = BatchEngine(pipe)
@@ -110,8 +110,8 @@ def test_requests_that_arrive_together_compute_a_shared_prefix_once(pipe, checkp
     """Four requests with one 24-token system prompt, submitted at once: the first computes it, the others find its
     three blocks as soon as they are written (prompts go in one after another) and share them while all four run
     (their blocks' reference counts are 4); every answer is its solo answer."""
-    from lite_runtime.batching import BatchEngine, SlotRequest
-    from lite_runtime.sampling import GenerationSettings
+    from lite_runtime.engine.scheduler import BatchEngine, SlotRequest
+    from lite_runtime.engine.sampling import GenerationSettings
 
     system = prompts(1, [24], seed=60)[0]
     asks = [system + q for q in prompts(4, [3, 5, 6, 4], seed=61)]
@@ -151,8 +151,8 @@ def test_a_pool_too_small_for_the_load_preempts_and_recomputes_and_the_tokens_do
     back and wait, and are recomputed (prompt and the tokens they had) when blocks free up; every answer equals its
     solo answer and HF's, preemptions are counted, and every block is free at the end."""
     from lite_runtime import pipeline
-    from lite_runtime.batching import BatchEngine, SlotRequest
-    from lite_runtime.sampling import GenerationSettings
+    from lite_runtime.engine.scheduler import BatchEngine, SlotRequest
+    from lite_runtime.engine.sampling import GenerationSettings
 
     small = pipeline("text_generation", model=serve_folder, backend="ms", chunk_graphs=True, num_blocks=11)
     asks = prompts(4, [10, 13, 7, 16], seed=70)
@@ -180,8 +180,8 @@ def test_a_pool_too_small_for_the_load_preempts_and_recomputes_and_the_tokens_do
 def test_kv_memory_grows_a_block_at_a_time(pipe):
     """A request holds the blocks its tokens fill, no more: at each decode step, ceil(positions / 8) blocks for the
     positions it holds with the one the step writes; none once it ends."""
-    from lite_runtime.batching import BatchEngine, SlotRequest
-    from lite_runtime.sampling import GenerationSettings
+    from lite_runtime.engine.scheduler import BatchEngine, SlotRequest
+    from lite_runtime.engine.sampling import GenerationSettings
 
     engine = BatchEngine(pipe)
     held = []

@@ -282,7 +282,7 @@ def test_a_short_soak_loses_nothing(serve_folder, tmp_path):
     assert report["queue_full_503"] > 0  # 6 clients, 4 rows, a queue of 2
 
 
-# --- the engine's own failure, cancel and shutdown paths (lite_runtime.batching, no HTTP) --------------------------
+# --- the engine's own failure, cancel and shutdown paths (lite_runtime.engine.scheduler, no HTTP) --------------------------
 @pytest.fixture(scope="module")
 def engine_pipe(serve_folder):
     from lite_runtime import pipeline
@@ -291,8 +291,8 @@ def engine_pipe(serve_folder):
 
 
 def _request(prompt, max_tokens, events):
-    from lite_runtime.batching import SlotRequest
-    from lite_runtime.sampling import GenerationSettings
+    from lite_runtime.engine.scheduler import SlotRequest
+    from lite_runtime.engine.sampling import GenerationSettings
 
     return SlotRequest(prompt=list(prompt), max_tokens=max_tokens, settings=GenerationSettings(),
                        emit=events.append)
@@ -306,7 +306,7 @@ def _wait(predicate, timeout=30.0):
 
 
 def test_engine_a_failed_graph_call_ends_its_requests_and_the_engine_goes_on(engine_pipe):
-    from lite_runtime.batching import BatchEngine
+    from lite_runtime.engine.scheduler import BatchEngine
 
     engine = BatchEngine(engine_pipe, max_queue=4)
     try:
@@ -324,7 +324,7 @@ def test_engine_a_failed_graph_call_ends_its_requests_and_the_engine_goes_on(eng
 
 
 def test_engine_a_request_cancelled_while_waiting_never_takes_a_row(engine_pipe):
-    from lite_runtime.batching import BatchEngine
+    from lite_runtime.engine.scheduler import BatchEngine
     from lite_runtime.mindspore_lock import MINDSPORE_LOCK
 
     engine = BatchEngine(engine_pipe, max_queue=4)
@@ -348,7 +348,7 @@ def test_engine_a_request_cancelled_while_waiting_never_takes_a_row(engine_pipe)
 
 
 def test_engine_stop_ends_running_and_waiting_requests_with_a_shutdown_error(engine_pipe):
-    from lite_runtime.batching import BatchEngine
+    from lite_runtime.engine.scheduler import BatchEngine
     from lite_runtime.mindspore_lock import MINDSPORE_LOCK
 
     engine = BatchEngine(engine_pipe, max_queue=4)

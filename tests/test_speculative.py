@@ -1,4 +1,4 @@
-"""Speculative decoding (lite_runtime/speculative.py) through the score graphs: greedy output token-identical to
+"""Speculative decoding (lite_runtime/engine/speculative.py) through the score graphs: greedy output token-identical to
 decoding without it (and to HF's), the speculative-sampling rule's output distributed as the target's, the pacer, and the
 draft folder's refusals."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from reference import hf_generate, prompts
 
 from lite_runtime.errors import InferError
-from lite_runtime.speculative import Pacer, accept, lookup
+from lite_runtime.engine.speculative import Pacer, accept, lookup
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 Graphs are read, loaded and compiled on first use (MsBackend). Weights and KV cache are held once:
 - every graph is loaded without parameter data (a copy of its proto with the data references
   cleared), so mindspore.load reads no weights; its KV caches' first dimension is set to the pool's
-  blocks (the runner's choice at load: lite_runtime/kv_pool.py);
+  blocks (the runner's choice at load: lite_runtime/engine/kv_pool.py);
 - the first graph loaded has its Parameters set from the weights file itself, memory-mapped
   copy-on-write: the weights are the page cache's pages, never copied; the KV caches are zero pages,
   memory only once a block is written;
@@ -270,7 +270,7 @@ class MsBackend:
 
             refuse_if_too_big(config.folder, int(config.rank_id) if self._tp else 0)
         self._paths = config.graph_paths()
-        self._num_blocks = int(config.num_blocks)  # the KV pool's blocks (the runner's plan: lite_runtime/kv_pool.py)
+        self._num_blocks = int(config.num_blocks)  # the KV pool's blocks (the runner's plan: lite_runtime/engine/kv_pool.py)
         self._parsed = {}  # key -> parsed proto, read for its specs and not loaded yet
         self.specs = {}
         self.cells = {}

@@ -351,7 +351,7 @@ class MsLiteBackend:  # pragma: no cover - needs mindspore_lite and an Ascend de
             os.makedirs(cache["dir"], exist_ok=True)  # GE wants it to exist
             log.warning("GE compile cache: %s (a restart with this folder, Lite and CANN reuses the compiled graphs; "
                         "delete it to reclaim the disk)", cache["dir"])
-        # the pool's size (the runner's plan, lite_runtime/kv_pool.py) written into a copy of each graph
+        # the pool's size (the runner's plan, lite_runtime/engine/kv_pool.py) written into a copy of each graph
         sized = sized_graphs(config, int(config.num_blocks), pool_dir(config))
         plan = build_plan(config, cache, soc, sized)
         context = mslite.Context()

@@ -6,7 +6,7 @@
 Three layers, as vLLM's entrypoints/openai: `protocol` (the request bodies as pydantic models, OpenAI's error
 shape), `serving` (a request becomes engine requests, one per choice; `responses` shapes what comes back;
 `tools` reads tool calls; `grammar` masks tokens for structured output) and `app` (the HTTP routes); `metrics`
-(Prometheus) and `cli` (loading, the command). The engine (lite_runtime.batching) knows no HTTP.
+(Prometheus) and `cli` (loading, the command). The engine (lite_runtime.engine.scheduler) knows no HTTP.
 
 Needs the `serve` extra (FastAPI, uvicorn, prometheus-client, llguidance): pip install -e ".[serve]". Nothing is
 imported until used, so lite_runtime stays importable without them.

@@ -33,7 +33,7 @@ def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] =
                  max_reasoning_tokens: Optional[int] = None, **config: Any):
     """Load the folder's chunk and inc graphs (all the server runs), compile them, start the engine."""
     from lite_runtime import InferConfig, pipeline
-    from lite_runtime.batching import BatchEngine
+    from lite_runtime.engine.scheduler import BatchEngine
     from lite_runtime.serve.serving import Service
 
     if not os.path.isdir(model_dir):
@@ -177,9 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "may wait for between two tokens when a long prompt arrives (default: the folder's smallest "
                         "chunk graph, python -m export --chunk_sizes; at most its largest)")
     p.add_argument("--prefix_reuse", choices=("on", "off"), default="on",
-                   help="on (default): a request whose prompt begins with what a free cache row holds (the previous "
-                        "turn of a chat) keeps that row's cache and prefills only the rest; off: every prompt is "
-                        "prefilled whole (one user's prompt then never shortens another's time to first token)")
+                   help="on (default): prefix caching: a prompt whose leading full KV blocks some request computed "
+                        "(a shared system prompt, a chat's previous turn; running or finished and not yet reused) "
+                        "shares those blocks and prefills only the rest; off: every prompt is prefilled whole (one user's prompt then never shortens another's time to first token)")
     p.add_argument("--speculative", choices=("auto", "off", "prompt_lookup", "draft"), default="auto",
                    help="speculative decoding while one request decodes alone: prompt_lookup drafts from the "
                         "request's own text (rewrites, edits, code: 1.85x on SmolLM2), draft from --draft_model; "
@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model_name", default=None,
                    help="the model id /v1/models lists and responses carry (default: the folder's name as exported, "
                         "python -m export --name; requests may also use that name and the folder's directory name)")
-    from lite_runtime.kv_pool import add_pool_arguments
+    from lite_runtime.engine.kv_pool import add_pool_arguments
 
     add_pool_arguments(p)
     p.add_argument("--device_id", type=int, default=0)

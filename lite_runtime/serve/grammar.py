@@ -115,7 +115,7 @@ class Grammar:
 
 
 class Matcher:
-    """One choice's grammar state: the engine's `constraint` (lite_runtime.batching)."""
+    """One choice's grammar state: the engine's `constraint` (lite_runtime.engine.scheduler)."""
 
     def __init__(self, matcher, vocab_size: int) -> None:
         import llguidance.numpy as llnp

@@ -39,7 +39,7 @@ class Metrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Submitted to ended", buckets=_E2E, registry=r)
         self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Submitted to its row's prefill",
                                     buckets=_TTFT, registry=r)
-        # the paged KV cache's pool (lite_runtime/blocks.py), read from the engine at each scrape (vLLM's names)
+        # the paged KV cache's pool (lite_runtime/engine/blocks.py), read from the engine at each scrape (vLLM's names)
         _Live(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the KV cache's blocks (prefix caching)",
               "counter", lambda: engine.prefix_queries, r)
         _Live(PREFIX + "prefix_cache_hits", "Prompt tokens found in blocks some request computed (not prefilled "

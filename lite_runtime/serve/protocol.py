@@ -252,7 +252,7 @@ class Sampling(Request):
 
     model: Optional[str] = Field(None, description="the served model's id (GET /v1/models); any other is a 404")
     max_tokens: Optional[int] = Field(None, ge=0, description="0 only with echo (the prompt's logprobs alone)")
-    n: int = Field(1, ge=1, description="choices, each its own cache row; at most the folder's batch size")
+    n: int = Field(1, ge=1, description="choices, each its own graph row; at most the folder's batch size")
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Union[NonEmpty, Annotated[List[NonEmpty], said(maxItems=MAX_STOP)], None] = Field(

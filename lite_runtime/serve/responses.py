@@ -205,7 +205,7 @@ class Answer:
     def usage(self) -> Dict[str, int]:
         generated = sum(len(r.generated) for r in self.requests)
         prompt = len(self.plan.prompt)
-        # prompt tokens found in the cache row (prefix reuse: lite_runtime/batching.py), as OpenAI reports its cache
+        # prompt tokens found in the cache row (prefix reuse: lite_runtime/engine/scheduler.py), as OpenAI reports its cache
         cached = self.requests[0].cached if self.requests else 0
         usage = {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
                  "prompt_tokens_details": {"cached_tokens": cached}}

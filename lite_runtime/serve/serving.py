@@ -12,7 +12,7 @@ import json
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from lite_runtime.batching import BatchEngine, QueueFull, SlotRequest
+from lite_runtime.engine.scheduler import BatchEngine, QueueFull, SlotRequest
 from lite_runtime.errors import InferError, MissingDependencyError
 from lite_runtime.serve.metrics import Metrics
 from lite_runtime.serve.protocol import (MAX_BIAS, APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
@@ -41,7 +41,7 @@ class Plan:
     tools: Optional[ToolFormat] = None  # parse the answer's tool calls in this form
     echo: Optional[str] = None  # completions' echo: the prompt's text, sent before the completion
     prompt_logprobs: Optional[int] = None  # echo with logprobs: every prompt token's, and this many alternatives
-    speculative: bool = False  # draft while it decodes alone (Service.proposer; lite_runtime/speculative.py)
+    speculative: bool = False  # draft while it decodes alone (Service.proposer; lite_runtime/engine/speculative.py)
     eos: Tuple[int, ...] = ()  # the tokens that end an answer: the folder's eos (unless ignore_eos), stop_token_ids
     # chat with a reasoning parser (lite_runtime/reasoning.py): its format, whether the prompt opened a block, and the
     # thinking budget (None: no limit)
@@ -147,7 +147,7 @@ class Service:
         if not prompt:
             raise APIError(400, "the prompt is empty; send at least one token", param=field)
         if req.n > self.engine.rows:
-            raise APIError(400, f"'n' must be at most {self.engine.rows} (this model's cache rows: each choice takes "
+            raise APIError(400, f"'n' must be at most {self.engine.rows} (this folder's graph rows: each choice takes "
                                 f"one), got {req.n}", param="n")
         seq, room = self.generator.seq_length, self.generator.seq_length - len(prompt)
         if room < 1:  # the largest graph holds seq_length tokens: the prompt leaves no room, or does not fit
@@ -302,7 +302,7 @@ class Service:
 
     def proposer(self):
         """A new request's drafter: the draft folder's (shared: the engine thread alone calls it) or prompt lookup."""
-        from lite_runtime.speculative import DraftFolder, PromptLookup
+        from lite_runtime.engine.speculative import DraftFolder, PromptLookup
 
         if self.draft is not None:
             if not isinstance(self._draft_proposer, DraftFolder):

@@ -37,7 +37,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from lite_runtime.errors import InferError
-from lite_runtime.sampling import GenerationSettings, process, softmax
+from lite_runtime.engine.sampling import GenerationSettings, process, softmax
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class DraftFolder:
     def logits_after(self, seq: List[int]) -> Optional[np.ndarray]:
         """The draft's logits after `seq` [V] (its row 0's sequence made to hold it), or None when seq does not fit its
         graphs."""
-        from lite_runtime.runner import StepRow
+        from lite_runtime.engine.runner import StepRow
 
         g, r = self.generator, self.runner
         if len(seq) > r.seq_length - 1:

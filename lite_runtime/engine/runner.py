@@ -3,8 +3,8 @@ sequences (docs/architecture.md, "The KV cache: a pool of blocks").
 
 Both callers go through it: TextGenerator (the HF-style API: a batch prefilled together, then stepped) and
 BatchEngine (the server: each request a sequence of its own, prefilled piece by piece by the chunk graph between the
-decode steps of the others). The runner owns the pool (lite_runtime/blocks.py BlockPool, sized at load:
-lite_runtime/kv_pool.py); its callers take and give back blocks, and hand each call the block table of each sequence
+decode steps of the others). The runner owns the pool (lite_runtime/engine/blocks.py BlockPool, sized at load:
+lite_runtime/engine/kv_pool.py); its callers take and give back blocks, and hand each call the block table of each sequence
 it touches. Three graph calls, each returning the float32 logits:
 
     prefill(rows, tables)                  the prefill graph of the smallest bucket that fits: rows 0..n-1
@@ -34,7 +34,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from lite_runtime.backends import check_inputs, load_backend, resolve_backend
-from lite_runtime.blocks import NULL_BLOCK, BlockPool, PoolExhausted, SequenceBlocks  # noqa: F401
+from lite_runtime.engine.blocks import NULL_BLOCK, BlockPool, PoolExhausted, SequenceBlocks  # noqa: F401
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError
 from lite_runtime.folder import graph_key, graph_role, graph_tokens
@@ -74,7 +74,7 @@ class StepRow(NamedTuple):
 
 class ModelRunner:
     def __init__(self, config: InferConfig) -> None:
-        from lite_runtime.kv_pool import plan_pool
+        from lite_runtime.engine.kv_pool import plan_pool
 
         self.backend_name = resolve_backend(config.backend, config.target)
         self.inputs = InputOfInfer.get(config.model_name)
@@ -84,7 +84,7 @@ class ModelRunner:
                              "load the folder (pipeline(model=<folder>), run_infer_main.py --model_dir)")
         self.cache = spec = config.folder.kv_cache
         self.batch_size, self.seq_length = int(config.batch_size), int(config.infer_seq_length)
-        # the pool: the deployer's size, else from free memory (lite_runtime/kv_pool.py); the backend allocates it
+        # the pool: the deployer's size, else from free memory (lite_runtime/engine/kv_pool.py); the backend allocates it
         self.pool_plan = plan_pool(spec, self.seq_length, self.batch_size, config.folder.path, config.num_blocks,
                                    config.kv_cache_memory, _free_after_weights(config))
         config = dataclasses.replace(config, num_blocks=self.pool_plan.num_blocks, kv_cache_memory=None)
@@ -312,7 +312,7 @@ class ModelRunner:
 
 
 def _identity(folder) -> bytes:
-    """The folder's identity, which salts every block hash (lite_runtime/blocks.py): the manifest's bytes (every file's
+    """The folder's identity, which salts every block hash (lite_runtime/engine/blocks.py): the manifest's bytes (every file's
     sha256), so blocks are shared only between sequences of the very same folder."""
     import os
 
@@ -324,7 +324,7 @@ def _identity(folder) -> bytes:
 
 
 def _free_after_weights(config) -> Optional[int]:
-    """Memory free for the KV pool (lite_runtime/kv_pool.py): on Atlas (the mslite backend) the device's, less this
+    """Memory free for the KV pool (lite_runtime/engine/kv_pool.py): on Atlas (the mslite backend) the device's, less this
     rank's weights (pyACL); on the CPU what is available, less what the ms backend still needs for the weights (a
     float16 folder's float32 copies; mapped weights are page cache). None where unknown, and for a tensor-parallel
     folder: every rank must run the very same pool (the same block tables on every rank), which free memory measured

@@ -99,7 +99,7 @@ def plan_pool(spec: KVCacheSpec, seq_length: int, batch_size: int, where: str, n
 
 
 def add_pool_arguments(p: argparse.ArgumentParser) -> None:
-    """The KV cache pool's size, as every command that loads a folder takes it (lite_runtime/kv_pool.py)."""
+    """The KV cache pool's size, as every command that loads a folder takes it (lite_runtime/engine/kv_pool.py)."""
     g = p.add_mutually_exclusive_group()
     g.add_argument("--kv_cache_memory", type=float, default=None, metavar="GIB",
                    help="memory for the paged KV cache, in GiB (default: half of what is free after the weights and "

@@ -1,4 +1,4 @@
-"""One request of the serving engine (lite_runtime/batching.py) and what happens to it at each token: the choice of
+"""One request of the serving engine (lite_runtime/engine/scheduler.py) and what happens to it at each token: the choice of
 the next token from its row's logits, and the text that token completes.
 
 Text is decoded from the generated ids as a whole each step, so multi-byte characters and stop strings split across
@@ -26,7 +26,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from lite_runtime.sampling import GenerationSettings, pick, process, seeded
+from lite_runtime.engine.sampling import GenerationSettings, pick, process, seeded
 from lite_runtime.text_machine import partial
 
 
@@ -50,7 +50,7 @@ class SlotRequest:
     # echo with logprobs: the prompt goes in through the score graphs (every position's logits) from position 0, and
     # each prompt token's TokenLogprob is sent with the echo (the first's logprob None); this many alternatives
     prompt_logprobs: Optional[int] = None
-    # speculative decoding (lite_runtime/speculative.py): a proposer (PromptLookup, DraftFolder) or None; it drafts
+    # speculative decoding (lite_runtime/engine/speculative.py): a proposer (PromptLookup, DraftFolder) or None; it drafts
     # while this request is the only one decoding (BatchEngine._speculate), with its own Pacer
     proposer: Any = None
     pacer: Any = None
@@ -70,7 +70,7 @@ class SlotRequest:
     token_times: List[float] = field(default_factory=list)  # when each generated token was chosen (monotonic)
     ended: Optional[float] = None
     slot: Optional[int] = None  # its graph row while it runs
-    seq: Any = None  # its blocks of the KV pool and the tokens in them (lite_runtime/blocks.py SequenceBlocks)
+    seq: Any = None  # its blocks of the KV pool and the tokens in them (lite_runtime/engine/blocks.py SequenceBlocks)
     order: int = 0  # when it was (last) admitted: the youngest is preempted first
     begun: bool = False  # its prompt has started going in (prefix caching looked it up)
     recomputing: bool = False  # preempted: its context goes in again, and no token is chosen at its end

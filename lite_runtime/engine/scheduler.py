@@ -15,7 +15,7 @@ request cannot see another's tokens, and a row's numbers do not depend on what t
 ends depends on the load (small pieces while others decode); on the CPU kernels' path a token's numbers do not (each
 row of a matmul is summed in the same order whatever the rows beside it), elsewhere they may differ in the last bits.
 
-Blocks (lite_runtime/blocks.py BlockPool, vLLM's design): a request takes blocks as its positions need them, a step
+Blocks (lite_runtime/engine/blocks.py BlockPool, vLLM's design): a request takes blocks as its positions need them, a step
 or a piece at a time. Prefix caching: when a request's prompt starts going in, the longest prefix of it held in full
 blocks that some request computed (running, or finished and not yet reused: the free queue keeps a block's contents
 until it is handed out again, least recently freed first) is shared instead of computed: the blocks' reference
@@ -32,7 +32,7 @@ One thread (the engine) makes every graph call; callers submit a `SlotRequest` (
 all or none) and receive its events through the request's `emit` callback, called from the engine thread:
 ("text", str, logprobs), then one ("end", finish_reason) or ("error", message, code): code `timeout` (past its
 deadline), `server_shutdown` (abort() or stop()) or `engine_error`. What a request does at each token:
-lite_runtime/slot_request.py. No HTTP here (lite_runtime.serve) and no MindSpore or torch.
+lite_runtime/engine/request.py. No HTTP here (lite_runtime.serve) and no MindSpore or torch.
 """
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ import threading
 import time
 from typing import Any, Deque, List, Optional, Sequence, Tuple
 
-from lite_runtime.blocks import SequenceBlocks
+from lite_runtime.engine.blocks import SequenceBlocks
 from lite_runtime.errors import InferError
-from lite_runtime.runner import StepRow
-from lite_runtime.speculative import Pacer, SpecStats
-from lite_runtime.slot_request import (SlotRequest, TokenLogprob, held_back, next_token, score_piece,  # noqa: F401
+from lite_runtime.engine.runner import StepRow
+from lite_runtime.engine.speculative import Pacer, SpecStats
+from lite_runtime.engine.request import (SlotRequest, TokenLogprob, held_back, next_token, score_piece,  # noqa: F401
                                       send_echo, token_logprob)
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class BatchEngine:
     """The engine thread over a TextGenerator's runner: `submit` requests; `stop()` ends the thread.
 
     `prefill_chunk`: prompt tokens per engine step while other rows decode (default: the folder's smallest chunk
-    graph, lite_runtime/runner.py; at most its largest, which pieces take when no row decodes). `prefix_reuse` False:
+    graph, lite_runtime/engine/runner.py; at most its largest, which pieces take when no row decodes). `prefix_reuse` False:
     no prompt takes another's blocks (each is prefilled whole): for an operator who does not want one user's prompt
     to shorten another's time to first token (a timing side channel), or to measure what caching buys."""
 
@@ -340,7 +340,7 @@ class BatchEngine:
                     self._advance(piece, last)
 
     def _speculate(self, request: SlotRequest) -> bool:
-        """One verify round for the only decoding request (lite_runtime/speculative.py): its proposer's drafts and its
+        """One verify round for the only decoding request (lite_runtime/engine/speculative.py): its proposer's drafts and its
         last token through the score graph, then its tokens chosen position by position as a step would choose them
         (next_token: sampling, logprobs, grammar, stops), kept while they are the drafts. A token drawn from the
         target's own distribution at each position keeps the output the target's (greedy: token-identical; sampled:
