@@ -94,7 +94,9 @@ def main(argv=None) -> int:
         import cpu_kernels
 
         tok_s = ours(args.folder, args.tokens, args.api)
-        print(json.dumps({"tok_s": tok_s, "isa": cpu_kernels.isa(), "kernels": cpu_kernels.library_path()}))
+        form = getattr(cpu_kernels, "quant_form", lambda: None)()  # the quantized decode form (older builds: none)
+        print(json.dumps({"tok_s": tok_s, "isa": cpu_kernels.isa() + (f"/{form}" if form else ""),
+                          "kernels": cpu_kernels.library_path()}))
         return 0
     env = {k: v for k, v in os.environ.items() if k != "MSLITE_LLM_CPU_KERNELS_ISA"}
     if args.isa != "native":

@@ -49,9 +49,11 @@ class InferConfig:
     # the smallest prefill graph; longer buckets compile on the first prompt that needs them), "all", "none";
     # "auto": "all" on mslite (GE compiles for minutes per graph: never inside a request), "smallest" on ms
     warm_up: str = "auto"
-    # load the folder's chunk graph (one row's prompt piece at an offset: continuous batching, chunked prefill and
-    # prefix reuse, as lite_runtime.serve does). Off for pipeline(): on Atlas GE compiles every loaded graph for minutes
-    chunk_graphs: bool = False
+    # load the folder's chunk graphs (a prompt's piece at an offset beside the running rows' step: the engine's
+    # continuous batching, chunked prefill and prefix caching, lite_runtime/engine/scheduler.py; pipeline().generate
+    # runs several prompts through it). None: on for ms (a graph compiles on first use), off for mslite (GE compiles
+    # every loaded graph for minutes: pass True to have them)
+    chunk_graphs: Optional[bool] = None
     # load the folder's score graphs (a chunk graph returning every position's logits: speculative decoding, prompt
     # logprobs, perplexity). On by default: the ms backend compiles them on first use; on Atlas GE compiles each at
     # load (one graph of 256 tokens by default), so pass False where none of the three is wanted

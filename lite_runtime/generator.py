@@ -191,10 +191,12 @@ class TextGenerator:
         except TypeError:
             return False
 
-    def _check_rows(self, rows: Sequence[Sequence[int]], held: Sequence[Optional[List[int]]] = ()) -> List[List[int]]:
-        """rows as lists of ints, each checked. `held`: what the cache rows hold (checked when they were sent), so
-        a row that extends its cache row by one token (infer() driving a decode loop) has only that token checked,
-        not its whole sequence on every step."""
+    def _check_rows(self, rows: Sequence[Sequence[int]], held: Sequence[Optional[List[int]]] = (),
+                    queued: bool = False) -> List[List[int]]:
+        """rows as lists of ints, each checked. `held`: what the graph rows' sequences hold (checked when they were
+        sent), so a row that extends its sequence by one token (infer() driving a decode loop) has only that token
+        checked, not its whole sequence on every step. `queued`: the rows go through the engine, which queues what
+        the graph rows cannot take at once (any number of rows)."""
         if isinstance(rows, (str, bytes)):
             raise InferError("input_ids is a string; generate() and infer() take token ids: call the pipeline "
                              "itself for text, pipe(text), or tokenize it first")
@@ -202,7 +204,7 @@ class TextGenerator:
             rows = rows.tolist()
         if not rows or isinstance(rows[0], (int, np.integer)):
             raise InferError("input_ids must be a list of token-id lists, one per row")
-        if len(rows) > self.batch_size:
+        if len(rows) > self.batch_size and not queued:
             raise InferError(f"{len(rows)} rows but the graphs were exported with batch_size {self.batch_size}; "
                              f"send at most {self.batch_size} or re-export with --batch_size {len(rows)}")
         out = []
@@ -321,9 +323,18 @@ class TextGenerator:
         same tokenizer) drafts with that model; the tokens are what decoding without them gives (greedy) or
         distributed as it (sampling)."""
         s = self._settings(kwargs)
-        rows = self._check_rows(input_ids)
+        speculative = prompt_lookup_num_tokens is not None or assistant_model is not None
+        # several prompts go through the serving engine (lite_runtime/engine/scheduler.py): continuous batching over
+        # the graph rows (more prompts than rows wait their turn), chunked prefill, shared prefix blocks; one prompt,
+        # a streamer (HF's streamers take one sequence's tokens step by step), speculation or a folder without chunk
+        # graphs (tensor parallel) run the rows here, prefilled together and stepped
+        engine = not speculative and streamer is None and bool(self.runner.chunk_sizes) and \
+            not isinstance(input_ids, (str, bytes)) and len(input_ids) > 1
+        rows = self._check_rows(input_ids, queued=engine)
         limits = self._limits(rows, s)
         eos = set() if s.ignore_eos else set(s.eos_token_id or ())
+        if engine:
+            return self._generate_engine(rows, s, limits, eos)
         rng = seeded(s.seed) if s.do_sample else None
         seqs = [list(r) for r in rows]
         reasons: List[Optional[str]] = [None] * len(rows)
@@ -360,6 +371,52 @@ class TextGenerator:
             if streamer is not None:
                 streamer.end()
         out.finish_reasons = [str(r) for r in reasons]
+        return out
+
+    def _generate_engine(self, rows: List[List[int]], s: GenerationSettings, limits: List[int],
+                         eos) -> GenerateOutput:
+        """Every row a request of the engine (BatchEngine over this generator's runner and pool), run to its end;
+        sampling seeds each row with seed + i when a seed is given (the server's `n`)."""
+        from lite_runtime.engine.request import SlotRequest
+        from lite_runtime.engine.scheduler import BatchEngine
+
+        left, done, errors = [len(rows)], threading.Event(), {}
+        lock = threading.Lock()
+
+        def ended(i: int):
+            def emit(event) -> None:
+                if event[0] not in ("end", "error"):
+                    return
+                if event[0] == "error":
+                    errors[i] = event[1]
+                with lock:
+                    left[0] -= 1
+                    if not left[0]:
+                        done.set()
+            return emit
+
+        requests = [SlotRequest(prompt=list(row), max_tokens=limits[i], emit=ended(i), eos=tuple(eos),
+                                settings=s.updated(seed=s.seed + i) if s.do_sample and s.seed is not None else s)
+                    for i, row in enumerate(rows)]
+        start = time.monotonic()  # the engine stamps tokens with time.monotonic()
+        engine = BatchEngine(self, max_queue=len(rows))
+        try:
+            engine.submit_many(requests)
+            done.wait()
+        finally:
+            engine.stop()
+        end = time.monotonic()
+        if errors:
+            i = min(errors)
+            raise InferError(f"row {i}: {errors[i]}")
+        out = GenerateOutput([list(r.prompt) + r.generated for r in requests],
+                             ["eos" if r.generated and r.generated[-1] in eos else "length" for r in requests],
+                             [len(r) for r in rows])
+        first = min((r.token_times[0] for r in requests if r.token_times), default=end)
+        out.prefill_seconds = first - start  # to the first token of any row
+        out.decode_seconds = max(end - first, 1e-9)
+        out.new_tokens = sum(len(r.generated) for r in requests)
+        out.decode_steps = engine.steps + engine.pieces
         return out
 
     # --- speculative decoding (lite_runtime/engine/speculative.py) --------------------------------------------

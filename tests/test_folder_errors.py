@@ -174,7 +174,7 @@ def test_prompt_too_long_and_limits_that_cannot_fit(pipes):
         "row 0: max_length 64 exceeds the graphs' seq_length 32; lower it or re-export with --seq_length 64")
     assert error_of(pipe.generate, [[1] * 20], max_length=10) == (
         "row 0: max_length 10 leaves no room after its 20 prompt tokens; raise max_length or use max_new_tokens")
-    assert error_of(pipe.generate, [[1], [2], [3]]) == (
+    assert error_of(pipe.infer, [[1], [2], [3]]) == (
         "3 rows but the graphs were exported with batch_size 2; send at most 2 or re-export with --batch_size 3")
     assert error_of(pipe.generate, [[1, 99999]]) == (
         "row 0 has a token id outside [0, 512); was it made by another tokenizer?")

@@ -238,3 +238,24 @@ def test_a_chat_turn_reports_its_cached_tokens_and_answers_as_alone(serve_folder
 def _counter(text: str, name: str) -> float:
     line = next(line for line in text.splitlines() if line.startswith(f"mslite_llm:{name}_total "))
     return float(line.split()[1])
+
+
+def test_generate_with_more_prompts_than_rows_runs_through_the_engine(pipe, checkpoints):
+    """pipeline().generate of several prompts goes through the engine (lite_runtime/generator.py _generate_engine):
+    six prompts on four graph rows, two of them sharing a 16-token prefix; every row's tokens equal its solo run's and
+    HF's, each stops at its own limit, and no block is held afterwards."""
+    pool = pipe.runner.pool
+    pool.reset_cache()
+    base = prompts(6, [9, 12, 5, 14, 7, 10], seed=60)
+    shared = prompts(1, [16], seed=61)[0]
+    rows = [shared + base[0], shared + base[1]] + base[2:]
+    hits = pool.hits
+    out = pipe.generate(rows, max_new_tokens=6, eos_token_id=[])
+    assert pool.hits - hits >= 16  # the second of the two found the first's prefix blocks (blocks of 8)
+    assert [len(s) - len(r) for s, r in zip(out.sequences, rows)] == [6] * 6
+    assert out.finish_reasons == ["length"] * 6 and out.new_tokens == 36
+    for row, seq in zip(rows, out.sequences):
+        assert seq[:len(row)] == row
+        assert seq == hf_generate(checkpoints["gqa_tied"], row, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        assert seq[len(row):] == solo(pipe, row, 6)
+    assert pool.num_used == 0

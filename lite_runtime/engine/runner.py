@@ -87,7 +87,11 @@ class ModelRunner:
         # the pool: the deployer's size, else from free memory (lite_runtime/engine/kv_pool.py); the backend allocates it
         self.pool_plan = plan_pool(spec, self.seq_length, self.batch_size, config.folder.path, config.num_blocks,
                                    config.kv_cache_memory, _free_after_weights(config))
-        config = dataclasses.replace(config, num_blocks=self.pool_plan.num_blocks, kv_cache_memory=None)
+        # chunk graphs: the engine's (the server, pipeline().generate of several prompts); by default loaded on ms,
+        # which compiles a graph on first use, and not on mslite, where GE compiles every loaded graph for minutes
+        chunk = config.chunk_graphs if config.chunk_graphs is not None else self.backend_name == "ms"
+        config = dataclasses.replace(config, num_blocks=self.pool_plan.num_blocks, kv_cache_memory=None,
+                                     chunk_graphs=bool(chunk))
         self.backend = load_backend(self.backend_name, config)
         self.config = config = getattr(self.backend, "config", config)  # the rank resolved; the caller's untouched
         self.pool = BlockPool(self.pool_plan.num_blocks, spec.block_size, _identity(config.folder))
@@ -304,7 +308,7 @@ class ModelRunner:
         what = {"chunk": "which serving needs", "score": "which speculative decoding, prompt logprobs (echo) and "
                 "perplexity need"}[role]
         if role == "chunk" and not self.config.chunk_graphs:
-            return "the chunk graphs were not loaded: pass chunk_graphs=True to pipeline()"
+            return "the chunk graphs were not loaded: pass chunk_graphs=True to pipeline() (off by default on mslite)"
         if role == "score" and not self.config.score_graphs:
             return "the score graphs were not loaded: pass score_graphs=True to pipeline()"
         return (f"{self.config.prefill_model_path}: this folder has no {role} graph (exported before them, or with "

@@ -3,7 +3,8 @@ pool of blocks"): a request is a sequence of blocks of the runner's pool, and a 
 
 A request waits in a bounded queue until a graph row is free (the graph batch: sequences a step serves) and the pool
 has the blocks its first piece needs (admission by rows and free blocks; a step's prompt tokens are the token budget,
-`prefill_chunk` while others decode). Its prompt
+`prefill_chunk`: by default the folder's largest chunk graph, as vLLM's max_num_batched_tokens and llama-server's
+batch favour throughput; a smaller one keeps the running streams' gaps short while a prompt goes in). Its prompt
 goes in piece by piece through the chunk graphs (ModelRunner.chunk): one piece of at most `prefill_chunk` tokens per
 engine step, in the same call as the decode step of the rows already generating, so the weights are read once for
 both and a long prompt costs the running streams a piece's arithmetic per token, not its whole prefill (chunked
@@ -59,8 +60,9 @@ class QueueFull(Exception):
 class BatchEngine:
     """The engine thread over a TextGenerator's runner: `submit` requests; `stop()` ends the thread.
 
-    `prefill_chunk`: prompt tokens per engine step while other rows decode (default: the folder's smallest chunk
-    graph, lite_runtime/engine/runner.py; at most its largest, which pieces take when no row decodes). `prefix_reuse` False:
+    `prefill_chunk`: prompt tokens per engine step while other rows decode (default: the folder's largest chunk
+    graph, the step's token budget, which pieces take when no row decodes; a smaller one, down to the smallest chunk
+    graph, trades prompt throughput for shorter gaps in the running streams). `prefix_reuse` False:
     no prompt takes another's blocks (each is prefilled whole): for an operator who does not want one user's prompt
     to shorten another's time to first token (a timing side channel), or to measure what caching buys."""
 
@@ -75,7 +77,7 @@ class BatchEngine:
         if prefill_chunk is not None and not 1 <= prefill_chunk <= runner.chunk_sizes[-1]:
             raise InferError(f"prefill_chunk {prefill_chunk} must be between 1 and the folder's largest chunk graph "
                              f"({runner.chunk_sizes[-1]} tokens)")
-        self.prefill_chunk = prefill_chunk or runner.chunk_sizes[0]
+        self.prefill_chunk = prefill_chunk or runner.chunk_sizes[-1]
         self.prefix_reuse = prefix_reuse
         self.max_queue = int(max_queue)
         self.slots: List[Optional[SlotRequest]] = [None] * self.rows

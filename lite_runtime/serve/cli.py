@@ -173,9 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_queue", type=int, default=64,
                    help="requests that may wait for a free row; past it, 503 with Retry-After (default: 64)")
     p.add_argument("--prefill_chunk", type=int, default=None,
-                   help="prompt tokens prefilled per engine step while other requests generate: what a running stream "
-                        "may wait for between two tokens when a long prompt arrives (default: the folder's smallest "
-                        "chunk graph, python -m export --chunk_sizes; at most its largest)")
+                   help="prompt tokens prefilled per engine step while other requests generate, the step's token "
+                        "budget (default: the folder's largest chunk graph, python -m export --chunk_sizes: prompt "
+                        "throughput and time to first token first, as vLLM and llama-server; a smaller one, down to "
+                        "the smallest chunk graph, shortens what a running stream waits between two tokens while a "
+                        "prompt goes in)")
     p.add_argument("--prefix_reuse", choices=("on", "off"), default="on",
                    help="on (default): prefix caching: a prompt whose leading full KV blocks some request computed "
                         "(a shared system prompt, a chat's previous turn; running or finished and not yet reused) "
