@@ -174,6 +174,16 @@ def quant_activations() -> Optional[str]:
     return None if lib is None else QUANT_ACTIVATIONS[lib.MsliteLlmSetQuantActivations(ctypes.c_int(-2))]
 
 
+def quant_form() -> Optional[str]:
+    """The quantized matmuls' decode form on this machine: "avx512_vnni" (the AVX-512 path on a CPU with VNNI), "avx2"
+    (AVX2, and AVX-512 without VNNI), "neon" or "generic"; None when the library was not built."""
+    lib = _library()
+    if lib is None:
+        return None
+    lib.MsliteLlmQuantForm.restype = ctypes.c_char_p
+    return lib.MsliteLlmQuantForm().decode()
+
+
 def isa() -> Optional[str]:
     """The code path the kernels run on this machine ("avx512", "avx2", "neon" or "generic": chosen when the library
     loads, from the CPU and MSLITE_LLM_CPU_KERNELS_ISA), or None when the library was not built."""

@@ -27,8 +27,9 @@
 // work (MIN_PARALLEL_WORK) runs on the caller alone.
 //
 // ISA: the dequantization and the dot products have an AVX2+FMA form (target attributes; the AVX2 and AVX-512 paths
-// of common.h's isa() run it) and a plain C++ one (elsewhere, or with MSLITE_LLM_CPU_KERNELS_ISA=generic, read at
-// load).
+// of common.h's isa() run it), the decode form also an AVX-512 VNNI one (vpdpwssd: the AVX-512 path on a CPU with
+// AVX512_VNNI, BW and VL; quant_form() names the one that runs), a NEON one and a plain C++ one (elsewhere, or with
+// MSLITE_LLM_CPU_KERNELS_ISA=generic; =avx2 holds an AVX-512 machine to the AVX2 forms), read at load.
 // The dequantized weights are bit-identical in both; the sums differ only in their order.
 //
 // Interface (MindSpore aot CPU): int F(int nparam, void** params, int* ndims, int64_t** shapes,
@@ -522,6 +523,146 @@ MSLLM_AVX2 void qrows_avx2(const float*, int64_t rows, const void* wv, const flo
   }
   add_group_constants_avx2(w, rows, y, ldy, o0, o1);
 }
+
+// ---- the decode form on AVX-512 with VNNI: a block of 32 weights in one register -------------------------------
+// The same integers, scales and order of float sums per block as the AVX2 form; vpdpwssd (AVX512_VNNI) multiplies the
+// block's 32 int16 pairs and adds them in pairs into 16 int32 lanes, exactly, in one instruction where AVX2 needs two
+// widenings, two vpmaddwd and an add. Chosen where the CPU has AVX512F, BW, VL and VNNI (kernel_form()).
+#define MSLLM_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+// the block's 32 weights as int16 (int4: the 16 even inputs, then the 16 odd ones, nibble ^ 8 as 0..15)
+template <bool INT4>
+MSLLM_AVX512_VNNI inline __m512i widen_vnni(const char* row, int64_t blk) {
+  if (INT4) {
+    const __m128i bytes = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + blk * (QBLOCK / 2))),
+                                        _mm_set1_epi8(char(0x88)));
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(bytes));  // [bytes, bytes] as int16
+    const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi16(15));
+    return _mm512_mask_srli_epi16(lo, __mmask32(0xFFFF0000u), v, 4);  // upper half: the high nibbles
+  }
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + blk * QBLOCK)));
+}
+
+// row xq's 32 int16 inputs of block blk, laid out as widen_vnni lays the weights
+template <bool INT4>
+MSLLM_AVX512_VNNI inline __m512i x_vnni(const int16_t* xq, int64_t k, int64_t blk) {
+  if (INT4) {
+    const int16_t* even = xq + blk * (QBLOCK / 2);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + k / 2)), 1);
+  }
+  return _mm512_loadu_si512(xq + blk * QBLOCK);
+}
+
+template <int R, int C, bool INT4, bool EXACT>
+MSLLM_AVX512_VNNI void qtile_vnni(const QuantWeight& w, int64_t m0, const int64_t* n, int cols, const float* b,
+                                  float* y, int64_t ldy) {
+  const PreparedX& x = *w.x;
+  const int64_t groups = w.k / w.group, per = w.group / QBLOCK;
+  const int64_t block_bytes = INT4 ? QBLOCK / 2 : QBLOCK, row_bytes = INT4 ? w.k / 2 : w.k;
+  const char* base = static_cast<const char*>(w.q);
+  const char* next = base + (n[C - 1] + 1 + (PREFETCH_TILES - 1) * C) * row_bytes;  // may run past W: a hint only
+  const char* row[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) row[c] = base + n[c] * row_bytes;
+  const int16_t* xq[R];
+  const float* bs[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) xq[r] = prepared_row(x, m0 + r), bs[r] = block_scales(x, m0 + r);
+  __m512 total[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m512 acc[R][C];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t blk = gi * per; blk < (gi + 1) * per; ++blk) {
+      const char* ahead = next + blk * C * block_bytes;
+#pragma GCC unroll 8
+      for (int64_t off = 0; off < C * block_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+      __m512i xv[R], xl[R];
+      __m512 sb[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        xv[r] = x_vnni<INT4>(xq[r], w.k, blk);
+        if (EXACT) xl[r] = x_vnni<INT4>(xq[r] + w.k, w.k, blk);
+        sb[r] = _mm512_set1_ps(bs[r][blk]);
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const __m512i v = widen_vnni<INT4>(row[c], blk);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          __m512 d = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), xv[r], v));
+          if (EXACT)
+            d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), xl[r], v)),
+                                _mm512_set1_ps(LOW_STEP), d);
+          acc[r][c] = _mm512_fmadd_ps(d, sb[r], acc[r][c]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m512 s = _mm512_set1_ps(w.scale[gi * w.n + n[c]]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) total[r][c] = _mm512_fmadd_ps(acc[r][c], s, total[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < cols; ++c) y[(m0 + r) * ldy + n[c]] = _mm512_reduce_add_ps(total[r][c]) + (b ? b[n[c]] : 0.f);
+}
+
+template <int R, int C, bool INT4, bool EXACT>
+MSLLM_AVX512_VNNI void qtiles_vnni(const QuantWeight& w, int64_t m0, const float* b, float* y, int64_t ldy, int64_t o0,
+                                   int64_t o1) {
+  for (int64_t o = o0; o < o1; o += C) {
+    const int cols = int(std::min<int64_t>(C, o1 - o));
+    int64_t n[C];
+    for (int c = 0; c < C; ++c) n[c] = o + std::min(c, cols - 1);
+    qtile_vnni<R, C, INT4, EXACT>(w, m0, n, cols, b, y, ldy);
+  }
+}
+
+// accumulators in the 32 zmm registers: 1 row of x by 8 weight rows, 2 by 4, 3 and 4 by 3 (R x C x 2 + R + 1)
+template <bool INT4, bool EXACT>
+MSLLM_AVX512_VNNI void qrows_vnni_t(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy,
+                                    int64_t o0, int64_t o1) {
+  for (int64_t m = 0; m < rows; m += 4) {
+    switch (std::min<int64_t>(4, rows - m)) {
+      case 1: qtiles_vnni<1, 8, INT4, EXACT>(w, m, b, y, ldy, o0, o1); break;
+      case 2: qtiles_vnni<2, 4, INT4, EXACT>(w, m, b, y, ldy, o0, o1); break;
+      case 3: qtiles_vnni<3, 3, INT4, EXACT>(w, m, b, y, ldy, o0, o1); break;
+      default: qtiles_vnni<4, 3, INT4, EXACT>(w, m, b, y, ldy, o0, o1); break;
+    }
+  }
+}
+
+MSLLM_AVX512_VNNI void qrows_vnni(const float*, int64_t rows, const void* wv, const float* b, int64_t, float* y,
+                                  int64_t ldy, int64_t o0, int64_t o1) {
+  const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
+  if (!w.x->int16) return qrows_float(w, rows, b, y, ldy, o0, o1);
+  if (w.x->exact) {
+    if (w.int4)
+      qrows_vnni_t<true, true>(w, rows, b, y, ldy, o0, o1);
+    else
+      qrows_vnni_t<false, true>(w, rows, b, y, ldy, o0, o1);
+  } else if (w.int4) {
+    qrows_vnni_t<true, false>(w, rows, b, y, ldy, o0, o1);
+  } else {
+    qrows_vnni_t<false, false>(w, rows, b, y, ldy, o0, o1);
+  }
+  add_group_constants_avx2(w, rows, y, ldy, o0, o1);
+}
+
+bool cpu_has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni");
+}
 #endif
 
 #ifdef MSLLM_NEON
@@ -597,25 +738,35 @@ struct Kernels {
   DequantFn dequant;
   DotsFn dots;
   RowsFn rows;  // the decode form (below)
+  const char* form;  // the decode form's name (kernel_form)
 };
 
 Kernels pick_kernels() {
   switch (isa()) {
 #ifdef MSLLM_X86
-    case ISA_AVX512:  // the AVX2 forms: no AVX-512 ones (this project's machine has no AVX-512 to test them on)
+    case ISA_AVX512:  // the decode form with VNNI where the CPU has it; the prompt's forms are AVX2's
+      if (cpu_has_vnni()) return {dequant_avx2, dots_avx2, qrows_vnni, "avx512_vnni"};
+      return {dequant_avx2, dots_avx2, qrows_avx2, "avx2"};
     case ISA_AVX2:
-      return {dequant_avx2, dots_avx2, qrows_avx2};
+      return {dequant_avx2, dots_avx2, qrows_avx2, "avx2"};
 #endif
 #ifdef MSLLM_NEON
     case ISA_NEON:
-      return {dequant_generic, dots_generic, qrows_neon};
+      return {dequant_generic, dots_generic, qrows_neon, "neon"};
 #endif
     default:
-      return {dequant_generic, dots_generic, qrows_generic};
+      return {dequant_generic, dots_generic, qrows_generic, "generic"};
   }
 }
 
 const Kernels g_kernels = pick_kernels();
+
+}  // namespace
+
+// the quantized decode form this machine runs: "avx512_vnni", "avx2", "neon" or "generic"
+const char* quant_form() { return g_kernels.form; }
+
+namespace {
 
 // ---- the matmul ----------------------------------------------------------------------------------
 

@@ -66,6 +66,8 @@ constexpr int64_t QUANT_ROWS_MAX = 16;
 enum Activations { ACTIVATIONS_INT16 = 0, ACTIVATIONS_EXACT = 1 };
 int quant_activations();
 void set_quant_activations(int mode);  // a negative mode: the default (the environment's, else int16)
+// the quantized decode form this machine runs: "avx512_vnni", "avx2", "neon" or "generic"
+const char* quant_form();
 
 // W's rows [n0, n0 + rows) over the inputs [k0, k0 + kc), as float32 (q + offset) * scale: dst[r * ld + i] (k0 and
 // kc even for int4). What matmul16.cc's GEMM packs for the prompt's matmuls.

@@ -174,6 +174,9 @@ int MsliteLlmProfile(int64_t* calls, int64_t* ns, int reset) {
 // The code path this machine runs, for every family: "avx512", "avx2" (AVX2 + FMA + F16C), "neon" or "generic".
 const char* MsliteLlmIsa() { return isa_name(isa()); }
 
+// The quantized matmuls' decode form: "avx512_vnni" (AVX-512 with VNNI), "avx2", "neon" or "generic".
+const char* MsliteLlmQuantForm() { return quant_form(); }
+
 // Threads the kernels use; 0 restores the default (the machine's cores). The runtime passes its CPU thread count.
 void MsliteLlmSetThreads(int threads) { set_threads(threads); }
 

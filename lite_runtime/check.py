@@ -93,12 +93,15 @@ class Report:
                 "export from its own arithmetic (golden.json 'limits')")
 
     def form_line(self) -> str:
-        """Which graph form ran, and what was substituted: the stand-ins prove the wiring, not Ascend's kernels."""
+        """Which graph form ran, and what was substituted: the stand-ins prove the wiring, not Ascend's kernels; on
+        the CPU, which code path of the kernels ran (ISA, and the quantized matmuls' decode form)."""
         ops = describe(self.standins)
+        path = self.info.get("cpu_kernels_path")
+        kernels = f"; CPU kernels: {path}" if path else ""
         if ops is None:
-            return f"graph form: {self.graph}"
-        return (f"graph form: {self.graph}; Ascend's fused operators ran as CPU stand-ins ({ops}): this proves "
-                "the graphs' wiring, not Ascend's kernels; run check on the device for those")
+            return f"graph form: {self.graph}{kernels}"
+        return (f"graph form: {self.graph}; Ascend's fused operators ran as CPU stand-ins ({ops}): this proves the "
+                f"graphs' wiring, not Ascend's kernels; run check on the device for those{kernels}")
 
     @property
     def passed(self) -> bool:
@@ -229,6 +232,10 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
             info["ge_config"] = fh.read()
     except OSError:
         pass
+    path = kernels_path(generator.backend_name, folder) if folder.infer.get("cpu_kernels") or \
+        generator.backend.standins else None
+    if path:
+        info["cpu_kernels_path"] = path
     standins = dict(generator.backend.standins)
     info["standins"] = standins
     info["kv_cache"] = generator.runner.pool_plan.line() + "; every replay's block tables shuffled (not contiguous)"
@@ -237,6 +244,23 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
     return Report(name=folder.name, backend=generator.backend_name, dtype=config.compute_dtype, tolerance=tolerance,
                   reference=reference.source, rows=rows, info=info, graph=folder.graph_form, standins=standins,
                   fast=None if limits is None else limits["int16"])
+
+
+def kernels_path(backend: str, folder) -> Optional[str]:
+    """The CPU kernels' code path that ran ("avx512, quantized decode avx512_vnni"), None when none of them did (the
+    mslite backend, a folder without them)."""
+    if backend != "ms":
+        return None
+    try:
+        import cpu_kernels
+    except ImportError:
+        return None
+    isa = cpu_kernels.isa()
+    if isa is None:
+        return None
+    if folder.quantization is not None:
+        return f"{isa}, quantized decode {cpu_kernels.quant_form()}"
+    return isa
 
 
 FAST_SUFFIX = "@int16"  # the graph label's end of the fast path's replay rows

@@ -425,6 +425,34 @@ def test_the_plain_cpp_path_gives_the_same_answers():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def test_the_avx2_path_gives_the_same_answers():
+    """MSLITE_LLM_CPU_KERNELS_ISA=avx2 (an AVX2 machine, and the AVX-512 one without VNNI), in a new process: the
+    quantized decode form is AVX2's; the default on an AVX-512 VNNI CPU is avx512_vnni (each path tested here)."""
+    if cpu_kernels.isa() not in ("avx2", "avx512"):
+        pytest.skip(f"not an x86 machine with AVX2 (path {cpu_kernels.isa()})")
+    script = textwrap.dedent("""
+        import sys
+        import cpu_kernels, test_quant_kernels as t
+        if (cpu_kernels.isa(), cpu_kernels.quant_form()) != ("avx2", "avx2"):
+            sys.exit(f"path {cpu_kernels.isa()} {cpu_kernels.quant_form()}")
+        t.matmul_case_results()
+        t.exact_activation_cases()
+    """)
+    env = dict(os.environ, MSLITE_LLM_CPU_KERNELS_ISA="avx2",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_quantized_decode_form_is_named_by_the_cpu():
+    """cpu_kernels.quant_form(): avx512_vnni on an AVX-512 CPU with VNNI (BW, VL), avx2 on other x86 CPUs."""
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    want = {"avx512": "avx512_vnni" if {"avx512bw", "avx512vl", "avx512_vnni"} <= set(flags) else "avx2",
+            "avx2": "avx2", "neon": "neon", "generic": "generic"}[cpu_kernels.isa()]
+    assert cpu_kernels.quant_form() == want
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_the_full_graphs_form_computes_only_each_rows_prompt(bits):
     """MsliteLlmQuantMatmul[Offset]Valid (the full graph's form, as MsliteLlmGemmValid): x holds B rows of n tokens and
