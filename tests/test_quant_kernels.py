@@ -405,9 +405,19 @@ def test_exact_activations_are_float32s_arithmetic():
     exact_activation_cases()
 
 
+def run_on_path(isa: str, script: str) -> None:
+    """`script` (this module importable as `t`) in a new process whose kernels load with MSLITE_LLM_CPU_KERNELS_ISA=isa
+    (the path is chosen when the library loads); fails with its stderr when it exits non-zero."""
+    env = dict(os.environ, MSLITE_LLM_CPU_KERNELS_ISA=isa,
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_the_plain_cpp_path_gives_the_same_answers():
     """MSLITE_LLM_CPU_KERNELS_ISA=generic (machines without AVX2/FMA), in a new process."""
-    script = textwrap.dedent("""
+    run_on_path("generic", """
         import ctypes, sys
         import cpu_kernels, test_quant_kernels as t
         lib = ctypes.CDLL(cpu_kernels.library_path())
@@ -418,11 +428,6 @@ def test_the_plain_cpp_path_gives_the_same_answers():
         t.test_standin_rounds_the_dequantized_weight_to_the_activation_dtype("bfloat16")
         t.exact_activation_cases()
     """)
-    env = dict(os.environ, MSLITE_LLM_CPU_KERNELS_ISA="generic",
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_the_avx2_path_gives_the_same_answers():
@@ -430,7 +435,7 @@ def test_the_avx2_path_gives_the_same_answers():
     quantized decode form is AVX2's; the default on an AVX-512 VNNI CPU is avx512_vnni (each path tested here)."""
     if cpu_kernels.isa() not in ("avx2", "avx512"):
         pytest.skip(f"not an x86 machine with AVX2 (path {cpu_kernels.isa()})")
-    script = textwrap.dedent("""
+    run_on_path("avx2", """
         import sys
         import cpu_kernels, test_quant_kernels as t
         if (cpu_kernels.isa(), cpu_kernels.quant_form()) != ("avx2", "avx2"):
@@ -438,11 +443,6 @@ def test_the_avx2_path_gives_the_same_answers():
         t.matmul_case_results()
         t.exact_activation_cases()
     """)
-    env = dict(os.environ, MSLITE_LLM_CPU_KERNELS_ISA="avx2",
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_the_quantized_decode_form_is_named_by_the_cpu():
