@@ -158,8 +158,9 @@ ISA_FLAGS = {
 
 
 # the tools build_tool() builds: llama-bench for the speed columns, llama-perplexity / llama-quantize / llama-tokenize
-# for benchmarks/perplexity.py, llama-server for benchmarks/bench_paged_serve.py
-TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-tokenize", "llama-server")
+# for benchmarks/perplexity.py, llama-server for benchmarks/bench_paged_serve.py, llama-batched-bench for
+# benchmarks/bench_rows.py
+TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-tokenize", "llama-server", "llama-batched-bench")
 
 
 def build_tool(src: str, target: str = "llama-bench", isa: str = "native") -> str:

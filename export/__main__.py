@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "position of their piece, for speculative decoding (a verify of up to size - 1 draft "
                         "tokens), prompt logprobs (echo) and python -m lite_runtime.perplexity. auto (default): 8,128 "
                         "on cpu, 256 on Atlas, at most --seq_length; none: no score graph")
+    p.add_argument("--step_rows", default="auto",
+                   help="rows of extra inc graphs, comma-separated, each fewer than --batch_size: a decode step of n "
+                        "sequences runs the inc graph of the fewest rows that hold them, so its kernels compute only "
+                        "those (one sequence on a batch-16 folder decodes at a batch-1 folder's pace). auto "
+                        "(default): 1, 2, 4, ... below --batch_size on cpu, none on Atlas (GE compiles each graph "
+                        "for minutes); none: only the --batch_size inc graph")
     p.add_argument("--cpu_kernels", choices=("auto", "on", "off"), default="auto",
                    help="--device cpu, float32: run the decode step's matmuls with mslite-llm's own multi-threaded "
                         "GEMV kernel (built at pip install) instead of MindSpore's MatMul: about 1.2x the decode "
@@ -148,7 +154,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                            prefill_buckets=parse_sizes(args.prefill_buckets, "--prefill_buckets"), cpu_kernels=args.cpu_kernels,
                            tp_size=args.tp_size, graph=None if args.graph == "auto" else args.graph,
                            chunk_sizes=parse_sizes(args.chunk_sizes, "--chunk_sizes"),
-                           score_sizes=parse_sizes(args.score_sizes, "--score_sizes"), quantize=args.quantize,
+                           score_sizes=parse_sizes(args.score_sizes, "--score_sizes"),
+                           step_rows=parse_sizes(args.step_rows, "--step_rows"), quantize=args.quantize,
                            group_size=args.group_size, quantize_tables=args.quantize_tables,
                            block_size=args.block_size)
         # the bars are drawn on a terminal only; piped, each stage is one plain line instead (-v logs them already)

@@ -279,6 +279,9 @@ class ExportConfig:
     # a quantized folder's embedding and head (export/quantize.py resolve_tables): auto (as an imported checkpoint holds
     # them; int8 per row with --quantize), none (float), int8
     quantize_tables: str = "auto"
+    # rows of the extra inc graphs (fewer than batch_size: a decode step of few sequences computes only theirs); None:
+    # the profile's (export/devices.py default_step_rows); (): none
+    step_rows: Optional[Tuple[int, ...]] = None
     # positions per block of the paged KV cache (every graph reads and writes it through block tables); None: the
     # device profile's (export/devices.py block_size)
     block_size: Optional[int] = None
@@ -337,6 +340,10 @@ class ExportConfig:
             if not 1 <= size <= self.seq_length:
                 raise ExportError(f"--score_sizes: {size} must be between 1 and --seq_length {self.seq_length} (or "
                                   "none: no score graph, a folder without speculative decoding and prompt logprobs)")
+        for rows in self.step_rows or ():
+            if not 1 <= rows < self.batch_size:
+                raise ExportError(f"--step_rows: {rows} must be between 1 and --batch_size - 1 ({self.batch_size - 1}); "
+                                  "the inc graph of batch_size rows is always exported")
         for bucket in self.prefill_buckets or ():
             if not 1 <= bucket < self.seq_length:
                 raise ExportError(f"--prefill_buckets: {bucket} must be between 1 and --seq_length - 1 "

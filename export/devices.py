@@ -126,6 +126,26 @@ def default_chunks(profile: DeviceProfile, seq_length: int, dtype: str) -> Tuple
     return tuple(sorted({min(c, seq_length) for c in sizes}))
 
 
+def default_step_rows(profile: DeviceProfile, batch_size: int) -> Tuple[int, ...]:
+    """Rows of the extra inc graphs an export gets without --step_rows: on cpu 1, 2, 4, ... below batch_size; on
+    Atlas none.
+
+    The inc graph computes every row it was exported with; a step of n live sequences runs the inc graph of the
+    fewest rows >= n (lite_runtime/engine/runner.py ModelRunner.step), so one sequence on a batch-16 folder decodes at
+    a batch-1 folder's pace (docs/performance-log.md 34). The graphs share the weights file and the KV pool: each
+    costs its compile (seconds, on first use) and its file (kilobytes). Powers of two waste at most half the rows a
+    step computes. Atlas: none by default, because GE compiles every loaded graph for minutes and the NPU's
+    arithmetic makes an idle row nearly free in a memory-bound step (not measured: no device); --step_rows sets them.
+    """
+    if profile.name != "cpu":
+        return ()
+    rows, out = 1, []
+    while rows < batch_size:
+        out.append(rows)
+        rows *= 2
+    return tuple(out)
+
+
 def default_scores(profile: DeviceProfile, seq_length: int) -> Tuple[int, ...]:
     """Tokens of the score graphs an export gets without --score_sizes: the profile's, at most seq_length.
 

@@ -27,15 +27,18 @@ class CompiledGraph:
     role: str
     tokens: int
     proto: Any  # mind_ir_pb2.ModelProto, parameters without data
+    rows: Optional[int] = None  # an inc graph of fewer rows than batch_size; None: batch_size
 
 
-def graph_plan(cfg: ExportConfig) -> List[Tuple[str, int]]:
-    """(role, tokens) of every graph of one rank: a prefill graph per bucket and seq_length, the inc graph, a
-    chunk graph per chunk size (a decode step and one row's prompt piece at an offset, for lite_runtime.serve), and a
-    score graph per score size (the chunk graph returning every position of its piece)."""
+def graph_plan(cfg: ExportConfig) -> List[Tuple[str, int, Optional[int]]]:
+    """(role, tokens, rows) of every graph of one rank: a prefill graph per bucket and seq_length, the inc graph, an
+    inc graph per --step_rows (rows; None: batch_size), a chunk graph per chunk size (a decode step and one row's
+    prompt piece at an offset, for lite_runtime.serve), and a score graph per score size (the chunk graph returning
+    every position of its piece)."""
     buckets = sorted(set(cfg.prefill_buckets or ()) | {cfg.seq_length})
-    return [("prefill", n) for n in buckets] + [("inc", 1)] + [("chunk", n) for n in cfg.chunk_sizes or ()] + \
-        [("score", n) for n in cfg.score_sizes or ()]
+    return [("prefill", n, None) for n in buckets] + [("inc", 1, None)] + \
+        [("inc", 1, r) for r in cfg.step_rows or ()] + [("chunk", n, None) for n in cfg.chunk_sizes or ()] + \
+        [("score", n, None) for n in cfg.score_sizes or ()]
 
 
 class Network:
@@ -69,7 +72,7 @@ class Network:
                  "Int8": "int8", "UInt8": "uint8", "Int4": "qint4x2"}
         return {p.name: (tuple(p.shape), names[str(p.dtype)]) for p in self.net.get_parameters()}
 
-    def compile(self, role: str, tokens: int) -> CompiledGraph:
+    def compile(self, role: str, tokens: int, rows: Optional[int] = None) -> CompiledGraph:
         """Compile one graph and take its proto, as mindspore.export does before it writes any data."""
         import numpy as np
 
@@ -90,7 +93,8 @@ class Network:
         # no page of which is touched for most dtypes, but qint4x2 zeros are written (a 7B int4 network: 3.3 GiB,
         # measured 2026-11-26). The proto holds no data either way, so the graph cell initializes none.
         cell.init_parameters_data = lambda *args, **kwargs: {}
-        rows, blocks = self.cfg.batch_size, self.net.max_blocks
+        step_rows, blocks = rows, self.net.max_blocks
+        rows = self.cfg.batch_size if rows is None else rows  # the graph's rows: every shape follows its inputs
         piece = role in ("chunk", "score")
         n = 1 if piece else tokens
         args = [ms.Tensor(np.zeros((rows, n), np.int32)),
@@ -112,7 +116,7 @@ class Network:
             if param.raw_data or param.external_data.location:
                 raise ExportError(f"MindSpore {ms.__version__} put parameter data into the {role} graph's proto; "
                                   "export needs 2.7 to 2.10: pip install 'mindspore>=2.7,<2.11'")
-        return CompiledGraph(role, tokens, proto)
+        return CompiledGraph(role, tokens, proto, step_rows)
 
 
 def compile_graphs(cfg: ExportConfig, network: Network,
@@ -122,8 +126,8 @@ def compile_graphs(cfg: ExportConfig, network: Network,
 
     graphs = []
     with MINDSPORE_LOCK:
-        for role, tokens in graph_plan(cfg):
-            graphs.append(network.compile(role, tokens))
+        for role, tokens, rows in graph_plan(cfg):
+            graphs.append(network.compile(role, tokens, rows))
             if progress is not None:
                 progress(1)
     return graphs
@@ -135,7 +139,7 @@ def write_graph(folder: str, cfg: ExportConfig, graph: CompiledGraph, rank: int,
     export/weights_file.Layout), written, and its manifest entry returned. The specs are read from the very proto
     written."""
     tp = cfg.tp_size
-    file = graph_file(rank_name(cfg.name, rank, tp), graph.role, graph.tokens, cfg.seq_length)
+    file = graph_file(rank_name(cfg.name, rank, tp), graph.role, graph.tokens, cfg.seq_length, graph.rows)
     for param in graph.proto.graph.parameter:
         name = param.name.rsplit(":", 1)[-1]
         if is_kv_cache(name):  # the pool: no data in the folder, sized and allocated by the runtime at load
@@ -153,7 +157,8 @@ def write_graph(folder: str, cfg: ExportConfig, graph: CompiledGraph, rank: int,
     with open(os.path.join(folder, file), "wb") as fh:
         fh.write(graph.proto.SerializeToString())
     inputs, outputs = mindir_specs(graph.proto)
-    return GraphEntry(graph.role, file, layout.location, graph.tokens, inputs, outputs, rank=rank if tp > 1 else None)
+    return GraphEntry(graph.role, file, layout.location, graph.tokens, inputs, outputs, rank=rank if tp > 1 else None,
+                      rows=graph.rows)
 
 
 def _type_name(data_type: int) -> str:

@@ -28,7 +28,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from tqdm import tqdm
 
 from export.config import ExportConfig, ModelConfig
-from export.devices import default_buckets, default_chunks, default_scores, get_profile, graph_form, usage_lines
+from export.devices import (default_buckets, default_chunks, default_scores, default_step_rows, get_profile, graph_form,
+                            usage_lines)
 from export.errors import ExportError
 from export import folder as checkpoint_files
 from lite_runtime.memory import anon_bytes
@@ -153,6 +154,9 @@ def resolve(cfg: ExportConfig, model_cfg: ModelConfig) -> ExportConfig:
         buckets = default_buckets(profile, cfg.seq_length)
     graph = graph_form(profile, cfg.dtype, cfg.graph, model_cfg.head_dim, model_cfg.kv_groups)
     chunks, scores = cfg.chunk_sizes, cfg.score_sizes
+    steps = cfg.step_rows
+    if steps is None:  # tensor-parallel folders: none by default, as they have no chunk graphs (the server's)
+        steps = default_step_rows(profile, cfg.batch_size) if cfg.tp_size == 1 else ()
     if cfg.tp_size > 1:  # the server does not serve tensor-parallel folders (lite_runtime/serve/cli.py)
         chunks = scores = ()
     else:
@@ -161,7 +165,7 @@ def resolve(cfg: ExportConfig, model_cfg: ModelConfig) -> ExportConfig:
         if scores is None:
             scores = default_scores(profile, cfg.seq_length)
     return dataclasses.replace(cfg, prefill_buckets=buckets, graph=graph, chunk_sizes=chunks, score_sizes=scores,
-                               block_size=cfg.block_size or profile.block_size)
+                               step_rows=tuple(sorted(set(steps))), block_size=cfg.block_size or profile.block_size)
 
 
 # what each stage does, in order, for a person watching (run_export's on_stage)
@@ -406,7 +410,7 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
     ids = checkpoint_files.special_token_ids(cfg.checkpoint, model_cfg.eos_token_id)
     rank0 = [e for e in entries if not e.rank]  # each rank loads its own (lite_runtime.folder)
     full = next(e for e in rank0 if e.role == "prefill" and e.tokens == cfg.seq_length)
-    inc = next(e for e in rank0 if e.role == "inc")
+    inc = next(e for e in rank0 if e.role == "inc" and e.rows is None)
     infer = InferSection(model_name=model_cfg.model_type, seq_length=cfg.seq_length, batch_size=cfg.batch_size,
                          dtype=cfg.dtype, compute_dtype=cfg.compute_dtype, device=profile.name, soc=profile.soc,
                          vocab_size=model_cfg.vocab_size, eos_token_id=ids["eos_token_id"],

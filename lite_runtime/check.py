@@ -23,6 +23,7 @@ from lite_runtime.backends import CHOICES, mslite_importable
 from lite_runtime.backends.standins import describe
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError
+from lite_runtime.folder import graph_rows
 from lite_runtime.golden import (TOLERANCES, Reference, RowResult, Tolerance, folder_limits, load_golden, replay,
                                  replay_chunks, replay_scores, tolerance_for)
 from lite_runtime.versions import environment
@@ -102,6 +103,13 @@ class Report:
             return f"graph form: {self.graph}{kernels}"
         return (f"graph form: {self.graph}; Ascend's fused operators ran as CPU stand-ins ({ops}): this proves the "
                 f"graphs' wiring, not Ascend's kernels; run check on the device for those{kernels}")
+
+    def step_graphs_line(self) -> str:
+        """How many decode calls each inc graph ran: the replays take them in turn, so each is proved."""
+        steps = self.info.get("step_graphs") or {}
+        return "decode calls by inc graph (rows): " + ", ".join(
+            f"{k} ({k.split('_')[1] if '_' in k else self.info.get('folder', {}).get('batch_size')}): {n}"
+            for k, n in steps.items())
 
     @property
     def passed(self) -> bool:
@@ -210,6 +218,8 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
     generator = pipeline("text_generation", model=config, backend=backend)
     loaded = time.perf_counter() - start
     exact = quantized_cpu and (limits is not None or not golden)  # against golden's tight limit, or HF's float32
+    runner = generator.runner
+    runner.cycle_step_graphs, runner.step_counts = True, {}  # every inc graph takes its turn at the decode steps
     with _activations("exact" if exact else None):
         rows = replay(generator, reference, tolerance, progress=progress)
         if slots:
@@ -222,6 +232,12 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
         for r in fast:
             r.graph += FAST_SUFFIX
         rows += fast
+    runner.cycle_step_graphs = False
+    unproved = [k for k in runner.step_graphs.values() if not runner.step_counts.get(k)]
+    if unproved and rows:  # no step fitted them (more rows than any replay steps): say so in a row of its own
+        gap = RowResult(len(rows), "+".join(unproved), 0)
+        gap.failures.append(f"no decode step of the replays ran the inc graph(s) {', '.join(unproved)}")
+        rows.append(gap)
     info = {"environment": environment(generator.backend_name), "exported_with": folder.exported_with,
             "folder": {k: folder.infer.get(k) for k in ("device", "soc", "dtype", "seq_length", "batch_size",
                                                         "prefill_buckets", "chunk_sizes", "score_sizes", "cpu_kernels", "tp_size",
@@ -239,6 +255,7 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
     standins = dict(generator.backend.standins)
     info["standins"] = standins
     info["kv_cache"] = generator.runner.pool_plan.line() + "; every replay's block tables shuffled (not contiguous)"
+    info["step_graphs"] = dict(sorted(runner.step_counts.items(), key=lambda kv: graph_rows(kv[0], runner.batch_size)))
     if exact:
         info["quant_activations"] = {"replays": "exact", **({"fast replay": "int16"} if limits else {})}
     return Report(name=folder.name, backend=generator.backend_name, dtype=config.compute_dtype, tolerance=tolerance,
@@ -291,6 +308,8 @@ def print_report(report: Report, out=None) -> None:
         print(report.activations_line(), file=out)
     if report.info.get("kv_cache"):
         print(report.info["kv_cache"], file=out)
+    if len(report.info.get("step_graphs") or ()) > 1:
+        print(report.step_graphs_line(), file=out)
     print(report.verdict(), file=out)
 
 

@@ -108,8 +108,8 @@ class InferConfig:
         return self.folder.tp_size if self.folder is not None else 1
 
     def graph_paths(self) -> Dict[str, str]:
-        """Every graph to load, by key (`prefill_<tokens>`, `inc`, `chunk_<tokens>`): the prefill graphs longest first
-        (unless prefill_graphs is off), inc, then (with chunk_graphs) the chunk graphs, then the score graphs (every
+        """Every graph to load, by key (`prefill_<tokens>`, `inc`, `inc_<rows>`, `chunk_<tokens>`): the prefill graphs
+        longest first (unless prefill_graphs is off), inc, the inc graphs of fewer rows, then (with chunk_graphs) the chunk graphs, then the score graphs (every
         position's logits: speculative decoding, prompt logprobs, perplexity), which the ms backend compiles only
         when first used."""
         if self.folder is not None:
@@ -124,7 +124,9 @@ class InferConfig:
         chunks = longest_first("chunk") if self.chunk_graphs else []
         scores = longest_first("score")[::-1] if self.score_graphs else []
         prefills = longest_first("prefill") if self.prefill_graphs else []
-        return {k: paths[k] for k in prefills + ["inc"] + chunks + scores}
+        # the inc graphs of fewer rows (a step of few sequences computes theirs only), fewest first
+        steps = sorted((k for k in paths if graph_role(k) == "inc" and k != "inc"), key=lambda k: int(k.split("_")[1]))
+        return {k: paths[k] for k in prefills + ["inc"] + steps + chunks + scores}
 
     def validate(self) -> None:
         if not self.compute_dtype:

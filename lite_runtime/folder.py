@@ -111,6 +111,7 @@ class GraphSpec:
     tokens: int
     inputs: tuple  # of TensorSpec, in graph order
     outputs: tuple
+    rows: Optional[int] = None  # an inc graph of fewer rows than batch_size (graph_key); None: batch_size
 
 
 @dataclass(frozen=True)
@@ -180,9 +181,12 @@ def rank_name(name: str, rank: int, tp_size: int) -> str:
     return f"{name}_rank{rank}" if tp_size > 1 else name
 
 
-def graph_file(name: str, role: str, tokens: int, seq_length: int) -> str:
+def graph_file(name: str, role: str, tokens: int, seq_length: int, rows: Optional[int] = None) -> str:
     """`<name>_prefill_graph.mindir` (the seq_length graph), `<name>_prefill_<tokens>_graph.mindir` (a bucket),
-    `<name>_inc_graph.mindir`; the chunk graph likewise `<name>_chunk[_<tokens>]_graph.mindir`."""
+    `<name>_inc_graph.mindir` (and `<name>_inc_<rows>rows_graph.mindir`, an inc graph of fewer rows); the chunk graph
+    likewise `<name>_chunk[_<tokens>]_graph.mindir`."""
+    if role == "inc" and rows is not None:
+        return f"{name}_inc_{rows}rows_graph.mindir"
     prefix = f"{name}_{role}" if role == "inc" or tokens == seq_length else f"{name}_{role}_{tokens}"
     return prefix + "_graph.mindir"
 
@@ -192,11 +196,15 @@ def data_location(name: str) -> str:
     return f"{name}_variables/data_0"
 
 
-def graph_key(role: str, tokens: int) -> str:
-    """`prefill_<tokens>` for each full graph (one per prompt-length bucket), `inc` for the incremental one,
-    `chunk_<tokens>` for the chunk graph (one row's prompt piece at an offset: continuous batching), `score_<tokens>`
-    for the score graph (the chunk graph returning every position of its piece)."""
-    return "inc" if role == "inc" else f"{role}_{tokens}"
+def graph_key(role: str, tokens: int, rows: Optional[int] = None) -> str:
+    """`prefill_<tokens>` for each full graph (one per prompt-length bucket), `inc` for the incremental one (and
+    `inc_<rows>` for an inc graph of fewer rows than batch_size: a decode step of few sequences computes only theirs,
+    docs/architecture.md "Step graphs of fewer rows"), `chunk_<tokens>` for the chunk graph (one row's prompt piece
+    at an offset: continuous batching), `score_<tokens>` for the score graph (the chunk graph returning every
+    position of its piece)."""
+    if role == "inc":
+        return "inc" if rows is None else f"inc_{int(rows)}"
+    return f"{role}_{tokens}"
 
 
 def graph_role(key: str) -> str:
@@ -205,8 +213,13 @@ def graph_role(key: str) -> str:
 
 
 def graph_tokens(key: str) -> int:
-    """Tokens per row of the graph `key` (the inverse of graph_key): 1 for `inc`."""
-    return 1 if key == "inc" else int(key.split("_", 1)[1])
+    """Tokens per row of the graph `key` (the inverse of graph_key): 1 for every inc graph."""
+    return 1 if graph_role(key) == "inc" else int(key.split("_", 1)[1])
+
+
+def graph_rows(key: str, batch_size: int) -> int:
+    """Rows of the graph `key`: an `inc_<rows>` graph's, else the folder's batch_size."""
+    return int(key.split("_", 1)[1]) if graph_role(key) == "inc" and "_" in key else int(batch_size)
 
 
 # MindIR TensorProto data types -> the dtype names of TensorSpec (and of the manifest)
@@ -366,13 +379,17 @@ def _graphs(path: str, manifest: Dict[str, Any]) -> Dict[str, GraphSpec]:
     where = os.path.join(path, MANIFEST)
     for raw in manifest["graphs"]:
         role, tokens = raw["role"], int(raw["tokens"])
-        key = graph_key(role, tokens)
+        rows = raw.get("rows")
+        if rows is not None and (role != "inc" or not isinstance(rows, int) or rows < 1):
+            raise ModelFolderError(f"{where}: graph {raw.get('file')!r} has rows {rows!r}; only an inc graph has "
+                                   "rows (a positive count); re-export the folder")
+        key = graph_key(role, tokens, rows)
         if role not in ROLES or key in graphs:
             raise ModelFolderError(f"{where}: unexpected or repeated graph {raw.get('file')!r} ({role}, {tokens} "
                                    "tokens); re-export the folder")
         graphs[key] = GraphSpec(role=role, path=os.path.join(os.path.abspath(path), raw["file"]), tokens=tokens,
                                 inputs=tuple(TensorSpec.from_dict(t) for t in raw["inputs"]),
-                                outputs=tuple(TensorSpec.from_dict(t) for t in raw["outputs"]))
+                                outputs=tuple(TensorSpec.from_dict(t) for t in raw["outputs"]), rows=rows)
     missing = [r for r in REQUIRED_ROLES if not any(g.role == r for g in graphs.values())]
     if missing:
         raise ModelFolderError(f"{where}: no {' and no '.join(missing)} graph; re-export the folder")
@@ -397,7 +414,10 @@ def _check_specs_against_yaml(folder: ModelFolder) -> None:
         raise ModelFolderError(f"{folder.yaml_path}: infer.kv_cache's {cache.max_blocks} blocks of {cache.block_size} "
                                f"do not hold seq_length {s}; re-export the folder")
     for key, spec in folder.graphs.items():
-        rows = b
+        rows = b if spec.rows is None else spec.rows
+        if rows > b:
+            raise ModelFolderError(f"{folder.yaml_path}: the inc graph {os.path.basename(spec.path)} has {rows} rows, "
+                                   f"more than batch_size {b}; re-export the folder")
         piece = spec.role in ("chunk", "score")
         n = 1 if piece else spec.tokens
         for t in spec.inputs:

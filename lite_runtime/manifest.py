@@ -25,10 +25,13 @@ class GraphEntry:
     inputs: tuple  # of TensorSpec, in graph order
     outputs: tuple
     rank: Optional[int] = None  # tensor-parallel folders only
+    rows: Optional[int] = None  # an inc graph of fewer rows than batch_size (lite_runtime/folder.py graph_key)
 
     def to_dict(self) -> Dict[str, Any]:
         entry: Dict[str, Any] = {"role": self.role, "file": self.file, "variables": self.variables,
                                  "tokens": self.tokens}
+        if self.rows is not None:
+            entry["rows"] = self.rows
         if self.rank is not None:
             entry["rank"] = self.rank
         entry["inputs"] = [t.to_dict() for t in self.inputs]

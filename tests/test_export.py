@@ -47,7 +47,8 @@ def graph_cells(folder: str, work: str):
     from mindspore import nn
 
     with open(os.path.join(folder, "manifest.json")) as fh:
-        graphs = sorted(json.load(fh)["graphs"], key=lambda g: (g["role"] != "prefill", -g["tokens"]))
+        graphs = sorted((g for g in json.load(fh)["graphs"] if not g.get("rows")),  # the batch_size graphs
+                        key=lambda g: (g["role"] != "prefill", -g["tokens"]))
     with open(os.path.join(folder, manifest_yaml(folder))) as fh:
         seq_length = yaml.safe_load(fh)["infer"]["seq_length"]
     cells = tuple(nn.GraphCell(ms.load(with_local_kernels(folder, g["file"], work))) for g in (graphs[0], graphs[-1]))
@@ -105,7 +106,8 @@ def test_folder_contents_and_manifest(exported):
     folder = exported["gqa_tied"]
     files = sorted(os.path.relpath(os.path.join(r, f), folder) for r, _, fs in os.walk(folder) for f in fs)
     assert files == sorted([
-        "gqa_tied.yaml", "gqa_tied_prefill_graph.mindir", "gqa_tied_inc_graph.mindir", "gqa_tied_chunk_8_graph.mindir",
+        "gqa_tied.yaml", "gqa_tied_prefill_graph.mindir", "gqa_tied_inc_graph.mindir", "gqa_tied_inc_1rows_graph.mindir",
+        "gqa_tied_chunk_8_graph.mindir",
         "gqa_tied_chunk_graph.mindir", "gqa_tied_score_8_graph.mindir", "gqa_tied_score_graph.mindir",
         "gqa_tied_variables/data_0",
         "config.ini", "manifest.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -119,7 +121,7 @@ def test_folder_contents_and_manifest(exported):
         with open(os.path.join(folder, rel), "rb") as fh:
             data = fh.read()
         assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}, rel
-    specs = {(g["role"], g["tokens"]): (g["inputs"], g["outputs"]) for g in manifest["graphs"]}
+    specs = {(g["role"], g["tokens"]): (g["inputs"], g["outputs"]) for g in manifest["graphs"] if not g.get("rows")}
     # every graph reads and writes the paged KV cache through block tables (blocks of 8: a sequence of 32 spans 4)
     # and slots (block * 8 + position in it; -1 writes nowhere)
     paged = [{"name": "block_tables", "dtype": "int32", "shape": [2, 4]}]
@@ -144,6 +146,11 @@ def test_folder_contents_and_manifest(exported):
     assert specs["score", 8] == (specs["chunk", 8][0], [{"name": "logits", "dtype": "float32", "shape": [10, 512]}])
     assert specs["score", 32][1][0]["shape"] == [34, 512]
     assert specs["inc", 1] == (step, [{"name": "logits", "dtype": "float32", "shape": [2, 512]}])
+    # and the inc graph of one row (export --step_rows, cpu's default 1 below batch 2): a step of one sequence
+    # computes it alone
+    inc = [g for g in manifest["graphs"] if g["role"] == "inc"]
+    assert [(g["file"], g.get("rows"), g["inputs"][0]["shape"], g["outputs"][0]["shape"]) for g in inc] == [
+        ("gqa_tied_inc_graph.mindir", None, [2, 1], [2, 512]), ("gqa_tied_inc_1rows_graph.mindir", 1, [1, 1], [1, 512])]
     # the cache is not in the weights file (a folder's size is its weights): the yaml says its layout
     with open(os.path.join(folder, "gqa_tied.yaml")) as fh:
         assert yaml.safe_load(fh)["infer"]["kv_cache"] == {

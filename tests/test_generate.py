@@ -82,8 +82,8 @@ def test_prefill_buckets_give_the_same_tokens(pipes, exported, checkpoints):
     with open(os.path.join(exported["gqa_tied_buckets"], "manifest.json")) as fh:
         manifest = json.load(fh)
     assert sorted((g["role"], g["tokens"]) for g in manifest["graphs"]) == [
-        ("chunk", 8), ("chunk", 32), ("inc", 1), ("prefill", 8), ("prefill", 16), ("prefill", 32), ("score", 8),
-        ("score", 32)]
+        ("chunk", 8), ("chunk", 32), ("inc", 1), ("inc", 1), ("prefill", 8), ("prefill", 16), ("prefill", 32),
+        ("score", 8), ("score", 32)]  # inc: of 2 rows, and of 1 (export --step_rows)
     assert len({g["variables"] for g in manifest["graphs"]}) == 1  # one weights file for all the graphs
     assert [bucketed.prefill_size(n) for n in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
     for lengths in ([3, 8], [5, 12], [16, 2], [20, 9]):
@@ -109,8 +109,9 @@ def test_output_indexes_like_hf_generate(pipes, checkpoints, tokenizer):
 
 
 def test_graphs_load_on_first_use_and_compile_while_idle(exported, checkpoints):
-    """Loading reads no graph; a request loads the prefill bucket it needs and inc; idle time compiles the rest
-    of the warm-up set (inc, then the smallest bucket) without running them, so the next tokens are still HF's."""
+    """Loading reads no graph; a request loads the prefill bucket it needs and the inc graph of its rows (one: inc_1);
+    idle time compiles the rest of the warm-up set (the inc graphs, then the smallest bucket) without running them,
+    so the next tokens are still HF's."""
     import threading
     import time
 
@@ -122,13 +123,13 @@ def test_graphs_load_on_first_use_and_compile_while_idle(exported, checkpoints):
     row = list(ROWS[1])  # 13 tokens: the 16-token bucket
     assert lazy.generate([row], max_new_tokens=5).sequences[0] == hf_generate(ckpt, row, max_new_tokens=5,
                                                                             do_sample=False)
-    assert sorted(lazy.backend.cells) == ["inc", "prefill_16"]
+    assert sorted(lazy.backend.cells) == ["inc_1", "prefill_16"]
 
     idle = pipeline("text_generation", model=folder, backend="ms")  # warm_up "auto": compile while idle
     deadline = time.monotonic() + 120
     while any(t.name == "mslite-llm-warm-up" for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert sorted(idle.backend._compiled) == ["inc", "prefill_8"]
+    assert sorted(idle.backend._compiled) == ["inc", "inc_1", "prefill_8"]
     assert idle.generate([row[:6]], max_new_tokens=5).sequences[0] == hf_generate(ckpt, row[:6], max_new_tokens=5,
                                                                                 do_sample=False)
 

@@ -32,7 +32,7 @@ def test_mslite_refuses_a_cpu_folder(exported):
 
 
 def test_build_plan_groups_before_building(tmp_path, exported):
-    """Every graph (each prefill bucket, then inc) joins one ModelGroup before any of them is built."""
+    """Every graph (each prefill bucket, then the inc graphs) joins one ModelGroup before any of them is built."""
     import shutil
 
     folder = tmp_path / "atlas"
@@ -40,7 +40,7 @@ def test_build_plan_groups_before_building(tmp_path, exported):
     ini = os.path.join(GE_CONFIG_DIR, "atlas_800i_a2.ini")
     config = InferConfig.from_folder(str(folder), target="Ascend", ge_config_path=ini)
     paths = config.graph_paths()
-    keys = ("prefill_32", "prefill_16", "prefill_8", "inc", "score_8", "score_32")  # score graphs: score_graphs=True
+    keys = ("prefill_32", "prefill_16", "prefill_8", "inc", "inc_1", "score_8", "score_32")  # score: score_graphs
     assert tuple(paths) == keys
     assert build_plan(config) == (
         [("Model", k) for k in keys] + [("ModelGroup", "SHARE_WEIGHT"), ("add_model", keys)]
@@ -50,7 +50,7 @@ def test_build_plan_groups_before_building(tmp_path, exported):
     # weights and cache; GE compiles no prefill graph for a server, which never runs one
     served = InferConfig.from_folder(str(folder), target="Ascend", ge_config_path=ini, chunk_graphs=True,
                                      prefill_graphs=False)
-    keys = ("inc", "chunk_32", "chunk_8", "score_8", "score_32")
+    keys = ("inc", "inc_1", "chunk_32", "chunk_8", "score_8", "score_32")
     assert tuple(served.graph_paths()) == keys
     assert build_plan(served)[:len(keys) + 2] == [("Model", k) for k in keys] + [("ModelGroup", "SHARE_WEIGHT"),
                                                                                ("add_model", keys)]
@@ -253,7 +253,7 @@ def test_ge_compile_cache_is_keyed_by_the_folders_content(tmp_path, exported):
                     "graph_keys": {"prefill_32": "gqa_tied_buckets_prefill_32_rank1",
                                    "prefill_16": "gqa_tied_buckets_prefill_16_rank1",
                                    "prefill_8": "gqa_tied_buckets_prefill_8_rank1", "inc": "gqa_tied_buckets_inc_rank1",
-                                   "score_8": "gqa_tied_buckets_score_8_rank1",
+                                   "inc_1": "gqa_tied_buckets_inc_1_rank1", "score_8": "gqa_tied_buckets_score_8_rank1",
                                    "score_32": "gqa_tied_buckets_score_32_rank1"}}
     steps = [step for step in build_plan(config, plan) if step[0] == "build_from_file"]
     assert [step[5] for step in steps] == [  # identical session options in every graph of the group, a key each

@@ -44,7 +44,8 @@ def test_without_jinja2_chat_is_a_500_that_names_it_and_start_up_says_so(serve_f
         "messages answer 500 until then"]
     warmed = [line for line in lines if "warmed up" in line]
     assert len(warmed) == 1 and re.fullmatch(
-        r"INFO lite_runtime\.serve: ms backend: 3 graph\(s\) warmed up in \d+\.\d\d s \(chunk_8, chunk_64, inc\)",
+        r"INFO lite_runtime\.serve: ms backend: 5 graph\(s\) warmed up in \d+\.\d\d s \(chunk_8, chunk_64, inc, "
+        r"inc_1, inc_2\)",
         warmed[0]), warmed
 
 

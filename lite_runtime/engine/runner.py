@@ -37,7 +37,7 @@ from lite_runtime.backends import check_inputs, load_backend, resolve_backend
 from lite_runtime.engine.blocks import NULL_BLOCK, BlockPool, PoolExhausted, SequenceBlocks  # noqa: F401
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError
-from lite_runtime.folder import graph_key, graph_role, graph_tokens
+from lite_runtime.folder import graph_key, graph_role, graph_rows, graph_tokens
 from lite_runtime.inputs import InputOfInfer
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def warm_up_keys(setting: str, backend: str, keys: List[str]) -> List[str]:
 
     "auto" is "all" on mslite: GE compiles a graph for minutes on its first run, which must never
     happen inside a request (and GE's compile cache makes the next load fast). On ms it is
-    "smallest": the inc graph, which every request needs, and the smallest prefill graph, which
+    "smallest": the inc graphs, one of which every step needs, and the smallest prefill graph, which
     short prompts need. Longer buckets compile in seconds on the first prompt that needs them, so a
     server that only sees short prompts never pays their compile time nor their activations' memory.
     """
@@ -60,7 +60,7 @@ def warm_up_keys(setting: str, backend: str, keys: List[str]) -> List[str]:
         return list(keys)
     if setting == "smallest":
         prefills = sorted((k for k in keys if graph_role(k) == "prefill"), key=graph_tokens)
-        return prefills[:1] + ["inc"]
+        return prefills[:1] + [k for k in keys if graph_role(k) == "inc"]  # every step runs one of them
     return []
 
 
@@ -102,6 +102,12 @@ class ModelRunner:
         self.prefill_sizes = sorted(graph_tokens(k) for k in paths if graph_role(k) == "prefill")
         self.chunk_sizes = sorted(graph_tokens(k) for k in paths if graph_role(k) == "chunk")
         self.score_sizes = sorted(graph_tokens(k) for k in paths if graph_role(k) == "score")
+        # the inc graphs by rows: a step runs the one of the fewest rows that holds its live sequences
+        self.step_graphs = {graph_rows(k, self.batch_size): k for k in paths if graph_role(k) == "inc"}
+        self.step_sizes = sorted(self.step_graphs)
+        self.cycle_step_graphs = False  # check: each step through the next graph that holds its rows (every one proved)
+        self._cycle = 0
+        self.step_counts: Dict[str, int] = {}  # steps run by each inc graph (check reports them)
         self._checked = set()  # graphs whose engine specs were checked (and compiled, or about to be)
         self._inputs_checked = set()  # graphs whose first inputs were checked against their specs
         self._lock = threading.RLock()
@@ -126,7 +132,7 @@ class ModelRunner:
         keys = warm_up_keys(self.config.warm_up, self.backend_name, list(self.config.graph_paths()))
         if self.config.warm_up == "auto" and hasattr(self.backend, "prepare"):
             # inc first: every request needs it, and a short prompt's prefill compiles as fast as it would wait
-            order = [k for k in keys if k == "inc"] + [k for k in keys if k != "inc"]
+            order = [k for k in keys if graph_role(k) == "inc"] + [k for k in keys if graph_role(k) != "inc"]
             threading.Thread(target=self._warm_up_when_idle, args=(order,), name="mslite-llm-warm-up").start()
             return
         if not keys:  # "none": the caller warms what it needs (the server: lite_runtime/serve/cli.py), and says so
@@ -239,9 +245,12 @@ class ModelRunner:
                 arrays[spec.name] = np.ones(spec.shape, spec.dtype)
         return arrays
 
-    def _step_arrays(self, rows: Sequence[Optional[StepRow]]) -> Tuple[List[int], List[int], np.ndarray, List[int]]:
-        """tokens, lengths, tables, slots of a step's graph rows (B of them; an idle row: pad, length 1, nowhere)."""
-        if len(rows) != self.batch_size:
+    def _step_arrays(self, rows: Sequence[Optional[StepRow]], graph_rows_: Optional[int] = None
+                     ) -> Tuple[List[int], List[int], np.ndarray, List[int]]:
+        """tokens, lengths, tables, slots of a step's graph rows (B of them, or `graph_rows_`; an idle row: pad,
+        length 1, nowhere)."""
+        want = self.batch_size if graph_rows_ is None else graph_rows_
+        if len(rows) != want:
             raise InferError(f"a step has {len(rows)} rows; the graphs take {self.batch_size}")
         tokens, lengths, slots = [], [], []
         for row in rows:
@@ -270,10 +279,39 @@ class ModelRunner:
         return logits[:len(rows)]
 
     def step(self, rows: Sequence[Optional[StepRow]]) -> np.ndarray:
-        """One decode step: each graph row's token at position length - 1 of its sequence. float32 logits [B, V]."""
-        tokens, lengths, tables, slots = self._step_arrays(rows)
+        """One decode step: each graph row's token at position length - 1 of its sequence. float32 logits [B, V]
+        (an idle row's are zeros).
+
+        The live rows run packed, in the inc graph of the fewest rows that holds them (the folder's --step_rows
+        graphs, and the batch_size one): the kernels compute only those rows (docs/architecture.md, "Step graphs of
+        fewer rows"). A row is not tied to memory (its sequence's blocks are in its table), so any row can run in
+        any graph row. With `cycle_step_graphs` (check) each step takes the next inc graph in turn, in as many
+        calls as its rows need, so every one of them is proved on every replay."""
+        if len(rows) != self.batch_size:
+            raise InferError(f"a step has {len(rows)} rows; the graphs take {self.batch_size}")
+        live = [i for i, r in enumerate(rows) if r is not None]
+        if self.cycle_step_graphs:
+            n = self.step_sizes[self._cycle % len(self.step_sizes)]
+            self._cycle += 1
+        else:
+            n = next(k for k in self.step_sizes if k >= len(live))
+        if n == self.batch_size:  # the full graph takes the rows where they are
+            return self._step_call(self.step_graphs[n], rows)
+        out = None
+        for j in range(0, max(len(live), 1), n):
+            part = live[j:j + n]
+            logits = self._step_call(self.step_graphs[n], [rows[i] for i in part] + [None] * (n - len(part)))
+            if out is None:
+                out = np.zeros((self.batch_size,) + logits.shape[1:], logits.dtype)
+            out[part] = logits[:len(part)]
+        return out
+
+    def _step_call(self, key: str, rows: Sequence[Optional[StepRow]]) -> np.ndarray:
+        tokens, lengths, tables, slots = self._step_arrays(rows, graph_rows(key, self.batch_size))
         with self.request():
-            return self._run("inc", self.inputs.increment(tokens, lengths, tables, slots))
+            logits = self._run(key, self.inputs.increment(tokens, lengths, tables, slots))
+        self.step_counts[key] = self.step_counts.get(key, 0) + 1
+        return logits
 
     def chunk(self, tokens: Sequence[int], start: int, table: Sequence[int], rows: Sequence[Optional[StepRow]],
               every: bool = False) -> Tuple[np.ndarray, np.ndarray]:

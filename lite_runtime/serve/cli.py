@@ -71,7 +71,8 @@ def load_service(model_dir: str, backend: str = "auto", api_key: Optional[str] =
                          speculative_tokens=speculative_tokens)  # a folder without chunk graph:
     try:                                                                                # refused, with what to do
         start = time.perf_counter()
-        keys = [graph_key("chunk", n) for n in generator.runner.chunk_sizes] + ["inc"]
+        runner = generator.runner
+        keys = [graph_key("chunk", n) for n in runner.chunk_sizes] + list(runner.step_graphs.values())
         for key in keys:  # compiled before it listens
             generator.warm(key)
         log.info("%s backend: %d graph(s) warmed up in %.2f s (%s)", generator.backend_name, len(keys),
