@@ -103,7 +103,8 @@ def measure(dtype: str, rows: int, threads: int, repeat: int) -> Dict[str, float
 
 
 OPS = ("GEMV", "GEMV+bias", "GEMM over prompt rows", "embed", "RMSNorm", "q/k/v+RoPE", "GEMV+residual", "SwiGLU",
-       "attention", "norm+q/k/v+RoPE+cache", "norm+SwiGLU", "o_proj+norm+MLP", "int8/int4 matmul")
+       "attention", "norm+q/k/v+RoPE+cache", "norm+SwiGLU", "o_proj+norm+MLP", "int8/int4 matmul",
+       "whole layer", "between our ops (MindSpore)")
 
 
 def in_graph(folder: str, steps: int) -> Dict[str, object]:
@@ -132,7 +133,8 @@ def in_graph(folder: str, steps: int) -> Dict[str, object]:
         step_ms = (time.perf_counter() - start) / steps * 1000
         lib.MsliteLlmProfile(calls, ns, 1)
         per_op = {OPS[i]: {"calls": calls[i] / steps, "ms": ns[i] / 1e6 / steps} for i in range(len(OPS)) if calls[i]}
-        run = {"step_ms": step_ms, "kernels_ms": sum(v["ms"] for v in per_op.values()), "ops": per_op}
+        run = {"step_ms": step_ms, "kernels_ms": sum(v["ms"] for k, v in per_op.items() if k != OPS[-1]),
+               "ops": per_op}
         if best is None or step_ms < best["step_ms"]:
             best = run
     return {**best, "isa": cpu_kernels.isa(), "dtype": pipe.config.dtype}

@@ -40,6 +40,9 @@ WRITE_CACHE = "MsliteLlmWriteCache"  # k, v [N, KH*D], key_cache, value_cache, s
 NORM_SWIGLU = "MsliteLlmNormSwiGlu"  # h [B, E], ln_w [E], eps [1], Wg, Wu [O, E] -> SwiGLU of RMSNorm(h) [B, O]
 DECODE_TAIL = "MsliteLlmDecodeTail"  # attn [N, A], Wo [E, A], x [N, E], ln_w [E], eps [1], Wg, Wu [I, E], Wd [E, I]
 #   -> h + down(SwiGLU(RMSNorm(h))) with h = x + attn . Wo^T [N, E]: the layer after the attention (no o/MLP biases)
+DECODE_LAYER = "MsliteLlmPagedDecodeLayer"  # layout int32 [3] (nq, nt, kc), DECODE_QKV's nq inputs, lengths [N],
+#   rows [N], tables [R, M], DECODE_TAIL's nt inputs after attn -> [N, E]: a decode step's layer in one call (the three
+#   ops in turn; kc: key_cache's index among DECODE_QKV's inputs)
 # weight-only quantized matmuls (matmul_quant.cc): W [N, K] as q int8 [N, K] or int4 (uint8 [N, K/2], low nibble first) with
 #   scale (and offset) [G, N] per group of K/G inputs, W = (q + offset) * scale
 QUANT_MATMUL = "MsliteLlmQuantMatmul"  # x [M, K] float32, q, scale [G, N] float32 -> x . W^T [M, N] float32; any M
@@ -53,9 +56,9 @@ ATLAS_WEIGHT_QUANT_BATCH_MATMUL = "MsliteLlmAtlasWeightQuantBatchMatmul"  # Weig
 # scale[, offset]); the names make an installation whose ops read float weights only refuse such a folder at load
 QUANTIZED_OPS = {QKV_ROPE: "MsliteLlmQuantQkvRope", GEMV_ADD: "MsliteLlmQuantGemvAdd",
                  DECODE_QKV: "MsliteLlmQuantPagedDecodeQkv", NORM_SWIGLU: "MsliteLlmQuantNormSwiGlu",
-                 DECODE_TAIL: "MsliteLlmQuantDecodeTail"}
+                 DECODE_TAIL: "MsliteLlmQuantDecodeTail", DECODE_LAYER: "MsliteLlmQuantPagedDecodeLayer"}
 FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
-             WRITE_CACHE, NORM_SWIGLU, DECODE_TAIL, QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
+             WRITE_CACHE, NORM_SWIGLU, DECODE_TAIL, DECODE_LAYER, QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
              ATLAS_WEIGHT_QUANT_BATCH_MATMUL,
              *QUANTIZED_OPS.values())
 

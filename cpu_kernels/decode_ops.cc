@@ -11,6 +11,9 @@
 // q (int8 [O, I] / uint8 [O, I/2]), scale [G, O][, offset [G, O]] (matmul_quant.h; export/layers.py Linear.weights),
 // all of one call alike. How many tensors a weight takes is told by the first weight's dtype and the call's count
 // of tensors (weight_arity).
+#include <cstring>
+#include <vector>
+
 #include "matmul16.h"
 #include "matmul_quant.h"
 #include "ops.h"
@@ -431,6 +434,55 @@ int decode_tail(int nparam, void** params, int* ndims, int64_t** shapes, const c
   matmul(m.data(), rows, ws[2].data(), ws[2].type, nullptr, inter, e, static_cast<float*>(params[yi]), nullptr,
          h.data());
   return 0;
+}
+
+}  // namespace msllm
+
+namespace msllm {
+
+// A decode step's whole layer in one call: decode_qkv (the input norm, q/k/v, RoPE, the cache writes), the attention
+// over the paged blocks, and decode_tail (o_proj + residual, the norm, the MLP, down_proj + residual). Why: MindSpore's
+// runtime spends ~25 us of the calling thread between two of our kernels in a decode graph (its actors, not ours:
+// docs/performance-log.md 35), and three ops per layer paid that 90 times a SmolLM2 step; one pays it 30 times.
+// params: layout int32 [3] (nq: decode_qkv's inputs; nt: decode_tail's inputs after attn; kc: key_cache's index among
+// decode_qkv's, value_cache the next), decode_qkv's nq inputs, lengths [N], rows [N], tables [R, M] (the attention's),
+// decode_tail's nt inputs (Wo.., x, ln_w, eps, Wg.., Wu.., Wd..), then y [N, E]. The same tensors as the three ops
+// take, in their order; q and the attention's output live in per-thread buffers between them.
+int decode_layer(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam < 8 || ndims[0] != 1 || shapes[0][0] != 3 || std::strcmp(dtypes[0], "int32") != 0) return 1;
+  const int32_t* layout = static_cast<const int32_t*>(params[0]);
+  const int nq = layout[0], nt = layout[1], kc = layout[2];
+  if (nq < 4 || nt < 1 || kc < 1 || kc + 1 >= nq || 1 + nq + 3 + nt + 1 != nparam) return 1;
+  const int q0 = 1, a0 = 1 + nq, t0 = a0 + 3;
+  if (ndims[q0] != 2 || ndims[q0 + 3] < 1) return 3;
+  const int64_t n = shapes[q0][0], width = shapes[q0 + 3][0];  // x [N, E]; q [N, H*D] (Wq's outputs)
+  thread_local std::vector<float> qbuf, abuf;
+  if (int64_t(qbuf.size()) < n * width) qbuf.resize(n * width), abuf.resize(n * width);
+  int64_t qshape[2] = {n, width};
+  std::vector<void*> p;
+  std::vector<int> nd;
+  std::vector<int64_t*> sh;
+  std::vector<const char*> dt;
+  auto reset = [&] { p.clear(), nd.clear(), sh.clear(), dt.clear(); };
+  auto take = [&](int i) {
+    p.push_back(params[i]), nd.push_back(ndims[i]), sh.push_back(shapes[i]), dt.push_back(dtypes[i]);
+  };
+  auto scratch = [&](float* buf) { p.push_back(buf), nd.push_back(2), sh.push_back(qshape), dt.push_back("float32"); };
+  for (int i = q0; i < q0 + nq; ++i) take(i);
+  scratch(qbuf.data());
+  int rc = decode_qkv(int(p.size()), p.data(), nd.data(), sh.data(), dt.data());
+  if (rc) return rc;
+  reset();
+  scratch(qbuf.data());
+  take(q0 + kc), take(q0 + kc + 1), take(a0), take(a0 + 1), take(a0 + 2);
+  scratch(abuf.data());
+  rc = decode_attention(int(p.size()), p.data(), nd.data(), sh.data(), dt.data());
+  if (rc) return rc;
+  reset();
+  scratch(abuf.data());
+  for (int i = t0; i < t0 + nt; ++i) take(i);
+  take(nparam - 1);
+  return decode_tail(int(p.size()), p.data(), nd.data(), sh.data(), dt.data());
 }
 
 }  // namespace msllm

@@ -25,6 +25,7 @@ int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const ch
 int write_cache(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 int norm_swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 int decode_tail(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
+int decode_layer(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 
 // int8/int4 weights: the op body in matmul16.cc (its matmul() dispatches by rows), the rest in matmul_quant.cc
 int quant_matmul_op(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_offset,

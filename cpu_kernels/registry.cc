@@ -30,19 +30,29 @@ namespace {
 // With MSLITE_LLM_CPU_KERNELS_PROFILE=1 (read at load) each exported op adds its calls and wall time to a counter:
 // what our kernels cost inside MindSpore's graph, against the step's whole time. Off: one predictable branch. (The
 // float kernels' ops; the quantized matmuls are not counted.)
+// The last slot, OP_GAP, is not an op: the time from the end of one of our ops to the start of the next, when under
+// 2 ms (inside one graph call): what MindSpore's runtime spends between our kernels.
 enum Op { OP_GEMV, OP_GEMV_BIAS, OP_GEMM_VALID, OP_EMBED, OP_RMS_NORM, OP_QKV_ROPE, OP_GEMV_ADD, OP_SWIGLU,
-          OP_ATTENTION, OP_DECODE_QKV, OP_NORM_SWIGLU, OP_DECODE_TAIL, OP_QUANT_MATMUL, OP_COUNT };
+          OP_ATTENTION, OP_DECODE_QKV, OP_NORM_SWIGLU, OP_DECODE_TAIL, OP_QUANT_MATMUL, OP_DECODE_LAYER, OP_GAP,
+          OP_COUNT };
 const bool g_profile = std::getenv("MSLITE_LLM_CPU_KERNELS_PROFILE") != nullptr;
-std::atomic<int64_t> g_profile_ns[OP_COUNT], g_profile_calls[OP_COUNT];
+std::atomic<int64_t> g_profile_ns[OP_COUNT], g_profile_calls[OP_COUNT], g_last_end{0};
 
 template <class F>
 int timed(Op op, F&& f) {
   if (!g_profile) return f();
-  const auto t0 = std::chrono::steady_clock::now();
+  using clock = std::chrono::steady_clock;
+  const auto ns = [](clock::time_point t) {
+    return int64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
+  };
+  const int64_t t0 = ns(clock::now());
+  const int64_t gap = t0 - g_last_end.load();
+  if (g_last_end.load() && gap < 2000000) g_profile_ns[OP_GAP] += gap, g_profile_calls[OP_GAP] += 1;
   const int rc = f();
-  g_profile_ns[op] += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
-                          .count();
+  const int64_t t1 = ns(clock::now());
+  g_profile_ns[op] += t1 - t0;
   g_profile_calls[op] += 1;
+  g_last_end = t1;
   return rc;
 }
 
@@ -108,6 +118,13 @@ int MsliteLlmDecodeTail(int nparam, void** params, int* ndims, int64_t** shapes,
   return timed(OP_DECODE_TAIL, [&] { return decode_tail(nparam, params, ndims, shapes, dtypes); });
 }
 
+// A decode step's layer in one call (decode_ops.cc decode_layer): MsliteLlmPagedDecodeQkv's, MsliteLlmPagedAttention's
+// and MsliteLlmDecodeTail's tensors after a layout int32 [3].
+int MsliteLlmPagedDecodeLayer(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
+                              void*) {
+  return timed(OP_DECODE_LAYER, [&] { return decode_layer(nparam, params, ndims, shapes, dtypes); });
+}
+
 // The fused ops under the names quantized folders' graphs call (cpu_kernels.QUANTIZED_OPS): the same bodies, which
 // read a weight's q, scale[, offset]. An installation from before they could lacks these names, so it refuses such a
 // folder when it loads, naming them (cpu_kernels.unknown_functions), instead of failing at the first step.
@@ -124,6 +141,11 @@ int MsliteLlmQuantGemvAdd(int nparam, void** params, int* ndims, int64_t** shape
 int MsliteLlmQuantPagedDecodeQkv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                                  void* s, void* e) {
   return MsliteLlmPagedDecodeQkv(nparam, params, ndims, shapes, dtypes, s, e);
+}
+
+int MsliteLlmQuantPagedDecodeLayer(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                                   void* s, void* e) {
+  return MsliteLlmPagedDecodeLayer(nparam, params, ndims, shapes, dtypes, s, e);
 }
 
 int MsliteLlmQuantNormSwiGlu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* s,

@@ -400,8 +400,20 @@ class DecoderLayer(nn.Cell):
             self.tail = kernel_op(cpu_kernels.fused_op(cpu_kernels.DECODE_TAIL, quant), lambda *s: s[1 + wo],
                                   lambda attn, *_: attn) if (
                 plain and self.norm_swiglu is not None) else None
+            # the decode step's whole layer in one kernel where the tail is one (MindSpore's runtime spends ~25 us
+            # between two kernels: docs/performance-log.md 35); it writes the caches in place, as decode_qkv does
+            self.layer_op = None if self.tail is None else kernel_op(
+                cpu_kernels.fused_op(cpu_kernels.DECODE_LAYER, quant), lambda layout, x, *_: x,
+                lambda layout, x, *_: x)
+            if self.layer_op is not None:
+                self.layer_op.add_prim_attr("side_effect_mem", True)
+                a = self.self_attn
+                kc = 3 + sum(lin.arity() + 1 for lin in (a.q_proj, a.k_proj, a.v_proj)) + 2  # x, norm, eps, W+b x3, cos, sin
+                nq = kc + 3 + (2 if a.q_norm is not None else 0)  # key_cache, value_cache, slots[, q_norm, k_norm]
+                nt = o.arity() + 3 + sum(lin.arity() for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+                self.layer_layout = Tensor(np.array([nq, nt, kc], np.int32))
         else:
-            self.project_add = self.norm_swiglu = self.tail = None
+            self.project_add = self.norm_swiglu = self.tail = self.layer_op = None
 
     def prefill(self, x, cos, sin, ctx, b, n, valid_length):  # x [B*n, E]
         """ctx, by name (CausalLM.prefill): slots [B*n] (each token's write), with cpu_kernels lengths, rows [B*n] and
@@ -439,6 +451,18 @@ class DecoderLayer(nn.Cell):
             mlp = ew_mul(ew_silu(self.mlp.gate_proj.few_rows(normed)), self.mlp.up_proj.few_rows(normed))
         return self._project_add(self.mlp.down_proj, mlp, h)
 
+    def _kernel_layer(self, x, cos, sin, ctx):
+        """The decode step's layer through MsliteLlmPagedDecodeLayer: decode_step's tensors and _kernel_tail's, in
+        their order, after a layout [3] (decode_qkv's count, the tail's count, key_cache's index)."""
+        attn, norm, mlp = self.self_attn, self.post_attention_layernorm, self.mlp
+        qkv = (x, self.input_layernorm.weight, self.input_layernorm.eps_tensor) + attn._qkv_weights() + (
+            cos, sin, attn.key_cache, attn.value_cache, ctx["slots"])
+        if attn.q_norm is not None:
+            qkv += (attn.q_norm.weight, attn.k_norm.weight)
+        tail = attn.o_proj.weights() + (x, norm.weight, norm.eps_tensor) + mlp.gate_proj.weights() + \
+            mlp.up_proj.weights() + mlp.down_proj.weights()
+        return self.layer_op(*((self.layer_layout,) + qkv + (ctx["lengths"], ctx["rows"], ctx["tables"]) + tail))
+
     def _project_add(self, linear, x, residual):
         """residual + linear(x) in the decode step: one kernel, unless the projection has a bias (Llama's
         attention_bias / mlp_bias), which that kernel does not add, or is row-parallel (its AllReduce comes first)."""
@@ -449,6 +473,8 @@ class DecoderLayer(nn.Cell):
     def decode(self, x, cos, sin, ctx, b):  # x [B, E]
         """ctx, by name (CausalLM.decode): slots [B], tables [B, M], with cpu_kernels lengths [B] and rows [B], else
         mask [B, T]."""
+        if self.layer_op is not None:  # cpu_kernels: the layer in one call
+            return self._kernel_layer(x, cos, sin, ctx)
         if self.project_add is not None:  # cpu_kernels: 3 calls per layer (more where a family has o/MLP biases)
             attn = self.self_attn.decode_step(x, self.input_layernorm, cos, sin, ctx["slots"], ctx["lengths"],
                                               ctx["rows"], ctx["tables"])

@@ -286,11 +286,10 @@ def test_decode_graph_calls_our_kernels_and_prefill_only_for_few_rows(exported):
     funcs, calls = custom_funcs(os.path.join(folder, graphs["inc"]))
     # stored by library name only, never by the exporting machine's path
     assert set(funcs) == {f"mslite_llm_cpu_kernels.so:{f}" for f in (
-        cpu_kernels.GEMV, cpu_kernels.RMS_NORM, cpu_kernels.DECODE_QKV, cpu_kernels.DECODE_TAIL,
-        cpu_kernels.DECODE_ATTENTION)}
-    # per layer: norm + q/k/v + RoPE + the cache writes, attention, o_proj + residual + norm + gate/up + SiLU + down +
-    # residual; then the final norm and the lm_head. No ScatterNdUpdate: the first kernel writes the cache in place
-    assert calls == 3 * 2 + 2
+        cpu_kernels.GEMV, cpu_kernels.RMS_NORM, cpu_kernels.DECODE_LAYER)}
+    # per layer one call (norm + q/k/v + RoPE + the cache writes, attention, o_proj + residual + norm + gate/up + SiLU
+    # + down + residual); then the final norm and the lm_head. No ScatterNdUpdate: the cache is written in place
+    assert calls == 2 + 2
     assert not {p.op_type for p in graph_model(os.path.join(folder, graphs["inc"])).primitives} & {
         "ScatterNdUpdate", "ScatterUpdate", "Assign"}
     # the full graph (2 rows x 32 tokens): per layer the decode step's first kernel (norm, q/k/v, RoPE, the cache
@@ -384,8 +383,8 @@ def test_a_graph_calling_kernels_this_installation_lacks_is_refused_at_load(expo
     renamed = 0
     for prim in model.primitives:
         for attr in prim.attribute:
-            if attr.s and attr.s.decode().endswith(cpu_kernels.DECODE_TAIL):
-                attr.s = attr.s.decode().replace(cpu_kernels.DECODE_TAIL, "MsliteLlmFromAFutureVersion").encode()
+            if attr.s and attr.s.decode().endswith(cpu_kernels.DECODE_LAYER):
+                attr.s = attr.s.decode().replace(cpu_kernels.DECODE_LAYER, "MsliteLlmFromAFutureVersion").encode()
                 renamed += 1
     assert renamed == 2  # func_name and uniq_name
     with pytest.raises(InferError) as err:

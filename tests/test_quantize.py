@@ -158,8 +158,9 @@ def _assert_refused_by_kernels_without_quantized_ops(folder: str, monkeypatch) -
     path = os.path.join(folder, "m_inc_graph.mindir")
     calls = {a.s.decode().rpartition(":")[2] for p in graph_model(path).primitives for a in p.attribute
              if a.name == "func_name"}
-    quantized = {cpu_kernels.QUANTIZED_OPS[cpu_kernels.DECODE_QKV], cpu_kernels.QUANTIZED_OPS[cpu_kernels.DECODE_TAIL]}
-    assert quantized <= calls and not calls & {cpu_kernels.DECODE_QKV, cpu_kernels.DECODE_TAIL}, calls
+    quantized = {cpu_kernels.QUANTIZED_OPS[cpu_kernels.DECODE_LAYER]}  # the layer in one call, by its quantized name
+    assert quantized <= calls and not calls & {cpu_kernels.DECODE_LAYER, cpu_kernels.DECODE_QKV,
+                                               cpu_kernels.DECODE_TAIL}, calls
     monkeypatch.setattr(cpu_kernels, "FUNCTIONS", tuple(f for f in cpu_kernels.FUNCTIONS
                                                          if f not in cpu_kernels.QUANTIZED_OPS.values()))
     with pytest.raises(InferError) as err:
