@@ -459,11 +459,13 @@ int decode_layer(int nparam, void** params, int* ndims, int64_t** shapes, const 
   thread_local std::vector<float> qbuf, abuf;
   if (int64_t(qbuf.size()) < n * width) qbuf.resize(n * width), abuf.resize(n * width);
   int64_t qshape[2] = {n, width};
-  std::vector<void*> p;
-  std::vector<int> nd;
-  std::vector<int64_t*> sh;
-  std::vector<const char*> dt;
+  // each sub-op's tensors, as MindSpore would hand them (kept per thread: no allocation a call)
+  thread_local std::vector<void*> p;
+  thread_local std::vector<int> nd;
+  thread_local std::vector<int64_t*> sh;
+  thread_local std::vector<const char*> dt;
   auto reset = [&] { p.clear(), nd.clear(), sh.clear(), dt.clear(); };
+  reset();
   auto take = [&](int i) {
     p.push_back(params[i]), nd.push_back(ndims[i]), sh.push_back(shapes[i]), dt.push_back(dtypes[i]);
   };

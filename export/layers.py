@@ -360,13 +360,14 @@ class Attention(nn.Cell):
         the cache writes at slots [N] in one op (MsliteLlmPagedDecodeQkv, in place), then the attention: query i over
         the first lengths[i] positions of the blocks tables[rows[i]] (the decode step: a token per sequence; the
         CPU prefill graph: every prompt token, causal by its position + 1)."""
+        q = self.decode_qkv(*self.decode_qkv_args(x, norm, cos, sin, slots))
+        return self.attention(q, self.key_cache, self.value_cache, lengths, rows, tables)
+
+    def decode_qkv_args(self, x, norm, cos, sin, slots) -> tuple:
+        """MsliteLlmPagedDecodeQkv's tensors, in its order (the decode step's layer kernel takes them too)."""
         args = (x, norm.weight, norm.eps_tensor) + self._qkv_weights() + (
             cos, sin, self.key_cache, self.value_cache, slots)
-        if self.q_norm is None:
-            q = self.decode_qkv(*args)
-        else:
-            q = self.decode_qkv(*(args + (self.q_norm.weight, self.k_norm.weight)))
-        return self.attention(q, self.key_cache, self.value_cache, lengths, rows, tables)
+        return args if self.q_norm is None else args + (self.q_norm.weight, self.k_norm.weight)
 
     def _kernel_qkv(self, x, cos, sin):
         """q, k, v [N, H*D], [N, KH*D] through cpu_kernels' one op (projections, bias, Qwen3's norms, RoPE)."""
@@ -407,11 +408,11 @@ class DecoderLayer(nn.Cell):
                 lambda layout, x, *_: x)
             if self.layer_op is not None:
                 self.layer_op.add_prim_attr("side_effect_mem", True)
-                a = self.self_attn
-                kc = 3 + sum(lin.arity() + 1 for lin in (a.q_proj, a.k_proj, a.v_proj)) + 2  # x, norm, eps, W+b x3, cos, sin
-                nq = kc + 3 + (2 if a.q_norm is not None else 0)  # key_cache, value_cache, slots[, q_norm, k_norm]
-                nt = o.arity() + 3 + sum(lin.arity() for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-                self.layer_layout = Tensor(np.array([nq, nt, kc], np.int32))
+                # its layout, counted on the very tuples _kernel_layer passes (placeholders for the activations)
+                qkv = self.self_attn.decode_qkv_args(None, self.input_layernorm, None, None, None)
+                kc = next(i for i, t in enumerate(qkv) if t is self.self_attn.key_cache)
+                tail = self._tail_args(None, self.post_attention_layernorm)
+                self.layer_layout = Tensor(np.array([len(qkv), len(tail), kc], np.int32))
         else:
             self.project_add = self.norm_swiglu = self.tail = self.layer_op = None
 
@@ -438,10 +439,9 @@ class DecoderLayer(nn.Cell):
     def _kernel_tail(self, x, attn):
         """After the attention, through cpu_kernels: o_proj + residual, the norm and the MLP, down_proj + residual (one
         kernel where neither o_proj nor the MLP has a bias or a tensor-parallel AllReduce)."""
-        norm, mlp = self.post_attention_layernorm, self.mlp
+        norm = self.post_attention_layernorm
         if self.tail is not None:
-            return self.tail(*((attn,) + self.self_attn.o_proj.weights() + (x, norm.weight, norm.eps_tensor)
-                               + mlp.gate_proj.weights() + mlp.up_proj.weights() + mlp.down_proj.weights()))
+            return self.tail(*((attn,) + self._tail_args(x, norm)))
         h = self._project_add(self.self_attn.o_proj, attn, x)
         if self.norm_swiglu is not None:
             mlp = self.norm_swiglu(*((h, norm.weight, norm.eps_tensor) + self.mlp.gate_proj.weights()
@@ -451,16 +451,17 @@ class DecoderLayer(nn.Cell):
             mlp = ew_mul(ew_silu(self.mlp.gate_proj.few_rows(normed)), self.mlp.up_proj.few_rows(normed))
         return self._project_add(self.mlp.down_proj, mlp, h)
 
+    def _tail_args(self, x, norm) -> tuple:
+        """MsliteLlmDecodeTail's tensors after attn, in its order (the decode step's layer kernel takes them too)."""
+        mlp = self.mlp
+        return (self.self_attn.o_proj.weights() + (x, norm.weight, norm.eps_tensor) + mlp.gate_proj.weights()
+                + mlp.up_proj.weights() + mlp.down_proj.weights())
+
     def _kernel_layer(self, x, cos, sin, ctx):
-        """The decode step's layer through MsliteLlmPagedDecodeLayer: decode_step's tensors and _kernel_tail's, in
-        their order, after a layout [3] (decode_qkv's count, the tail's count, key_cache's index)."""
-        attn, norm, mlp = self.self_attn, self.post_attention_layernorm, self.mlp
-        qkv = (x, self.input_layernorm.weight, self.input_layernorm.eps_tensor) + attn._qkv_weights() + (
-            cos, sin, attn.key_cache, attn.value_cache, ctx["slots"])
-        if attn.q_norm is not None:
-            qkv += (attn.q_norm.weight, attn.k_norm.weight)
-        tail = attn.o_proj.weights() + (x, norm.weight, norm.eps_tensor) + mlp.gate_proj.weights() + \
-            mlp.up_proj.weights() + mlp.down_proj.weights()
+        """The decode step's layer through MsliteLlmPagedDecodeLayer: decode_qkv_args and _tail_args, after a layout
+        [3] (their counts, key_cache's index among the first)."""
+        qkv = self.self_attn.decode_qkv_args(x, self.input_layernorm, cos, sin, ctx["slots"])
+        tail = self._tail_args(x, self.post_attention_layernorm)
         return self.layer_op(*((self.layer_layout,) + qkv + (ctx["lengths"], ctx["rows"], ctx["tables"]) + tail))
 
     def _project_add(self, linear, x, residual):

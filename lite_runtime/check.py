@@ -107,9 +107,9 @@ class Report:
     def step_graphs_line(self) -> str:
         """How many decode calls each inc graph ran: the replays take them in turn, so each is proved."""
         steps = self.info.get("step_graphs") or {}
-        return "decode calls by inc graph (rows): " + ", ".join(
-            f"{k} ({k.split('_')[1] if '_' in k else self.info.get('folder', {}).get('batch_size')}): {n}"
-            for k, n in steps.items())
+        batch = self.info.get("folder", {}).get("batch_size")
+        return "decode calls by inc graph (rows): " + ", ".join(f"{k} ({graph_rows(k, batch)}): {n}"
+                                                               for k, n in steps.items())
 
     @property
     def passed(self) -> bool:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from lite_runtime.errors import InferError
-from lite_runtime.folder import ModelFolder, graph_key, graph_role, graph_tokens, load_folder
+from lite_runtime.folder import ModelFolder, graph_key, graph_role, graph_rows, graph_tokens, load_folder
 
 MODEL_TYPES = ("mindir",)
 TARGETS = ("Ascend", "CPU")
@@ -125,7 +125,8 @@ class InferConfig:
         scores = longest_first("score")[::-1] if self.score_graphs else []
         prefills = longest_first("prefill") if self.prefill_graphs else []
         # the inc graphs of fewer rows (a step of few sequences computes theirs only), fewest first
-        steps = sorted((k for k in paths if graph_role(k) == "inc" and k != "inc"), key=lambda k: int(k.split("_")[1]))
+        steps = sorted((k for k in paths if graph_role(k) == "inc" and k != "inc"),
+                       key=lambda k: graph_rows(k, int(self.batch_size or 0)))
         return {k: paths[k] for k in prefills + ["inc"] + steps + chunks + scores}
 
     def validate(self) -> None:

@@ -251,7 +251,7 @@ class ModelRunner:
         length 1, nowhere)."""
         want = self.batch_size if graph_rows_ is None else graph_rows_
         if len(rows) != want:
-            raise InferError(f"a step has {len(rows)} rows; the graphs take {self.batch_size}")
+            raise InferError(f"a step has {len(rows)} rows; the graph takes {want}")
         tokens, lengths, slots = [], [], []
         for row in rows:
             if row is None:
