@@ -27,18 +27,27 @@ class CompiledGraph:
     role: str
     tokens: int
     proto: Any  # mind_ir_pb2.ModelProto, parameters without data
-    rows: Optional[int] = None  # an inc graph of fewer rows than batch_size; None: batch_size
+    rows: Optional[int] = None  # step rows, of an inc or score graph of fewer than batch_size; None: batch_size
 
 
 def graph_plan(cfg: ExportConfig) -> List[Tuple[str, int, Optional[int]]]:
     """(role, tokens, rows) of every graph of one rank: a prefill graph per bucket and seq_length, the inc graph, an
     inc graph per --step_rows (rows; None: batch_size), a chunk graph per chunk size (a decode step and one row's
     prompt piece at an offset, for lite_runtime.serve), and a score graph per score size (the chunk graph returning
-    every position of its piece)."""
+    every position of its piece) of SCORE_STEP_ROWS step rows."""
     buckets = sorted(set(cfg.prefill_buckets or ()) | {cfg.seq_length})
+    score_rows = SCORE_STEP_ROWS if cfg.batch_size > SCORE_STEP_ROWS else None
     return [("prefill", n, None) for n in buckets] + [("inc", 1, None)] + \
         [("inc", 1, r) for r in cfg.step_rows or ()] + [("chunk", n, None) for n in cfg.chunk_sizes or ()] + \
-        [("score", n, None) for n in cfg.score_sizes or ()]
+        [("score", n, score_rows) for n in cfg.score_sizes or ()]
+
+
+# A score graph's step rows. Every use of a score graph is a piece alone (a verify of draft tokens, perplexity,
+# check's replay); one that comes while other sequences decode (a prompt's logprobs, echo) is a step and a piece in
+# two calls (lite_runtime/engine/runner.py ModelRunner.chunk). With batch_size step rows beside the piece, a verify
+# of 8 tokens on a batch-16 folder computed 24 rows (docs/architecture.md, "Score graphs of one step row"). One row,
+# not none: a graph of zero rows would carry empty tensors through every op.
+SCORE_STEP_ROWS = 1
 
 
 class Network:

@@ -255,8 +255,9 @@ class ChunkGraph(nn.Cell):
     [C]), so a server prefills a prompt piece by piece inside the decode steps of the others, and from the end of a
     prefix its blocks already hold. Same parameters; logits [B + 1, V].
 
-    `every` (the score graph): the same call returning the logits of every piece position, [B + C, V] (row B + i:
-    after the piece's token i; those past chunk_length are padding's), for speculative decoding's verify, prompt
+    `every` (the score graph): the same call returning the logits of every piece position, [B + C, V] (B: the step
+    rows it is compiled with, one for export's score graphs, export/graphs.py SCORE_STEP_ROWS; row B + i: after the
+    piece's token i; those past chunk_length are padding's), for speculative decoding's verify, prompt
     logprobs and perplexity (docs/architecture.md, "score graphs")."""
 
     def __init__(self, net: CausalLM, every: bool = False) -> None:

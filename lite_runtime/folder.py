@@ -38,6 +38,7 @@ DATA_ALIGN = 64
 # every folder has prefill and inc graphs, and chunk and score graphs unless tensor-parallel
 ROLES = ("prefill", "inc", "chunk", "score")
 REQUIRED_ROLES = ("prefill", "inc")
+ROWS_ROLES = ("inc", "score")  # graphs that may have fewer step rows than batch_size (the manifest's `rows`)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,9 @@ class GraphSpec:
     tokens: int
     inputs: tuple  # of TensorSpec, in graph order
     outputs: tuple
-    rows: Optional[int] = None  # an inc graph of fewer rows than batch_size (graph_key); None: batch_size
+    # step rows: an inc graph of fewer than batch_size (graph_key), a score graph's (export/graphs.py SCORE_STEP_ROWS);
+    # None: batch_size
+    rows: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -380,9 +383,9 @@ def _graphs(path: str, manifest: Dict[str, Any]) -> Dict[str, GraphSpec]:
     for raw in manifest["graphs"]:
         role, tokens = raw["role"], int(raw["tokens"])
         rows = raw.get("rows")
-        if rows is not None and (role != "inc" or not isinstance(rows, int) or rows < 1):
-            raise ModelFolderError(f"{where}: graph {raw.get('file')!r} has rows {rows!r}; only an inc graph has "
-                                   "rows (a positive count); re-export the folder")
+        if rows is not None and (role not in ROWS_ROLES or not isinstance(rows, int) or rows < 1):
+            raise ModelFolderError(f"{where}: graph {raw.get('file')!r} has rows {rows!r}; only an inc or score "
+                                   "graph has rows (a positive count); re-export the folder")
         key = graph_key(role, tokens, rows)
         if role not in ROLES or key in graphs:
             raise ModelFolderError(f"{where}: unexpected or repeated graph {raw.get('file')!r} ({role}, {tokens} "
@@ -416,8 +419,8 @@ def _check_specs_against_yaml(folder: ModelFolder) -> None:
     for key, spec in folder.graphs.items():
         rows = b if spec.rows is None else spec.rows
         if rows > b:
-            raise ModelFolderError(f"{folder.yaml_path}: the inc graph {os.path.basename(spec.path)} has {rows} rows, "
-                                   f"more than batch_size {b}; re-export the folder")
+            raise ModelFolderError(f"{folder.yaml_path}: the {spec.role} graph {os.path.basename(spec.path)} has "
+                                   f"{rows} rows, more than batch_size {b}; re-export the folder")
         piece = spec.role in ("chunk", "score")
         n = 1 if piece else spec.tokens
         for t in spec.inputs:

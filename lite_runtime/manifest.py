@@ -25,7 +25,7 @@ class GraphEntry:
     inputs: tuple  # of TensorSpec, in graph order
     outputs: tuple
     rank: Optional[int] = None  # tensor-parallel folders only
-    rows: Optional[int] = None  # an inc graph of fewer rows than batch_size (lite_runtime/folder.py graph_key)
+    rows: Optional[int] = None  # step rows of an inc or score graph, fewer than batch_size (lite_runtime/folder.py)
 
     def to_dict(self) -> Dict[str, Any]:
         entry: Dict[str, Any] = {"role": self.role, "file": self.file, "variables": self.variables,

@@ -121,7 +121,8 @@ def test_folder_contents_and_manifest(exported):
         with open(os.path.join(folder, rel), "rb") as fh:
             data = fh.read()
         assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}, rel
-    specs = {(g["role"], g["tokens"]): (g["inputs"], g["outputs"]) for g in manifest["graphs"] if not g.get("rows")}
+    specs = {(g["role"], g["tokens"]): (g["inputs"], g["outputs"]) for g in manifest["graphs"]
+             if g["role"] != "inc" or not g.get("rows")}
     # every graph reads and writes the paged KV cache through block tables (blocks of 8: a sequence of 32 spans 4)
     # and slots (block * 8 + position in it; -1 writes nowhere)
     paged = [{"name": "block_tables", "dtype": "int32", "shape": [2, 4]}]
@@ -142,9 +143,16 @@ def test_folder_contents_and_manifest(exported):
                                          {"name": "chunk_block_table", "dtype": "int32", "shape": [1, 4]},
                                          {"name": "chunk_slot_mapping", "dtype": "int32", "shape": [8]}],
                                  [{"name": "logits", "dtype": "float32", "shape": [3, 512]}])
-    # the score graphs: the chunk graph's inputs, the logits of both rows and of every piece position
-    assert specs["score", 8] == (specs["chunk", 8][0], [{"name": "logits", "dtype": "float32", "shape": [10, 512]}])
-    assert specs["score", 32][1][0]["shape"] == [34, 512]
+    # the score graphs: the chunk graph's inputs and outputs of one step row (export/graphs.py SCORE_STEP_ROWS: a
+    # verify, perplexity and check's replay put a piece in alone), the logits of every piece position
+    one = [{"name": "input_ids", "dtype": "int32", "shape": [1, 1]},
+           {"name": "valid_length", "dtype": "int32", "shape": [1]},
+           {"name": "block_tables", "dtype": "int32", "shape": [1, 4]},
+           {"name": "slot_mapping", "dtype": "int32", "shape": [1]}]
+    assert specs["score", 8] == (one + specs["chunk", 8][0][4:],
+                                 [{"name": "logits", "dtype": "float32", "shape": [1 + 8, 512]}])
+    assert specs["score", 32][1][0]["shape"] == [1 + 32, 512]
+    assert [g.get("rows") for g in manifest["graphs"] if g["role"] == "score"] == [1, 1]
     assert specs["inc", 1] == (step, [{"name": "logits", "dtype": "float32", "shape": [2, 512]}])
     # and the inc graph of one row (export --step_rows, cpu's default 1 below batch 2): a step of one sequence
     # computes it alone

@@ -1,5 +1,6 @@
 """Step graphs of fewer rows (export --step_rows): a decode step of n live sequences runs the inc graph of the fewest
-rows that holds them, packed, and gives what the batch_size graph gives (HF's greedy tokens)."""
+rows that holds them, packed, and gives what the batch_size graph gives (HF's greedy tokens). Score graphs have one
+step row (export/graphs.py SCORE_STEP_ROWS): a live row is packed into it, more step first."""
 from __future__ import annotations
 
 import json
@@ -65,6 +66,46 @@ def test_a_live_row_anywhere_is_packed_and_its_logits_are_the_full_graphs(serve_
             s.release(commit=False)
 
 
+def test_score_graphs_have_one_step_row(serve_folder):
+    with open(os.path.join(serve_folder, "manifest.json")) as fh:
+        graphs = [g for g in json.load(fh)["graphs"] if g["role"] == "score"]
+    assert [(g["file"], g.get("rows"), g["inputs"][0]["shape"], g["outputs"][0]["shape"]) for g in graphs] == [
+        ("serve4_score_8_graph.mindir", 1, [1, 1], [1 + 8, 512]), ("serve4_score_graph.mindir", 1, [1, 1], [1 + 64, 512])]
+
+
+@pytest.mark.parametrize("live", [[3], [1, 3]])
+def test_a_score_call_beside_live_rows_gives_the_steps_and_the_pieces_logits(serve_pipe, live):
+    """A piece through the score graph (one step row) beside live rows: one live row is packed into the graph's row
+    (one call), two step first through their inc graph and the piece goes in alone; either way each live row's logits
+    are its step's, the piece's those of the piece alone, and idle rows' zeros."""
+    from lite_runtime.engine.blocks import SequenceBlocks
+    from lite_runtime.engine.runner import StepRow
+
+    runner = serve_pipe.runner
+    seqs = [SequenceBlocks(runner.pool) for _ in range(3)]
+    try:
+        for s, r in zip(seqs, ROWS):
+            s.reserve(len(r) + 8)
+        runner.prefill([ROWS[0], ROWS[1]], [s.blocks for s in seqs[:2]])
+        runner.prefill([ROWS[2][:3]], [seqs[2].blocks])
+        rows = runner.idle()
+        for row, i in zip(live, (0, 1)):
+            rows[row] = StepRow(7 + i, len(ROWS[i]), seqs[i].blocks)
+        piece = list(ROWS[2][3:])
+        runner.step_counts = {}
+        got_step, got_piece = runner.chunk(piece, 3, seqs[2].blocks, rows, every=True)
+        got_piece = got_piece.copy()
+        assert runner.step_counts == ({} if len(live) == 1 else {"inc_2": 1})
+        want_step = runner.step(rows)  # the same positions again: the same keys and values rewritten
+        want_piece = runner.chunk(piece, 3, seqs[2].blocks, runner.idle(), every=True)[1]
+        assert rel_err(got_step[live], want_step[live]) < 1e-5
+        assert not got_step[[i for i in range(4) if i not in live]].any()
+        assert rel_err(got_piece, want_piece) < 1e-5
+    finally:
+        for s in seqs:
+            s.release(commit=False)
+
+
 def test_check_takes_every_inc_graph_in_turn(serve_folder, capsys):
     from lite_runtime.check import main
 
@@ -106,8 +147,8 @@ def test_a_manifest_with_rows_where_none_can_be_is_refused(tmp_path, serve_folde
     with pytest.raises(InferError) as err:
         InferConfig.from_folder(str(folder))
     if role == "prefill":
-        assert str(err.value) == (f"{folder / 'manifest.json'}: graph {graph['file']!r} has rows 1; only an inc graph "
-                                  "has rows (a positive count); re-export the folder")
+        assert str(err.value) == (f"{folder / 'manifest.json'}: graph {graph['file']!r} has rows 1; only an inc or "
+                                  "score graph has rows (a positive count); re-export the folder")
     else:
         assert str(err.value) == (f"{folder / 'serve4.yaml'}: the inc graph serve4_inc_2rows_graph.mindir has 8 rows, "
                                   "more than batch_size 4; re-export the folder")

@@ -105,6 +105,9 @@ class ModelRunner:
         # the inc graphs by rows: a step runs the one of the fewest rows that holds its live sequences
         self.step_graphs = {graph_rows(k, self.batch_size): k for k in paths if graph_role(k) == "inc"}
         self.step_sizes = sorted(self.step_graphs)
+        # step rows of the chunk and score graphs that have fewer than batch_size (a score graph's one)
+        self.piece_rows = {k: config.folder.graphs[k].rows for k in paths
+                           if graph_role(k) in ("chunk", "score") and config.folder.graphs[k].rows is not None}
         self.cycle_step_graphs = False  # check: each step through the next graph that holds its rows (every one proved)
         self._cycle = 0
         self.step_counts: Dict[str, int] = {}  # steps run by each inc graph (check reports them)
@@ -319,7 +322,11 @@ class ModelRunner:
         [start, start + len), in one call of the smallest chunk graph that holds them; positions before `start` must
         be in its blocks already. Returns the step's float32 logits [B, V] and the piece's last token's [V]; with
         `every`, through the smallest score graph, the logits after each of the piece's tokens [len, V] instead (a
-        view of the graph's output: copy what outlives the next call)."""
+        view of the graph's output: copy what outlives the next call).
+
+        A graph of fewer step rows than B (a score graph's one, export/graphs.py SCORE_STEP_ROWS) takes the live rows
+        packed when they fit; when they do not, they step first (`step`) and the piece goes in alone: two calls, the
+        same logits (docs/architecture.md, "Score graphs of one step row")."""
         role = "score" if every else "chunk"
         sizes = self.score_sizes if every else self.chunk_sizes
         if not sizes:
@@ -328,14 +335,28 @@ class ModelRunner:
         if not tokens or size is None or not 0 <= start <= self.seq_length - len(tokens):
             raise InferError(f"a piece of {len(tokens)} tokens at position {start} does not fit the {role} graphs "
                              f"({', '.join(map(str, sizes))} tokens) in sequences of {self.seq_length}")
-        step_tokens, lengths, tables, slots = self._step_arrays(rows)
+        if len(rows) != self.batch_size:
+            raise InferError(f"a step has {len(rows)} rows; the graphs take {self.batch_size}")
+        key = graph_key(role, size)
+        b = self.piece_rows.get(key, self.batch_size)
+        live = [i for i, r in enumerate(rows) if r is not None]
+        if len(live) > b:  # more rows decode than the graph steps: they step, then the piece goes in alone
+            with self.request():
+                step_logits = self.step(rows)
+                return step_logits, self.chunk(tokens, start, table, self.idle(), every)[1]
+        packed = rows if b == self.batch_size else [rows[i] for i in live] + [None] * (b - len(live))
+        step_tokens, lengths, tables, slots = self._step_arrays(packed, b)
         piece_slots = self.slots(table, start, len(tokens)) + [-1] * (size - len(tokens))
         arrays = self.inputs.chunk(step_tokens, lengths, tables, slots, tokens, size, start, self.tables([table]),
                                    piece_slots, self.pad)
         with self.request():
-            logits = self._run(graph_key(role, size), arrays)
-        b = self.batch_size
-        return logits[:b], (logits[b:b + len(tokens)] if every else logits[b])
+            logits = self._run(key, arrays)
+        if b == self.batch_size:
+            step_logits = logits[:b]
+        else:  # the live rows back where the caller has them; an idle row's logits are zeros, as step's
+            step_logits = np.zeros((self.batch_size,) + logits.shape[1:], logits.dtype)
+            step_logits[live] = logits[:len(live)]
+        return step_logits, (logits[b:b + len(tokens)] if every else logits[b])
 
     def idle(self) -> List[Optional[StepRow]]:
         """A step in which every row is idle (a piece alone: `chunk(..., runner.idle())`)."""
