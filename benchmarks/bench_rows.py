@@ -83,7 +83,8 @@ def ours(folder: str, counts: List[int], prompt: int, new: int, mode: str) -> Di
         out[str(n)] = {"tok_s": n * new / seconds, "step_ms": 1000 * seconds / new,
                        "graphs": dict(runner.step_counts)}
         runner.step_counts = {}
-    return {"counts": out, "kernels": f"{cpu_kernels.isa()}, quantized decode {cpu_kernels.quant_form()}"}
+    return {"counts": out, "kernels": f"{cpu_kernels.isa()}, quantized decode {cpu_kernels.quant_form()}, bfloat16 rows "
+                                      f"{cpu_kernels.bf16_form()}, activations {cpu_kernels.quant_activations()}"}
 
 
 def llama(binary: str, gguf: str, counts: List[int], prompt: int, new: int, threads: int) -> Dict[str, object]:
@@ -123,7 +124,7 @@ def _kernel_path(isa: str) -> str:
     env = dict(os.environ)
     if isa != "native":
         env["MSLITE_LLM_CPU_KERNELS_ISA"] = isa
-    code = "import cpu_kernels; print(cpu_kernels.isa(), cpu_kernels.quant_form())"
+    code = "import cpu_kernels; print(cpu_kernels.isa(), cpu_kernels.quant_form(), cpu_kernels.bf16_form())"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
     return proc.stdout.strip()
 
@@ -137,7 +138,8 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--modes", default="fit,full", help="our runner's modes: fit (as shipped), full (batch_size rows)")
-    p.add_argument("--isa", default="native", help="our kernels' path: native, avx2 or generic (forced)")
+    p.add_argument("--isa", default="native", help="our kernels' path: native, avx512 (without VNNI and BF16), avx2 or "
+                   "generic (forced)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama_dir", default="/tmp/ppl/llama_cpp_python-0.3.36/vendor/llama.cpp",
                    help="llama.cpp's source (benchmarks/llama_cpp.py source_dir finds or unpacks it)")

@@ -160,8 +160,8 @@ QUANT_ACTIVATIONS = ("int16", "exact")  # cpu_kernels/matmul_quant.h Activations
 def set_quant_activations(mode: Optional[str]) -> Optional[str]:
     """How the quantized matmuls' decode form rounds x, process-wide (cpu_kernels/matmul_quant.h): "int16" per block
     of 32 (the default, the fast path), "exact" (two int16 parts: float32's arithmetic; what check holds to the
-    reference's own rounding), None: the default again (MSLITE_LLM_QUANT_ACTIVATIONS, else int16). Returns the mode
-    in force, or None when the library was not built."""
+    reference's own rounding; it also holds bfloat16 weights to float32's form, bf16_form), None: the default again
+    (MSLITE_LLM_QUANT_ACTIVATIONS, else int16). Returns the mode in force, or None when the library was not built."""
     lib = _library()
     if lib is None:
         return None
@@ -185,6 +185,20 @@ def quant_form() -> Optional[str]:
         return None
     lib.MsliteLlmQuantForm.restype = ctypes.c_char_p
     return lib.MsliteLlmQuantForm().decode()
+
+
+BF16_MIN_ROWS = 8  # cpu_kernels/matmul16.h: rows of x from which bfloat16 weights take the AVX512-BF16 form (to 16)
+
+
+def bf16_form() -> Optional[str]:
+    """The form of the bfloat16 weights' matmul at BF16_MIN_ROWS to 16 rows of x on this machine: "avx512_bf16" (x rounded to
+    bfloat16, vdpbf16ps: the AVX-512 path on a CPU with AVX512_BF16) or "float32" (widened weights, float32 FMA);
+    None when the library was not built. set_quant_activations("exact") holds it to float32's form."""
+    lib = _library()
+    if lib is None:
+        return None
+    lib.MsliteLlmBf16Form.restype = ctypes.c_char_p
+    return lib.MsliteLlmBf16Form().decode()
 
 
 def isa() -> Optional[str]:

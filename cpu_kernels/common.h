@@ -79,6 +79,17 @@ inline Isa isa() {
   return chosen;
 }
 
+// Whether the AVX-512 path may use the forms of its extensions where the CPU has them (VNNI for the quantized
+// matmuls, BF16 for bfloat16 weights): not with MSLITE_LLM_CPU_KERNELS_ISA=avx512, which holds an AVX-512 machine to
+// the AVX-512F forms a CPU without them runs (tests force each path so).
+inline bool isa_extensions() {
+  static const bool allowed = [] {
+    const char* env = std::getenv("MSLITE_LLM_CPU_KERNELS_ISA");
+    return !(env != nullptr && std::strcmp(env, "avx512") == 0);
+  }();
+  return allowed;
+}
+
 inline const char* isa_name(Isa i) {
   switch (i) {
     case ISA_AVX512: return "avx512";

@@ -543,6 +543,184 @@ MSLLM_AVX512 void rows_avx512(const float* x, int64_t rows, const void* wv, cons
 }
 #endif
 
+// ---- AVX512-BF16: bfloat16 weights against x rounded to bfloat16, for several rows of x ------------------------
+// vdpbf16ps multiplies 32 bfloat16 pairs and adds them into 16 float32 sums an instruction: twice the multiply-adds
+// of a float32 FMA of the same width, and the weights go in as stored, unwidened. Where x has many rows (a step of 8
+// to 16 sequences, a verify's piece) the float32 form is bound by its FMAs (62-70 % of their peak,
+// docs/performance-log.md 36); this form rounds each row of x to bfloat16 (to nearest, ties to even) once per call
+// and sums the products in float32. Fewer than BF16_MIN_ROWS rows keep the float32 form: bound by the weights'
+// bytes, they measured slower in this one (docs/performance-log.md 37). So does every call under ACTIVATIONS_EXACT (matmul_quant.h: check's replays held to the float32 reference), and every CPU without
+// AVX512_BF16. check's limit for this rounding is derived for each bfloat16 folder at export (export/golden.py, the
+// "bf16" lane; lite_runtime/golden.py derived_limits).
+#ifdef MSLLM_X86
+#define MSLLM_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+
+// x rounded to bfloat16, per thread (the rows kernel is called on every pool thread)
+thread_local Scratch t_x_bf16;
+
+inline uint16_t round_to_bf16(float v) {  // to nearest, ties to even (as vcvtne2ps2bf16); a NaN stays a NaN
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+MSLLM_AVX512_BF16 void x_to_bf16(const float* x, int64_t n, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+    _mm512_storeu_si512(out + i, (__m512i)v);
+  }
+  for (; i < n; ++i) out[i] = round_to_bf16(x[i]);
+}
+
+// The sums of 16 vectors at once: lane j of the result is the sum of v[j]'s 16 lanes (45 instructions where 16
+// separate reductions take some 130: a tile's work per output is only in / 32 instructions here).
+MSLLM_AVX512 inline __m512 reduce16(const __m512* v) {
+  __m512 two[8], four[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of a = v[2i], b = v[2i + 1]
+    two[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the partial sums of v[4i .. 4i + 3]
+    const __m512d a = _mm512_castps_pd(two[2 * i]), b = _mm512_castps_pd(two[2 * i + 1]);
+    four[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 t0 = _mm512_add_ps(_mm512_shuffle_f32x4(four[0], four[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(four[0], four[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 t1 = _mm512_add_ps(_mm512_shuffle_f32x4(four[2], four[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(four[2], four[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(t0, t1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(t0, t1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// the sums of n accumulators (n <= 32) into out[0 .. n)
+MSLLM_AVX512 inline void sums_of(const __m512* acc, int n, float* out) {
+  alignas(64) float tmp[16];
+  for (int i = 0; i < n; i += 16) {
+    __m512 v[16];
+    for (int j = 0; j < 16; ++j) v[j] = i + j < n ? acc[i + j] : _mm512_setzero_ps();
+    _mm512_store_ps(tmp, reduce16(v));
+    for (int j = 0; j < 16 && i + j < n; ++j) out[i + j] = tmp[j];
+  }
+}
+
+// R rows of x (as bfloat16) by C weight rows, 32 inputs a step: the C weight vectors held in registers while each
+// row's x is loaded against them (R*C accumulators + C + 1 <= 32 zmm registers)
+template <int R, int C>
+MSLLM_AVX512_BF16 inline void tile_dpbf16(const uint16_t* xb, const bf16* w, const float* b, int64_t in, float* y,
+                                          int64_t ldy, int64_t o) {
+  static_assert(R * C + C + 1 <= 32, "the tile's accumulators, weights and x fit the 32 zmm registers");
+  const int64_t in32 = in & ~int64_t(31);
+  __m512 acc[R * C];
+  for (int k = 0; k < R * C; ++k) acc[k] = _mm512_setzero_ps();
+  const bf16* wo = w + o * in;
+  const char* next = reinterpret_cast<const char*>(wo + C * in);  // the next C weight rows, a line each a step
+  for (int64_t i = 0; i < in32; i += 32) {
+    for (int c = 0; c < C; ++c) _mm_prefetch(next + c * 64, _MM_HINT_T0);
+    next += C * 64;
+    __m512i wv[C];
+    for (int c = 0; c < C; ++c) {
+      wv[c] = _mm512_loadu_si512(wo + c * in + i);
+      __asm__("" : "+v"(wv[c]));  // in a register, loaded once for the R rows
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + r * in + i);
+      for (int c = 0; c < C; ++c) acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], xv, (__m512bh)wv[c]);
+    }
+  }
+  float sums[R * C];
+  sums_of(acc, R * C, sums);
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      float s = sums[r * C + c];
+      for (int64_t i = in32; i < in; ++i) s += to_f32(wo[c * in + i]) * bits_to_float(uint32_t(xb[r * in + i]) << 16);
+      y[r * ldy + o + c] = s + (b ? b[o + c] : 0.f);
+    }
+  }
+}
+
+// tile_dpbf16 for each R a tile of C weight rows leaves registers for (R * C + C + 1 <= 32): 8 rows with 3, 4 with 6
+template <int R, int C, bool Fits = (R * C + C + 1 <= 32)>
+struct TileDp {
+  MSLLM_AVX512_BF16 static void run(const uint16_t* xb, const bf16* w, const float* b, int64_t in, float* y,
+                                    int64_t ldy, int64_t o) {
+    tile_dpbf16<R, C>(xb, w, b, in, y, ldy, o);
+  }
+};
+template <int R, int C>
+struct TileDp<R, C, false> {  // never chosen (rows_dpbf16_prepared picks C by the tiles' rows)
+  static void run(const uint16_t*, const bf16*, const float*, int64_t, float*, int64_t, int64_t) {}
+};
+
+template <int C>
+MSLLM_AVX512_BF16 inline void tile_dpbf16_rows(int64_t rows, const uint16_t* xb, const bf16* w, const float* b,
+                                               int64_t in, float* y, int64_t ldy, int64_t o) {
+  switch (rows) {
+    case 1: return TileDp<1, C>::run(xb, w, b, in, y, ldy, o);
+    case 2: return TileDp<2, C>::run(xb, w, b, in, y, ldy, o);
+    case 3: return TileDp<3, C>::run(xb, w, b, in, y, ldy, o);
+    case 4: return TileDp<4, C>::run(xb, w, b, in, y, ldy, o);
+    case 5: return TileDp<5, C>::run(xb, w, b, in, y, ldy, o);
+    case 6: return TileDp<6, C>::run(xb, w, b, in, y, ldy, o);
+    case 7: return TileDp<7, C>::run(xb, w, b, in, y, ldy, o);
+    default: return TileDp<8, C>::run(xb, w, b, in, y, ldy, o);
+  }
+}
+
+// tiles of at most MOST rows, as even as can be, against C weight rows at a time; the outputs past a multiple of C one
+// weight row at a time
+template <int C, int MOST>
+MSLLM_AVX512_BF16 inline void tiles_dpbf16(int64_t rows, const uint16_t* xb, const bf16* w, const float* b, int64_t in,
+                                           float* y, int64_t ldy, int64_t o0, int64_t o1) {
+  const int64_t tiles = (rows + MOST - 1) / MOST, base = rows / tiles, extra = rows % tiles;
+  int64_t o = o0;
+  for (; o + C <= o1; o += C)
+    for (int64_t t = 0, r = 0; t < tiles; r += base + (t < extra), ++t)
+      tile_dpbf16_rows<C>(base + (t < extra), xb + r * in, w, b, in, y + r * ldy, ldy, o);
+  for (; o < o1; ++o)
+    for (int64_t t = 0, r = 0; t < tiles; r += base + (t < extra), ++t)
+      tile_dpbf16_rows<1>(base + (t < extra), xb + r * in, w, b, in, y + r * ldy, ldy, o);
+}
+
+// rows of x in tiles of at most 8, as even as can be (9 rows: 5 + 4, not 8 + 1), each against 3 weight rows at a time
+// (in cache for the next tile); outputs past a multiple of 3 one weight row at a time. Here x is rounded in each
+// task (the rows kernel called alone); matmul() and the q/k/v dispatch round it once per call (bf16_prepare).
+MSLLM_AVX512_BF16 void rows_dpbf16_prepared(const float*, int64_t rows, const void* op, const float* b, int64_t in,
+                                            float* y, int64_t ldy, int64_t o0, int64_t o1);
+
+MSLLM_AVX512_BF16 void rows_dpbf16(const float* x, int64_t rows, const void* wv, const float* b, int64_t in, float* y,
+                                   int64_t ldy, int64_t o0, int64_t o1) {
+  uint16_t* xb = reinterpret_cast<uint16_t*>(t_x_bf16.get(size_t(rows * in + 1) / 2 + 16));
+  if (xb == nullptr) return rows_avx512<bf16>(x, rows, wv, b, in, y, ldy, o0, o1);  // no memory: the float32 form
+  x_to_bf16(x, rows * in, xb);
+  const Bf16Operand a{wv, xb};
+  rows_dpbf16_prepared(x, rows, &a, b, in, y, ldy, o0, o1);
+}
+
+bool cpu_has_bf16() {
+  __builtin_cpu_init();
+  return isa() == ISA_AVX512 && isa_extensions() && __builtin_cpu_supports("avx512bf16") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+
+const bool g_bf16_form = cpu_has_bf16();
+
+// rows_dpbf16 on x rounded once for the whole call (Bf16Operand: a weight and that x), not once per task
+MSLLM_AVX512_BF16 void rows_dpbf16_prepared(const float*, int64_t rows, const void* op, const float* b, int64_t in,
+                                            float* y, int64_t ldy, int64_t o0, int64_t o1) {
+  const Bf16Operand& a = *static_cast<const Bf16Operand*>(op);
+  const bf16* w = static_cast<const bf16*>(a.w);
+  tiles_dpbf16<3, 8>(rows, a.xb, w, b, in, y, ldy, o0, o1);
+}
+
+// the AVX-512 rows kernel for bfloat16 weights: this form for several rows of x, unless check holds x exact
+MSLLM_AVX512 void rows_avx512_bf16(const float* x, int64_t rows, const void* wv, const float* b, int64_t in,
+                                   float* y, int64_t ldy, int64_t o0, int64_t o1) {
+  if (rows >= BF16_MIN_ROWS && g_bf16_form && quant_activations() != ACTIVATIONS_EXACT)
+    return rows_dpbf16(x, rows, wv, b, in, y, ldy, o0, o1);
+  rows_avx512<bf16>(x, rows, wv, b, in, y, ldy, o0, o1);
+}
+#endif
+
 // ---- NEON (AArch64: the Atlas hosts' Kunpeng 920, ARMv8.2) -------------------------------------------
 // The AVX2 forms' shapes in 128-bit registers: one row of x against one weight row at a time (a sequential stream
 // per thread), more rows of x in tiles of up to 4 that widen each weight once per tile. 16-bit weights are widened
@@ -647,7 +825,7 @@ Kernels pick_kernels() {
 #ifdef MSLLM_X86
     // AVX-512: the GEMM's tiles, and the GEMV for one row of x; the packing and the GEMV for more rows stay AVX2
     case ISA_AVX512:
-      return {{rows_avx512<float>, rows_avx512<f16>, rows_avx512<bf16>},
+      return {{rows_avx512<float>, rows_avx512<f16>, rows_avx512_bf16},
               {gemm_block_avx2<float, k_micro512>, gemm_block_avx2<f16, k_micro512>,
                gemm_block_avx2<bf16, k_micro512>},
               {widen_rows_avx2<float>, widen_rows_avx2<f16>, widen_rows_avx2<bf16>}, gemm_block_quant_avx2<k_micro512>};
@@ -758,6 +936,25 @@ RowsFn rows_kernel(WType wt) { return wt == W_QUANT ? quant_rows_kernel() : g_ke
 
 bool has_gemm(WType wt) { return wt == W_QUANT || g_kernels.gemm[wt] != nullptr; }
 
+RowsFn bf16_prepare(const float* x, int64_t rows, int64_t in, std::vector<uint16_t>& xb) {
+#ifdef MSLLM_X86
+  if (rows >= BF16_MIN_ROWS && g_bf16_form && quant_activations() != ACTIVATIONS_EXACT) {
+    xb.resize(size_t(rows * in));
+    x_to_bf16(x, rows * in, xb.data());
+    return rows_dpbf16_prepared;
+  }
+#endif
+  (void)x, (void)rows, (void)in, (void)xb;
+  return nullptr;
+}
+
+const char* bf16_form() {
+#ifdef MSLLM_X86
+  if (g_bf16_form) return "avx512_bf16";
+#endif
+  return "float32";
+}
+
 namespace {
 
 void gemm_tasks(GemmFn gemm, const float* x, int64_t rows, const void* w, const float* b, int64_t in, int64_t out,
@@ -844,6 +1041,13 @@ void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* 
     return gemv_rows(quant_rows_kernel(), x, rows, &ws[0], b, in, out, y, up != nullptr ? &ws[1] : nullptr, residual);
   }
   const GemmFn gemm = g_kernels.gemm[wt];
+  if (wt == W_BF16 && rows <= GEMV_MAX_ROWS) {  // the AVX512-BF16 form where it runs: x rounded once for the call
+    thread_local std::vector<uint16_t> xb;
+    if (const RowsFn fn = bf16_prepare(x, rows, in, xb)) {
+      const Bf16Operand ops[2] = {{w, xb.data()}, {up, xb.data()}};
+      return gemv_rows(fn, x, rows, &ops[0], b, in, out, y, up != nullptr ? &ops[1] : nullptr, residual);
+    }
+  }
   if (rows <= GEMV_MAX_ROWS || gemm == nullptr) return gemv_rows(g_kernels.rows[wt], x, rows, w, b, in, out, y, up,
                                                                  residual);
   gemm_tasks(gemm, x, rows, w, b, in, out, y);

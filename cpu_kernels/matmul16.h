@@ -4,6 +4,8 @@
 #ifndef MSLITE_LLM_CPU_KERNELS_MATMUL16_H_
 #define MSLITE_LLM_CPU_KERNELS_MATMUL16_H_
 
+#include <vector>
+
 #include "common.h"
 
 namespace msllm {
@@ -18,6 +20,27 @@ void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* 
 
 // The rows kernel (common.h's RowsFn) of this machine's code path for weights of type wt.
 RowsFn rows_kernel(WType wt);
+
+// Rows of x from which bfloat16 weights take the AVX512-BF16 form (at most GEMV_MAX_ROWS: the GEMM beyond keeps
+// float32's). Measured on SmolLM2's step (AMD EPYC Zen 4, docs/performance-log.md 37): 2 and 4 rows slower in it than in
+// float32's form (bound by the weights' bytes), 8 level, 9 (a verify of 8) and 16 faster. cpu_kernels/__init__.py
+// BF16_MIN_ROWS says the same.
+constexpr int64_t BF16_MIN_ROWS = 8;
+
+// The form of the rows kernel for bfloat16 weights at BF16_MIN_ROWS or more rows of x: "avx512_bf16" (x rounded to bfloat16,
+// vdpbf16ps; the AVX-512 path on a CPU with AVX512_BF16) or "float32" (the weights widened, float32 FMA).
+const char* bf16_form();
+
+// A bfloat16 weight and x rounded to bfloat16 for it: what bf16_prepare's rows kernel reads in place of the weight.
+struct Bf16Operand {
+  const void* w;
+  const uint16_t* xb;
+};
+
+// Where the AVX512-BF16 form runs for `rows` rows of x (bf16_form, BF16_MIN_ROWS to GEMV_MAX_ROWS, activations not
+// held exact): x
+// rounded to bfloat16 into `xb` once, and the rows kernel that takes Bf16Operands as its weights; else nullptr.
+RowsFn bf16_prepare(const float* x, int64_t rows, int64_t in, std::vector<uint16_t>& xb);
 
 // Whether this machine's code path has a GEMM form for wt (else the rows form takes every M, as matmul() does).
 bool has_gemm(WType wt);

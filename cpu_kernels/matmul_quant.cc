@@ -29,7 +29,8 @@
 // ISA: the dequantization and the dot products have an AVX2+FMA form (target attributes; the AVX2 and AVX-512 paths
 // of common.h's isa() run it), the decode form also an AVX-512 VNNI one (vpdpwssd: the AVX-512 path on a CPU with
 // AVX512_VNNI, BW and VL; quant_form() names the one that runs), a NEON one and a plain C++ one (elsewhere, or with
-// MSLITE_LLM_CPU_KERNELS_ISA=generic; =avx2 holds an AVX-512 machine to the AVX2 forms), read at load.
+// MSLITE_LLM_CPU_KERNELS_ISA=generic; =avx2 holds an AVX-512 machine to the AVX2 forms, =avx512 to the form of a CPU
+// without VNNI), read at load.
 // The dequantized weights are bit-identical in both; the sums differ only in their order.
 //
 // Interface (MindSpore aot CPU): int F(int nparam, void** params, int* ndims, int64_t** shapes,
@@ -710,7 +711,7 @@ MSLLM_AVX512_VNNI void qrows_vnni(const float*, int64_t rows, const void* wv, co
 
 bool cpu_has_vnni() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+  return isa_extensions() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
          __builtin_cpu_supports("avx512vnni");
 }
 #endif

@@ -63,6 +63,7 @@ constexpr int64_t QUANT_ROWS_MAX = 16;
 // into a high and a low int16 part, x = s (h + l / 65534), so the products are float32's to its rounding (what check
 // holds to the float32 reference's own rounding). Process-wide, read when x is prepared: MSLITE_LLM_QUANT_ACTIVATIONS
 // (int16 | exact) at load, set_quant_activations after.
+// ACTIVATIONS_EXACT also holds the rows kernel of bfloat16 weights to its float32 form (matmul16.h bf16_form).
 enum Activations { ACTIVATIONS_INT16 = 0, ACTIVATIONS_EXACT = 1 };
 int quant_activations();
 void set_quant_activations(int mode);  // a negative mode: the default (the environment's, else int16)

@@ -18,6 +18,7 @@
 #include <chrono>
 
 #include "common.h"
+#include "matmul16.h"
 #include "matmul_quant.h"
 #include "ops.h"
 #include "pool.h"
@@ -199,11 +200,15 @@ const char* MsliteLlmIsa() { return isa_name(isa()); }
 // The quantized matmuls' decode form: "avx512_vnni" (AVX-512 with VNNI), "avx2", "neon" or "generic".
 const char* MsliteLlmQuantForm() { return quant_form(); }
 
+// The bfloat16 weights' form at several rows of x: "avx512_bf16" (x rounded to bfloat16) or "float32".
+const char* MsliteLlmBf16Form() { return bf16_form(); }
+
 // Threads the kernels use; 0 restores the default (the machine's cores). The runtime passes its CPU thread count.
 void MsliteLlmSetThreads(int threads) { set_threads(threads); }
 
-// How the quantized matmuls' decode form rounds x (matmul_quant.h Activations): 0 int16 (the default), 1 exact; a
-// negative mode restores the default (MSLITE_LLM_QUANT_ACTIVATIONS, else int16). Returns the mode now in force.
+// How the quantized matmuls' decode form rounds x (matmul_quant.h Activations): 0 int16 (the default), 1 exact (which
+// also holds bfloat16 weights to float32's form); a negative mode restores the default (MSLITE_LLM_QUANT_ACTIVATIONS,
+// else int16). Returns the mode now in force.
 int MsliteLlmSetQuantActivations(int mode) {
   if (mode != -2) set_quant_activations(mode);  // -2: only ask
   return quant_activations();

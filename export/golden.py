@@ -103,7 +103,7 @@ def prompts_for(plan: List[Tuple[int, List[int], int]], checkpoint: str, vocab_s
 def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int], seq_length: int,
             batch_size: int, progress: Optional[Callable[[int], None]] = None,
             matrices_in: str = "float32", quant: Optional[Tuple[Any, Any]] = None,
-            lanes: bool = False) -> Dict[str, Any]:
+            lanes: Sequence[str] = ()) -> Dict[str, Any]:
     """Run the plan through the float32 reference; returns golden.json's content (lite_runtime.golden).
 
     Every row of every batch runs together, so each forward is one pass over the weights: the first
@@ -115,7 +115,7 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
     usual limits. Then a second reference on the checkpoint's own weights is fed the same tokens, all steps of every
     row in one prefill pass (the folder's greedy tokens are known by then), and how far the two are apart is recorded
     as `agreement` (_Agreement). That costs one pass more than a float folder's golden, not a second decode.
-    lanes: a quantized folder for the CPU kernels: every decode step also runs in two lanes beside each row
+    lanes: the fast form's lane and "reorder" (lanes_for): every decode step also runs in those lanes beside each row
     (ArithmeticLanes), whose distance from the row sets the check's limits for this folder (`limits`,
     lite_runtime/golden.py derived_limits).
     """
@@ -140,7 +140,7 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
         records = [ReferenceRow(prompt=ids) for _, ids in rows]
         feed = [ids for _, ids in rows]
         active = list(range(len(rows)))
-        probe = ArithmeticLanes(net) if lanes else None
+        probe = ArithmeticLanes(net, tuple(lanes)) if lanes else None
         while active:
             if probe is not None and probe.started:
                 logits = probe.forward([feed[i] for i in active], [caches[i] for i in active], active)
@@ -178,24 +178,36 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
         **({} if probe is None or not probe.steps else {"limits": derived_limits(probe.measured)}))
 
 
+def lanes_for(quantized: bool, matrices_in: str, cpu_kernels: bool) -> Tuple[str, ...]:
+    """The lanes of a folder's golden steps: a CPU-kernel folder whose matmuls have a fast form that rounds x gets
+    that form's lane and "reorder" ("int16": quantized weights; "bf16": matrices stored in bfloat16, the AVX512-BF16
+    form); any other folder none (its limits are its dtype's constants)."""
+    if not cpu_kernels:
+        return ()
+    if quantized:
+        return ("int16", "reorder")
+    if matrices_in == "bfloat16":
+        return ("bf16", "reorder")
+    return ()
+
+
 class ArithmeticLanes:
     """Each decode step of the golden references again in two lanes beside every row, from the same history (each
     lane its own cache from the prompt on, fed the row's tokens), in the same matmul calls (export/reference.py
-    BlockedMatmul `lanes`, the widened weights shared): "int16", x rounded as the CPU kernels' fast decode form
-    rounds it at every quantized matmul; "reorder", every product in another float32 order (export/reference.py
-    BlockedMatmul: row by row, each in two halves). How far
+    BlockedMatmul `lanes`, the widened weights shared): the fast form's, x rounded as the CPU kernels round it ("int16"
+    at every quantized matmul, or "bf16" at every matmul of bfloat16 matrices); "reorder", every product in another
+    float32 order (export/reference.py BlockedMatmul: row by row, each in two halves). How far
     each lane's top-k logits land from the row's, over every step, is what this folder's arithmetic does to its
     logits (`measured`): the check's limits follow from it (lite_runtime/golden.py derived_limits). Only the steps:
     the prompt's prefill is shared (measured, the step's own products carry the lanes' distance: 1.4e-6 / 6.5e-5
     for steps only against 1.4e-6 / 8.0e-5 with the prompt too, at hidden 1024)."""
 
-    KINDS = ("int16", "reorder")
-
-    def __init__(self, net) -> None:
+    def __init__(self, net, kinds: Tuple[str, ...] = ("int16", "reorder")) -> None:
         self.net = net
+        self.kinds = kinds
         self.started = False
         self.caches: Dict[str, list] = {}
-        self.measured = {kind: 0.0 for kind in self.KINDS}
+        self.measured = {kind: 0.0 for kind in self.kinds}
         self.steps = 0  # decode steps the lanes ran (none: a folder whose golden rows end at the prefill)
 
     def start(self, caches) -> None:
@@ -203,7 +215,7 @@ class ArithmeticLanes:
         never written in place, by the reference's attention: a shallow copy is a copy)."""
         from export.reference import RowCache
 
-        for kind in self.KINDS:
+        for kind in self.kinds:
             self.caches[kind] = []
             for cache in caches:
                 lane = RowCache(len(cache.keys))
@@ -214,10 +226,10 @@ class ArithmeticLanes:
     def forward(self, feed, caches, active):
         """The rows' step, each lane's beside it; returns the rows' logits, records the lanes' distances."""
         n = len(active)
-        lane_caches = [self.caches[kind][i] for kind in self.KINDS for i in active]
-        self.net.matmul.lanes = {kind: slice((k + 1) * n, (k + 2) * n) for k, kind in enumerate(self.KINDS)}
+        lane_caches = [self.caches[kind][i] for kind in self.kinds for i in active]
+        self.net.matmul.lanes = {kind: slice((k + 1) * n, (k + 2) * n) for k, kind in enumerate(self.kinds)}
         try:
-            logits = self.net.forward(list(feed) * (1 + len(self.KINDS)), list(caches) + lane_caches)
+            logits = self.net.forward(list(feed) * (1 + len(self.kinds)), list(caches) + lane_caches)
         finally:
             self.net.matmul.lanes = {}
         self.steps += 1
@@ -225,7 +237,7 @@ class ArithmeticLanes:
         ids = np.argpartition(-rows, TOP_K - 1, axis=1)[:, :TOP_K]
         scale = np.abs(rows).max(axis=1)
         want = np.take_along_axis(rows, ids, 1).astype(np.float64)
-        for k, kind in enumerate(self.KINDS):
+        for k, kind in enumerate(self.kinds):
             lane = np.take_along_axis(logits[(k + 1) * n:(k + 2) * n], ids, 1).astype(np.float64)
             worst = float((np.abs(lane - want).max(axis=1) / np.maximum(scale, 1e-30)).max())
             self.measured[kind] = max(self.measured[kind], worst)

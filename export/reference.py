@@ -79,8 +79,9 @@ class BlockedMatmul:
     `lanes` (set by the caller around a forward, export/golden.py ArithmeticLanes): rows of x that compute the same
     product another way, from the same widened blocks: "int16" rows with x rounded as the CPU kernels' decode form
     rounds it (rounded_to_int16_blocks) at every quantized matmul (the offsets' sums from x as given, as the kernels
-    take them); "reorder" rows computed row by row (BLAS's matrix-vector kernels), each in two halves: another
-    float32 order."""
+    take them); "bf16" rows with x rounded to bfloat16 (to nearest, ties to even) at every matmul of a folder that
+    stores its matrices in bfloat16, as the CPU kernels' AVX512-BF16 form rounds it (cpu_kernels/matmul16.cc);
+    "reorder" rows computed row by row (BLAS's matrix-vector kernels), each in two halves: another float32 order."""
 
     def __init__(self, matrices_in: str = "float32", threads: Optional[int] = None) -> None:
         self.lanes: Dict[str, slice] = {}
@@ -159,6 +160,8 @@ class BlockedMatmul:
         for kind, rows in self.lanes.items():
             if kind == "int16" and quantized and x.shape[1] % 32 == 0:
                 out.append((kind, rows, rounded_to_int16_blocks(x[rows])))
+            elif kind == "bf16" and not quantized and self.matrices_in == "bfloat16":
+                out.append((kind, rows, rounded_to(x[rows], "bfloat16")))
             elif kind == "reorder":
                 out.append((kind, rows, x[rows]))
         return out
@@ -167,7 +170,7 @@ class BlockedMatmul:
     def _lane_products(lanes, x: np.ndarray, w, block: np.ndarray, a: int, b: int, out: np.ndarray) -> None:
         """The lanes' rows of out[:, a:b] again, from the same widened block [b - a, I] of W."""
         for kind, rows, xs in lanes:
-            if kind == "int16":
+            if kind in ("int16", "bf16"):  # x rounded
                 y = xs @ block.T
             else:  # row by row (BLAS's matrix-vector kernels, not its GEMM's), each in two halves
                 half = xs.shape[1] // 2

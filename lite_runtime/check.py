@@ -24,8 +24,8 @@ from lite_runtime.backends.standins import describe
 from lite_runtime.config import InferConfig
 from lite_runtime.errors import InferError
 from lite_runtime.folder import graph_rows
-from lite_runtime.golden import (TOLERANCES, Reference, RowResult, Tolerance, folder_limits, load_golden, replay,
-                                 replay_chunks, replay_scores, tolerance_for)
+from lite_runtime.golden import (ACTIVATION_LABELS, TOLERANCES, Reference, RowResult, Tolerance, fast_mode,
+                                 folder_limits, load_golden, replay, replay_chunks, replay_scores, tolerance_for)
 from lite_runtime.versions import environment
 
 SEND_BACK = ("rerun with --json report.json and send that file, with the folder's manifest.json and yaml, "
@@ -74,24 +74,30 @@ class Report:
     info: Dict[str, Any] = field(default_factory=dict)  # environment, versions, the folder's settings
     graph: str = "plain"  # the folder's graph form
     standins: Dict[str, int] = field(default_factory=dict)  # fused op -> nodes the backend ran as CPU stand-ins
-    # a quantized CPU folder: the limit of its replay through the fast path (int16 activations), whose rows' graph
-    # ends with FAST_SUFFIX; `tolerance` then holds the other replays, run with x exact (lite_runtime/golden.py
-    # folder_limits)
+    # a quantized or bfloat16 CPU folder: the limit of its replay through the fast path (int16 or bfloat16
+    # activations), whose rows' graph ends with FAST_SUFFIX; `tolerance` then holds the other replays, run with x
+    # exact (lite_runtime/golden.py folder_limits)
     fast: Optional[Tolerance] = None
+    fast_mode: str = "int16"  # the fast path's activations (lite_runtime/golden.py FAST_MODES)
+    # a bfloat16 CPU folder exported before its bf16 limit, on a machine whose kernels serve it in the AVX512-BF16
+    # form: what check could not replay, said in its own line
+    unreplayed: Optional[str] = None
 
     def _split(self):
         """(the rows held to `tolerance`, the fast path's rows)."""
-        return ([r for r in self.rows if not r.graph.endswith(FAST_SUFFIX)],
-                [r for r in self.rows if r.graph.endswith(FAST_SUFFIX)])
+        return ([r for r in self.rows if not r.graph.endswith(FAST_SUFFIX[self.fast_mode])],
+                [r for r in self.rows if r.graph.endswith(FAST_SUFFIX[self.fast_mode])])
 
     def activations_line(self) -> Optional[str]:
-        """For a quantized CPU folder: how its quantized matmuls ran in each replay, and where each limit comes from."""
+        """For a quantized or bfloat16 CPU folder: how its matmuls ran in each replay, and where each limit comes
+        from."""
         if self.fast is None:
-            return None
-        return (f"activations: the quantized matmuls ran with x exact (float32's arithmetic; limit "
-                f"{self.tolerance.rel:.1e}), then as they serve, x rounded to int16 per block of 32 (limit "
-                f"{self.fast.rel:.1e}, the rows marked {FAST_SUFFIX}); both limits derived for this folder at "
-                "export from its own arithmetic (golden.json 'limits')")
+            return self.unreplayed
+        what, served = FAST_WORDS[self.fast_mode]
+        return (f"activations: the {what} ran with x exact (float32's arithmetic; limit "
+                f"{self.tolerance.rel:.1e}), then as they serve, {served} (limit "
+                f"{self.fast.rel:.1e}, the rows marked {FAST_SUFFIX[self.fast_mode]}); both limits derived for this "
+                "folder at export from its own arithmetic (golden.json 'limits')")
 
     def form_line(self) -> str:
         """Which graph form ran, and what was substituted: the stand-ins prove the wiring, not Ascend's kernels; on
@@ -128,10 +134,11 @@ class Report:
         slots = chunks or scores or bool(fast)
         paths = (" (each through the prefill graphs" + (" and through the chunk graphs" if chunks else "")
                  + ("; one per bucket through the score graphs" if scores else "")
-                 + ("; again through the prefill graphs with int16 activations" if fast else "") + ")") if slots else ""
+                 + (f"; again through the prefill graphs with {ACTIVATION_LABELS[self.fast_mode]}" if fast else "")
+                 + ")") if slots else ""
         fast_note = ""
         if fast:
-            fast_note = (f"; with int16 activations within {max(r.max_rel for r in fast):.1e} (limit "
+            fast_note = (f"; with {ACTIVATION_LABELS[self.fast_mode]} within {max(r.max_rel for r in fast):.1e} (limit "
                          f"{self.fast.rel:.1e}, derived for this folder)")
         if self.passed:
             return (f"PASS {self.name} on backend {self.backend}: {prompts}{paths}, {steps} steps, greedy "
@@ -182,9 +189,11 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
     """run_check for a folder already read into `config` (its checksums verified then). `reference`: another
     reference than the folder's golden.json (export.compare's HF), held to `tolerance` (default: the folder's).
 
-    A quantized CPU folder whose golden.json carries derived limits (lite_runtime/golden.py folder_limits) replays
-    with its quantized matmuls' x exact (cpu_kernels ACTIVATIONS_EXACT: float32's arithmetic) against the tight
-    limit, then once through the prefill graphs as it serves (x rounded to int16) against that path's limit."""
+    A quantized or bfloat16 CPU folder whose golden.json carries derived limits (lite_runtime/golden.py
+    folder_limits) replays with its matmuls' x exact (cpu_kernels ACTIVATIONS_EXACT: float32's arithmetic) against
+    the tight limit, then once through the prefill graphs as it serves (x rounded to int16, or to bfloat16 in the
+    AVX512-BF16 form) against that path's limit. A bfloat16 CPU folder exported before its limit replays with x
+    exact against float32's, and the report says when this machine serves it in a form it did not replay."""
     from lite_runtime.task import pipeline
 
     backend = config.backend
@@ -197,7 +206,11 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
                          "mslite-llm wrote them: re-export it with python -m export to check it")
     cpu_kernels = folder.infer.get("device") == "cpu" and bool(folder.infer.get("cpu_kernels"))
     quantized_cpu = folder.quantization is not None and cpu_kernels
-    limits = folder_limits(reference) if quantized_cpu and golden else None
+    # bfloat16 matrices on the CPU kernels: their matmuls of several rows round x to bfloat16 where the CPU has
+    # AVX512-BF16 (cpu_kernels.bf16_form)
+    bf16_cpu = folder.quantization is None and cpu_kernels and folder.infer.get("dtype") == "bfloat16"
+    limits = folder_limits(reference) if (quantized_cpu or bf16_cpu) and golden else None
+    mode = fast_mode(limits)
     if tolerance is None:
         # a CPU folder with 16-bit weights: float32's, on rounded weights; a quantized CPU folder: its derived limits
         # (one exported before them: the int16 activations' constant); against HF (export.compare), with x exact,
@@ -217,7 +230,8 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
         config = dataclasses.replace(config, chunk_graphs=True)
     generator = pipeline("text_generation", model=config, backend=backend)
     loaded = time.perf_counter() - start
-    exact = quantized_cpu and (limits is not None or not golden)  # against golden's tight limit, or HF's float32
+    # against golden's tight limit, or HF's float32, or (a bfloat16 folder before its limit) float32's constant
+    exact = (quantized_cpu and (limits is not None or not golden)) or bf16_cpu
     runner = generator.runner
     runner.cycle_step_graphs, runner.step_counts = True, {}  # every inc graph takes its turn at the decode steps
     with _activations("exact" if exact else None):
@@ -226,11 +240,11 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
             rows += replay_chunks(generator.runner, reference, tolerance, progress=progress)
         if generator.runner.score_sizes:  # the score graphs: every position of a piece (speculation, echo, perplexity)
             rows += replay_scores(generator.runner, reference, tolerance, progress=progress)
-    if limits is not None:  # the path that serves
+    if mode is not None:  # the path that serves (the kernels' mode other than exact: int16, and the AVX512-BF16 form)
         with _activations("int16"):
-            fast = replay(generator, reference, limits["int16"], progress=progress)
+            fast = replay(generator, reference, limits[mode], progress=progress)
         for r in fast:
-            r.graph += FAST_SUFFIX
+            r.graph += FAST_SUFFIX[mode]
         rows += fast
     runner.cycle_step_graphs = False
     unproved = [k for k in runner.step_graphs.values() if not runner.step_counts.get(k)]
@@ -257,10 +271,26 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
     info["kv_cache"] = generator.runner.pool_plan.line() + "; every replay's block tables shuffled (not contiguous)"
     info["step_graphs"] = dict(sorted(runner.step_counts.items(), key=lambda kv: graph_rows(kv[0], runner.batch_size)))
     if exact:
-        info["quant_activations"] = {"replays": "exact", **({"fast replay": "int16"} if limits else {})}
+        info["quant_activations"] = {"replays": "exact", **({"fast replay": mode} if mode else {})}
+    unreplayed = None
+    if bf16_cpu and mode is None and golden and _bf16_form(generator.backend_name) == "avx512_bf16":
+        unreplayed = ("activations: replayed with x exact only; this machine serves the folder's steps of several "
+                      "rows in the AVX512-BF16 form (x rounded to bfloat16), which was not replayed: golden.json "
+                      "predates its limit; re-export the folder with python -m export to check that form")
     return Report(name=folder.name, backend=generator.backend_name, dtype=config.compute_dtype, tolerance=tolerance,
                   reference=reference.source, rows=rows, info=info, graph=folder.graph_form, standins=standins,
-                  fast=None if limits is None else limits["int16"])
+                  fast=None if mode is None else limits[mode], fast_mode=mode or "int16", unreplayed=unreplayed)
+
+
+def _bf16_form(backend: str) -> Optional[str]:
+    """The CPU kernels' form for bfloat16 weights (cpu_kernels.bf16_form) where they ran, else None."""
+    if backend != "ms":
+        return None
+    try:
+        import cpu_kernels
+    except ImportError:
+        return None
+    return cpu_kernels.bf16_form()
 
 
 def kernels_path(backend: str, folder) -> Optional[str]:
@@ -277,10 +307,16 @@ def kernels_path(backend: str, folder) -> Optional[str]:
         return None
     if folder.quantization is not None:
         return f"{isa}, quantized decode {cpu_kernels.quant_form()}"
+    if folder.infer.get("dtype") == "bfloat16":
+        return f"{isa}, bfloat16 rows {cpu_kernels.bf16_form()}"
     return isa
 
 
-FAST_SUFFIX = "@int16"  # the graph label's end of the fast path's replay rows
+FAST_SUFFIX = {"int16": "@int16", "bf16": "@bf16"}  # the graph label's end of the fast path's replay rows, by mode
+# per fast mode: (what ran with x exact, how x is rounded as the folder serves)
+FAST_WORDS = {"int16": ("quantized matmuls", "x rounded to int16 per block of 32"),
+              "bf16": ("bfloat16 matmuls", "x rounded to bfloat16 in the matmuls of several rows (AVX512-BF16; "
+                                           "float32's form where the CPU lacks it)")}
 
 
 @contextlib.contextmanager

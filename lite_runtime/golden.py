@@ -76,35 +76,51 @@ INT16_ACTIVATIONS = Tolerance("float32 with int16 activations", 1e-3)
 # float32 units of the largest logit; no float32 computation promises less). `exact` holds the replays that run the
 # quantized matmuls with x exact (cpu_kernels ACTIVATIONS_EXACT: float32's arithmetic), `int16` the replay through
 # the fast path as it serves.
+#
+# A bfloat16 CPU folder likewise (since 2026-11-28): the kernels' AVX512-BF16 form rounds x to bfloat16 at every
+# matmul of several rows (cpu_kernels/matmul16.cc), so its golden steps run a "bf16" lane (x rounded to bfloat16 at
+# every matmul) beside "reorder", and its limits are `exact` and `bf16`. A bfloat16 folder exported before them is
+# checked as it was (float32's constant, its replays with x exact) and told that the fast form was not replayed.
 LIMIT_FACTOR = 10.0
 LIMIT_FLOOR = 2.0 ** -20
-ACTIVATION_LABELS = {"exact": "float32 arithmetic (x exact)", "int16": "int16 activations"}
+ACTIVATION_LABELS = {"exact": "float32 arithmetic (x exact)", "int16": "int16 activations",
+                     "bf16": "bfloat16 activations"}
+FAST_MODES = ("int16", "bf16")  # the fast forms' activations, one per folder (the lane export/golden.py ran)
+_FAST_WHAT = {"int16": "with x rounded to int16 per block of 32 at every quantized matmul, as the CPU kernels' "
+                       "decode form rounds it",
+              "bf16": "with x rounded to bfloat16 at every matmul, as the CPU kernels' AVX512-BF16 form rounds it"}
 
 
 def derived_limits(measured: Dict[str, float]) -> Dict[str, Any]:
-    """golden.json's `limits` from the lanes' distances (`measured`: reorder, int16): per activation mode, the limit
-    and what it came from."""
+    """golden.json's `limits` from the lanes' distances (`measured`: reorder and one fast mode, int16 or bf16): per
+    activation mode, the limit and what it came from."""
     exact = max(LIMIT_FACTOR * measured["reorder"], LIMIT_FLOOR)
-    int16 = max(LIMIT_FACTOR * measured["int16"], exact)
     how = ("{factor} x the largest distance of the golden steps computed again {what}, over every step's top-k "
            "logits relative to its largest |logit|")
-    return {"exact": {"rel": float(f"{exact:.4g}"), "measured": float(f"{measured['reorder']:.4g}"),
-                      "factor": LIMIT_FACTOR, "floor": LIMIT_FLOOR,
-                      "from": how.format(factor=LIMIT_FACTOR, what="with every matmul summed in another float32 "
-                                                                  "order")},
-            "int16": {"rel": float(f"{int16:.4g}"), "measured": float(f"{measured['int16']:.4g}"),
-                      "factor": LIMIT_FACTOR,
-                      "from": how.format(factor=LIMIT_FACTOR, what="with x rounded to int16 per block of 32 at "
-                                                                  "every quantized matmul, as the CPU kernels' decode "
-                                                                  "form rounds it")}}
+    out = {"exact": {"rel": float(f"{exact:.4g}"), "measured": float(f"{measured['reorder']:.4g}"),
+                     "factor": LIMIT_FACTOR, "floor": LIMIT_FLOOR,
+                     "from": how.format(factor=LIMIT_FACTOR, what="with every matmul summed in another float32 "
+                                                                 "order")}}
+    for mode in FAST_MODES:
+        if mode in measured:
+            out[mode] = {"rel": float(f"{max(LIMIT_FACTOR * measured[mode], exact):.4g}"),
+                         "measured": float(f"{measured[mode]:.4g}"), "factor": LIMIT_FACTOR,
+                         "from": how.format(factor=LIMIT_FACTOR, what=_FAST_WHAT[mode])}
+    return out
 
 
 def folder_limits(reference: "Reference") -> Optional[Dict[str, Tolerance]]:
-    """The derived limits a folder's golden.json carries ({"exact": ..., "int16": ...} Tolerances), or None."""
+    """The derived limits a folder's golden.json carries ({"exact": ..., and "int16" or "bf16": ...} Tolerances), or
+    None."""
     if not reference.limits:
         return None
     return {mode: Tolerance(ACTIVATION_LABELS[mode], float(reference.limits[mode]["rel"]), derived=True)
-            for mode in ACTIVATION_LABELS}
+            for mode in ACTIVATION_LABELS if mode in reference.limits}
+
+
+def fast_mode(limits: Optional[Dict[str, Any]]) -> Optional[str]:
+    """The fast mode whose limit a folder's limits hold ("int16" or "bf16"), or None."""
+    return next((m for m in FAST_MODES if limits and m in limits), None)
 
 
 def tolerance_for(compute_dtype: str, quantized: bool, cpu_kernels: bool) -> Optional[Tolerance]:
@@ -150,7 +166,7 @@ class ReferenceBatch:
 class Reference:
     source: str  # what computed it, for the report
     batches: List[ReferenceBatch]
-    limits: Optional[Dict[str, Any]] = None  # golden.json's derived limits (a quantized CPU folder's), if any
+    limits: Optional[Dict[str, Any]] = None  # golden.json's derived limits (a quantized or bf16 CPU folder's), if any
 
     @classmethod
     def from_dict(cls, doc: Dict[str, Any], where: str, vocab_size: int, source: str) -> "Reference":
@@ -189,7 +205,10 @@ class Reference:
         limits = doc.get("limits")
         if limits is not None:
             try:
-                if not all(float(limits[mode]["rel"]) > 0 for mode in ACTIVATION_LABELS):
+                modes = ["exact", fast_mode(limits)]  # exact and one fast mode's, both there
+                if modes[1] is None:
+                    raise KeyError(" or ".join(FAST_MODES))
+                if not all(float(limits[mode]["rel"]) > 0 for mode in modes):
                     raise ValueError("a limit is not positive")
             except (KeyError, TypeError, ValueError) as exc:
                 raise bad(f"malformed limits ({type(exc).__name__}: {exc})") from None

@@ -128,8 +128,8 @@ def check(folder: str) -> Dict[str, Any]:
     from lite_runtime.check import FAST_SUFFIX, run_check
 
     report = run_check(folder, backend="ms")
-    exact = [r.max_rel for r in report.rows if not r.graph.endswith(FAST_SUFFIX)]
-    fast = [r.max_rel for r in report.rows if r.graph.endswith(FAST_SUFFIX)]
+    exact = [r.max_rel for r in report.rows if not r.graph.endswith(FAST_SUFFIX[report.fast_mode])]
+    fast = [r.max_rel for r in report.rows if r.graph.endswith(FAST_SUFFIX[report.fast_mode])]
     return {"passed": report.passed, "exact": max(exact), "int16": max(fast) if fast else None,
             "exact_limit": report.tolerance.rel, "int16_limit": report.fast.rel if report.fast else None,
             "diverged": sum(r.first_divergence is not None for r in report.rows), "verdict": report.verdict()}

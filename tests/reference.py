@@ -1,10 +1,40 @@
 """The Hugging Face reference (transformers' *ForCausalLM of the checkpoint's family, fp32, CPU) and comparison helpers."""
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 from functools import lru_cache
 from typing import List
 
 import numpy as np
+
+TOL = 1e-4  # float32's limit against HF
+
+
+@contextlib.contextmanager
+def exact_activations():
+    """The CPU kernels' matmuls with x exact (float32's form, as check's replays run them: quantized weights without
+    int16 activations, bfloat16 weights without the AVX512-BF16 form), the default after."""
+    import cpu_kernels
+
+    cpu_kernels.set_quant_activations("exact")
+    try:
+        yield
+    finally:
+        cpu_kernels.set_quant_activations(None)
+
+
+def served_limit(folder: str) -> float:
+    """How far a bfloat16 CPU folder's logits may be from the float32 reference as it serves: the bfloat16-activation
+    limit derived for it at export (golden.json `limits`) where this CPU runs the AVX512-BF16 form, else float32's."""
+    import cpu_kernels
+
+    with open(os.path.join(folder, "golden.json"), encoding="utf-8") as fh:
+        limits = json.load(fh).get("limits")
+    if cpu_kernels.bf16_form() == "avx512_bf16" and limits and "bf16" in limits:
+        return float(limits["bf16"]["rel"])
+    return TOL
 
 
 @lru_cache(maxsize=8)

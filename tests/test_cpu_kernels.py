@@ -86,8 +86,25 @@ def stored(w: np.ndarray, dtype: str):
     return bits, (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
+def bf16_rounded(x: np.ndarray) -> np.ndarray:
+    """x rounded to bfloat16 to nearest, ties to even (as vcvtne2ps2bf16 rounds), back in float32: the rule the
+    AVX512-BF16 form documents, written here on its own."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+def x_as_computed(x: np.ndarray, dtype: str) -> np.ndarray:
+    """x as the kernels multiply it: rounded to bfloat16 where bfloat16 weights meet 8 to 16 rows of x in the
+    AVX512-BF16 form (cpu_kernels.bf16_form(), unless the activations are held exact), else as given."""
+    if (dtype == "bfloat16" and cpu_kernels.BF16_MIN_ROWS <= x.shape[0] <= 16
+            and cpu_kernels.bf16_form() == "avx512_bf16" and cpu_kernels.quant_activations() != "exact"):
+        return bf16_rounded(x)
+    return x
+
+
 def check_matmul(dtype: str, bias: bool, rows_list, outs, ins, seed: int = 0) -> None:
-    """Every (M, O, I) against float64 numpy on the stored weights, within 1e-5 of sum |x||w| (+|b|) per output."""
+    """Every (M, O, I) against float64 numpy on the stored weights, within 1e-5 of sum |x||w| (+|b|) per output; x
+    as the kernels multiply it (x_as_computed)."""
     rng = np.random.default_rng(seed)
     for rows in rows_list:
         for out in outs:
@@ -99,7 +116,7 @@ def check_matmul(dtype: str, bias: bool, rows_list, outs, ins, seed: int = 0) ->
                 args = (x, w, b, y) if bias else (x, w, y)
                 names = ["float32", dtype, "float32", "float32"][:len(args) - 1] + ["float32"]
                 assert call_kernel(cpu_kernels.GEMV_BIAS if bias else cpu_kernels.GEMV, *args, dtypes=names) == 0
-                x64 = x.astype(np.float64)
+                x64 = x_as_computed(x, dtype).astype(np.float64)
                 ref = x64 @ w64.T + (b if bias else 0)
                 scale = np.abs(x64) @ np.abs(w64).T + (np.abs(b) if bias else 0)
                 bad = ~(np.abs(y - ref) <= 1e-5 * scale)  # NaN (an output never written) counts as bad
@@ -192,10 +209,38 @@ def test_embed_refuses_what_it_cannot_compute():
     assert call_kernel(cpu_kernels.EMBED, ids, table, np.zeros((2, 4), np.float32), dtypes=["int32", f32, f32]) == 4
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_bfloat16_weights_at_several_rows_round_x_to_bfloat16_where_the_cpu_has_avx512_bf16():
+    """The AVX512-BF16 form (cpu_kernels.bf16_form): 8 to 16 rows of x against bfloat16 weights multiply x rounded to
+    bfloat16, fewer rows keep x exact, and the exact activations (check's replays) hold every row to float32's form;
+    the rows of a step (1..16) and a prompt's GEMM (17) at the SmolLM2 and 0.5B widths, and widths off 32."""
+    flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
+    want = "avx512_bf16" if cpu_kernels.isa() == "avx512" and {"avx512_bf16", "avx512bw", "avx512vl"} <= flags \
+        else "float32"
+    assert cpu_kernels.bf16_form() == want
+    check_matmul("bfloat16", True, (1, 2, 3, 4, 8, 9, 16, 17), (3, 47, 576), (31, 33, 576, 896), seed=5)
+    x = np.random.default_rng(6).standard_normal((9, 576), dtype=np.float32)
+    w, w64 = stored(np.random.default_rng(7).standard_normal((40, 576), dtype=np.float32), "bfloat16")
+    y = np.empty((9, 40), np.float32)
+    assert call_kernel(cpu_kernels.GEMV, x, w, y, dtypes=["float32", "bfloat16", "float32"]) == 0
+    exact = x.astype(np.float64) @ w64.T
+    rounded = bf16_rounded(x).astype(np.float64) @ w64.T
+    assert np.abs(y - (rounded if want == "avx512_bf16" else exact)).max() <= 1e-5 * np.abs(exact).max()
+    if want == "avx512_bf16":  # the rounding is real: further from x exact than float32's sums could be
+        assert np.abs(y - exact).max() > 1e-4 * np.abs(exact).max()
+    try:
+        assert cpu_kernels.set_quant_activations("exact") == "exact"
+        check_matmul("bfloat16", False, (2, 8, 9, 16), (47,), (576,), seed=8)
+        assert call_kernel(cpu_kernels.GEMV, x, w, y, dtypes=["float32", "bfloat16", "float32"]) == 0
+        assert np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()
+    finally:
+        cpu_kernels.set_quant_activations(None)
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 def test_each_code_path_gives_the_same_answers(isa):
-    """The plain C++ path (machines without AVX2/FMA/F16C) and the AVX2 one (machines without AVX-512), forced at
-    load by the environment, in a new process; this process runs whatever the machine has."""
+    """The plain C++ path (machines without AVX2/FMA/F16C), the AVX2 one (machines without AVX-512) and AVX-512
+    without its extensions' forms (a CPU without AVX512_BF16 and VNNI: bf16_form float32), forced at load by the
+    environment, in a new process; this process runs whatever the machine has."""
     script = textwrap.dedent(f"""
         import ctypes, sys
         import cpu_kernels, test_cpu_kernels as t
@@ -217,8 +262,10 @@ def test_each_code_path_gives_the_same_answers(isa):
                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
-    if isa == "avx2" and "isa: generic" in proc.stderr:
+    if isa in ("avx2", "avx512") and "isa: generic" in proc.stderr:
         pytest.skip("this CPU has no AVX2/FMA/F16C")
+    if isa == "avx512" and "isa: avx2" in proc.stderr:
+        pytest.skip("this CPU has no AVX-512")
     assert proc.returncode == 0, proc.stderr[-2000:]
     lib = ctypes.CDLL(cpu_kernels.library_path())
     lib.MsliteLlmIsa.restype = ctypes.c_char_p

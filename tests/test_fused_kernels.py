@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cpu_kernels
-from test_cpu_kernels import call_kernel
+from test_cpu_kernels import call_kernel, x_as_computed
 
 
 def close(got, ref, scale=None):
@@ -226,7 +226,7 @@ def test_norm_swiglu_is_the_norm_then_swiglu():
     assert close(y, g / (1 + np.exp(-g)) * u, np.abs(g).max() * np.abs(u).max())
 
 
-@pytest.mark.parametrize("rows,wdtype", [(1, "float32"), (2, "bfloat16"), (20, "float16")])
+@pytest.mark.parametrize("rows,wdtype", [(1, "float32"), (2, "bfloat16"), (9, "bfloat16"), (20, "float16")])
 def test_decode_tail_is_o_proj_residual_norm_mlp_residual(rows, wdtype):
     rng = np.random.default_rng(11 + rows)
     a, e, inter, eps = 48, 64, 160, 1e-6
@@ -243,10 +243,13 @@ def test_decode_tail_is_o_proj_residual_norm_mlp_residual(rows, wdtype):
     dtypes = [None, wdtype, None, None, None, wdtype, wdtype, wdtype, None]
     assert call_kernel(cpu_kernels.DECODE_TAIL, attn, wo, x, ln, np.array([eps], np.float32), wg, wu, wd, y,
                        dtypes=dtypes) == 0
-    h = x + attn.astype(np.float64) @ wide[0].T
+    def xs(v):  # each matmul's x as the kernels multiply it (rounded to bfloat16 in the AVX512-BF16 form)
+        return x_as_computed(np.asarray(v, np.float32), wdtype).astype(np.float64)
+
+    h = x + xs(attn) @ wide[0].T
     n = ln * h / np.sqrt((h ** 2).mean(-1, keepdims=True) + eps)
-    g, u = n @ wide[1].T, n @ wide[2].T
-    want = h + (g / (1 + np.exp(-g)) * u) @ wide[3].T
+    g, u = xs(n) @ wide[1].T, xs(n) @ wide[2].T
+    want = h + xs(g / (1 + np.exp(-g)) * u) @ wide[3].T
     assert close(y, want, np.abs(want).max())
     assert call_kernel(cpu_kernels.DECODE_TAIL, attn, wo, x[:, :5], ln, np.array([eps], np.float32), wg, wu, wd, y,
                        dtypes=dtypes) == 4  # a residual of the wrong width: refused, nothing computed
