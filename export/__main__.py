@@ -170,7 +170,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
     print(summary.line())
     print(summary.stage_line())
-    for line in summary.quantization_lines():
+    for line in summary.quantization_lines() or summary.limits_lines():  # a quantized folder's include its limits
         print(line)
     for line in summary.usage_lines(ascend_present()):
         print(line)

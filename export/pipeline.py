@@ -59,7 +59,7 @@ class ExportSummary:
     notes: Tuple[str, ...] = ()  # what the export chose for the user (a group size that had to change, ...)
     agreement: Optional[Dict[str, Any]] = None  # a quantized folder against its checkpoint (golden.json)
     tables: str = ""  # a quantized folder's embedding and head, in words
-    limits: Optional[Dict[str, Any]] = None  # check's limits derived for a quantized CPU folder (golden.json)
+    limits: Optional[Dict[str, Any]] = None  # check's limits derived for a quantized or bf16 CPU folder (golden.json)
 
     def line(self) -> str:
         return (f"exported {self.output}: {self.files} files, {_size(self.total_bytes)} "
@@ -78,11 +78,18 @@ class ExportSummary:
             lines.append(f"against the checkpoint's float weights, over the golden prompts: greedy agreement "
                          f"{a['greedy_agreement']:.1%} of {a['tokens']} tokens, top-1 match {a['top1_match']:.1%}, "
                          f"largest logit error {a['max_logit_error']:.3g} (golden.json 'agreement')")
-        if self.limits:
-            lines.append(f"check's limits, derived from this folder's own arithmetic: {self.limits['exact']['rel']:.1e} "
-                         f"with x exact, {self.limits['int16']['rel']:.1e} as it serves (int16 activations) "
-                         "(golden.json 'limits')")
-        return tuple(lines)
+        return tuple(lines) + self.limits_lines()
+
+    def limits_lines(self) -> Tuple[str, ...]:
+        """check's limits derived for this folder (a quantized or bfloat16 CPU folder's), in a line; else none."""
+        from lite_runtime.golden import ACTIVATION_LABELS, fast_mode
+
+        mode = fast_mode(self.limits)
+        if mode is None:
+            return ()
+        return (f"check's limits, derived from this folder's own arithmetic: {self.limits['exact']['rel']:.1e} "
+                f"with x exact, {self.limits[mode]['rel']:.1e} as it serves ({ACTIVATION_LABELS[mode]}) "
+                "(golden.json 'limits')",)
 
     def usage_lines(self, ascend_here: bool) -> Tuple[str, ...]:
         """What the folder is for, and how to check it (here too, when this machine has no Ascend device)."""

@@ -219,9 +219,13 @@ def test_sharded_bfloat16_checkpoint_written_by_hf(tmp_path, checkpoints, capsys
         shutil.copy(os.path.join(src, f), ckpt / f)
     assert (ckpt / "model.safetensors.index.json").exists()
     out = tmp_path / "folder"
-    code, _, err = export_cli(capsys, "--checkpoint", str(ckpt), "--output", str(out), "--device", "cpu",
-                              "--seq_length", "16", "--batch_size", "1")
+    code, printed, err = export_cli(capsys, "--checkpoint", str(ckpt), "--output", str(out), "--device", "cpu",
+                                    "--seq_length", "16", "--batch_size", "1")
     assert code == 0, err
+    with open(out / "golden.json", encoding="utf-8") as fh:  # a bfloat16 CPU folder: limits of its own, said
+        limits = json.load(fh)["limits"]
+    assert (f"check's limits, derived from this folder's own arithmetic: {limits['exact']['rel']:.1e} with x exact, "
+            f"{limits['bf16']['rel']:.1e} as it serves (bfloat16 activations) (golden.json 'limits')") in printed
     prefill, _ = graph_cells(str(out), str(tmp_path / "local"))
     row = prompts(1, [6], seed=2)[0]
     with torch.no_grad():  # the reference: the same bf16 weights, widened to fp32

@@ -172,3 +172,14 @@ def test_a_cpu_export_keeps_a_16_bit_checkpoints_dtype_by_default(tmp_path, chec
         with open(out / f"{name}.yaml", encoding="utf-8") as fh:
             infer = yaml.safe_load(fh)["infer"]
         assert (infer["dtype"], infer["compute_dtype"]) == (expected, "float32")
+
+
+def test_speculative_auto_is_prompt_lookup_on_float32_and_bfloat16_cpu_folders(half_folders, serve_folder):
+    """`--speculative auto` (lite_runtime/serve/cli.py lookup_pays): on where it was measured to pay, float32 and
+    bfloat16 CPU folders; off on float16 ones (not measured)."""
+    from lite_runtime import InferConfig
+    from lite_runtime.serve.cli import lookup_pays
+
+    assert lookup_pays(InferConfig.from_folder(serve_folder))  # float32
+    assert lookup_pays(InferConfig.from_folder(half_folders["bfloat16"]))
+    assert not lookup_pays(InferConfig.from_folder(half_folders["float16"]))
