@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--modes", default="fit,full", help="our runner's modes: fit (as shipped), full (batch_size rows)")
     p.add_argument("--isa", default="native", help="our kernels' path: native, avx512 (without VNNI and BF16), avx2 or "
-                   "generic (forced)")
+                   "generic (forced); with avx2, llama.cpp is built for AVX2 too (GGML_NATIVE off, no AVX-512)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama_dir", default="/tmp/ppl/llama_cpp_python-0.3.36/vendor/llama.cpp",
                    help="llama.cpp's source (benchmarks/llama_cpp.py source_dir finds or unpacks it)")
@@ -153,8 +153,10 @@ def main(argv=None) -> int:
 
     folders = dict(x.split("=", 1) for x in args.folder)
     ggufs = dict(x.split("=", 1) for x in args.gguf)
+    # llama.cpp built for the same ISA where ours is held to AVX2 (its build-bench-avx2), else for this machine
     binary = llama_cpp.build_tool(llama_cpp.source_dir(args.llama_dir) if not os.path.isdir(args.llama_dir)
-                                  else args.llama_dir, "llama-batched-bench")
+                                  else args.llama_dir, "llama-batched-bench", isa="avx2" if args.isa == "avx2" else
+                                  "native")
     counts = [int(c) for c in args.counts.split(",")]
     modes = args.modes.split(",")
     runs: Dict[str, List[Dict[str, object]]] = {}
