@@ -546,7 +546,8 @@ MSLLM_AVX512 void rows_avx512(const float* x, int64_t rows, const void* wv, cons
 // ---- AVX512-BF16: bfloat16 weights against x rounded to bfloat16, for several rows of x ------------------------
 // vdpbf16ps multiplies 32 bfloat16 pairs and adds them into 16 float32 sums an instruction: twice the multiply-adds
 // of a float32 FMA of the same width, and the weights go in as stored, unwidened. Where x has many rows (a step of 8
-// to 16 sequences, a verify's piece) the float32 form is bound by its FMAs (62-70 % of their peak,
+// to 16 sequences, a verify's piece, a chunk call, a short prompt: up to BF16_MAX_ROWS, past the float32 GEMV's 16)
+// the float32 forms are bound by their FMAs (62-70 % of their peak,
 // docs/performance-log.md 36); this form rounds each row of x to bfloat16 (to nearest, ties to even) once per call
 // and sums the products in float32. Fewer than BF16_MIN_ROWS rows keep the float32 form: bound by the weights'
 // bytes, they measured slower in this one (docs/performance-log.md 37). So does every call under ACTIVATIONS_EXACT (matmul_quant.h: check's replays held to the float32 reference), and every CPU without
@@ -715,7 +716,7 @@ MSLLM_AVX512_BF16 void rows_dpbf16_prepared(const float*, int64_t rows, const vo
 // the AVX-512 rows kernel for bfloat16 weights: this form for several rows of x, unless check holds x exact
 MSLLM_AVX512 void rows_avx512_bf16(const float* x, int64_t rows, const void* wv, const float* b, int64_t in,
                                    float* y, int64_t ldy, int64_t o0, int64_t o1) {
-  if (rows >= BF16_MIN_ROWS && g_bf16_form && quant_activations() != ACTIVATIONS_EXACT)
+  if (rows >= BF16_MIN_ROWS && rows <= BF16_MAX_ROWS && g_bf16_form && quant_activations() != ACTIVATIONS_EXACT)
     return rows_dpbf16(x, rows, wv, b, in, y, ldy, o0, o1);
   rows_avx512<bf16>(x, rows, wv, b, in, y, ldy, o0, o1);
 }
@@ -938,7 +939,7 @@ bool has_gemm(WType wt) { return wt == W_QUANT || g_kernels.gemm[wt] != nullptr;
 
 RowsFn bf16_prepare(const float* x, int64_t rows, int64_t in, std::vector<uint16_t>& xb) {
 #ifdef MSLLM_X86
-  if (rows >= BF16_MIN_ROWS && g_bf16_form && quant_activations() != ACTIVATIONS_EXACT) {
+  if (rows >= BF16_MIN_ROWS && rows <= BF16_MAX_ROWS && g_bf16_form && quant_activations() != ACTIVATIONS_EXACT) {
     xb.resize(size_t(rows * in));
     x_to_bf16(x, rows * in, xb.data());
     return rows_dpbf16_prepared;
@@ -1041,7 +1042,7 @@ void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* 
     return gemv_rows(quant_rows_kernel(), x, rows, &ws[0], b, in, out, y, up != nullptr ? &ws[1] : nullptr, residual);
   }
   const GemmFn gemm = g_kernels.gemm[wt];
-  if (wt == W_BF16 && rows <= GEMV_MAX_ROWS) {  // the AVX512-BF16 form where it runs: x rounded once for the call
+  if (wt == W_BF16 && rows <= BF16_MAX_ROWS) {  // the AVX512-BF16 form where it runs: x rounded once for the call
     thread_local std::vector<uint16_t> xb;
     if (const RowsFn fn = bf16_prepare(x, rows, in, xb)) {
       const Bf16Operand ops[2] = {{w, xb.data()}, {up, xb.data()}};

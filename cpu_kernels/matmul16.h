@@ -21,13 +21,15 @@ void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* 
 // The rows kernel (common.h's RowsFn) of this machine's code path for weights of type wt.
 RowsFn rows_kernel(WType wt);
 
-// Rows of x from which bfloat16 weights take the AVX512-BF16 form (at most GEMV_MAX_ROWS: the GEMM beyond keeps
-// float32's). Measured on SmolLM2's step (AMD EPYC Zen 4, docs/performance-log.md 37): 2 and 4 rows slower in it than in
-// float32's form (bound by the weights' bytes), 8 level, 9 (a verify of 8) and 16 faster. cpu_kernels/__init__.py
-// BF16_MIN_ROWS says the same.
+// Rows of x for which bfloat16 weights take the AVX512-BF16 form: from BF16_MIN_ROWS (measured on SmolLM2's step,
+// AMD EPYC Zen 4, docs/performance-log.md 37: 2 and 4 rows slower in it than in float32's form, bound by the weights'
+// bytes; 8 level; 9, a verify of 8, and 16 faster) to BF16_MAX_ROWS (its rows form against float32's GEMM beyond
+// GEMV_MAX_ROWS: 1.2-1.5x faster at 18-64 rows, a chunk call of 16 step rows and a piece of 2 among them; longer
+// prompts keep the GEMM). cpu_kernels/__init__.py says the same.
 constexpr int64_t BF16_MIN_ROWS = 8;
+constexpr int64_t BF16_MAX_ROWS = 64;
 
-// The form of the rows kernel for bfloat16 weights at BF16_MIN_ROWS or more rows of x: "avx512_bf16" (x rounded to bfloat16,
+// The form of the rows kernel for bfloat16 weights at BF16_MIN_ROWS to BF16_MAX_ROWS rows of x: "avx512_bf16" (x rounded to bfloat16,
 // vdpbf16ps; the AVX-512 path on a CPU with AVX512_BF16) or "float32" (the weights widened, float32 FMA).
 const char* bf16_form();
 
@@ -37,7 +39,7 @@ struct Bf16Operand {
   const uint16_t* xb;
 };
 
-// Where the AVX512-BF16 form runs for `rows` rows of x (bf16_form, BF16_MIN_ROWS to GEMV_MAX_ROWS, activations not
+// Where the AVX512-BF16 form runs for `rows` rows of x (bf16_form, BF16_MIN_ROWS to BF16_MAX_ROWS, activations not
 // held exact): x
 // rounded to bfloat16 into `xb` once, and the rows kernel that takes Bf16Operands as its weights; else nullptr.
 RowsFn bf16_prepare(const float* x, int64_t rows, int64_t in, std::vector<uint16_t>& xb);

@@ -94,9 +94,9 @@ def bf16_rounded(x: np.ndarray) -> np.ndarray:
 
 
 def x_as_computed(x: np.ndarray, dtype: str) -> np.ndarray:
-    """x as the kernels multiply it: rounded to bfloat16 where bfloat16 weights meet 8 to 16 rows of x in the
+    """x as the kernels multiply it: rounded to bfloat16 where bfloat16 weights meet 8 to 64 rows of x in the
     AVX512-BF16 form (cpu_kernels.bf16_form(), unless the activations are held exact), else as given."""
-    if (dtype == "bfloat16" and cpu_kernels.BF16_MIN_ROWS <= x.shape[0] <= 16
+    if (dtype == "bfloat16" and cpu_kernels.BF16_MIN_ROWS <= x.shape[0] <= cpu_kernels.BF16_MAX_ROWS
             and cpu_kernels.bf16_form() == "avx512_bf16" and cpu_kernels.quant_activations() != "exact"):
         return bf16_rounded(x)
     return x
@@ -210,14 +210,14 @@ def test_embed_refuses_what_it_cannot_compute():
 
 
 def test_bfloat16_weights_at_several_rows_round_x_to_bfloat16_where_the_cpu_has_avx512_bf16():
-    """The AVX512-BF16 form (cpu_kernels.bf16_form): 8 to 16 rows of x against bfloat16 weights multiply x rounded to
-    bfloat16, fewer rows keep x exact, and the exact activations (check's replays) hold every row to float32's form;
-    the rows of a step (1..16) and a prompt's GEMM (17) at the SmolLM2 and 0.5B widths, and widths off 32."""
+    """The AVX512-BF16 form (cpu_kernels.bf16_form): 8 to 64 rows of x against bfloat16 weights multiply x rounded to
+    bfloat16, fewer and more rows keep x exact (the float32 rows form, the GEMM past 64), and the exact activations
+    (check's replays) hold every row to float32's form; at the SmolLM2 and 0.5B widths, and widths off 32."""
     flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
     want = "avx512_bf16" if cpu_kernels.isa() == "avx512" and {"avx512_bf16", "avx512bw", "avx512vl"} <= flags \
         else "float32"
     assert cpu_kernels.bf16_form() == want
-    check_matmul("bfloat16", True, (1, 2, 3, 4, 7, 8, 9, 16, 17), (3, 47, 576), (31, 33, 576, 896), seed=5)
+    check_matmul("bfloat16", True, (1, 2, 3, 4, 7, 8, 9, 16, 17, 64, 65), (3, 47, 576), (31, 33, 576, 896), seed=5)
     x = np.random.default_rng(6).standard_normal((9, 576), dtype=np.float32)
     w, w64 = stored(np.random.default_rng(7).standard_normal((40, 576), dtype=np.float32), "bfloat16")
     y = np.empty((9, 40), np.float32)
