@@ -192,9 +192,10 @@ BF16_MIN_ROWS, BF16_MAX_ROWS = 8, 64
 
 
 def bf16_form() -> Optional[str]:
-    """The form of the bfloat16 weights' matmul at BF16_MIN_ROWS to BF16_MAX_ROWS rows of x on this machine: "avx512_bf16" (x rounded to
-    bfloat16, vdpbf16ps: the AVX-512 path on a CPU with AVX512_BF16) or "float32" (widened weights, float32 FMA);
-    None when the library was not built. set_quant_activations("exact") holds it to float32's form."""
+    """The form of the bfloat16 weights' matmul at BF16_MIN_ROWS to BF16_MAX_ROWS rows of x on this machine:
+    "avx512_bf16" (x rounded to bfloat16, vdpbf16ps: the AVX-512 path on a CPU with AVX512_BF16) or "float32" (widened
+    weights, float32 FMA); None when the library was not built. set_quant_activations("exact") holds it to float32's
+    form."""
     lib = _library()
     if lib is None:
         return None

@@ -171,16 +171,15 @@ void project_qkv_rope(const float* x, int64_t rows, int64_t in, const WeightArg*
     MultiGemvJob job;
     job.fn = rows_kernel(wt);
     job.x = x, job.rows = rows, job.in = in;
+    const void* w[3];
+    for (int m = 0; m < 3; ++m) w[m] = wt == W_QUANT ? &prepared[m] : ws[m].data();
     thread_local std::vector<uint16_t> xb;  // bfloat16 weights in the AVX512-BF16 form: x rounded once for the three
     Bf16Operand ops[3];
-    const RowsFn bf16_fn = wt == W_BF16 ? bf16_prepare(x, rows, in, xb) : nullptr;
-    if (bf16_fn != nullptr) job.fn = bf16_fn;
-    for (int m = 0; m < 3; ++m) {
-      ops[m] = {ws[m].data(), xb.data()};
-      job.add(wt == W_QUANT ? static_cast<const void*>(&prepared[m])
-                            : bf16_fn != nullptr ? static_cast<const void*>(&ops[m]) : ws[m].data(),
-              bs[m], ws[m].out, ys[m]);
+    if (const RowsFn fn = wt == W_BF16 ? bf16_prepare(x, rows, in, xb) : nullptr) {
+      job.fn = fn;
+      for (int m = 0; m < 3; ++m) ops[m] = {ws[m].data(), xb.data()}, w[m] = &ops[m];
     }
+    for (int m = 0; m < 3; ++m) job.add(w[m], bs[m], ws[m].out, ys[m]);
     job.run_all();
   } else {
     for (int m = 0; m < 3; ++m) matmul(x, rows, ws[m].data(), wt, bs[m], in, ws[m].out, ys[m]);

@@ -543,21 +543,18 @@ MSLLM_AVX512 void rows_avx512(const float* x, int64_t rows, const void* wv, cons
 }
 #endif
 
-// ---- AVX512-BF16: bfloat16 weights against x rounded to bfloat16, for several rows of x ------------------------
+// ---- AVX512-BF16: bfloat16 weights against x rounded to bfloat16, for many rows of x ---------------------------
 // vdpbf16ps multiplies 32 bfloat16 pairs and adds them into 16 float32 sums an instruction: twice the multiply-adds
 // of a float32 FMA of the same width, and the weights go in as stored, unwidened. Where x has many rows (a step of 8
 // to 16 sequences, a verify's piece, a chunk call, a short prompt: up to BF16_MAX_ROWS, past the float32 GEMV's 16)
-// the float32 forms are bound by their FMAs (62-70 % of their peak,
-// docs/performance-log.md 36); this form rounds each row of x to bfloat16 (to nearest, ties to even) once per call
-// and sums the products in float32. Fewer than BF16_MIN_ROWS rows keep the float32 form: bound by the weights'
-// bytes, they measured slower in this one (docs/performance-log.md 37). So does every call under ACTIVATIONS_EXACT (matmul_quant.h: check's replays held to the float32 reference), and every CPU without
-// AVX512_BF16. check's limit for this rounding is derived for each bfloat16 folder at export (export/golden.py, the
-// "bf16" lane; lite_runtime/golden.py derived_limits).
+// the float32 forms are bound by their FMAs (62-70 % of their peak, docs/performance-log.md 36); this form rounds
+// each row of x to bfloat16 (to nearest, ties to even) once per call and sums the products in float32. Fewer than
+// BF16_MIN_ROWS rows keep the float32 form: bound by the weights' bytes, they measured slower in this one
+// (docs/performance-log.md 37). So does every call under ACTIVATIONS_EXACT (matmul_quant.h: check's replays held to
+// the float32 reference), and every CPU without AVX512_BF16. check's limit for this rounding is derived for each
+// bfloat16 folder at export (export/golden.py, the "bf16" lane; lite_runtime/golden.py derived_limits).
 #ifdef MSLLM_X86
 #define MSLLM_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
-
-// x rounded to bfloat16, per thread (the rows kernel is called on every pool thread)
-thread_local Scratch t_x_bf16;
 
 inline uint16_t round_to_bf16(float v) {  // to nearest, ties to even (as vcvtne2ps2bf16); a NaN stays a NaN
   uint32_t u;
@@ -639,62 +636,39 @@ MSLLM_AVX512_BF16 inline void tile_dpbf16(const uint16_t* xb, const bf16* w, con
   }
 }
 
-// tile_dpbf16 for each R a tile of C weight rows leaves registers for (R * C + C + 1 <= 32): 8 rows with 3, 4 with 6
-template <int R, int C, bool Fits = (R * C + C + 1 <= 32)>
-struct TileDp {
-  MSLLM_AVX512_BF16 static void run(const uint16_t* xb, const bf16* w, const float* b, int64_t in, float* y,
-                                    int64_t ldy, int64_t o) {
-    tile_dpbf16<R, C>(xb, w, b, in, y, ldy, o);
-  }
-};
-template <int R, int C>
-struct TileDp<R, C, false> {  // never chosen (rows_dpbf16_prepared picks C by the tiles' rows)
-  static void run(const uint16_t*, const bf16*, const float*, int64_t, float*, int64_t, int64_t) {}
-};
-
+// tile_dpbf16 for a tile of `rows` rows (1 to 8; with C <= 3 weight rows every R fits the registers)
 template <int C>
 MSLLM_AVX512_BF16 inline void tile_dpbf16_rows(int64_t rows, const uint16_t* xb, const bf16* w, const float* b,
                                                int64_t in, float* y, int64_t ldy, int64_t o) {
+  static_assert(C <= 3, "8 rows by C weight rows fit the 32 zmm registers");
   switch (rows) {
-    case 1: return TileDp<1, C>::run(xb, w, b, in, y, ldy, o);
-    case 2: return TileDp<2, C>::run(xb, w, b, in, y, ldy, o);
-    case 3: return TileDp<3, C>::run(xb, w, b, in, y, ldy, o);
-    case 4: return TileDp<4, C>::run(xb, w, b, in, y, ldy, o);
-    case 5: return TileDp<5, C>::run(xb, w, b, in, y, ldy, o);
-    case 6: return TileDp<6, C>::run(xb, w, b, in, y, ldy, o);
-    case 7: return TileDp<7, C>::run(xb, w, b, in, y, ldy, o);
-    default: return TileDp<8, C>::run(xb, w, b, in, y, ldy, o);
+    case 1: return tile_dpbf16<1, C>(xb, w, b, in, y, ldy, o);
+    case 2: return tile_dpbf16<2, C>(xb, w, b, in, y, ldy, o);
+    case 3: return tile_dpbf16<3, C>(xb, w, b, in, y, ldy, o);
+    case 4: return tile_dpbf16<4, C>(xb, w, b, in, y, ldy, o);
+    case 5: return tile_dpbf16<5, C>(xb, w, b, in, y, ldy, o);
+    case 6: return tile_dpbf16<6, C>(xb, w, b, in, y, ldy, o);
+    case 7: return tile_dpbf16<7, C>(xb, w, b, in, y, ldy, o);
+    default: return tile_dpbf16<8, C>(xb, w, b, in, y, ldy, o);
   }
 }
 
-// tiles of at most MOST rows, as even as can be, against C weight rows at a time; the outputs past a multiple of C one
-// weight row at a time
-template <int C, int MOST>
-MSLLM_AVX512_BF16 inline void tiles_dpbf16(int64_t rows, const uint16_t* xb, const bf16* w, const float* b, int64_t in,
-                                           float* y, int64_t ldy, int64_t o0, int64_t o1) {
+// The rows kernel of the form, on x rounded once for the whole call (bf16_prepare; `op` a Bf16Operand: a weight and
+// that x): rows of x in tiles of at most 8, as even as can be (9 rows: 5 + 4, not 8 + 1), each against 3 weight rows
+// at a time (in cache for the next tile); the outputs past a multiple of 3 one weight row at a time.
+MSLLM_AVX512_BF16 void rows_dpbf16_prepared(const float*, int64_t rows, const void* op, const float* b, int64_t in,
+                                            float* y, int64_t ldy, int64_t o0, int64_t o1) {
+  constexpr int C = 3, MOST = 8;
+  const Bf16Operand& a = *static_cast<const Bf16Operand*>(op);
+  const bf16* w = static_cast<const bf16*>(a.w);
   const int64_t tiles = (rows + MOST - 1) / MOST, base = rows / tiles, extra = rows % tiles;
   int64_t o = o0;
   for (; o + C <= o1; o += C)
     for (int64_t t = 0, r = 0; t < tiles; r += base + (t < extra), ++t)
-      tile_dpbf16_rows<C>(base + (t < extra), xb + r * in, w, b, in, y + r * ldy, ldy, o);
+      tile_dpbf16_rows<C>(base + (t < extra), a.xb + r * in, w, b, in, y + r * ldy, ldy, o);
   for (; o < o1; ++o)
     for (int64_t t = 0, r = 0; t < tiles; r += base + (t < extra), ++t)
-      tile_dpbf16_rows<1>(base + (t < extra), xb + r * in, w, b, in, y + r * ldy, ldy, o);
-}
-
-// rows of x in tiles of at most 8, as even as can be (9 rows: 5 + 4, not 8 + 1), each against 3 weight rows at a time
-// (in cache for the next tile); outputs past a multiple of 3 one weight row at a time. Here x is rounded in each
-// task (the rows kernel called alone); matmul() and the q/k/v dispatch round it once per call (bf16_prepare).
-MSLLM_AVX512_BF16 void rows_dpbf16_prepared(const float*, int64_t rows, const void* op, const float* b, int64_t in,
-                                            float* y, int64_t ldy, int64_t o0, int64_t o1);
-
-MSLLM_AVX512_BF16 void rows_dpbf16(const float* x, int64_t rows, const void* wv, const float* b, int64_t in, float* y,
-                                   int64_t ldy, int64_t o0, int64_t o1) {
-  uint16_t* xb = reinterpret_cast<uint16_t*>(t_x_bf16.get(size_t(rows * in + 1) / 2 + 16));
-  if (xb == nullptr) return rows_avx512<bf16>(x, rows, wv, b, in, y, ldy, o0, o1);  // no memory: the float32 form
-  x_to_bf16(x, rows * in, xb);
-  const Bf16Operand a{wv, xb};
-  rows_dpbf16_prepared(x, rows, &a, b, in, y, ldy, o0, o1);
+      tile_dpbf16_rows<1>(base + (t < extra), a.xb + r * in, w, b, in, y + r * ldy, ldy, o);
 }
 
 bool cpu_has_bf16() {
@@ -705,19 +679,15 @@ bool cpu_has_bf16() {
 
 const bool g_bf16_form = cpu_has_bf16();
 
-// rows_dpbf16 on x rounded once for the whole call (Bf16Operand: a weight and that x), not once per task
-MSLLM_AVX512_BF16 void rows_dpbf16_prepared(const float*, int64_t rows, const void* op, const float* b, int64_t in,
-                                            float* y, int64_t ldy, int64_t o0, int64_t o1) {
-  const Bf16Operand& a = *static_cast<const Bf16Operand*>(op);
-  const bf16* w = static_cast<const bf16*>(a.w);
-  tiles_dpbf16<3, 8>(rows, a.xb, w, b, in, y, ldy, o0, o1);
-}
-
-// the AVX-512 rows kernel for bfloat16 weights: this form for several rows of x, unless check holds x exact
+// the AVX-512 rows kernel for bfloat16 weights, for a caller that hands it float32 x (matmul() and the q/k/v
+// dispatch prepare x once for all their tasks instead): this form where it runs, x rounded in each call
 MSLLM_AVX512 void rows_avx512_bf16(const float* x, int64_t rows, const void* wv, const float* b, int64_t in,
                                    float* y, int64_t ldy, int64_t o0, int64_t o1) {
-  if (rows >= BF16_MIN_ROWS && rows <= BF16_MAX_ROWS && g_bf16_form && quant_activations() != ACTIVATIONS_EXACT)
-    return rows_dpbf16(x, rows, wv, b, in, y, ldy, o0, o1);
+  thread_local std::vector<uint16_t> xb;
+  if (const RowsFn fn = bf16_prepare(x, rows, in, xb)) {
+    const Bf16Operand a{wv, xb.data()};
+    return fn(x, rows, &a, b, in, y, ldy, o0, o1);
+  }
   rows_avx512<bf16>(x, rows, wv, b, in, y, ldy, o0, o1);
 }
 #endif

@@ -29,8 +29,9 @@ RowsFn rows_kernel(WType wt);
 constexpr int64_t BF16_MIN_ROWS = 8;
 constexpr int64_t BF16_MAX_ROWS = 64;
 
-// The form of the rows kernel for bfloat16 weights at BF16_MIN_ROWS to BF16_MAX_ROWS rows of x: "avx512_bf16" (x rounded to bfloat16,
-// vdpbf16ps; the AVX-512 path on a CPU with AVX512_BF16) or "float32" (the weights widened, float32 FMA).
+// The form of the rows kernel for bfloat16 weights at BF16_MIN_ROWS to BF16_MAX_ROWS rows of x: "avx512_bf16" (x
+// rounded to bfloat16, vdpbf16ps; the AVX-512 path on a CPU with AVX512_BF16) or "float32" (the weights widened,
+// float32 FMA).
 const char* bf16_form();
 
 // A bfloat16 weight and x rounded to bfloat16 for it: what bf16_prepare's rows kernel reads in place of the weight.
@@ -40,8 +41,8 @@ struct Bf16Operand {
 };
 
 // Where the AVX512-BF16 form runs for `rows` rows of x (bf16_form, BF16_MIN_ROWS to BF16_MAX_ROWS, activations not
-// held exact): x
-// rounded to bfloat16 into `xb` once, and the rows kernel that takes Bf16Operands as its weights; else nullptr.
+// held exact): x rounded to bfloat16 into `xb` once, and the rows kernel that takes Bf16Operands as its weights; else
+// nullptr. The one place that decides whether the form runs.
 RowsFn bf16_prepare(const float* x, int64_t rows, int64_t in, std::vector<uint16_t>& xb);
 
 // Whether this machine's code path has a GEMM form for wt (else the rows form takes every M, as matmul() does).

@@ -282,25 +282,28 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
                   fast=None if mode is None else limits[mode], fast_mode=mode or "int16", unreplayed=unreplayed)
 
 
-def _bf16_form(backend: str) -> Optional[str]:
-    """The CPU kernels' form for bfloat16 weights (cpu_kernels.bf16_form) where they ran, else None."""
+def _kernels(backend: str):
+    """The cpu_kernels module where `backend` runs them (ms), else None (mslite, or not installed)."""
     if backend != "ms":
         return None
     try:
         import cpu_kernels
     except ImportError:
         return None
-    return cpu_kernels.bf16_form()
+    return cpu_kernels
+
+
+def _bf16_form(backend: str) -> Optional[str]:
+    """The CPU kernels' form for bfloat16 weights (cpu_kernels.bf16_form) where they ran, else None."""
+    cpu_kernels = _kernels(backend)
+    return None if cpu_kernels is None else cpu_kernels.bf16_form()
 
 
 def kernels_path(backend: str, folder) -> Optional[str]:
     """The CPU kernels' code path that ran ("avx512, quantized decode avx512_vnni"), None when none of them did (the
     mslite backend, a folder without them)."""
-    if backend != "ms":
-        return None
-    try:
-        import cpu_kernels
-    except ImportError:
+    cpu_kernels = _kernels(backend)
+    if cpu_kernels is None:
         return None
     isa = cpu_kernels.isa()
     if isa is None:

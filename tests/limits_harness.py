@@ -90,15 +90,15 @@ def _parameter(folder: str, name: str):
     ext = param.external_data
     data = np.fromfile(os.path.join(folder, ext.location), np.uint8)
     type_name = mind_ir_pb2.TensorProto.DataType.Name(param.data_type)
-    dtype = {"FLOAT": np.float32, "INT8": np.int8, "UINT8": np.uint8}[type_name]
+    dtype = {"FLOAT": np.float32, "INT8": np.int8, "UINT8": np.uint8, "BFLOAT16": np.uint16}[type_name]
     view = data[ext.offset:ext.offset + ext.length].view(dtype).reshape(tuple(param.dims))
     return ext.location, data, view
 
 
 def tamper(folder: str, out: str, kind: str, rng: np.random.Generator, layer: Optional[int] = None,
            linear: Optional[str] = None) -> Dict[str, Any]:
-    """A copy of `folder` at `out` with one tamper (`kind` scale or nibble) in a linear layer (drawn by `rng` unless
-    given); returns where."""
+    """A copy of `folder` at `out` with one tamper (`kind` scale or nibble of a quantized folder, row of a bfloat16 one)
+    in a linear layer (drawn by `rng` unless given); returns where."""
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(folder, out)
     from lite_runtime.folder import load_folder
@@ -107,7 +107,13 @@ def tamper(folder: str, out: str, kind: str, rng: np.random.Generator, layer: Op
     layer = int(rng.integers(n_layers)) if layer is None else layer
     linear = LINEARS[int(rng.integers(len(LINEARS)))] if linear is None else linear
     name = f"model.layers.{layer}.{linear}.weight"
-    if kind == "scale":
+    if kind == "row":  # a bfloat16 folder: one weight row 1 % off, rounded back to bfloat16
+        rel, data, w = _parameter(out, name)
+        o = int(rng.integers(w.shape[0]))
+        bits = ((w[o].astype(np.uint32) << 16).view(np.float32) * np.float32(1.01)).view(np.uint32)
+        w[o] = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        where = {"tensor": name, "row": o}
+    elif kind == "scale":
         rel, data, scale = _parameter(out, name + "_scale")
         g, o = int(rng.integers(scale.shape[0])), int(rng.integers(scale.shape[1]))
         scale[g, o] *= np.float32(1.01)

@@ -47,3 +47,28 @@ def test_correct_folders_pass_with_margin_and_tampered_ones_fail(tmp_path_factor
         where = tamper(folder, os.path.join(root, kind), kind, rng)
         bad = check(os.path.join(root, kind))
         assert not bad["passed"], (kind, where, bad["verdict"])
+
+
+@pytest.mark.parametrize("hidden, tied, seed", [(64, True, 21), (256, False, 22), (512, True, 23)])
+def test_bfloat16_folders_pass_with_margin_and_tampered_ones_fail(tmp_path_factory, hidden, tied, seed):
+    """The limits derived for a bfloat16 CPU folder (golden.json `exact` and `bf16`: 10x the reorder lane, 10x the
+    lane with x rounded to bfloat16 at every matmul, as the AVX512-BF16 form rounds it) over three shapes: a correct
+    folder passes both replays with at least 3x to spare; one weight row of a linear layer 1 % off fails."""
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+    from export.random_checkpoint import make_checkpoint
+
+    root = str(tmp_path_factory.mktemp("limits-bf16"))
+    spec = Spec(hidden, 2, tied, 16, 0, True, "rtn", seed)
+    ckpt = make_checkpoint(os.path.join(root, "ckpt"), **spec.checkpoint_shape())
+    folder = os.path.join(root, "bf16")
+    run_export(ExportConfig(checkpoint=ckpt, output=folder, name="m", seq_length=48, batch_size=2, device="cpu",
+                            dtype="bfloat16", prefill_buckets=(16,)))
+    good = check(folder)
+    assert good["passed"], good["verdict"]
+    assert "with bfloat16 activations within" in good["verdict"], good["verdict"]
+    assert good["exact_limit"] >= MARGIN * good["exact"], good
+    assert good["int16_limit"] >= MARGIN * good["int16"], good  # the harness's name for the fast replay's
+    where = tamper(folder, os.path.join(root, "row"), "row", np.random.default_rng(seed))
+    bad = check(os.path.join(root, "row"))
+    assert not bad["passed"], (where, bad["verdict"])
