@@ -12,8 +12,9 @@
 // q[n, 2j + 1] in its high nibble, each a two's-complement 4-bit value (-8..7); K even. scale, offset [G, N].
 //
 // How, by the rows of x (M):
-//   M <= QUANT_ROWS_MAX (16: the decode step, chunk rows, short prompts): "the decode form" below, x rounded to int16
-//     per block of 32 and exact integer products, each weight read once per call.
+//   M <= QUANT_ROWS_MAX (16: the decode step, chunk rows, short prompts): "the decode form" below, x rounded per
+//     block of 32 (to int8 for int4 weights whose K and group are whole 64s, else to int16) and exact integer
+//     products, each weight read once per call.
 //   More rows (the prompt): on AVX2/AVX-512, matmul16.cc's float32 GEMM on weights dequantized as it packs them
 //     (dequantize_rows, 8 rows at a time); elsewhere, and for WeightQuantBatchMatmul's stand-in (which rounds each
 //     weight to its T), the buffered form: tasks are tiles of NT outputs by MB rows of x, per block of KC inputs the
@@ -27,8 +28,9 @@
 // work (MIN_PARALLEL_WORK) runs on the caller alone.
 //
 // ISA: the dequantization and the dot products have an AVX2+FMA form (target attributes; the AVX2 and AVX-512 paths
-// of common.h's isa() run it), the decode form also an AVX-512 VNNI one (vpdpwssd: the AVX-512 path on a CPU with
-// AVX512_VNNI, BW and VL; quant_form() names the one that runs), a NEON one and a plain C++ one (elsewhere, or with
+// of common.h's isa() run it), the decode form also an AVX-512 VNNI one (vpdpwssd on int16 x, vpdpbusd on int4's
+// bytes against int8 x: the AVX-512 path on a CPU with AVX512_VNNI, BW and VL; quant_form() names the one that runs),
+// a NEON one and a plain C++ one (which read int8 x as the int16 integers it is; elsewhere, or with
 // MSLITE_LLM_CPU_KERNELS_ISA=generic; =avx2 holds an AVX-512 machine to the AVX2 forms, =avx512 to the form of a CPU
 // without VNNI), read at load.
 // The dequantized weights are bit-identical in both; the sums differ only in their order.
@@ -268,14 +270,17 @@ MSLLM_AVX2 void dots_avx2(const float* x, int64_t ldx, int64_t rows, const float
 // machine, where the 0.5B shape's decode at llama.cpp's Q4_0 pace needs ~22. So x is rounded to int16 once per call,
 // per block of 32 inputs with its own scale (max |x| / 32767), and the weights are widened to int16 only: vpmaddwd
 // multiplies 16 pairs and adds them in pairs, exactly, in int32. 32-40 and 17-24 GMAC/s on the same core; llama.cpp's
-// way, x as int8 Q8_0 blocks against the integers with vpmaddubsw, measured 19 (int8) and 49 (int4): int8 x would
-// speed int4 further, but rounds x 256 times as coarsely (docs/performance-log.md, "Quantized decode: int16
-// activations", 2026-11-26). What changes the result is x's rounding: at most max |x| / 65534 per input of its block
-// (a float32 rounding: 2^-24 of the value itself), so check holds these folders to a limit of their own
-// (lite_runtime/golden.py INT16_ACTIVATIONS).
+// way, x as int8 Q8_0 blocks against the integers with vpmaddubsw, measured 19 (int8) and 49 (int4)
+// (docs/performance-log.md, "Quantized decode: int16 activations", 2026-11-26). So int4 weights whose K and group are
+// whole 64s take x in int8 by default (ACTIVATIONS_INT8: qtile8_avx2 / qtile8_vnni below; the int16 widening bound
+// them), int8 weights keep int16 (their one row is bound by the bytes, not the arithmetic). What changes the result
+// is x's rounding: at most max |x| / 65534 per input of its block in int16, max |x| / 254 in int8, so check holds
+// these folders to limits derived from that rounding (lite_runtime/golden.py derived_limits; export/golden.py's
+// "int16" and "int8" lanes).
 //
-// Per call, x is prepared once (PreparedX): per row, the int16 inputs (int4: the even inputs, then the odd ones, as
-// a weight byte holds them), a scale per block of 32, and float sums of x per weight group (for the offsets, and for
+// Per call, x is prepared once (PreparedX): per row, the integer inputs as int16 (int4: the even inputs, then the odd
+// ones, as a weight byte holds them; in int8's range for the int8 form, which also gets them as bytes), a scale per
+// block of 32, and float sums of x per weight group (for the offsets, and for
 // int4, whose kernels read a nibble v as v ^ 8 = q + 8, 0..15, and subtract 8 x the group's sum). Per block: the
 // block's int32 dot product, as float, times its scale; per group, times the weight's scale, plus the group's
 // constant. The same integers and scales on every path; only the float sums' order differs.
@@ -286,12 +291,17 @@ constexpr float LOW_STEP = 1.f / 65534.f;  // ACTIVATIONS_EXACT: the low part's 
 
 int default_activations() {
   const char* mode = std::getenv("MSLITE_LLM_QUANT_ACTIVATIONS");
-  return mode != nullptr && !std::strcmp(mode, "exact") ? ACTIVATIONS_EXACT : ACTIVATIONS_INT16;
+  if (mode != nullptr && !std::strcmp(mode, "exact")) return ACTIVATIONS_EXACT;
+  if (mode != nullptr && !std::strcmp(mode, "int16")) return ACTIVATIONS_INT16;
+  return ACTIVATIONS_INT8;
 }
 
 std::atomic<int> g_activations{default_activations()};
 
 bool int16_fits(const QuantWeight& w) { return w.k % QBLOCK == 0 && w.group % QBLOCK == 0; }
+// the int8 form's unit: 64 inputs, a weight row's 32 bytes (two blocks); K and the group whole units
+constexpr int64_t QSTEP = 2 * QBLOCK;
+bool int8_fits(const QuantWeight& w) { return w.int4 && w.k % QSTEP == 0 && w.group % QSTEP == 0; }
 
 // row r's int16 parts (exact: its low parts follow them, k int16 further on)
 const int16_t* prepared_row(const PreparedX& p, int64_t r) { return p.xq.data() + r * (p.exact ? 2 : 1) * p.k; }
@@ -476,6 +486,91 @@ MSLLM_AVX2 void qtile_avx2(const QuantWeight& w, int64_t m0, const int64_t* n, i
     for (int c = 0; c < cols; ++c) y[(m0 + r) * ldy + n[c]] = hsum8(total[r][c]) + (b ? b[n[c]] : 0.f);
 }
 
+// ---- int4 weights against x in int8 (ACTIVATIONS_INT8): 64 inputs a step ---------------------------------------
+// Widening nibbles to int16 bound the int16 form (performance-log 30: 17-24 GMAC/s on one core, llama.cpp's int8 x
+// 49). Here a weight row's 32 bytes (64 inputs, two blocks) are used as they are: an and and a shift give the low
+// nibbles (the even inputs) and the high ones (the odd), each xor 8 = q + 8 in 0..15 as unsigned bytes, multiplied by
+// x's int8 (PreparedX xb) in pairs into int16 (vpmaddubsw: at most 2 x 15 x 127, exact) and summed into int32 lanes,
+// lanes 0-3 block 2s and 4-7 block 2s + 1, each then scaled by its block's x scale (PreparedX xs). The group's
+// constant takes 8 x the sum of x as rounded off, as in the int16 form.
+template <int R, int C>
+MSLLM_AVX2 void qtile8_avx2(const QuantWeight& w, int64_t m0, const int64_t* n, int cols, const float* b, float* y,
+                            int64_t ldy) {
+  const PreparedX& x = *w.x;
+  const int64_t groups = w.k / w.group, per = w.group / QSTEP, row_bytes = w.k / 2;
+  const char* base = static_cast<const char*>(w.q);
+  const char* next = base + (n[C - 1] + 1 + (PREFETCH_TILES - 1) * C) * row_bytes;  // may run past W: a hint only
+  const char* row[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) row[c] = base + n[c] * row_bytes;
+  const int8_t* xb[R];
+  const float* xs[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) xb[r] = x.xb.data() + (m0 + r) * 2 * w.k, xs[r] = x.xs.data() + (m0 + r) * (w.k / 4);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(0x08), ones = _mm256_set1_epi16(1);
+  __m256 total[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) total[r][c] = _mm256_setzero_ps();
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m256 acc[R][C];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t s = gi * per; s < (gi + 1) * per; ++s) {
+      const char* ahead = next + s * C * (QSTEP / 2);
+#pragma GCC unroll 8
+      for (int64_t off = 0; off < C * (QSTEP / 2); off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[c] + s * (QSTEP / 2)));
+        const __m256i lo = _mm256_xor_si256(_mm256_and_si256(raw, nibble), eight);
+        const __m256i hi = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble), eight);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[r] + s * 128));
+          const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[r] + s * 128 + 64));
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, e), _mm256_maddubs_epi16(hi, o));
+          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)),
+                                      _mm256_loadu_ps(xs[r] + s * 16), acc[r][c]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m256 sc = _mm256_set1_ps(w.scale[gi * w.n + n[c]]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) total[r][c] = _mm256_fmadd_ps(acc[r][c], sc, total[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < cols; ++c) y[(m0 + r) * ldy + n[c]] = hsum8(total[r][c]) + (b ? b[n[c]] : 0.f);
+}
+
+template <int R, int C>
+MSLLM_AVX2 void qtiles8_avx2(const QuantWeight& w, int64_t m0, const float* b, float* y, int64_t ldy, int64_t o0,
+                             int64_t o1) {
+  for (int64_t o = o0; o < o1; o += C) {
+    const int cols = int(std::min<int64_t>(C, o1 - o));
+    int64_t n[C];
+    for (int c = 0; c < C; ++c) n[c] = o + std::min(c, cols - 1);
+    qtile8_avx2<R, C>(w, m0, n, cols, b, y, ldy);
+  }
+}
+
+// the accumulators (acc and total, R x C each) in the 16 ymm registers
+MSLLM_AVX2 void qrows8_avx2(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy, int64_t o0,
+                            int64_t o1) {
+  for (int64_t m = 0; m < rows; m += 2) {
+    if (rows - m == 1)
+      qtiles8_avx2<1, 4>(w, m, b, y, ldy, o0, o1);
+    else
+      qtiles8_avx2<2, 2>(w, m, b, y, ldy, o0, o1);
+  }
+}
+
 // add_group_constants inlined here, so its loops over the outputs vectorize with AVX2 (3 % of an int4 step in SSE2)
 MSLLM_AVX2 void add_group_constants_avx2(const QuantWeight& w, int64_t rows, float* y, int64_t ldy, int64_t o0,
                                          int64_t o1) {
@@ -512,7 +607,9 @@ MSLLM_AVX2 void qrows_avx2(const float*, int64_t rows, const void* wv, const flo
                            int64_t o0, int64_t o1) {
   const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
   if (!w.x->int16) return qrows_float(w, rows, b, y, ldy, o0, o1);
-  if (w.x->exact) {
+  if (w.x->int8) {
+    qrows8_avx2(w, rows, b, y, ldy, o0, o1);
+  } else if (w.x->exact) {
     if (w.int4)
       qrows_avx2_t<true, true>(w, rows, b, y, ldy, o0, o1);
     else
@@ -692,11 +789,105 @@ MSLLM_AVX512_VNNI void qrows_vnni_t(const QuantWeight& w, int64_t rows, const fl
   }
 }
 
+// int4 against x in int8 on AVX-512 VNNI: as qtile8_avx2, two weight rows' 32 bytes in one zmm (row c's in the low
+// half, c + 1's in the high), their nibbles against x's bytes (PreparedX xb holds each half twice) by vpdpbusd, which
+// multiplies unsigned by signed bytes and adds each four into an int32 lane, exactly: lanes 0-3 block 2s of row c, 4-7
+// block 2s + 1, 8-15 the same of row c + 1.
+template <int R, int P>
+MSLLM_AVX512_VNNI void qtile8_vnni(const QuantWeight& w, int64_t m0, const int64_t* n, int cols, const float* b,
+                                   float* y, int64_t ldy) {
+  constexpr int C = 2 * P;
+  const PreparedX& x = *w.x;
+  const int64_t groups = w.k / w.group, per = w.group / QSTEP, row_bytes = w.k / 2;
+  const char* base = static_cast<const char*>(w.q);
+  const char* next = base + (n[C - 1] + 1 + (PREFETCH_TILES - 1) * C) * row_bytes;  // may run past W: a hint only
+  const char* row[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) row[c] = base + n[c] * row_bytes;
+  const int8_t* xb[R];
+  const float* xs[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) xb[r] = x.xb.data() + (m0 + r) * 2 * w.k, xs[r] = x.xs.data() + (m0 + r) * (w.k / 4);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(0x08);
+  __m512 total[R][P];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) total[r][p] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m512 acc[R][P];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+    for (int64_t s = gi * per; s < (gi + 1) * per; ++s) {
+      const char* ahead = next + s * C * (QSTEP / 2);
+#pragma GCC unroll 8
+      for (int64_t off = 0; off < C * (QSTEP / 2); off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        const __m512i raw = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[2 * p] + s * 32))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[2 * p + 1] + s * 32)), 1);
+        // (a & 0x0F) ^ 0x08 in one instruction: ternary logic 0x6A is (A & B) ^ C
+        const __m512i lo = _mm512_ternarylogic_epi32(raw, nibble, eight, 0x6A);
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), nibble, eight, 0x6A);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512i e = _mm512_loadu_si512(xb[r] + s * 128), o = _mm512_loadu_si512(xb[r] + s * 128 + 64);
+          const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, e), hi, o);
+          acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(xs[r] + s * 16), acc[r][p]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      const __m512 sc = _mm512_mask_blend_ps(__mmask16(0xFF00), _mm512_set1_ps(w.scale[gi * w.n + n[2 * p]]),
+                                             _mm512_set1_ps(w.scale[gi * w.n + n[2 * p + 1]]));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) total[r][p] = _mm512_fmadd_ps(acc[r][p], sc, total[r][p]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < cols; ++c) {
+      const __m512d t = _mm512_castps_pd(total[r][c / 2]);
+      const __m256 half = _mm256_castpd_ps(c % 2 ? _mm512_extractf64x4_pd(t, 1) : _mm512_castpd512_pd256(t));
+      y[(m0 + r) * ldy + n[c]] = hsum8(half) + (b ? b[n[c]] : 0.f);
+    }
+}
+
+template <int R, int P>
+MSLLM_AVX512_VNNI void qtiles8_vnni(const QuantWeight& w, int64_t m0, const float* b, float* y, int64_t ldy,
+                                    int64_t o0, int64_t o1) {
+  constexpr int C = 2 * P;
+  for (int64_t o = o0; o < o1; o += C) {
+    const int cols = int(std::min<int64_t>(C, o1 - o));
+    int64_t n[C];
+    for (int c = 0; c < C; ++c) n[c] = o + std::min(c, cols - 1);
+    qtile8_vnni<R, P>(w, m0, n, cols, b, y, ldy);
+  }
+}
+
+// 1 row of x by 8 weight rows, 2 by 8, 3 and 4 by 4 (acc and total 2 x R x P of the 32 zmm registers)
+MSLLM_AVX512_VNNI void qrows8_vnni(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy,
+                                   int64_t o0, int64_t o1) {
+  for (int64_t m = 0; m < rows; m += 4) {
+    switch (std::min<int64_t>(4, rows - m)) {
+      case 1: qtiles8_vnni<1, 4>(w, m, b, y, ldy, o0, o1); break;
+      case 2: qtiles8_vnni<2, 4>(w, m, b, y, ldy, o0, o1); break;
+      case 3: qtiles8_vnni<3, 2>(w, m, b, y, ldy, o0, o1); break;
+      default: qtiles8_vnni<4, 2>(w, m, b, y, ldy, o0, o1); break;
+    }
+  }
+}
+
 MSLLM_AVX512_VNNI void qrows_vnni(const float*, int64_t rows, const void* wv, const float* b, int64_t, float* y,
                                   int64_t ldy, int64_t o0, int64_t o1) {
   const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
   if (!w.x->int16) return qrows_float(w, rows, b, y, ldy, o0, o1);
-  if (w.x->exact) {
+  if (w.x->int8) {
+    qrows8_vnni(w, rows, b, y, ldy, o0, o1);
+  } else if (w.x->exact) {
     if (w.int4)
       qrows_vnni_t<true, true>(w, rows, b, y, ldy, o0, o1);
     else
@@ -933,8 +1124,8 @@ bool is_quant_dtype(const char* dtype) { return is_weight_dtype(dtype); }
 int quant_activations() { return g_activations.load(std::memory_order_relaxed); }
 
 void set_quant_activations(int mode) {
-  g_activations.store(mode < 0 ? default_activations() : (mode == ACTIVATIONS_EXACT ? ACTIVATIONS_EXACT
-                                                                                     : ACTIVATIONS_INT16));
+  g_activations.store(mode < 0 ? default_activations()
+                               : mode == ACTIVATIONS_EXACT || mode == ACTIVATIONS_INT16 ? mode : ACTIVATIONS_INT8);
 }
 
 int read_quant_weight(void** params, int* ndims, int64_t** shapes, const char** dtypes, int i, bool offset,
@@ -972,11 +1163,14 @@ void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out)
   out->x = x, out->rows = rows, out->k = w.k, out->group = w.group, out->int4 = w.int4;
   out->int16 = int16_fits(w);
   out->exact = quant_activations() == ACTIVATIONS_EXACT;
+  out->int8 = out->int16 && quant_activations() == ACTIVATIONS_INT8 && int8_fits(w);
   if (!out->int16) return;
   const int64_t k = w.k, blocks = k / QBLOCK, groups = k / w.group, half = k / 2;
   const bool exact = out->exact;
+  const float top_q = out->int8 ? 127.f : 32767.f;  // the largest integer of x's blocks
   out->xq.resize(size_t(rows * (exact ? 2 : 1) * k));
   out->scales.resize(size_t(rows * (blocks + 2 * groups)));
+  if (out->int8) out->xb.resize(size_t(rows * 2 * k)), out->xs.resize(size_t(rows * (k / 4)));
   for (int64_t m = 0; m < rows; ++m) {
     const float* xr = x + m * k;
     int16_t* q = out->xq.data() + m * (exact ? 2 : 1) * k;
@@ -985,8 +1179,8 @@ void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out)
     for (int64_t blk = 0; blk < blocks; ++blk) {
       float top = 0.f;
       for (int64_t i = blk * QBLOCK; i < (blk + 1) * QBLOCK; ++i) top = std::max(top, std::fabs(xr[i]));
-      const float inv = top > 0.f ? 32767.f / top : 0.f;
-      bs[blk] = top / 32767.f;
+      const float inv = top > 0.f ? top_q / top : 0.f;
+      bs[blk] = top / top_q;
       for (int64_t i = blk * QBLOCK; i < (blk + 1) * QBLOCK; ++i) {
         // to nearest, ties to even (|x * inv| <= 32767 < 2^22: adding 1.5 * 2^23 leaves the integer in the low bits;
         // no libm call, so the loop vectorizes). A NaN or an infinity in x gives 0 here, and NaN in the sums below.
@@ -1013,6 +1207,18 @@ void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out)
       }
       bs[blocks + g] = float(sum);
       bs[blocks + groups + g] = float(rounded);
+    }
+    if (out->int8) {  // the x86 forms' copy (PreparedX xb, xs)
+      int8_t* xb = out->xb.data() + m * 2 * k;
+      float* xs = out->xs.data() + m * (k / 4);
+      for (int64_t s = 0; s < k / QSTEP; ++s) {
+        for (int64_t j = 0; j < QSTEP / 2; ++j) {
+          const int8_t even = int8_t(q[s * (QSTEP / 2) + j]), odd = int8_t(q[half + s * (QSTEP / 2) + j]);
+          xb[s * 128 + j] = xb[s * 128 + 32 + j] = even;
+          xb[s * 128 + 64 + j] = xb[s * 128 + 96 + j] = odd;
+        }
+        for (int l = 0; l < 16; ++l) xs[s * 16 + l] = bs[2 * s + ((l / 4) & 1)];
+      }
     }
   }
 }

@@ -27,11 +27,19 @@ struct PreparedX {
   const float* x = nullptr;  // [rows, k] float32, as given
   int64_t rows = 0, k = 0, group = 0;
   bool int4 = false, int16 = false;  // int16: the integer form below was made (else the kernels read x)
+  bool int8 = false;                  // x rounded to int8 per block of 32 (int4 weights, ACTIVATIONS_INT8): xq holds
+                                      // the int8 integers too (the plain C++ and NEON forms read them), xb and xs
+                                      // the same as the x86 forms read them
   bool exact = false;                 // x split into two int16 parts (ACTIVATIONS_EXACT): each row's k low parts follow
                                       // its k high ones
   std::vector<int16_t> xq;            // [rows, k]: int8 weights in input order; int4, the even inputs, then the odd
   std::vector<float> scales;          // [rows, k / 32 + 2 k / group]: each block's scale, the sums of x per group, and
                                       // of x as rounded per group
+  std::vector<int8_t> xb;             // int8: [rows, k / 64, 128] per 64 inputs (two blocks): their 32 even inputs
+                                      // twice, then their 32 odd ones twice (a weight row's 32 bytes' low, high
+                                      // nibbles; twice: two weight rows share a zmm)
+  std::vector<float> xs;              // int8: [rows, k / 64, 16] the two blocks' scales per lane of the products
+                                      // (4 lanes block 2s, 4 lanes 2s + 1, twice)
 };
 
 // Reads a quantized weight from an op's tensors: q at params[i], scale at i + 1 and, with `offset`, the offset at
@@ -58,13 +66,15 @@ void quant_matmul(const float* x, int64_t rows, const QuantWeight& w, const floa
 
 constexpr int64_t QUANT_ROWS_MAX = 16;
 
-// How the decode form rounds x (matmul_quant.cc says why): ACTIVATIONS_INT16, to int16 per block of 32 (the
-// default: the fast path, whose rounding check's limit follows, lite_runtime/golden.py); ACTIVATIONS_EXACT, x split
-// into a high and a low int16 part, x = s (h + l / 65534), so the products are float32's to its rounding (what check
-// holds to the float32 reference's own rounding). Process-wide, read when x is prepared: MSLITE_LLM_QUANT_ACTIVATIONS
-// (int16 | exact) at load, set_quant_activations after.
+// How the decode form rounds x (matmul_quant.cc says why): ACTIVATIONS_INT8 (the default: the fast path, whose
+// rounding check's limit follows, lite_runtime/golden.py), for int4 weights whose K and group are whole 64s x to int8
+// per block of 32, for the others to int16 per block of 32; ACTIVATIONS_INT16, x to int16 for every weight (the
+// rounding a folder exported before the int8 form was checked in); ACTIVATIONS_EXACT, x split into a high and a low
+// int16 part, x = s (h + l / 65534), so the products are float32's to its rounding (what check holds to the float32
+// reference's own rounding). Process-wide, read when x is prepared: MSLITE_LLM_QUANT_ACTIVATIONS (int8 | int16 |
+// exact) at load, set_quant_activations after.
 // ACTIVATIONS_EXACT also holds the rows kernel of bfloat16 weights to its float32 form (matmul16.h bf16_form).
-enum Activations { ACTIVATIONS_INT16 = 0, ACTIVATIONS_EXACT = 1 };
+enum Activations { ACTIVATIONS_INT8 = 0, ACTIVATIONS_EXACT = 1, ACTIVATIONS_INT16 = 2 };
 int quant_activations();
 void set_quant_activations(int mode);  // a negative mode: the default (the environment's, else int16)
 // the quantized decode form this machine runs: "avx512_vnni", "avx2", "neon" or "generic"

@@ -206,9 +206,9 @@ const char* MsliteLlmBf16Form() { return bf16_form(); }
 // Threads the kernels use; 0 restores the default (the machine's cores). The runtime passes its CPU thread count.
 void MsliteLlmSetThreads(int threads) { set_threads(threads); }
 
-// How the quantized matmuls' decode form rounds x (matmul_quant.h Activations): 0 int16 (the default), 1 exact (which
-// also holds bfloat16 weights to float32's form); a negative mode restores the default (MSLITE_LLM_QUANT_ACTIVATIONS,
-// else int16). Returns the mode now in force.
+// How the quantized matmuls' decode form rounds x (matmul_quant.h Activations): 0 int8 (the default: int4 weights'
+// x in int8 where they fit, the others' in int16), 1 exact (which also holds bfloat16 weights to float32's form), 2
+// int16; a negative mode restores the default (MSLITE_LLM_QUANT_ACTIVATIONS, else int8). Returns the mode now in force.
 int MsliteLlmSetQuantActivations(int mode) {
   if (mode != -2) set_quant_activations(mode);  // -2: only ask
   return quant_activations();

@@ -178,14 +178,15 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
         **({} if probe is None or not probe.steps else {"limits": derived_limits(probe.measured)}))
 
 
-def lanes_for(quantized: bool, matrices_in: str, cpu_kernels: bool) -> Tuple[str, ...]:
-    """The lanes of a folder's golden steps: a CPU-kernel folder whose matmuls have a fast form that rounds x gets
-    that form's lane and "reorder" ("int16": quantized weights; "bf16": matrices stored in bfloat16, the AVX512-BF16
-    form); any other folder none (its limits are its dtype's constants)."""
+def lanes_for(bits: Optional[int], matrices_in: str, cpu_kernels: bool) -> Tuple[str, ...]:
+    """The lanes of a folder's golden steps (`bits`: a quantized folder's, else None): a CPU-kernel folder whose
+    matmuls have a fast form that rounds x gets that form's lane and "reorder" ("int8": int4 weights, whose decode
+    form takes x in int8; "int16": int8 weights; "bf16": matrices stored in bfloat16, the AVX512-BF16 form); any
+    other folder none (its limits are its dtype's constants)."""
     if not cpu_kernels:
         return ()
-    if quantized:
-        return ("int16", "reorder")
+    if bits is not None:
+        return ("int8" if bits == 4 else "int16", "reorder")
     if matrices_in == "bfloat16":
         return ("bf16", "reorder")
     return ()
@@ -195,7 +196,8 @@ class ArithmeticLanes:
     """Each decode step of the golden references again in two lanes beside every row, from the same history (each
     lane its own cache from the prompt on, fed the row's tokens), in the same matmul calls (export/reference.py
     BlockedMatmul `lanes`, the widened weights shared): the fast form's, x rounded as the CPU kernels round it ("int16"
-    at every quantized matmul, or "bf16" at every matmul of bfloat16 matrices); "reorder", every product in another
+    at every quantized matmul, "int8" at an int4 folder's (int8 where the kernels take it so, else int16), or "bf16"
+    at every matmul of bfloat16 matrices); "reorder", every product in another
     float32 order (export/reference.py BlockedMatmul: row by row, each in two halves). How far
     each lane's top-k logits land from the row's, over every step, is what this folder's arithmetic does to its
     logits (`measured`): the check's limits follow from it (lite_runtime/golden.py derived_limits). Only the steps:

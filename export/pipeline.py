@@ -390,8 +390,9 @@ def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_prog
         doc = golden.compute(model_cfg, cfg.checkpoint, sizes, cfg.seq_length, cfg.batch_size, progress=bar.update,
                              matrices_in=cfg.dtype if cfg.half_weights_on_cpu else "float32",
                              quant=None if quant is None else (_quant_record(quant), FolderMeaning(tmp, layouts)),
-                             lanes=golden.lanes_for(quant is not None, cfg.dtype if cfg.half_weights_on_cpu else
-                                                    "float32", cfg.device == "cpu" and cfg.use_cpu_kernels()))
+                             lanes=golden.lanes_for(None if quant is None else quant[0].bits,
+                                                    cfg.dtype if cfg.half_weights_on_cpu else "float32",
+                                                    cfg.device == "cpu" and cfg.use_cpu_kernels()))
     write_golden(tmp, doc)
     return doc
 

@@ -59,17 +59,31 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def rounded_to_int16_blocks(x: np.ndarray) -> np.ndarray:
+def rounded_to_int16_blocks(x: np.ndarray, largest: int = 32767) -> np.ndarray:
     """x [T, K] (K a multiple of 32) as the CPU kernels' decode form rounds it (cpu_kernels/matmul_quant.cc, "the
-    decode form", ACTIVATIONS_INT16): per row and block of 32 inputs, s = max |x| / 32767, x -> rint(x * (32767 /
-    max |x|)) * s, ties to even, in float32. Written here from that documented rule, not shared with the kernels."""
+    decode form"): per row and block of 32 inputs, s = max |x| / L, x -> rint(x * (L / max |x|)) * s, ties to even,
+    in float32; L = 32767 (int16) or 127 (int8: rounded_to_int8_blocks). Written here from that documented rule, not
+    shared with the kernels."""
     rows, k = x.shape
     blocks = x.reshape(rows, k // 32, 32)
     top = np.abs(blocks).max(axis=2, keepdims=True)
     safe = np.where(top > 0, top, np.float32(1))
-    inv = np.where(top > 0, np.float32(32767) / safe, np.float32(0)).astype(np.float32)
+    inv = np.where(top > 0, np.float32(largest) / safe, np.float32(0)).astype(np.float32)
     q = np.rint(blocks * inv)
-    return (q * (top / np.float32(32767))).astype(np.float32).reshape(rows, k)
+    return (q * (top / np.float32(largest))).astype(np.float32).reshape(rows, k)
+
+
+def rounded_to_int8_blocks(x: np.ndarray) -> np.ndarray:
+    """x as the decode form rounds it for int4 weights whose K and group are whole 64s (ACTIVATIONS_INT8): to int8 per
+    block of 32, s = max |x| / 127."""
+    return rounded_to_int16_blocks(x, 127)
+
+
+def int8_activations_fit(w) -> bool:
+    """Whether the CPU kernels' default decode form takes x in int8 for the quantized layer `w` (FolderRows): int4
+    weights whose inputs and group are whole 64s (cpu_kernels/matmul_quant.cc int8_fits); other layers take int16."""
+    width = w.shape[1]
+    return bool(w.packed) and width % 64 == 0 and (width // w.scale.shape[1]) % 64 == 0
 
 
 class BlockedMatmul:
@@ -79,7 +93,8 @@ class BlockedMatmul:
     `lanes` (set by the caller around a forward, export/golden.py ArithmeticLanes): rows of x that compute the same
     product another way, from the same widened blocks: "int16" rows with x rounded as the CPU kernels' decode form
     rounds it (rounded_to_int16_blocks) at every quantized matmul (the offsets' sums from x as given, as the kernels
-    take them); "bf16" rows with x rounded to bfloat16 (to nearest, ties to even) at every matmul of a folder that
+    take them); "int8" rows likewise as the default decode form rounds x for an int4 folder: to int8 at the int4
+    matmuls whose K and group are whole 64s (rounded_to_int8_blocks), to int16 at the other quantized ones; "bf16" rows with x rounded to bfloat16 (to nearest, ties to even) at every matmul of a folder that
     stores its matrices in bfloat16, as the CPU kernels' AVX512-BF16 form rounds it (cpu_kernels/matmul16.cc);
     "reorder" rows computed row by row (BLAS's matrix-vector kernels), each in two halves: another float32 order."""
 
@@ -125,7 +140,7 @@ class BlockedMatmul:
         n_out = w.shape[0]
         out = np.empty((rows, n_out), np.float32)
         quantized = not isinstance(w, np.ndarray)  # export/quantize.FolderRows: each block finished after its GEMM
-        lanes = self._lanes(x, quantized)
+        lanes = self._lanes(x, w if quantized else None)
         if rows > FEW_ROWS or self._pool is None:
             step = max(1, GEMM_BLOCK_BYTES // (4 * width))
             buf = np.empty((min(step, n_out), width), np.float32)
@@ -154,11 +169,15 @@ class BlockedMatmul:
             list(self._pool.map(part, range(self.threads)))
         return out
 
-    def _lanes(self, x: np.ndarray, quantized: bool) -> List[Tuple[str, slice, np.ndarray]]:
-        """(kind, rows, the x those rows multiply) of each lane this product has."""
+    def _lanes(self, x: np.ndarray, quant) -> List[Tuple[str, slice, np.ndarray]]:
+        """(kind, rows, the x those rows multiply) of each lane this product has (`quant`: the quantized layer, or
+        None)."""
         out = []
+        quantized = quant is not None
         for kind, rows in self.lanes.items():
-            if kind == "int16" and quantized and x.shape[1] % 32 == 0:
+            if kind == "int8" and quantized and int8_activations_fit(quant):
+                out.append((kind, rows, rounded_to_int8_blocks(x[rows])))
+            elif kind in ("int16", "int8") and quantized and x.shape[1] % 32 == 0:
                 out.append((kind, rows, rounded_to_int16_blocks(x[rows])))
             elif kind == "bf16" and not quantized and self.matrices_in == "bfloat16":
                 out.append((kind, rows, rounded_to(x[rows], "bfloat16")))
@@ -170,7 +189,7 @@ class BlockedMatmul:
     def _lane_products(lanes, x: np.ndarray, w, block: np.ndarray, a: int, b: int, out: np.ndarray) -> None:
         """The lanes' rows of out[:, a:b] again, from the same widened block [b - a, I] of W."""
         for kind, rows, xs in lanes:
-            if kind in ("int16", "bf16"):  # x rounded
+            if kind in ("int16", "int8", "bf16"):  # x rounded
                 y = xs @ block.T
             else:  # row by row (BLAS's matrix-vector kernels, not its GEMM's), each in two halves
                 half = xs.shape[1] // 2

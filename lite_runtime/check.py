@@ -80,7 +80,7 @@ class Report:
     fast: Optional[Tolerance] = None
     fast_mode: str = "int16"  # the fast path's activations (lite_runtime/golden.py FAST_MODES)
     # a bfloat16 CPU folder exported before its bf16 limit, on a machine whose kernels serve it in the AVX512-BF16
-    # form: what check could not replay, said in its own line
+    # form, or an int4 one exported before its int8 limit: what check could not replay, said in a line of its own
     unreplayed: Optional[str] = None
 
     def _split(self):
@@ -94,10 +94,11 @@ class Report:
         if self.fast is None:
             return self.unreplayed
         what, served = FAST_WORDS[self.fast_mode]
-        return (f"activations: the {what} ran with x exact (float32's arithmetic; limit "
+        line = (f"activations: the {what} ran with x exact (float32's arithmetic; limit "
                 f"{self.tolerance.rel:.1e}), then as they serve, {served} (limit "
                 f"{self.fast.rel:.1e}, the rows marked {FAST_SUFFIX[self.fast_mode]}); both limits derived for this "
                 "folder at export from its own arithmetic (golden.json 'limits')")
+        return line if self.unreplayed is None else f"{line}\n{self.unreplayed}"
 
     def form_line(self) -> str:
         """Which graph form ran, and what was substituted: the stand-ins prove the wiring, not Ascend's kernels; on
@@ -240,8 +241,9 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
             rows += replay_chunks(generator.runner, reference, tolerance, progress=progress)
         if generator.runner.score_sizes:  # the score graphs: every position of a piece (speculation, echo, perplexity)
             rows += replay_scores(generator.runner, reference, tolerance, progress=progress)
-    if mode is not None:  # the path that serves (the kernels' mode other than exact: int16, and the AVX512-BF16 form)
-        with _activations("int16"):
+    if mode is not None:  # the path that serves: the kernels' default (int8 for int4 weights, int16 for int8 ones,
+        # and the AVX512-BF16 form), or int16 for a folder whose limit is int16's (an int4 one exported before int8's)
+        with _activations(FAST_KERNEL_MODE[mode]):
             fast = replay(generator, reference, limits[mode], progress=progress)
         for r in fast:
             r.graph += FAST_SUFFIX[mode]
@@ -277,6 +279,11 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
         unreplayed = ("activations: replayed with x exact only; this machine serves the folder's steps of several "
                       "rows in the AVX512-BF16 form (x rounded to bfloat16), which was not replayed: golden.json "
                       "predates its limit; re-export the folder with python -m export to check that form")
+    elif mode == "int16" and (folder.quantization or {}).get("bits") == 4 and _kernels(generator.backend_name):
+        unreplayed = ("activations: the fast replay ran x in int16, the form golden.json's limit covers; this "
+                      "installation serves the int4 matmuls with x in int8 (MSLITE_LLM_QUANT_ACTIVATIONS=int16 serves "
+                      "them as replayed): golden.json predates the int8 form's limit; re-export the folder with "
+                      "python -m export to check that form")
     return Report(name=folder.name, backend=generator.backend_name, dtype=config.compute_dtype, tolerance=tolerance,
                   reference=reference.source, rows=rows, info=info, graph=folder.graph_form, standins=standins,
                   fast=None if mode is None else limits[mode], fast_mode=mode or "int16", unreplayed=unreplayed)
@@ -315,9 +322,13 @@ def kernels_path(backend: str, folder) -> Optional[str]:
     return isa
 
 
-FAST_SUFFIX = {"int16": "@int16", "bf16": "@bf16"}  # the graph label's end of the fast path's replay rows, by mode
+FAST_SUFFIX = {"int16": "@int16", "int8": "@int8", "bf16": "@bf16"}  # the graph label's end of the fast path's replay
+# rows, by mode
+# the kernels' activation mode (cpu_kernels.set_quant_activations) of the fast path's replay, by the folder's mode
+FAST_KERNEL_MODE = {"int16": "int16", "int8": "int8", "bf16": "int8"}
 # per fast mode: (what ran with x exact, how x is rounded as the folder serves)
 FAST_WORDS = {"int16": ("quantized matmuls", "x rounded to int16 per block of 32"),
+              "int8": ("quantized matmuls", "x rounded to int8 per block of 32 at the int4 matmuls (int16 at others)"),
               "bf16": ("bfloat16 matmuls", "x rounded to bfloat16 in the matmuls of several rows (AVX512-BF16; "
                                            "float32's form where the CPU lacks it)")}
 

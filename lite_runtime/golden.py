@@ -81,18 +81,26 @@ INT16_ACTIVATIONS = Tolerance("float32 with int16 activations", 1e-3)
 # matmul of several rows (cpu_kernels/matmul16.cc), so its golden steps run a "bf16" lane (x rounded to bfloat16 at
 # every matmul) beside "reorder", and its limits are `exact` and `bf16`. A bfloat16 folder exported before them is
 # checked as it was (float32's constant, its replays with x exact) and told that the fast form was not replayed.
+#
+# An int4 CPU folder likewise (since 2026-11-29): the kernels' default decode form takes x in int8 per block of 32 for
+# int4 weights (cpu_kernels/matmul_quant.cc ACTIVATIONS_INT8), so its golden steps run an "int8" lane (x rounded to
+# int8 at the int4 matmuls the kernels take so, to int16 at the other quantized ones) and its limits are `exact` and
+# `int8`. An int4 folder exported before them (limits `exact` and `int16`) replays its fast path in int16
+# (cpu_kernels' ACTIVATIONS_INT16), as it was checked, and is told that the int8 form was not replayed.
 LIMIT_FACTOR = 10.0
 LIMIT_FLOOR = 2.0 ** -20
 ACTIVATION_LABELS = {"exact": "float32 arithmetic (x exact)", "int16": "int16 activations",
-                     "bf16": "bfloat16 activations"}
-FAST_MODES = ("int16", "bf16")  # the fast forms' activations, one per folder (the lane export/golden.py ran)
+                     "int8": "int8 activations", "bf16": "bfloat16 activations"}
+FAST_MODES = ("int16", "int8", "bf16")  # the fast forms' activations, one per folder (the lane export/golden.py ran)
 _FAST_WHAT = {"int16": "with x rounded to int16 per block of 32 at every quantized matmul, as the CPU kernels' "
                        "decode form rounds it",
+              "int8": "with x rounded to int8 per block of 32 at every int4 matmul whose inputs and group are whole "
+                      "64s (to int16 at the other quantized ones), as the CPU kernels' decode form rounds it",
               "bf16": "with x rounded to bfloat16 at every matmul, as the CPU kernels' AVX512-BF16 form rounds it"}
 
 
 def derived_limits(measured: Dict[str, float]) -> Dict[str, Any]:
-    """golden.json's `limits` from the lanes' distances (`measured`: reorder and one fast mode, int16 or bf16): per
+    """golden.json's `limits` from the lanes' distances (`measured`: reorder and one fast mode, FAST_MODES): per
     activation mode, the limit and what it came from."""
     exact = max(LIMIT_FACTOR * measured["reorder"], LIMIT_FLOOR)
     how = ("{factor} x the largest distance of the golden steps computed again {what}, over every step's top-k "
@@ -110,7 +118,7 @@ def derived_limits(measured: Dict[str, float]) -> Dict[str, Any]:
 
 
 def folder_limits(reference: "Reference") -> Optional[Dict[str, Tolerance]]:
-    """The derived limits a folder's golden.json carries ({"exact": ..., and "int16" or "bf16": ...} Tolerances), or
+    """The derived limits a folder's golden.json carries ({"exact": ..., and one of FAST_MODES: ...} Tolerances), or
     None."""
     if not reference.limits:
         return None
@@ -119,7 +127,7 @@ def folder_limits(reference: "Reference") -> Optional[Dict[str, Tolerance]]:
 
 
 def fast_mode(limits: Optional[Dict[str, Any]]) -> Optional[str]:
-    """The fast mode whose limit a folder's limits hold ("int16" or "bf16"), or None."""
+    """The fast mode whose limit a folder's limits hold ("int16", "int8" or "bf16"), or None."""
     return next((m for m in FAST_MODES if limits and m in limits), None)
 
 

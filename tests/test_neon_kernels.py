@@ -162,7 +162,7 @@ def test_neon_quant_matmul_against_float64_and_the_plain_path(binary, tmp_path):
         assert a["rc"] == g["rc"] == 0, where
         ref = a["x"].astype(np.float64) @ a["w"].T
         scale = np.abs(a["x"]).sum(1, keepdims=True) * np.abs(a["w"]).max() + 1e-30  # the sum's magnitude
-        rounding = int16_rounding(a["x"], a["wq"], a["group"])
+        rounding = int16_rounding(a["x"], a["wq"], a["group"], a["int4"])
         assert a["k"] % 32 or rounding.max() > 0, where  # the decode form ran where it can
         assert np.all(np.abs(a["y"] - ref) <= rounding + 1e-5 * scale), where
         assert np.all(np.abs(a["y"] - g["y"]) <= 2e-5 * scale), where

@@ -85,16 +85,18 @@ def as_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
     return a.astype(np.float32)
 
 
-def int16_rounding(x: np.ndarray, wq: np.ndarray, group: int) -> np.ndarray:
+def int16_rounding(x: np.ndarray, wq: np.ndarray, group: int, int4: bool = False) -> np.ndarray:
     """The most that the decode form's rounding of x can move each output [M, N], wq = q * scale [N, K] (W without
     its offsets, which meet x's exact sums): up to 16 rows of x, with K and the group whole blocks of 32 inputs, x is
-    rounded to int16 per block of 32 (scale max |x| / 32767: at most half a step, max / 65534, per input) and the
-    products are exact integers (matmul_quant.cc, "the decode form"). So |error| <= sum over k of step_k / 2 *
-    |wq[n, k]|. 0 where the form does not run."""
+    rounded to int16 per block of 32 (scale max |x| / 32767: at most half a step, max / 65534, per input), or for
+    int4 weights whose K and group are whole 64s to int8 (scale max |x| / 127: the default mode, ACTIVATIONS_INT8),
+    and the products are exact integers (matmul_quant.cc, "the decode form"). So |error| <= sum over k of step_k / 2
+    * |wq[n, k]|. 0 where the form does not run."""
     m, k = x.shape
     if m > 16 or k % 32 or group % 32:
         return np.zeros((m, wq.shape[0]))
-    step = np.abs(x.astype(np.float64)).reshape(m, k // 32, 32).max(axis=2) / 32767  # [M, K / 32]
+    largest = 127 if int4 and k % 64 == 0 and group % 64 == 0 else 32767
+    step = np.abs(x.astype(np.float64)).reshape(m, k // 32, 32).max(axis=2) / largest  # [M, K / 32]
     return (np.repeat(step, 32, axis=1) / 2) @ np.abs(wq).T
 
 
@@ -169,7 +171,7 @@ def test_quant_matmul_against_numpy(bits, with_offset):
             assert y.dtype == np.float32
             w = dequantize(q, scale, offset)
             check(y, x.astype(np.float64) @ w.T, f"int{bits} g={g} M={m}",
-                  rounding=int16_rounding(x, dequantize(q, scale), g))
+                  rounding=int16_rounding(x, dequantize(q, scale), g, bits == 4))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -182,7 +184,7 @@ def test_quant_matmul_at_decode_size_on_all_threads(bits):
         x, q, scale, offset = case(rng, bits, m, n, k, k // 32, True)
         w = dequantize(q, scale, offset)
         check(run_custom(QMO, x, q, scale, offset), x.astype(np.float64) @ w.T, f"int{bits} M={m}",
-              rounding=int16_rounding(x, dequantize(q, scale), 32))
+              rounding=int16_rounding(x, dequantize(q, scale), 32, bits == 4))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -351,7 +353,7 @@ def matmul_case_results(threads_list=(None,)):
                 assert call_kernel(QMO, x, q, scale, offset, y) == 0
                 w = dequantize(q, scale, offset)
                 check(y, x.astype(np.float64) @ w.T, f"int{bits} M={m} N={n} K={k}",
-                      rounding=int16_rounding(x, dequantize(q, scale), g))
+                      rounding=int16_rounding(x, dequantize(q, scale), g, bits == 4))
                 results.append(((bits, m), y))
     finally:
         lib.MsliteLlmSetThreads(0)
@@ -386,7 +388,7 @@ def exact_activation_cases():
     then int16 again, outside that tight bound (the switch reaches the kernels through MindSpore's calls)."""
     rng = np.random.default_rng(77)
     try:
-        for mode in ("exact", "int16"):
+        for mode in ("exact", "int16", "int8"):
             assert cpu_kernels.set_quant_activations(mode) == mode
             for bits, with_offset, g in ((8, False, 256), (4, True, 32), (4, False, 128), (8, True, 64)):
                 for m in (1, 4, 16):
@@ -403,6 +405,55 @@ def exact_activation_cases():
 
 def test_exact_activations_are_float32s_arithmetic():
     exact_activation_cases()
+
+
+def rounded_to_int8_blocks(x: np.ndarray) -> np.ndarray:
+    """x [M, K] as the decode form rounds it for int4 weights in the default mode (matmul_quant.cc ACTIVATIONS_INT8):
+    per row and block of 32, rint(x * (127 / max |x|)) * (max |x| / 127), ties to even, in float32; float64 out."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32)
+    top = np.abs(blocks).max(axis=2, keepdims=True)
+    inv = np.where(top > 0, np.float32(127) / np.where(top > 0, top, np.float32(1)), np.float32(0)).astype(np.float32)
+    return (np.rint(blocks * inv) * (top / np.float32(127))).astype(np.float64).reshape(m, k)
+
+
+def int8_activation_cases():
+    """int4 weights whose K and group are whole 64s, 1 to 16 rows of x (every tile of the x86 forms, a partial one of
+    each: N 1, 7, 33, 40), per channel and groups of 64 and 128, K 192 to 896 (576: SmolLM2's, not whole 128s), with
+    and without offsets, in the default mode: the product of x rounded to int8 per block of 32 (rounded_to_int8_blocks)
+    and q * scale, plus the offsets times x's exact sums, to float32's rounding of the sums (2e-6 of their magnitude):
+    the form's only rounding is x's, by its documented rule. In int16 mode (set_quant_activations("int16")) the same
+    cases are outside that bound of the int8 rounding and within int16's."""
+    rng = np.random.default_rng(8)
+    lib = ctypes.CDLL(cpu_kernels.library_path())
+    try:
+        for mode in ("int8", "int16"):
+            assert cpu_kernels.set_quant_activations(mode) == mode
+            for k, g in ((256, 64), (576, 576), (576, 64), (896, 128), (192, 192)):
+                for n, m, with_offset in ((1, 1, True), (7, 2, False), (33, 3, True), (40, 4, False), (33, 5, False),
+                                          (40, 7, True), (33, 16, True)):
+                    x, q, scale, offset = case(rng, 4, m, n, k, k // g, with_offset)
+                    y = np.full((m, n), np.nan, np.float32)
+                    args = (x, q, scale) + ((offset,) if with_offset else ()) + (y,)
+                    assert call_kernel(QMO if with_offset else QM, *args) == 0
+                    wq = dequantize(q, scale)
+                    ref = rounded_to_int8_blocks(x) @ wq.T
+                    if with_offset:
+                        ref += x.astype(np.float64) @ (dequantize(q, scale, offset) - wq).T
+                    size = np.abs(x).astype(np.float64) @ np.abs(dequantize(q, scale, offset)).T
+                    tight = bool(np.all(np.abs(y - ref) <= 2e-6 * size))
+                    where = (mode, k, g, n, m, with_offset, float(np.abs(y - ref).max()))
+                    assert tight == (mode == "int8"), where
+                    if mode == "int16":
+                        check(y, x.astype(np.float64) @ dequantize(q, scale, offset).T, str(where),
+                              rounding=int16_rounding(x, wq, g))
+    finally:
+        cpu_kernels.set_quant_activations(None)
+        lib.MsliteLlmSetThreads(0)
+
+
+def test_int4_takes_x_in_int8_by_its_documented_rounding():
+    int8_activation_cases()
 
 
 def run_on_path(isa: str, script: str) -> None:
@@ -427,6 +478,7 @@ def test_the_plain_cpp_path_gives_the_same_answers():
         t.matmul_case_results()
         t.test_standin_rounds_the_dequantized_weight_to_the_activation_dtype("bfloat16")
         t.exact_activation_cases()
+        t.int8_activation_cases()
     """)
 
 
@@ -442,6 +494,7 @@ def test_the_avx2_path_gives_the_same_answers():
             sys.exit(f"path {cpu_kernels.isa()} {cpu_kernels.quant_form()}")
         t.matmul_case_results()
         t.exact_activation_cases()
+        t.int8_activation_cases()
     """)
 
 
