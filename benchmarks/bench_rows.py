@@ -2,7 +2,7 @@
 
     python benchmarks/bench_rows.py --folder bf16=/path/to/folder --gguf bf16=/path/to/model.gguf \
         [--folder int8=... --gguf int8=...] [--counts 1,4,8,16] [--prompt 32] [--new 128] [--rounds 2] \
-        [--modes fit,full] [--out results.json]
+        [--modes fit,full] [--activations int8,int16] [--out results.json]
 
 Each label pairs one of our folders (exported with --batch_size at least the largest count) with a GGUF of the same
 weights at the same bits (bf16 / Q8_0 / Q4_0). For each count n, n sequences of --prompt random tokens are prefilled,
@@ -13,6 +13,8 @@ label, --rounds times; the medians and their ratios are printed and written to -
 Our modes (ModelRunner.step, lite_runtime/engine/runner.py):
 - `fit`: as shipped: the inc graph of the fewest rows that holds the n sequences (export --step_rows);
 - `full`: every step through the batch_size inc graph (the design before step graphs of fewer rows).
+`--activations` runs each mode of a quantized folder once per mode of the quantized matmuls' x
+(MSLITE_LLM_QUANT_ACTIVATIONS: int8, the default, or int16), an A/B of the two in the same rounds.
 Each mode of a folder runs in a process of its own, which loads the folder and compiles the graphs it needs before
 timing. The CPU kernels' path (ISA and the quantized decode form) is recorded with each figure. Not a test.
 """
@@ -108,10 +110,12 @@ def _child(args) -> int:
     return 0
 
 
-def _ours_process(folder: str, args, mode: str, isa: str) -> Dict[str, object]:
+def _ours_process(folder: str, args, mode: str, isa: str, activations: str = "") -> Dict[str, object]:
     env = dict(os.environ)
     if isa != "native":
         env["MSLITE_LLM_CPU_KERNELS_ISA"] = isa
+    if activations:
+        env["MSLITE_LLM_QUANT_ACTIVATIONS"] = activations
     cmd = [sys.executable, os.path.abspath(__file__), "--child", folder, "--mode", mode, "--counts", args.counts,
            "--prompt", str(args.prompt), "--new", str(args.new)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=7200)
@@ -140,6 +144,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="fit,full", help="our runner's modes: fit (as shipped), full (batch_size rows)")
     p.add_argument("--isa", default="native", help="our kernels' path: native, avx512 (without VNNI and BF16), avx2 or "
                    "generic (forced); with avx2, llama.cpp is built for AVX2 too (GGML_NATIVE off, no AVX-512)")
+    p.add_argument("--activations", default="", help="the quantized matmuls' x, one run of ours each: e.g. int8,int16 "
+                   "(MSLITE_LLM_QUANT_ACTIVATIONS; default: the kernels' default, once)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama_dir", default="/tmp/ppl/llama_cpp_python-0.3.36/vendor/llama.cpp",
                    help="llama.cpp's source (benchmarks/llama_cpp.py source_dir finds or unpacks it)")
@@ -158,14 +164,16 @@ def main(argv=None) -> int:
                                   else args.llama_dir, "llama-batched-bench", isa="avx2" if args.isa == "avx2" else
                                   "native")
     counts = [int(c) for c in args.counts.split(",")]
-    modes = args.modes.split(",")
+    # our runs per folder: (mode, the activations' name in the label, MSLITE_LLM_QUANT_ACTIVATIONS)
+    ours_runs = [(mode, f" x{act}" if act else "", act) for mode in args.modes.split(",")
+                 for act in (args.activations.split(",") if args.activations else [""])]
     runs: Dict[str, List[Dict[str, object]]] = {}
     for r in range(args.rounds):
         for label in folders:
-            for mode in modes:
-                res = _ours_process(folders[label], args, mode, args.isa)
-                runs.setdefault(f"ours {label} {mode}", []).append(res)
-                print(f"round {r + 1}: ours {label} {mode}: " + ", ".join(
+            for mode, suffix, act in ours_runs:
+                res = _ours_process(folders[label], args, mode, args.isa, act)
+                runs.setdefault(f"ours {label} {mode}{suffix}", []).append(res)
+                print(f"round {r + 1}: ours {label} {mode}{suffix}: " + ", ".join(
                     f"{n}: {res['counts'][str(n)]['tok_s']:.1f}" for n in counts), flush=True)
             if label in ggufs:
                 res = llama(binary, ggufs[label], counts, args.prompt, args.new, args.threads)
@@ -182,12 +190,15 @@ def main(argv=None) -> int:
     ratios = {}
     for label in folders:
         ref = medians.get(f"llama.cpp {label}")
-        for mode in modes:
-            mine = medians[f"ours {label} {mode}"]
+        for mode, suffix, _ in ours_runs:
+            name = f"{label} {mode}{suffix}"
             if ref:
-                ratios[f"{label} {mode}"] = {str(n): mine[str(n)] / ref[str(n)] for n in counts}
-                print(f"ours {label} {mode} / llama.cpp: " + ", ".join(
-                    f"{n}: {ratios[f'{label} {mode}'][str(n)]:.2f}x" for n in counts))
+                # the median of the per-round ratios (each round's ours against that round's llama.cpp)
+                per_round = [[o["counts"][str(n)]["tok_s"] / l["counts"][str(n)]["tok_s"] for n in counts]
+                             for o, l in zip(runs[f"ours {name}"], runs[f"llama.cpp {label}"])]
+                ratios[name] = {str(n): statistics.median(r[i] for r in per_round) for i, n in enumerate(counts)}
+                print(f"ours {name} / llama.cpp (median of per-round ratios): " + ", ".join(
+                    f"{n}: {ratios[name][str(n)]:.2f}x" for n in counts))
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
