@@ -158,11 +158,11 @@ QUANT_ACTIVATIONS = ("int8", "exact", "int16")  # cpu_kernels/matmul_quant.h Act
 
 
 def set_quant_activations(mode: Optional[str]) -> Optional[str]:
-    """How the quantized matmuls' decode form rounds x, process-wide (cpu_kernels/matmul_quant.h): "int8" (the
-    default, the fast path: x to int8 per block of 32 for int4 weights whose K and group are whole 64s, to int16 per
-    block of 32 for the others), "int16" (x to int16 for every weight: the rounding a folder exported before the int8
-    form was checked in), "exact" (two int16 parts: float32's arithmetic; what check holds to the reference's own
-    rounding; it also holds bfloat16 weights to float32's form, bf16_form), None: the default again
+    """How the quantized matmuls' decode form rounds x, process-wide (cpu_kernels/matmul_quant.h): "int8" (the default,
+    the fast path: x to int8 per block of 32 for int4 weights whose K is a multiple of 64 and group 32 or a multiple of
+    64, to int16 per block of 32 for the others), "int16" (x to int16 for every weight: the rounding a folder exported
+    before the int8 form was checked in), "exact" (two int16 parts: float32's arithmetic; what check holds to the
+    reference's own rounding; it also holds bfloat16 weights to float32's form, bf16_form), None: the default again
     (MSLITE_LLM_QUANT_ACTIVATIONS, else int8). Returns the mode in force, or None when the library was not built."""
     lib = _library()
     if lib is None:

@@ -13,8 +13,8 @@
 //
 // How, by the rows of x (M):
 //   M <= QUANT_ROWS_MAX (16: the decode step, chunk rows, short prompts): "the decode form" below, x rounded per
-//     block of 32 (to int8 for int4 weights whose K and group are whole 64s, else to int16) and exact integer
-//     products, each weight read once per call.
+//     block of 32 (to int8 for int4 weights whose K is a multiple of 64 and group 32 or a multiple of 64, else to
+//     int16) and exact integer products, each weight read once per call.
 //   More rows (the prompt): on AVX2/AVX-512, matmul16.cc's float32 GEMM on weights dequantized as it packs them
 //     (dequantize_rows, 8 rows at a time); elsewhere, and for WeightQuantBatchMatmul's stand-in (which rounds each
 //     weight to its T), the buffered form: tasks are tiles of NT outputs by MB rows of x, per block of KC inputs the
@@ -266,17 +266,17 @@ MSLLM_AVX2 void dots_avx2(const float* x, int64_t ldx, int64_t rows, const float
 // ---- the decode form: integer dot products over 16-bit activations ---------------------------------------------
 // Up to QUANT_ROWS_MAX rows of x (the decode step, a few chunk rows) a matmul reads each weight once. Widening each
 // weight to float32 in registers (the buffered forms' arithmetic, and the 16-bit kernels') made it compute-bound on
-// AVX2: 3 instructions per 8 int8 weights, 7 per 16 int4 ones; 15 and 8.6 GMAC/s on one core of this project's
-// machine, where the 0.5B shape's decode at llama.cpp's Q4_0 pace needs ~22. So x is rounded to int16 once per call,
-// per block of 32 inputs with its own scale (max |x| / 32767), and the weights are widened to int16 only: vpmaddwd
-// multiplies 16 pairs and adds them in pairs, exactly, in int32. 32-40 and 17-24 GMAC/s on the same core; llama.cpp's
-// way, x as int8 Q8_0 blocks against the integers with vpmaddubsw, measured 19 (int8) and 49 (int4)
-// (docs/performance-log.md, "Quantized decode: int16 activations", 2026-11-26). So int4 weights whose K and group are
-// whole 64s take x in int8 by default (ACTIVATIONS_INT8: qtile8_avx2 / qtile8_vnni below; the int16 widening bound
-// them), int8 weights keep int16 (their one row is bound by the bytes, not the arithmetic). What changes the result
-// is x's rounding: at most max |x| / 65534 per input of its block in int16, max |x| / 254 in int8, so check holds
-// these folders to limits derived from that rounding (lite_runtime/golden.py derived_limits; export/golden.py's
-// "int16" and "int8" lanes).
+// AVX2: 3 instructions per 8 int8 weights, 7 per 16 int4 ones; 15 and 8.6 GMAC/s on one core of this project's machine,
+// where the 0.5B shape's decode at llama.cpp's Q4_0 pace needs ~22. So x is rounded to int16 once per call, per block
+// of 32 inputs with its own scale (max |x| / 32767), and the weights are widened to int16 only: vpmaddwd multiplies 16
+// pairs and adds them in pairs, exactly, in int32. 32-40 and 17-24 GMAC/s on the same core; llama.cpp's way, x as int8
+// Q8_0 blocks against the integers with vpmaddubsw, measured 19 (int8) and 49 (int4) (docs/performance-log.md,
+// "Quantized decode: int16 activations", 2026-11-26). So int4 weights whose K is a multiple of 64 and group 32 or a
+// multiple of 64 take x in int8 by default (ACTIVATIONS_INT8: qtile8_avx2 / qtile8_vnni below; the int16 widening bound
+// them), int8 weights keep int16 (their one row is bound by the bytes, not the arithmetic). What changes the result is
+// x's rounding: at most max |x| / 65534 per input of its block in int16, max |x| / 254 in int8, so check holds these
+// folders to limits derived from that rounding (lite_runtime/golden.py derived_limits; export/golden.py's "int16" and
+// "int8" lanes).
 //
 // Per call, x is prepared once (PreparedX): per row, the integer inputs as int16 (int4: the even inputs, then the odd
 // ones, as a weight byte holds them; in int8's range for the int8 form, which also gets them as bytes), a scale per
@@ -301,7 +301,10 @@ std::atomic<int> g_activations{default_activations()};
 bool int16_fits(const QuantWeight& w) { return w.k % QBLOCK == 0 && w.group % QBLOCK == 0; }
 // the int8 form's unit: 64 inputs, a weight row's 32 bytes (two blocks); K and the group whole units
 constexpr int64_t QSTEP = 2 * QBLOCK;
-bool int8_fits(const QuantWeight& w) { return w.int4 && w.k % QSTEP == 0 && w.group % QSTEP == 0; }
+// (or groups of 32, a step's two blocks two groups: G32 below)
+bool int8_fits(const QuantWeight& w) {
+  return w.int4 && w.k % QSTEP == 0 && (w.group % QSTEP == 0 || w.group == QBLOCK);
+}
 
 // row r's int16 parts (exact: its low parts follow them, k int16 further on)
 const int16_t* prepared_row(const PreparedX& p, int64_t r) { return p.xq.data() + r * (p.exact ? 2 : 1) * p.k; }
@@ -492,12 +495,14 @@ MSLLM_AVX2 void qtile_avx2(const QuantWeight& w, int64_t m0, const int64_t* n, i
 // nibbles (the even inputs) and the high ones (the odd), each xor 8 = q + 8 in 0..15 as unsigned bytes, multiplied by
 // x's int8 (PreparedX xb) in pairs into int16 (vpmaddubsw: at most 2 x 15 x 127, exact) and summed into int32 lanes,
 // lanes 0-3 block 2s and 4-7 block 2s + 1, each then scaled by its block's x scale (PreparedX xs). The group's
-// constant takes 8 x the sum of x as rounded off, as in the int16 form.
-template <int R, int C>
+// constant takes 8 x the sum of x as rounded off, as in the int16 form. G32: groups of 32 (llama.cpp's Q4_0 and
+// Q4_1, GPTQ's smallest), each block its own weight scale: the x scales times the two blocks' weight scales per step,
+// one pass (`total` is the sum).
+template <int R, int C, bool G32>
 MSLLM_AVX2 void qtile8_avx2(const QuantWeight& w, int64_t m0, const int64_t* n, int cols, const float* b, float* y,
                             int64_t ldy) {
   const PreparedX& x = *w.x;
-  const int64_t groups = w.k / w.group, per = w.group / QSTEP, row_bytes = w.k / 2;
+  const int64_t groups = G32 ? 1 : w.k / w.group, per = G32 ? w.k / QSTEP : w.group / QSTEP, row_bytes = w.k / 2;
   const char* base = static_cast<const char*>(w.q);
   const char* next = base + (n[C - 1] + 1 + (PREFETCH_TILES - 1) * C) * row_bytes;  // may run past W: a hint only
   const char* row[C];
@@ -528,21 +533,25 @@ MSLLM_AVX2 void qtile8_avx2(const QuantWeight& w, int64_t m0, const int64_t* n, 
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[c] + s * (QSTEP / 2)));
         const __m256i lo = _mm256_xor_si256(_mm256_and_si256(raw, nibble), eight);
         const __m256i hi = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble), eight);
+        __m256 ws2 = _mm256_setzero_ps();  // G32: block 2s's weight scale in lanes 0-3, 2s + 1's in 4-7
+        if (G32)
+          ws2 = _mm256_setr_m128(_mm_set1_ps(w.scale[2 * s * w.n + n[c]]),
+                                 _mm_set1_ps(w.scale[(2 * s + 1) * w.n + n[c]]));
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[r] + s * 128));
           const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[r] + s * 128 + 64));
           const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, e), _mm256_maddubs_epi16(hi, o));
-          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)),
-                                      _mm256_loadu_ps(xs[r] + s * 16), acc[r][c]);
+          const __m256 xsv = _mm256_loadu_ps(xs[r] + s * 16), scale = G32 ? _mm256_mul_ps(xsv, ws2) : xsv;
+          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), scale, acc[r][c]);
         }
       }
     }
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m256 sc = _mm256_set1_ps(w.scale[gi * w.n + n[c]]);
+      const __m256 sc = _mm256_set1_ps(G32 ? 1.f : w.scale[gi * w.n + n[c]]);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) total[r][c] = _mm256_fmadd_ps(acc[r][c], sc, total[r][c]);
+      for (int r = 0; r < R; ++r) total[r][c] = G32 ? acc[r][c] : _mm256_fmadd_ps(acc[r][c], sc, total[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -556,7 +565,10 @@ MSLLM_AVX2 void qtiles8_avx2(const QuantWeight& w, int64_t m0, const float* b, f
     const int cols = int(std::min<int64_t>(C, o1 - o));
     int64_t n[C];
     for (int c = 0; c < C; ++c) n[c] = o + std::min(c, cols - 1);
-    qtile8_avx2<R, C>(w, m0, n, cols, b, y, ldy);
+    if (w.group == QBLOCK)
+      qtile8_avx2<R, C, true>(w, m0, n, cols, b, y, ldy);
+    else
+      qtile8_avx2<R, C, false>(w, m0, n, cols, b, y, ldy);
   }
 }
 
@@ -796,13 +808,14 @@ MSLLM_AVX512_VNNI void qrows_vnni_t(const QuantWeight& w, int64_t rows, const fl
 // int4 against x in int8 on AVX-512 VNNI: as qtile8_avx2, two weight rows' 32 bytes in one zmm (row c's in the low
 // half, c + 1's in the high), their nibbles against x's bytes (PreparedX xb holds each half twice) by vpdpbusd, which
 // multiplies unsigned by signed bytes and adds each four into an int32 lane, exactly: lanes 0-3 block 2s of row c, 4-7
-// block 2s + 1, 8-15 the same of row c + 1.
-template <int R, int P>
+// block 2s + 1, 8-15 the same of row c + 1. G32 as qtile8_avx2's.
+template <int R, int P, bool G32>
 MSLLM_AVX512_VNNI void qtile8_vnni(const QuantWeight& w, int64_t m0, const int64_t* n, int cols, const float* b,
                                    float* y, int64_t ldy) {
   constexpr int C = 2 * P;
   const PreparedX& x = *w.x;
-  const int64_t groups = w.k / w.group, per = w.group / QSTEP, row_bytes = w.k / 2;
+  const int64_t groups = G32 ? 1 : w.k / w.group, per = G32 ? w.k / QSTEP : w.group / QSTEP, row_bytes = w.k / 2;
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const char* base = static_cast<const char*>(w.q);
   const char* next = base + (n[C - 1] + 1 + (PREFETCH_TILES - 1) * C) * row_bytes;  // may run past W: a hint only
   const char* row[C];
@@ -836,20 +849,29 @@ MSLLM_AVX512_VNNI void qtile8_vnni(const QuantWeight& w, int64_t m0, const int64
         // (a & 0x0F) ^ 0x08 in one instruction: ternary logic 0x6A is (A & B) ^ C
         const __m512i lo = _mm512_ternarylogic_epi32(raw, nibble, eight, 0x6A);
         const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), nibble, eight, 0x6A);
+        __m512 ws4 = _mm512_setzero_ps();  // G32: each lane's block's weight scale (lanes as the products')
+        if (G32) {
+          const float* s0 = w.scale + 2 * s * w.n;
+          const float* s1 = s0 + w.n;
+          ws4 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_setr_ps(s0[n[2 * p]], s1[n[2 * p]],
+                                                                                 s0[n[2 * p + 1]], s1[n[2 * p + 1]])));
+        }
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const __m512i e = _mm512_loadu_si512(xb[r] + s * 128), o = _mm512_loadu_si512(xb[r] + s * 128 + 64);
           const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, e), hi, o);
-          acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(xs[r] + s * 16), acc[r][p]);
+          const __m512 xsv = _mm512_loadu_ps(xs[r] + s * 16), scale = G32 ? _mm512_mul_ps(xsv, ws4) : xsv;
+          acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[r][p]);
         }
       }
     }
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) {
-      const __m512 sc = _mm512_mask_blend_ps(__mmask16(0xFF00), _mm512_set1_ps(w.scale[gi * w.n + n[2 * p]]),
-                                             _mm512_set1_ps(w.scale[gi * w.n + n[2 * p + 1]]));
+      const __m512 sc = G32 ? _mm512_set1_ps(1.f)
+                            : _mm512_mask_blend_ps(__mmask16(0xFF00), _mm512_set1_ps(w.scale[gi * w.n + n[2 * p]]),
+                                                   _mm512_set1_ps(w.scale[gi * w.n + n[2 * p + 1]]));
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) total[r][p] = _mm512_fmadd_ps(acc[r][p], sc, total[r][p]);
+      for (int r = 0; r < R; ++r) total[r][p] = G32 ? acc[r][p] : _mm512_fmadd_ps(acc[r][p], sc, total[r][p]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -868,7 +890,10 @@ MSLLM_AVX512_VNNI void qtiles8_vnni(const QuantWeight& w, int64_t m0, const floa
     const int cols = int(std::min<int64_t>(C, o1 - o));
     int64_t n[C];
     for (int c = 0; c < C; ++c) n[c] = o + std::min(c, cols - 1);
-    qtile8_vnni<R, P>(w, m0, n, cols, b, y, ldy);
+    if (w.group == QBLOCK)
+      qtile8_vnni<R, P, true>(w, m0, n, cols, b, y, ldy);
+    else
+      qtile8_vnni<R, P, false>(w, m0, n, cols, b, y, ldy);
   }
 }
 

@@ -66,13 +66,13 @@ void quant_matmul(const float* x, int64_t rows, const QuantWeight& w, const floa
 
 constexpr int64_t QUANT_ROWS_MAX = 16;
 
-// How the decode form rounds x (matmul_quant.cc says why): ACTIVATIONS_INT8 (the default: the fast path, whose
-// rounding check's limit follows, lite_runtime/golden.py), for int4 weights whose K and group are whole 64s x to int8
-// per block of 32, for the others to int16 per block of 32; ACTIVATIONS_INT16, x to int16 for every weight (the
-// rounding a folder exported before the int8 form was checked in); ACTIVATIONS_EXACT, x split into a high and a low
-// int16 part, x = s (h + l / 65534), so the products are float32's to its rounding (what check holds to the float32
-// reference's own rounding). Process-wide, read when x is prepared: MSLITE_LLM_QUANT_ACTIVATIONS (int8 | int16 |
-// exact) at load, set_quant_activations after.
+// How the decode form rounds x (matmul_quant.cc says why): ACTIVATIONS_INT8 (the default: the fast path, whose rounding
+// check's limit follows, lite_runtime/golden.py), for int4 weights whose K is a multiple of 64 and group 32 or a
+// multiple of 64 x to int8 per block of 32, for the others to int16 per block of 32; ACTIVATIONS_INT16, x to int16 for
+// every weight (the rounding a folder exported before the int8 form was checked in); ACTIVATIONS_EXACT, x split into a
+// high and a low int16 part, x = s (h + l / 65534), so the products are float32's to its rounding (what check holds to
+// the float32 reference's own rounding). Process-wide, read when x is prepared: MSLITE_LLM_QUANT_ACTIVATIONS (int8 |
+// int16 | exact) at load, set_quant_activations after.
 // ACTIVATIONS_EXACT also holds the rows kernel of bfloat16 weights to its float32 form (matmul16.h bf16_form).
 enum Activations { ACTIVATIONS_INT8 = 0, ACTIVATIONS_EXACT = 1, ACTIVATIONS_INT16 = 2 };
 int quant_activations();

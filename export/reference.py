@@ -74,16 +74,18 @@ def rounded_to_int16_blocks(x: np.ndarray, largest: int = 32767) -> np.ndarray:
 
 
 def rounded_to_int8_blocks(x: np.ndarray) -> np.ndarray:
-    """x as the decode form rounds it for int4 weights whose K and group are whole 64s (ACTIVATIONS_INT8): to int8 per
-    block of 32, s = max |x| / 127."""
+    """x as the decode form rounds it for int4 weights whose K is a multiple of 64 and group 32 or a multiple of 64
+    (ACTIVATIONS_INT8): to int8 per block of 32, s = max |x| / 127."""
     return rounded_to_int16_blocks(x, 127)
 
 
 def int8_activations_fit(w) -> bool:
     """Whether the CPU kernels' default decode form takes x in int8 for the quantized layer `w` (FolderRows): int4
-    weights whose inputs and group are whole 64s (cpu_kernels/matmul_quant.cc int8_fits); other layers take int16."""
+    weights whose inputs are a multiple of 64 and group 32 or a multiple of 64 (cpu_kernels/matmul_quant.cc int8_fits);
+    other layers take int16."""
     width = w.shape[1]
-    return bool(w.packed) and width % 64 == 0 and (width // w.scale.shape[1]) % 64 == 0
+    group = width // w.scale.shape[1]
+    return bool(w.packed) and width % 64 == 0 and (group % 64 == 0 or group == 32)
 
 
 class BlockedMatmul:
@@ -93,10 +95,11 @@ class BlockedMatmul:
     `lanes` (set by the caller around a forward, export/golden.py ArithmeticLanes): rows of x that compute the same
     product another way, from the same widened blocks: "int16" rows with x rounded as the CPU kernels' decode form
     rounds it (rounded_to_int16_blocks) at every quantized matmul (the offsets' sums from x as given, as the kernels
-    take them); "int8" rows likewise as the default decode form rounds x for an int4 folder: to int8 at the int4
-    matmuls whose K and group are whole 64s (rounded_to_int8_blocks), to int16 at the other quantized ones; "bf16" rows with x rounded to bfloat16 (to nearest, ties to even) at every matmul of a folder that
-    stores its matrices in bfloat16, as the CPU kernels' AVX512-BF16 form rounds it (cpu_kernels/matmul16.cc);
-    "reorder" rows computed row by row (BLAS's matrix-vector kernels), each in two halves: another float32 order."""
+    take them); "int8" rows likewise as the default decode form rounds x for an int4 folder: to int8 at the int4 matmuls
+    whose K is a multiple of 64 and group 32 or a multiple of 64 (rounded_to_int8_blocks), to int16 at the other
+    quantized ones; "bf16" rows with x rounded to bfloat16 (to nearest, ties to even) at every matmul of a folder that
+    stores its matrices in bfloat16, as the CPU kernels' AVX512-BF16 form rounds it (cpu_kernels/matmul16.cc); "reorder"
+    rows computed row by row (BLAS's matrix-vector kernels), each in two halves: another float32 order."""
 
     def __init__(self, matrices_in: str = "float32", threads: Optional[int] = None) -> None:
         self.lanes: Dict[str, slice] = {}

@@ -425,9 +425,9 @@ def test_fused_ops_take_quantized_weights(bits, group, offset, rows, mode):
     16 rows, the buffered GEMM beyond) against the same op on the float32 weights they stand for: within the decode
     form's rounding of x (matmul_quant.cc; test_quant_kernels.int16_rounding bounds one matmul): in int16 mode
     (set_quant_activations("int16")) a loose 2e-4 of each output's scale through the norms and SiLU; in the default
-    mode, where int4 weights whose inputs and group are whole 64s take x in int8 (its exact rounding is
-    test_quant_kernels' int8_activation_cases), 2e-2 (x's int8 rounding moves these outputs up to 0.6 % of their
-    scale). Exact codes for a scale of the wrong shape."""
+    mode, where int4 weights whose inputs are a multiple of 64 and group 32 or a multiple of 64 take x in int8 (its
+    exact rounding is test_quant_kernels' int8_activation_cases), 2e-2 (x's int8 rounding moves these outputs up to 0.6
+    % of their scale). Exact codes for a scale of the wrong shape."""
     assert cpu_kernels.set_quant_activations(mode) == mode
     try:
         _fused_ops_take_quantized_weights(bits, group, offset, rows, 2e-4 if mode == "int16" else 2e-2)

@@ -86,16 +86,16 @@ def as_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def int16_rounding(x: np.ndarray, wq: np.ndarray, group: int, int4: bool = False) -> np.ndarray:
-    """The most that the decode form's rounding of x can move each output [M, N], wq = q * scale [N, K] (W without
-    its offsets, which meet x's exact sums): up to 16 rows of x, with K and the group whole blocks of 32 inputs, x is
-    rounded to int16 per block of 32 (scale max |x| / 32767: at most half a step, max / 65534, per input), or for
-    int4 weights whose K and group are whole 64s to int8 (scale max |x| / 127: the default mode, ACTIVATIONS_INT8),
-    and the products are exact integers (matmul_quant.cc, "the decode form"). So |error| <= sum over k of step_k / 2
-    * |wq[n, k]|. 0 where the form does not run."""
+    """The most that the decode form's rounding of x can move each output [M, N], wq = q * scale [N, K] (W without its
+    offsets, which meet x's exact sums): up to 16 rows of x, with K and the group whole blocks of 32 inputs, x is
+    rounded to int16 per block of 32 (scale max |x| / 32767: at most half a step, max / 65534, per input), or for int4
+    weights whose K is a multiple of 64 and group 32 or a multiple of 64 to int8 (scale max |x| / 127: the default mode,
+    ACTIVATIONS_INT8), and the products are exact integers (matmul_quant.cc, "the decode form"). So |error| <= sum over
+    k of step_k / 2 * |wq[n, k]|. 0 where the form does not run."""
     m, k = x.shape
     if m > 16 or k % 32 or group % 32:
         return np.zeros((m, wq.shape[0]))
-    largest = 127 if int4 and k % 64 == 0 and group % 64 == 0 else 32767
+    largest = 127 if int4 and k % 64 == 0 and (group % 64 == 0 or group == 32) else 32767
     step = np.abs(x.astype(np.float64)).reshape(m, k // 32, 32).max(axis=2) / largest  # [M, K / 32]
     return (np.repeat(step, 32, axis=1) / 2) @ np.abs(wq).T
 
@@ -418,18 +418,19 @@ def rounded_to_int8_blocks(x: np.ndarray) -> np.ndarray:
 
 
 def int8_activation_cases():
-    """int4 weights whose K and group are whole 64s, 1 to 16 rows of x (every tile of the x86 forms, a partial one of
-    each: N 1, 7, 33, 40), per channel and groups of 64 and 128, K 192 to 896 (576: SmolLM2's, not whole 128s), with
-    and without offsets, in the default mode: the product of x rounded to int8 per block of 32 (rounded_to_int8_blocks)
-    and q * scale, plus the offsets times x's exact sums, to float32's rounding of the sums (2e-6 of their magnitude):
-    the form's only rounding is x's, by its documented rule. In int16 mode (set_quant_activations("int16")) the same
-    cases are outside that bound of the int8 rounding and within int16's."""
+    """int4 weights whose K is a multiple of 64 and group 32 or a multiple of 64, 1 to 16 rows of x (every tile of the
+    x86 forms, a partial one of each: N 1, 7, 33, 40), per channel and groups of 32 (each block its own weight scale),
+    64 and 128, K 192 to 896 (576: SmolLM2's, not whole 128s), with and without offsets, in the default mode: the
+    product of x rounded to int8 per block of 32 (rounded_to_int8_blocks) and q * scale, plus the offsets times x's
+    exact sums, to float32's rounding of the sums (2e-6 of their magnitude): the form's only rounding is x's, by its
+    documented rule. In int16 mode (set_quant_activations("int16")) the same cases are outside that bound of the int8
+    rounding and within int16's."""
     rng = np.random.default_rng(8)
     lib = ctypes.CDLL(cpu_kernels.library_path())
     try:
         for mode in ("int8", "int16"):
             assert cpu_kernels.set_quant_activations(mode) == mode
-            for k, g in ((256, 64), (576, 576), (576, 64), (896, 128), (192, 192)):
+            for k, g in ((256, 64), (576, 576), (576, 64), (896, 128), (192, 192), (256, 32), (576, 32)):
                 for n, m, with_offset in ((1, 1, True), (7, 2, False), (33, 3, True), (40, 4, False), (33, 5, False),
                                           (40, 7, True), (33, 16, True)):
                     x, q, scale, offset = case(rng, 4, m, n, k, k // g, with_offset)
