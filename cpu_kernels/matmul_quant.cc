@@ -436,6 +436,18 @@ MSLLM_AVX2 inline float hsum8(__m256 v) {
 
 constexpr int64_t PREFETCH_TILES = 2;  // how far ahead, in tiles, each block's prefetch reads
 
+// The outputs [o0, o1) as tiles of C weight rows: tile(n, cols) with n[0..C-1] the tile's rows (past `cols`, repeats
+// of the last: read, not written). Every rows kernel's loop over its tiles.
+template <int C, class Tile>
+inline void each_tile(int64_t o0, int64_t o1, Tile&& tile) {
+  for (int64_t o = o0; o < o1; o += C) {
+    const int cols = int(std::min<int64_t>(C, o1 - o));
+    int64_t n[C];
+    for (int c = 0; c < C; ++c) n[c] = o + std::min(c, cols - 1);
+    tile(n, cols);
+  }
+}
+
 template <int R, int C, bool INT4, bool EXACT>
 MSLLM_AVX2 void qtile_avx2(const QuantWeight& w, int64_t m0, const int64_t* n, int cols, const float* b, float* y,
                            int64_t ldy) {
@@ -561,15 +573,12 @@ MSLLM_AVX2 void qtile8_avx2(const QuantWeight& w, int64_t m0, const int64_t* n, 
 template <int R, int C>
 MSLLM_AVX2 void qtiles8_avx2(const QuantWeight& w, int64_t m0, const float* b, float* y, int64_t ldy, int64_t o0,
                              int64_t o1) {
-  for (int64_t o = o0; o < o1; o += C) {
-    const int cols = int(std::min<int64_t>(C, o1 - o));
-    int64_t n[C];
-    for (int c = 0; c < C; ++c) n[c] = o + std::min(c, cols - 1);
+  each_tile<C>(o0, o1, [&](const int64_t* n, int cols) {
     if (w.group == QBLOCK)
       qtile8_avx2<R, C, true>(w, m0, n, cols, b, y, ldy);
     else
       qtile8_avx2<R, C, false>(w, m0, n, cols, b, y, ldy);
-  }
+  });
 }
 
 // Up to 4 rows of x a pass over the weights: 1 row by 4 weight rows, 2 by 2, 3 and 4 by 2 (their totals spill, once a
@@ -596,12 +605,7 @@ MSLLM_AVX2 void add_group_constants_avx2(const QuantWeight& w, int64_t rows, flo
 template <int R, int C, bool INT4, bool EXACT>
 MSLLM_AVX2 void qtiles_avx2(const QuantWeight& w, int64_t m0, const float* b, float* y, int64_t ldy, int64_t o0,
                             int64_t o1) {
-  for (int64_t o = o0; o < o1; o += C) {
-    const int cols = int(std::min<int64_t>(C, o1 - o));
-    int64_t n[C];
-    for (int c = 0; c < C; ++c) n[c] = o + std::min(c, cols - 1);
-    qtile_avx2<R, C, INT4, EXACT>(w, m0, n, cols, b, y, ldy);
-  }
+  each_tile<C>(o0, o1, [&](const int64_t* n, int cols) { qtile_avx2<R, C, INT4, EXACT>(w, m0, n, cols, b, y, ldy); });
 }
 
 // 1 row of x by 6 weight rows (ahead of 4 by 5-10 % in cache), 2 by 3, 3 or 4 by 2: the accumulators fit the 16
@@ -783,12 +787,7 @@ MSLLM_AVX512_VNNI void qtile_vnni(const QuantWeight& w, int64_t m0, const int64_
 template <int R, int C, bool INT4, bool EXACT>
 MSLLM_AVX512_VNNI void qtiles_vnni(const QuantWeight& w, int64_t m0, const float* b, float* y, int64_t ldy, int64_t o0,
                                    int64_t o1) {
-  for (int64_t o = o0; o < o1; o += C) {
-    const int cols = int(std::min<int64_t>(C, o1 - o));
-    int64_t n[C];
-    for (int c = 0; c < C; ++c) n[c] = o + std::min(c, cols - 1);
-    qtile_vnni<R, C, INT4, EXACT>(w, m0, n, cols, b, y, ldy);
-  }
+  each_tile<C>(o0, o1, [&](const int64_t* n, int cols) { qtile_vnni<R, C, INT4, EXACT>(w, m0, n, cols, b, y, ldy); });
 }
 
 // accumulators in the 32 zmm registers: 1 row of x by 8 weight rows, 2 by 4, 3 and 4 by 3 (R x C x 2 + R + 1)
@@ -885,16 +884,12 @@ MSLLM_AVX512_VNNI void qtile8_vnni(const QuantWeight& w, int64_t m0, const int64
 template <int R, int P>
 MSLLM_AVX512_VNNI void qtiles8_vnni(const QuantWeight& w, int64_t m0, const float* b, float* y, int64_t ldy,
                                     int64_t o0, int64_t o1) {
-  constexpr int C = 2 * P;
-  for (int64_t o = o0; o < o1; o += C) {
-    const int cols = int(std::min<int64_t>(C, o1 - o));
-    int64_t n[C];
-    for (int c = 0; c < C; ++c) n[c] = o + std::min(c, cols - 1);
+  each_tile<2 * P>(o0, o1, [&](const int64_t* n, int cols) {
     if (w.group == QBLOCK)
       qtile8_vnni<R, P, true>(w, m0, n, cols, b, y, ldy);
     else
       qtile8_vnni<R, P, false>(w, m0, n, cols, b, y, ldy);
-  }
+  });
 }
 
 // 1 row of x by 8 weight rows, 2 by 8, 3 and 4 by 4 (acc and total 2 x R x P of the 32 zmm registers)
