@@ -103,7 +103,7 @@ def prompts_for(plan: List[Tuple[int, List[int], int]], checkpoint: str, vocab_s
 def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int], seq_length: int,
             batch_size: int, progress: Optional[Callable[[int], None]] = None,
             matrices_in: str = "float32", quant: Optional[Tuple[Any, Any]] = None,
-            lanes: Sequence[str] = ()) -> Dict[str, Any]:
+            lanes: Sequence[str] = (), early: Optional["AgreementPrefill"] = None) -> Dict[str, Any]:
     """Run the plan through the float32 reference; returns golden.json's content (lite_runtime.golden).
 
     Every row of every batch runs together, so each forward is one pass over the weights: the first
@@ -114,7 +114,9 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
     are written: the reference runs on the weights the folder holds, dequantized, so `check` holds a device to the
     usual limits. Then a second reference on the checkpoint's own weights is fed the same tokens, all steps of every
     row in one prefill pass (the folder's greedy tokens are known by then), and how far the two are apart is recorded
-    as `agreement` (_Agreement). That costs one pass more than a float folder's golden, not a second decode.
+    as `agreement` (_Agreement), over agreement_rows. That costs one pass more than a float folder's golden, not a
+    second decode; its prompts' part runs before, beside the export's compile stage, when `early` (AgreementPrefill,
+    started by the caller) is given.
     lanes: the fast form's lane and "reorder" (lanes_for): every decode step also runs in those lanes beside each row
     (ArithmeticLanes), whose distance from the row sets the check's limits for this folder (`limits`,
     lite_runtime/golden.py derived_limits).
@@ -125,10 +127,10 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
     start = time.perf_counter()
     plan = plan_batches(prefill_sizes, seq_length, batch_size)
     batches, source = prompts_for(plan, checkpoint, model_cfg.vocab_size)
-    checkpoint_where = where = open_checkpoint(checkpoint)
+    where = open_checkpoint(checkpoint)
     if quant is not None:
         meaning = quant[1]
-        where = {**checkpoint_where, **{name: meaning for name in meaning.layers}}
+        where = {**where, **{name: meaning for name in meaning.layers}}
     net = NumpyDecoder(model_cfg, where, seq_length, matrices_in=matrices_in)
     rows = [(b, list(ids)) for b, batch in enumerate(batches) for ids in batch]
     # the folder's logits at each step of each row, for the agreement
@@ -141,6 +143,7 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
         feed = [ids for _, ids in rows]
         active = list(range(len(rows)))
         probe = ArithmeticLanes(net, tuple(lanes)) if lanes else None
+        clock = _Clock()
         while active:
             if probe is not None and probe.started:
                 logits = probe.forward([feed[i] for i in active], [caches[i] for i in active], active)
@@ -156,6 +159,7 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
                 if history is not None:
                     history[i].append(row_logits)
             active = [i for i in active if len(records[i].tokens) < steps[i]]
+            clock.lap("steps" if clock.laps else "prefill")
             if progress is not None:
                 progress(1)
     finally:
@@ -163,9 +167,14 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
     del caches
     agreement = None
     if quant is not None:
-        agreement = _agreement(model_cfg, checkpoint_where, seq_length, records, history)
+        early = early or AgreementPrefill(model_cfg, checkpoint, prefill_sizes, seq_length, batch_size)
+        agreement = early.result(records, history)
+        clock.lap("agreement")
+        clock.laps["its prompts before"] = [early.seconds]
         if progress is not None:
             progress(1)
+    log.info("golden references: %d prompts (%d tokens) %s", len(rows), sum(len(ids) for _, ids in rows),
+             clock.text())
     out = [ReferenceBatch(graph_key("prefill", tokens), [records[i] for i, (rb, _) in enumerate(rows) if rb == b])
            for b, (tokens, _, _) in enumerate(plan)]
     return golden_document(
@@ -176,6 +185,23 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
         seconds=round(time.perf_counter() - start, 3),
         **({} if agreement is None else {"quantization": quant[0], "agreement": agreement}),
         **({} if probe is None or not probe.steps else {"limits": derived_limits(probe.measured)}))
+
+
+class _Clock:
+    """Seconds of the golden's parts (the prompts' prefill, the decode steps, the agreement), for the -v log."""
+
+    def __init__(self) -> None:
+        self.laps: Dict[str, List[float]] = {}
+        self.last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps.setdefault(name, []).append(now - self.last)
+        self.last = now
+
+    def text(self) -> str:
+        return ", ".join(f"{name} {sum(t):.1f} s" + (f" ({len(t)})" if len(t) > 1 else "")
+                         for name, t in self.laps.items())
 
 
 def lanes_for(bits: Optional[int], matrices_in: str, cpu_kernels: bool) -> Tuple[str, ...]:
@@ -246,25 +272,77 @@ class ArithmeticLanes:
         return rows
 
 
-def _agreement(model_cfg: ModelConfig, where: Dict[str, Any], seq_length: int, records: List[ReferenceRow],
-               history: List[List[np.ndarray]]) -> Dict[str, Any]:
-    """The checkpoint's own float32 reference fed each row's prompt and the folder's greedy tokens in one prefill,
-    its logits at every step's position against the folder's (`history[row][step]`)."""
-    from export.reference import NumpyDecoder
+def agreement_rows(prompts: Sequence[Sequence[int]]) -> List[int]:
+    """The golden rows the agreement is computed on: those whose prompts have at most LEAD_CAP tokens (at least the
+    smallest graph's batch, whose prompts never have more). A longer prompt exists only so that a larger prefill graph
+    is run at all; the agreement measures the folder's weights, and a second float32 prefill of those prompts was the
+    largest part of a quantized export's extra time (Qwen2-7B: 83 s of a 216 s golden stage, docs/export.md)."""
+    return [i for i, ids in enumerate(prompts) if len(ids) <= LEAD_CAP]
 
-    original = NumpyDecoder(model_cfg, where, seq_length)
-    try:
-        tails = [len(r.tokens) for r in records]
-        logits = original.forward([r.prompt + r.tokens[:-1] for r in records],
-                                  [original.new_cache() for _ in records], tail=tails)
-    finally:
-        original.close()
-    starts = np.concatenate([[0], np.cumsum(tails)])
-    agree = _Agreement()
-    for step in range(max(tails)):
-        rows = [i for i, n in enumerate(tails) if n > step]
-        agree.add(rows, np.stack([history[i][step] for i in rows]), logits[[starts[i] + step for i in rows]])
-    return agree.result()
+
+class AgreementPrefill:
+    """The agreement's float32 prefill on the checkpoint's own weights: the prompts of its rows (agreement_rows) but
+    each one's last token, in a thread of its own from construction on. A quantized export starts it when it starts
+    compiling (export/pipeline.py): MindSpore's compile keeps one core busy, the weights stage mostly waits on reading
+    the checkpoint, and this prefill needs neither the graphs nor the folder. `result` then feeds each row's last
+    prompt token and the folder's greedy tokens after it, and compares. `cancel` stops it between two layers (an export
+    that fails meanwhile)."""
+
+    def __init__(self, model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int], seq_length: int,
+                 batch_size: int) -> None:
+        import threading
+
+        from export.reference import NumpyDecoder
+        from export.weights import open_checkpoint
+
+        batches, _ = prompts_for(plan_batches(prefill_sizes, seq_length, batch_size), checkpoint, model_cfg.vocab_size)
+        prompts = [list(ids) for batch in batches for ids in batch]
+        self.rows = agreement_rows(prompts)
+        self.prompts = [prompts[i] for i in self.rows]
+        self.net = NumpyDecoder(model_cfg, open_checkpoint(checkpoint), seq_length)
+        self.caches = [self.net.new_cache() for _ in self.rows]
+        self.error: Optional[BaseException] = None
+        self.seconds = 0.0  # the prompts' prefill, in its thread
+        self._thread = threading.Thread(target=self._prefill, name="golden-agreement", daemon=True)
+        self._thread.start()
+
+    def _prefill(self) -> None:
+        longer = [i for i, ids in enumerate(self.prompts) if len(ids) > 1]  # a one-token prompt has nothing before
+        start = time.perf_counter()
+        try:
+            if longer:
+                self.net.forward([self.prompts[i][:-1] for i in longer], [self.caches[i] for i in longer])
+        except BaseException as exc:  # raised by result(), in the export's thread
+            self.error = exc
+        self.seconds = time.perf_counter() - start
+
+    def cancel(self) -> None:
+        self.net.stopped.set()
+        self._thread.join()
+        self.net.close()
+
+    def result(self, records: List[ReferenceRow], history: List[List[np.ndarray]]) -> Dict[str, Any]:
+        """The agreement of every golden row's `records` (the folder's greedy tokens) and `history` (the folder's
+        logits at each step), over this prefill's rows."""
+        self._thread.join()
+        try:
+            if self.error is not None:
+                raise self.error
+            records, history = [records[i] for i in self.rows], [history[i] for i in self.rows]
+            if [r.prompt for r in records] != self.prompts:
+                raise ExportError("the agreement's prompts are not the golden rows'; this is a bug in export, please "
+                                  "report it")
+            tails = [len(r.tokens) for r in records]
+            logits = self.net.forward([[ids[-1]] + r.tokens[:-1] for ids, r in zip(self.prompts, records)],
+                                      self.caches, tail=tails)
+        finally:
+            self.net.close()
+        starts = np.concatenate([[0], np.cumsum(tails)])
+        agree = _Agreement()
+        for step in range(max(tails)):
+            rows = [i for i, n in enumerate(tails) if n > step]
+            agree.add(rows, np.stack([history[i][step] for i in rows]), logits[[starts[i] + step for i in rows]])
+        return agree.result()
 
 
 class _Agreement:
@@ -291,7 +369,8 @@ class _Agreement:
                 "top1_match": round(self.same / max(self.steps, 1), 6),
                 "max_logit_error": float(f"{self.max_error:.6g}"),
                 "computed_by": "export/reference.py on the checkpoint's own weights, fed the folder's greedy tokens "
-                               "(one prefill of every row's prompt and tokens)"}
+                               f"(one prefill of each prompt and its tokens, over the rows whose prompts have at most "
+                               f"{LEAD_CAP} tokens)"}
 
 
 def max_steps(prefill_sizes: Sequence[int], seq_length: int, batch_size: int, quantized: bool = False) -> int:

@@ -219,6 +219,7 @@ def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str]
     tmp = os.path.join(parent, f".{os.path.basename(output)}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    early = None
     try:
         # the golden before the graphs: its float32 working set and what MindSpore keeps after compiling (~0.35 GiB
         # at 7B) then never coexist, and damaged weights fail before minutes of compiling. A quantized folder's
@@ -226,18 +227,23 @@ def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str]
         # of quantizing every layer again on each of its passes (docs/architecture.md, "Quantized folders")
         if quant is None:
             doc = _timed(stages, "golden", on_stage, _write_golden, cfg, model_cfg, tmp, show_progress)
+        else:  # the agreement's prefill of the checkpoint's prompts meanwhile, on what compile leaves of the cores
+            early = _agreement_prefill(cfg, model_cfg)
         graphs = _timed(stages, "compile", on_stage, _compile, cfg, network, show_progress)
         hashed, stats = _timed(stages, "weights", on_stage, _write_weights, tmp, layouts, where, values, show_progress)
         if quant is not None:
             doc = _timed(stages, "golden", on_stage, _write_golden, cfg, model_cfg, tmp, show_progress,
-                         (quant, tables), layouts)
+                         (quant, tables), layouts, early)
+            early = None
         _timed(stages, "files", on_stage, _write_folder_files, cfg, model_cfg, profile, tmp, graphs, layouts, hashed,
                network.kernels, network.vocab_shards > 1, (quant, tables))
         _replace(tmp, output)
     except OSError as exc:
+        _cancel(early)
         shutil.rmtree(tmp, ignore_errors=True)
         raise ExportError(_os_error_line(exc, tmp, output)) from None
     except BaseException:
+        _cancel(early)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     total = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(output) for f in fs)
@@ -374,8 +380,24 @@ def _compile(cfg: ExportConfig, network, show_progress: bool):
         return compile_graphs(cfg, network, progress=bar.update)
 
 
+def _golden_sizes(cfg: ExportConfig):
+    return sorted(set(cfg.prefill_buckets) | {cfg.seq_length})  # the prefill graphs of the folder
+
+
+def _agreement_prefill(cfg: ExportConfig, model_cfg: ModelConfig):
+    """export/golden.py AgreementPrefill, started (a quantized export's, before its compile stage)."""
+    from export import golden
+
+    return golden.AgreementPrefill(model_cfg, cfg.checkpoint, _golden_sizes(cfg), cfg.seq_length, cfg.batch_size)
+
+
+def _cancel(early) -> None:
+    if early is not None:
+        early.cancel()
+
+
 def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_progress: bool,
-                  quant=None, layouts=None) -> Dict[str, Any]:
+                  quant=None, layouts=None, early=None) -> Dict[str, Any]:
     """Fixed prompts through the float32 reference (export/golden.py), written to golden.json. A quantized folder's
     from the weights its files in `tmp` hold (`layouts`), dequantized, beside the checkpoint's own float weights (the
     agreement)."""
@@ -383,7 +405,7 @@ def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_prog
     from export.quantize import FolderMeaning
     from lite_runtime.golden import write_golden
 
-    sizes = sorted(set(cfg.prefill_buckets) | {cfg.seq_length})  # the prefill graphs of the folder
+    sizes = _golden_sizes(cfg)
     log.info("computing golden references (float32 numpy reference)")
     total = golden.max_steps(sizes, cfg.seq_length, cfg.batch_size, quantized=quant is not None)
     with _bar(show_progress, total=total, desc="golden", unit="step") as bar:
@@ -392,7 +414,8 @@ def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_prog
                              quant=None if quant is None else (_quant_record(quant), FolderMeaning(tmp, layouts)),
                              lanes=golden.lanes_for(None if quant is None else quant[0].bits,
                                                     cfg.dtype if cfg.half_weights_on_cpu else "float32",
-                                                    cfg.device == "cpu" and cfg.use_cpu_kernels()))
+                                                    cfg.device == "cpu" and cfg.use_cpu_kernels()),
+                             early=early)
     write_golden(tmp, doc)
     return doc
 

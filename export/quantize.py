@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from export import native
 from export.errors import ExportError
 from export.weights import rounded_to, widen
 from lite_runtime.folder import quantization_label
@@ -377,10 +378,17 @@ class Quantized:
             scale = np.empty((o, m.groups(i)), np.float32)
             offset = None if m.symmetric else np.empty((o, m.groups(i)), np.float32)
             for a in range(0, o, step):
-                bq, bs, bo = rtn(widen(np.asarray(stored[a:a + step])), m.bits, m.group_size, m.symmetric)
-                q[a:a + step], scale[a:a + step] = pack_int4(bq) if m.bits == 4 else bq, bs
+                rows = np.ascontiguousarray(stored[a:a + step])
+                if rows.dtype == np.float16:
+                    rows = rows.astype(np.float32)  # as rtn() widens it
+                b = a + rows.shape[0]
+                if native.rtn_rows(rows, m.bits, m.group_size, m.symmetric, q[a:b], scale[a:b],
+                                   None if offset is None else offset[a:b]):
+                    continue  # the same values in C (export/native/rtn.c)
+                bq, bs, bo = rtn(widen(rows), m.bits, m.group_size, m.symmetric)
+                q[a:b], scale[a:b] = pack_int4(bq) if m.bits == 4 else bq, bs
                 if offset is not None:
-                    offset[a:a + step] = bo
+                    offset[a:b] = bo
         if not m.symmetric and offset is None:
             offset = np.zeros_like(scale)
         scale = rounded_to(np.asarray(scale, np.float32), self.compute_dtype)
@@ -577,8 +585,10 @@ class FolderRows:
     def rows_into(self, a: int, b: int, out: np.ndarray) -> np.ndarray:
         """W' of rows [a, b) (q times the scale of each group; q alone per channel) in `out` (contiguous [b - a, I]),
         for `finish`."""
-        q = self._q(slice(a, b))
+        q = np.ascontiguousarray(self._q(slice(a, b)))
         n = q.shape[0]
+        if native.quantized_rows(q, self.packed, self.scale[a:b], out):  # the same values, in C (export/native)
+            return out
         if self.packed:
             np.take(_INT4_PAIRS, q, axis=0, out=out.reshape(n, -1, 2), mode="clip")
         else:

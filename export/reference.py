@@ -23,6 +23,7 @@ Shapes: T new tokens of all rows together, E hidden, H query heads, KH kv heads,
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -44,6 +45,10 @@ GEMV_BLOCK_BYTES = 1 << 20  # ... for a few rows: about one core's L2
 # machines) take the full GEMM driver from 2 rows on, where two threads calling it wait for each other (0.56 s at
 # 3 rows in one call, 0.22 s row by row). One row per call is a GEMV, which does neither.
 _SMALL_M_ROWS = {"SkylakeX": 3, "Cooperlake": 3, "SapphireRapids": 3}
+
+
+class Stopped(Exception):
+    """A forward stopped between two layers (NumpyDecoder.stopped)."""
 
 
 class RowCache:
@@ -164,12 +169,12 @@ class BlockedMatmul:
                 block = self._widen(_rows(w, o, o + step), buf)
                 for r in range(0, rows, small):
                     out[r:r + small, o:o + step] = x[r:r + small] @ block.T
-                if quantized:
-                    w.finish(o, min(o + step, n_out), x, out[:, o:o + step])
-                self._lane_products(lanes, x, w, block, o, min(o + step, n_out), out)
+                self._lane_products(lanes, x, w, block, o, min(o + step, n_out), out, finish=False)
 
         with self._blas.limit(limits=1, user_api="blas"):
             list(self._pool.map(part, range(self.threads)))
+        if quantized:  # once for the whole product, lanes' rows too (their x as given): a BLAS call per block from
+            w.finish(0, n_out, x, out)  # each thread made two threads wait on OpenBLAS's lock (2.3x the step at 7B)
         return out
 
     def _lanes(self, x: np.ndarray, quant) -> List[Tuple[str, slice, np.ndarray]]:
@@ -189,15 +194,17 @@ class BlockedMatmul:
         return out
 
     @staticmethod
-    def _lane_products(lanes, x: np.ndarray, w, block: np.ndarray, a: int, b: int, out: np.ndarray) -> None:
-        """The lanes' rows of out[:, a:b] again, from the same widened block [b - a, I] of W."""
+    def _lane_products(lanes, x: np.ndarray, w, block: np.ndarray, a: int, b: int, out: np.ndarray,
+                       finish: bool = True) -> None:
+        """The lanes' rows of out[:, a:b] again, from the same widened block [b - a, I] of W (a quantized W's `finish`
+        applied here, unless the caller applies it to the whole product)."""
         for kind, rows, xs in lanes:
             if kind in ("int16", "int8", "bf16"):  # x rounded
                 y = xs @ block.T
             else:  # row by row (BLAS's matrix-vector kernels, not its GEMM's), each in two halves
                 half = xs.shape[1] // 2
                 y = np.stack([block[:, :half] @ r[:half] + block[:, half:] @ r[half:] for r in xs])
-            if not isinstance(w, np.ndarray):
+            if finish and not isinstance(w, np.ndarray):
                 w.finish(a, b, x[rows], y)  # the offsets' sums of x as given
             out[rows, a:b] = y
 
@@ -281,6 +288,7 @@ class NumpyDecoder:
         self.cfg, self.where, self.matrices_in = cfg, where, matrices_in
         self.cos, self.sin = rope_tables(cfg, max_positions)  # [P, D]
         self.matmul = BlockedMatmul(matrices_in, threads)
+        self.stopped = threading.Event()  # set from another thread: the forward running there raises Stopped
 
     def close(self) -> None:
         self.matmul.close()
@@ -322,6 +330,8 @@ class NumpyDecoder:
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, D]
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         for layer in range(cfg.num_hidden_layers):
+            if self.stopped.is_set():
+                raise Stopped("the float32 reference was stopped")
             p = f"model.layers.{layer}."
             self._read_ahead(f"model.layers.{layer + 1}." if layer + 1 < cfg.num_hidden_layers else head)
             h = _rms_norm(x, self._vector(p + "input_layernorm.weight"), cfg.rms_norm_eps)

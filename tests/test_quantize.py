@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from export.errors import ExportError
+from export.golden import LEAD_CAP, agreement_rows, plan_batches
 from export.quantize import choose_group, dequantize, pack_int4, rtn, unpack_int4
 from export.random_checkpoint import make_checkpoint
 
@@ -42,6 +43,96 @@ def test_rtn_is_within_half_a_step_and_packs_losslessly(rows, groups, group, bit
 def test_int4_packing_is_low_nibble_first():
     q = np.array([[1, -2, 7, -8]], np.int8)
     assert pack_int4(q).tolist() == [[0xE1, 0x87]]
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [0, 32, 128])
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+def test_round_to_nearest_in_c_is_numpys_bit_for_bit(stored, group, bits, symmetric):
+    """export/native/rtn.c against rtn() (numpy, the documented rule): integers, scales and offsets bit for bit, on
+    groups of every kind: normal weights, exact ties (x / scale at k + 0.5), all zero, constant, one-signed, subnormal,
+    near float32's largest; a value that is not finite leaves the choice to rtn()."""
+    from export import native
+    from export.weights import widen
+
+    _assert_native_built("rtn.c")
+    rng = np.random.default_rng([stored == "bfloat16", group, bits, symmetric])
+    width = 256
+    g = width if group == 0 else group
+    rows = [rng.standard_normal(width) * 0.02, np.zeros(width), np.full(width, 0.375),
+            -np.abs(rng.standard_normal(width)), rng.standard_normal(width) * 1e-40,
+            rng.uniform(-3.4e38, 3.4e38, width), np.resize(np.arange(-8, 8) + 0.5, width)]
+    ties = np.resize(np.arange(-16, 16) + 0.5, width)  # with each group's largest at a power of two: x / scale exact
+    ties[::g] = 2.0 ** (bits - 1) - 1 if symmetric else 16.0
+    rows.append(ties)
+    rows += [rng.standard_normal(width) * 10.0 ** rng.integers(-30, 30) for _ in range(8)]
+    w = np.stack(rows).astype(np.float32)
+    if stored == "bfloat16":
+        w = (w.view(np.uint32) >> 16).astype(np.uint16)
+    want_q, want_scale, want_offset = rtn(widen(w), bits, group, symmetric)
+    if bits == 4:
+        want_q = pack_int4(want_q)
+    q, scale = np.empty_like(want_q), np.empty_like(want_scale)
+    offset = None if symmetric else np.empty_like(want_scale)
+    assert native.rtn_rows(w, bits, group, symmetric, q, scale, offset)
+    assert np.array_equal(q, want_q)
+    assert np.array_equal(scale.view(np.uint32), want_scale.view(np.uint32))
+    assert symmetric or np.array_equal(offset.view(np.uint32), want_offset.view(np.uint32))
+    bad = widen(w).copy()
+    bad[3, 5] = np.inf
+    assert not native.rtn_rows(bad, bits, group, symmetric, q, scale, offset)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [0, 32, 64, 128])
+def test_the_golden_rows_in_c_are_numpys_bit_for_bit(tmp_path, bits, group):
+    """export/native/golden_rows.c (the golden reference's quantized rows, its own library) against the numpy path it
+    stands in for (FolderRows.rows_into) and against dequantize's (q + offset) * scale through `finish`: every byte
+    value, every sign, scales of every magnitude including subnormal and zero. The helper must be built here (CI
+    compiles it at install): a missing build would silently run the numpy path."""
+    import subprocess
+    import sys
+
+    from export import native
+    from export.quantize import FolderRows
+
+    _assert_native_built("golden_rows.c")
+    rng = np.random.default_rng(bits * 1000 + group)
+    rows, width = 37, 512
+    groups = 1 if group == 0 else width // group
+    values = np.arange(256, dtype=np.uint8) if bits == 4 else np.arange(-128, 128).astype(np.int8)
+    q = rng.permutation(np.resize(values, rows * (width // 2 if bits == 4 else width))).reshape(rows, -1)
+    scale = (rng.standard_normal((rows, groups)) * 10.0 ** rng.integers(-40, 10, (rows, groups))).astype(np.float32)
+    scale[0, 0], scale[1, 0] = 0.0, -np.float32(1e-45)  # zero, and a subnormal's sign
+    offset = rng.integers(-8, 8, (rows, groups)).astype(np.float32)
+    layer = FolderRows([q], None, bits == 4, scale, offset)
+    fast = layer.rows_into(3, 30, np.full((27, width), np.nan, np.float32))
+    script = ("import numpy as np, sys; from export.quantize import FolderRows; a = np.load(sys.argv[1]); "
+              "l = FolderRows([a['q']], None, bool(a['packed']), a['scale'], a['offset']); "
+              "np.save(sys.argv[2], l.rows_into(3, 30, np.full((27, a['width']), np.nan, np.float32)))")
+    np.savez(tmp_path / "in.npz", q=q, packed=bits == 4, scale=scale, offset=offset, width=width)
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.npz"), str(tmp_path / "numpy.npy")], check=True,
+                   env={**os.environ, "MSLITE_LLM_EXPORT_NUMPY": "1"})  # the numpy path, in a process of its own
+    plain = np.load(tmp_path / "numpy.npy")
+    assert np.array_equal(fast.view(np.uint32), plain.view(np.uint32))
+    # and the finished product is the dequantized matrix's
+    x = rng.standard_normal((2, width)).astype(np.float32)
+    y = x @ fast.T
+    layer.finish(3, 30, x, y)
+    whole = dequantize(unpack_int4(q) if bits == 4 else q, scale, offset)[3:30]
+    np.testing.assert_allclose(y, x @ whole.T, rtol=1e-4, atol=1e-4 * np.abs(x @ np.abs(whole).T).max())
+
+
+def _assert_native_built(source: str) -> None:
+    """export/native's library is built here (CI compiles it at install: a missing or stale build would silently test
+    the numpy path against itself) and newer than `source`."""
+    from export import native
+
+    assert native.library_path() is not None, "build it: python setup.py build_ext --inplace"
+    here = os.path.dirname(native.__file__)
+    assert os.path.getmtime(native.library_path()) >= os.path.getmtime(os.path.join(here, source)), \
+        "rebuild: python setup.py build_ext --inplace"
 
 
 @pytest.mark.parametrize("requested,bits,inputs,chosen,noted", [
@@ -171,6 +262,35 @@ def _assert_refused_by_kernels_without_quantized_ops(folder: str, monkeypatch) -
         "or re-export it with this one")
 
 
+def test_the_agreement_skips_only_prompts_lengthened_to_reach_a_graph():
+    """Graphs of 256 and 512 tokens at batch 2: the 512 graph's longer row (257 tokens: one more than the 256 graph
+    holds) exists to run that graph; its shorter row (128) and the first batch's rows are in the agreement."""
+    plan = plan_batches([256, 512], 1024, 2)
+    prompts = [[0] * n for _, lengths, _ in plan for n in lengths]
+    assert [len(p) for p in prompts] == [192, 96, 257, 128]
+    assert agreement_rows(prompts) == [0, 1, 3]
+    assert agreement_rows([[0] * n for n in plan_batches([128, 512, 1024, 2048], 4096, 1)[0][1]]) == [0]
+
+
+def test_the_agreements_early_prefill_stops_when_cancelled_and_its_error_reaches_the_export(tmp_path):
+    """AgreementPrefill (a quantized export's, started before its compile stage) stops between two layers when the
+    export fails meanwhile (cancel), and an error in its thread is raised by `result`, in the export's thread."""
+    from export.config import ModelConfig
+    from export.golden import AgreementPrefill
+    from export.reference import Stopped
+
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"), family="qwen2", seed=6, num_hidden_layers=64)
+    cfg = ModelConfig.from_checkpoint(ckpt)
+    early = AgreementPrefill(cfg, ckpt, [64, 256], 512, 2)
+    early.cancel()
+    assert not early._thread.is_alive() and isinstance(early.error, (Stopped, type(None)))
+    late = AgreementPrefill(cfg, ckpt, [64, 256], 512, 2)
+    late._thread.join()
+    late.error = OSError(5, "Input/output error", ckpt)
+    with pytest.raises(OSError):
+        late.result([], [])
+
+
 def _assert_agreement_is_hf(checkpoint: str, folder: str, golden: dict) -> None:
     """golden.json's agreement, recomputed by HF transformers: the checkpoint's model and the folder's (its
     dequantized weights) fed each row's prompt and the folder's greedy tokens."""
@@ -184,6 +304,8 @@ def _assert_agreement_is_hf(checkpoint: str, folder: str, golden: dict) -> None:
     worst = 0.0
     for batch in golden["batches"]:
         for row in batch["rows"]:
+            if len(row["prompt"]) > LEAD_CAP:  # export/golden.py agreement_rows
+                continue
             n = len(row["tokens"])
             ids = torch.tensor([row["prompt"] + row["tokens"][:-1]])
             with torch.no_grad():
