@@ -11,8 +11,9 @@
  *
  * Both functions write rows [0, rows) of `out` (float32, rows x width, contiguous) from the layer's stored rows `q`
  * (contiguous) and their scales `scale` (float32, rows x groups, contiguous; groups == 1: per channel, the scale is
- * applied to the outputs by FolderRows.finish and not here). `width` is a multiple of `groups`, and for int4 the
- * group's width is even (a byte never spans two groups: export/quantize.py checks both at export).
+ * applied to the outputs by FolderRows.finish, and here each value is multiplied by 1, which changes none of them).
+ * `width` is a multiple of `groups`, and for int4 the group's width is even (a byte never spans two groups:
+ * export/quantize.py checks both at export).
  */
 #include <stdint.h>
 
@@ -22,19 +23,12 @@ void golden_int4_rows(const uint8_t *restrict q, int64_t rows, int64_t width, co
   const int64_t group_width = width / groups, group_bytes = group_width / 2;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
-      const float s = groups > 1 ? scale[r * groups + g] : 1.0f;
+      const float s = groups > 1 ? scale[r * groups + g] : 1.0f; /* per channel: times 1, exact */
       const uint8_t *b = q + r * (width / 2) + g * group_bytes;
       float *o = out + r * width + g * group_width;
-      if (groups > 1) {
-        for (int64_t j = 0; j < group_bytes; ++j) {
-          o[2 * j] = (float)(((b[j] & 15) ^ 8) - 8) * s;
-          o[2 * j + 1] = (float)(((b[j] >> 4) ^ 8) - 8) * s;
-        }
-      } else {
-        for (int64_t j = 0; j < group_bytes; ++j) {
-          o[2 * j] = (float)(((b[j] & 15) ^ 8) - 8);
-          o[2 * j + 1] = (float)(((b[j] >> 4) ^ 8) - 8);
-        }
+      for (int64_t j = 0; j < group_bytes; ++j) {
+        o[2 * j] = (float)(((b[j] & 15) ^ 8) - 8) * s;
+        o[2 * j + 1] = (float)(((b[j] >> 4) ^ 8) - 8) * s;
       }
     }
   }
@@ -48,12 +42,8 @@ void golden_int8_rows(const int8_t *restrict q, int64_t rows, int64_t width, con
     for (int64_t g = 0; g < groups; ++g) {
       const int8_t *b = q + r * width + g * group_width;
       float *o = out + r * width + g * group_width;
-      if (groups > 1) {
-        const float s = scale[r * groups + g];
-        for (int64_t k = 0; k < group_width; ++k) o[k] = (float)b[k] * s;
-      } else {
-        for (int64_t k = 0; k < group_width; ++k) o[k] = (float)b[k];
-      }
+      const float s = groups > 1 ? scale[r * groups + g] : 1.0f; /* per channel: times 1, exact */
+      for (int64_t k = 0; k < group_width; ++k) o[k] = (float)b[k] * s;
     }
   }
 }
