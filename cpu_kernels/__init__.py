@@ -57,10 +57,15 @@ ATLAS_WEIGHT_QUANT_BATCH_MATMUL = "MsliteLlmAtlasWeightQuantBatchMatmul"  # Weig
 QUANTIZED_OPS = {QKV_ROPE: "MsliteLlmQuantQkvRope", GEMV_ADD: "MsliteLlmQuantGemvAdd",
                  DECODE_QKV: "MsliteLlmQuantPagedDecodeQkv", NORM_SWIGLU: "MsliteLlmQuantNormSwiGlu",
                  DECODE_TAIL: "MsliteLlmQuantDecodeTail", DECODE_LAYER: "MsliteLlmQuantPagedDecodeLayer"}
+# The ops that read quantized weights, under a second name for int4 weights in bands of 16 rows (matmul_quant.h
+# repack_int4_r16): the runtime renames an op so at load after repacking every int4 weight it reads (int4_bands in
+# lite_runtime/backends/ms.py; docs/architecture.md, "int4 in bands of 16 rows"). Never written in a folder.
+R16_OPS = {f: f + "R16" for f in (QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
+                                  *QUANTIZED_OPS.values())}
 FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
              WRITE_CACHE, NORM_SWIGLU, DECODE_TAIL, DECODE_LAYER, QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
              ATLAS_WEIGHT_QUANT_BATCH_MATMUL,
-             *QUANTIZED_OPS.values())
+             *QUANTIZED_OPS.values(), *R16_OPS.values())
 
 
 def fused_op(function: str, quantized: bool) -> str:
@@ -187,6 +192,29 @@ def quant_form() -> Optional[str]:
         return None
     lib.MsliteLlmQuantForm.restype = ctypes.c_char_p
     return lib.MsliteLlmQuantForm().decode()
+
+
+def int4_r16_runs(k: int, group: int) -> bool:
+    """Whether int4 weights of k inputs in groups of `group` take the banded form (int4 in bands of 16 rows, the AVX-512
+    VNNI form with x in int8) on this machine in the activations mode now in force: what the runtime repacks for."""
+    lib = _library()
+    return lib is not None and bool(lib.MsliteLlmInt4R16Runs(ctypes.c_int64(int(k)), ctypes.c_int64(int(group))))
+
+
+def repack_int4_r16(q) -> None:
+    """int4 weights q (numpy uint8 [N, K / 2], C-contiguous and writable) repacked in place into bands of 16 rows
+    (matmul_quant.h repack_int4_r16), what the R16 ops read. Raises ValueError for an array it cannot take."""
+    import numpy as np
+
+    lib = _library()
+    if lib is None:
+        raise FileNotFoundError(f"the mslite-llm CPU kernel library is not built in {_HERE}; {BUILD_HINT}")
+    if q.dtype != np.uint8 or q.ndim != 2 or not q.flags.c_contiguous or not q.flags.writeable:
+        raise ValueError(f"int4 weights to repack must be a writable C-contiguous uint8 [N, K / 2] array, not {q.dtype} "
+                         f"{q.shape}")
+    if lib.MsliteLlmRepackInt4R16(ctypes.c_void_p(q.ctypes.data), ctypes.c_int64(q.shape[0]),
+                                  ctypes.c_int64(2 * q.shape[1])):
+        raise ValueError(f"int4 weights of {2 * q.shape[1]} inputs are not whole blocks of 32: not repacked")
 
 
 # cpu_kernels/matmul16.h: the rows of x for which bfloat16 weights take the AVX512-BF16 form

@@ -35,8 +35,8 @@ struct MultiGemvJob : Job {
   float* y[MAX];
   int64_t first_task[MAX + 1] = {0};
 
-  void add(const void* wm, const float* bm, int64_t o, float* ym) {
-    w[n] = wm, b[n] = bm, out[n] = o, y[n] = ym, step[n] = task_rows(o);
+  void add(const void* wm, const float* bm, int64_t o, float* ym, int64_t st = 0) {
+    w[n] = wm, b[n] = bm, out[n] = o, y[n] = ym, step[n] = st > 0 ? st : task_rows(o);
     first_task[n + 1] = first_task[n] + (o + step[n] - 1) / step[n];
     ++n;
   }
@@ -179,7 +179,8 @@ void project_qkv_rope(const float* x, int64_t rows, int64_t in, const WeightArg*
       job.fn = fn;
       for (int m = 0; m < 3; ++m) ops[m] = {ws[m].data(), xb.data()}, w[m] = &ops[m];
     }
-    for (int m = 0; m < 3; ++m) job.add(w[m], bs[m], ws[m].out, ys[m]);
+    for (int m = 0; m < 3; ++m)
+      job.add(w[m], bs[m], ws[m].out, ys[m], wt == W_QUANT ? quant_task_rows(prepared[m]) : 0);
     job.run_all();
   } else {
     for (int m = 0; m < 3; ++m) matmul(x, rows, ws[m].data(), wt, bs[m], in, ws[m].out, ys[m]);

@@ -933,12 +933,12 @@ void gemm_tasks(GemmFn gemm, const float* x, int64_t rows, const void* w, const 
 
 // The GEMV form of matmul(): threads split the output rows, each task with the fused ops' epilogue on its rows
 void gemv_rows(RowsFn fn, const float* x, int64_t rows, const void* w, const float* b, int64_t in, int64_t out,
-               float* y, const void* up, const float* residual) {
+               float* y, const void* up, const float* residual, int64_t step = 0) {
   GemvJob job;
   job.fn = fn;
   job.x = x, job.rows = rows, job.w = w, job.b = b, job.in = in, job.out = out, job.y = y;
   job.up = up, job.residual = residual;
-  job.step = task_rows(out);
+  job.step = step > 0 ? step : task_rows(out);
   job.shares.split((out + job.step - 1) / job.step, out >= MIN_PARALLEL_ROWS ? threads_to_use() : 1);
   run(&job, out >= MIN_PARALLEL_ROWS);
 }
@@ -1009,7 +1009,8 @@ void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* 
     QuantWeight ws[2] = {wq, up != nullptr ? *static_cast<const QuantWeight*>(up) : wq};
     PreparedX px[2];
     prepare_each(x, rows, ws, up != nullptr ? 2 : 1, px);
-    return gemv_rows(quant_rows_kernel(), x, rows, &ws[0], b, in, out, y, up != nullptr ? &ws[1] : nullptr, residual);
+    return gemv_rows(quant_rows_kernel(), x, rows, &ws[0], b, in, out, y, up != nullptr ? &ws[1] : nullptr, residual,
+                     quant_task_rows(ws[0]));
   }
   const GemmFn gemm = g_kernels.gemm[wt];
   if (wt == W_BF16 && rows <= BF16_MAX_ROWS) {  // the AVX512-BF16 form where it runs: x rounded once for the call

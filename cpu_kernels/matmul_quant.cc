@@ -69,6 +69,7 @@ struct Problem {
   int64_t m, k, n;
   const void* q;  // int8 [n, k] or, int4, uint8 [n, k / 2]
   bool int4;
+  bool r16 = false;  // int4 in bands of 16 rows (repack_int4_r16)
   const float* scale;   // [k / group, n]
   const float* offset;  // [k / group, n], or null: 0
   int64_t group;
@@ -83,6 +84,27 @@ void unpack_int4(const uint8_t* src, int64_t bytes, int8_t* dst) {
     dst[2 * j] = int8_t(((b & 15) ^ 8) - 8);
     dst[2 * j + 1] = int8_t(((b >> 4) ^ 8) - 8);
   }
+}
+
+// int4 in bands of 16 rows (matmul_quant.h repack_int4_r16): where row `row`'s bytes [byte0, byte0 + len) are, as
+// stored: in place for a row-major row (or a row past the bands), else gathered into buf (4 bytes at a time when whole)
+const uint8_t* int4_row_bytes(const void* q, bool r16, int64_t n, int64_t k, int64_t row, int64_t byte0, int64_t len,
+                              uint8_t* buf) {
+  const uint8_t* base = static_cast<const uint8_t*>(q);
+  const int64_t kb = k / 2;
+  if (!r16 || row >= n - n % 16) return base + row * kb + byte0;
+  const uint8_t* band = base + (row - row % 16) * kb + (row % 16) * 4;
+  for (int64_t p = byte0; p < byte0 + len;) {
+    const uint8_t* at = band + (p / 16) * 256 + ((p % 16) / 4) * 64 + p % 4;
+    if (p % 4 == 0 && p + 4 <= byte0 + len) {
+      std::memcpy(buf + (p - byte0), at, 4);
+      p += 4;
+    } else {
+      buf[p - byte0] = *at;
+      ++p;
+    }
+  }
+  return buf;
 }
 
 // ---- the forms: plain C++ and AVX2 ----------------------------------------------------------------
@@ -370,7 +392,7 @@ inline int32_t block_dot(const QuantWeight& w, const int16_t* xq, int64_t o, int
 void qrows_generic(const float*, int64_t rows, const void* wv, const float* b, int64_t, float* y, int64_t ldy,
                    int64_t o0, int64_t o1) {
   const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
-  if (!w.x->int16) return qrows_float(w, rows, b, y, ldy, o0, o1);
+  if (!w.x->int16 || w.r16) return qrows_float(w, rows, b, y, ldy, o0, o1);
   const int64_t groups = w.k / w.group, per = w.group / QBLOCK;
   for (int64_t m = 0; m < rows; ++m) {
     const int16_t* xq = prepared_row(*w.x, m);
@@ -626,7 +648,7 @@ MSLLM_AVX2 void qrows_avx2_t(const QuantWeight& w, int64_t rows, const float* b,
 MSLLM_AVX2 void qrows_avx2(const float*, int64_t rows, const void* wv, const float* b, int64_t, float* y, int64_t ldy,
                            int64_t o0, int64_t o1) {
   const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
-  if (!w.x->int16) return qrows_float(w, rows, b, y, ldy, o0, o1);
+  if (!w.x->int16 || w.r16) return qrows_float(w, rows, b, y, ldy, o0, o1);
   if (w.x->int8) {
     qrows8_avx2(w, rows, b, y, ldy, o0, o1);
   } else if (w.x->exact) {
@@ -905,11 +927,108 @@ MSLLM_AVX512_VNNI void qrows8_vnni(const QuantWeight& w, int64_t rows, const flo
   }
 }
 
+// int4 in bands of 16 rows (repack_int4_r16) against x in int8: per block of 32 inputs, the band's 256 bytes in four
+// zmm whose lane r holds 4 bytes of weight row r; their nibbles (as qtile8_vnni's, q + 8) against 4 of x's bytes
+// broadcast to every lane, by vpdpbusd: each int32 lane sums one row's products over the whole block, so one
+// conversion and one FMA (times the block's x scale) per block serve 16 weight rows, where the row-major form spends
+// them per 4 lanes of one row; and a band is 16 rows' bytes in the order they are stored, one sequential stream for
+// the hardware prefetcher (no software prefetch). The same integers, scales and per-group order of sums as
+// qtile8_vnni; the float sums in another order. R rows of x (R <= 4) share the band's unpacked block.
+// (docs/performance-log.md 41: 7B shapes, 1 row, 2 threads: 1.5-1.7x the row-major form, 80-87 % of a sequential read.)
+// Band o's 16 outputs of rows [m0, m0 + R): yo[m * ldy + c] for output o + c (yo: where output o of row 0 goes), with
+// bo[c] added (bo null: none)
+template <int R>
+MSLLM_AVX512_VNNI void qband_r16_vnni(const QuantWeight& w, int64_t m0, int64_t o, const float* bo, float* yo,
+                                      int64_t ldy) {
+  const PreparedX& x = *w.x;
+  const int64_t groups = w.k / w.group, per = w.group / QBLOCK;
+  const uint8_t* band = static_cast<const uint8_t*>(w.q) + o * (w.k / 2);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(0x08);
+  const int8_t* xb[R];
+  const float* bs[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) xb[r] = x.xb.data() + (m0 + r) * 2 * w.k, bs[r] = block_scales(x, m0 + r);
+  __m512 total[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m512 acc[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t blk = gi * per; blk < (gi + 1) * per; ++blk) {
+      const uint8_t* wp = band + blk * 256;
+      __m512i lo[4], hi[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m512i raw = _mm512_loadu_si512(wp + j * 64);
+        lo[j] = _mm512_ternarylogic_epi32(raw, nibble, eight, 0x6A);  // (a & 0x0F) ^ 0x08, as qtile8_vnni's
+        hi[j] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), nibble, eight, 0x6A);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        // block blk's 16 even inputs in x's int8 layout (PreparedX xb: per 64 inputs, 32 evens twice, 32 odds twice)
+        const int8_t* even = xb[r] + (blk >> 1) * 128 + (blk & 1) * 16;
+        __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          int32_t e4, o4;
+          std::memcpy(&e4, even + 4 * j, 4);
+          std::memcpy(&o4, even + 64 + 4 * j, 4);
+          d0 = _mm512_dpbusd_epi32(d0, lo[j], _mm512_set1_epi32(e4));
+          d1 = _mm512_dpbusd_epi32(d1, hi[j], _mm512_set1_epi32(o4));
+        }
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), _mm512_set1_ps(bs[r][blk]), acc[r]);
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(w.scale + gi * w.n + o);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) total[r] = _mm512_fmadd_ps(acc[r], s, total[r]);
+  }
+  const __m512 bias = bo ? _mm512_loadu_ps(bo) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(yo + (m0 + r) * ldy, _mm512_add_ps(total[r], bias));
+}
+
+MSLLM_AVX512_VNNI void qband_rows_r16_vnni(const QuantWeight& w, int64_t rows, int64_t o, const float* bo, float* yo,
+                                           int64_t ldy) {
+  for (int64_t m = 0; m < rows; m += 4) {
+    switch (std::min<int64_t>(4, rows - m)) {
+      case 1: qband_r16_vnni<1>(w, m, o, bo, yo, ldy); break;
+      case 2: qband_r16_vnni<2>(w, m, o, bo, yo, ldy); break;
+      case 3: qband_r16_vnni<3>(w, m, o, bo, yo, ldy); break;
+      default: qband_r16_vnni<4>(w, m, o, bo, yo, ldy); break;
+    }
+  }
+}
+
+// outputs [o0, o1) of a banded weight: whole bands in place; a band only partly in [o0, o1) computed into a buffer and
+// its part copied (quant_task_rows keeps the pool's tasks whole bands); the rows past the bands row-major (qrows8_vnni)
+MSLLM_AVX512_VNNI void qrows_r16_vnni(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy,
+                                      int64_t o0, int64_t o1) {
+  const int64_t n16 = w.n - w.n % 16;
+  for (int64_t o = o0 - o0 % 16; o < std::min(o1, n16); o += 16) {
+    const float* bo = b != nullptr ? b + o : nullptr;
+    if (o >= o0 && o + 16 <= o1) {
+      qband_rows_r16_vnni(w, rows, o, bo, y + o, ldy);
+    } else {
+      alignas(64) float part[QUANT_ROWS_MAX * 16];
+      std::vector<float> more(rows > QUANT_ROWS_MAX ? size_t(rows * 16) : 0);
+      float* t = rows > QUANT_ROWS_MAX ? more.data() : part;
+      qband_rows_r16_vnni(w, rows, o, bo, t, 16);
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t c = std::max(o, o0); c < std::min(o + 16, o1); ++c) y[m * ldy + c] = t[m * 16 + c - o];
+    }
+  }
+  if (o1 > n16) qrows8_vnni(w, rows, b, y, ldy, std::max(o0, n16), o1);
+}
+
 MSLLM_AVX512_VNNI void qrows_vnni(const float*, int64_t rows, const void* wv, const float* b, int64_t, float* y,
                                   int64_t ldy, int64_t o0, int64_t o1) {
   const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
-  if (!w.x->int16) return qrows_float(w, rows, b, y, ldy, o0, o1);
-  if (w.x->int8) {
+  if (!w.x->int16 || (w.r16 && !w.x->int8)) return qrows_float(w, rows, b, y, ldy, o0, o1);
+  if (w.r16) {
+    qrows_r16_vnni(w, rows, b, y, ldy, o0, o1);
+  } else if (w.x->int8) {
     qrows8_vnni(w, rows, b, y, ldy, o0, o1);
   } else if (w.x->exact) {
     if (w.int4)
@@ -991,7 +1110,7 @@ void qrows_neon_t(const QuantWeight& w, int64_t rows, const float* b, float* y, 
 void qrows_neon(const float*, int64_t rows, const void* wv, const float* b, int64_t, float* y, int64_t ldy, int64_t o0,
                 int64_t o1) {
   const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
-  if (!w.x->int16) return qrows_float(w, rows, b, y, ldy, o0, o1);
+  if (!w.x->int16 || w.r16) return qrows_float(w, rows, b, y, ldy, o0, o1);
   if (w.int4)
     qrows_neon_t<true>(w, rows, b, y, ldy, o0, o1);
   else
@@ -1047,7 +1166,8 @@ void run_task(const Problem& p, int64_t n0, int64_t n1, int64_t m0, int64_t m1, 
       const int64_t n = n0 + c;
       const int8_t* src;
       if (p.int4) {  // kb and kc are even
-        unpack_int4(static_cast<const uint8_t*>(p.q) + n * (p.k / 2) + kb / 2, kc / 2, qbuf);
+        alignas(64) uint8_t packed[KC / 2];
+        unpack_int4(int4_row_bytes(p.q, p.r16, p.n, p.k, n, kb / 2, kc / 2, packed), kc / 2, qbuf);
         src = qbuf;
       } else {
         src = static_cast<const int8_t*>(p.q) + n * p.k + kb;
@@ -1147,6 +1267,40 @@ bool is_quant_dtype(const char* dtype) { return is_weight_dtype(dtype); }
 
 int quant_activations() { return g_activations.load(std::memory_order_relaxed); }
 
+namespace {
+thread_local int g_r16_calls = 0;  // R16Call's on this thread
+}  // namespace
+
+R16Call::R16Call() { ++g_r16_calls; }
+R16Call::~R16Call() { --g_r16_calls; }
+
+bool r16_runs(int64_t k, int64_t group) {
+  QuantWeight w;
+  w.int4 = true, w.k = k, w.group = group;
+  return k > 0 && group > 0 && k % group == 0 && !std::strcmp(quant_form(), "avx512_vnni") &&
+         quant_activations() == ACTIVATIONS_INT8 && int16_fits(w) && int8_fits(w);
+}
+
+bool repack_int4_r16(uint8_t* q, int64_t n, int64_t k) {
+  if (n < 0 || k <= 0 || k % QBLOCK) return false;
+  const int64_t kb = k / 2, blocks = k / QBLOCK;
+  std::vector<uint8_t> band(size_t(16 * kb));
+  for (int64_t o = 0; o + 16 <= n; o += 16) {
+    uint8_t* dst = q + o * kb;
+    std::memcpy(band.data(), dst, band.size());
+    for (int64_t blk = 0; blk < blocks; ++blk)
+      for (int j = 0; j < 4; ++j)
+        for (int r = 0; r < 16; ++r)
+          std::memcpy(dst + blk * 256 + j * 64 + r * 4, band.data() + r * kb + blk * 16 + j * 4, 4);
+  }
+  return true;
+}
+
+int64_t quant_task_rows(const QuantWeight& w) {
+  const int64_t step = task_rows(w.n);
+  return w.r16 ? (step + 15) / 16 * 16 : step;
+}
+
 void set_quant_activations(int mode) {
   g_activations.store(mode < 0 ? default_activations()
                                : mode == ACTIVATIONS_EXACT || mode == ACTIVATIONS_INT16 ? mode : ACTIVATIONS_INT8);
@@ -1165,6 +1319,8 @@ int read_quant_weight(void** params, int* ndims, int64_t** shapes, const char** 
   if (groups < 1 || shapes[i + 1][1] != w->n || w->k % groups) return 4;
   if (offset && (shapes[i + 2][0] != groups || shapes[i + 2][1] != w->n)) return 4;
   w->group = w->k / groups;
+  w->r16 = w->int4 && g_r16_calls > 0;  // an R16 op's int4 weights are banded (the runtime made them so)
+  if (w->r16 && w->k % QBLOCK) return 4;
   w->q = params[i];
   w->scale = static_cast<const float*>(params[i + 1]);
   w->offset = offset ? static_cast<const float*>(params[i + 2]) : nullptr;
@@ -1257,7 +1413,8 @@ void dequantize_rows(const QuantWeight& w, int64_t n0, int64_t rows, int64_t k0,
       const int64_t len = std::min(KC, kc - i);
       const int8_t* src = static_cast<const int8_t*>(w.q) + n * w.k + k0 + i;
       if (w.int4) {
-        unpack_int4(static_cast<const uint8_t*>(w.q) + n * (w.k / 2) + (k0 + i) / 2, len / 2, qbuf);
+        alignas(64) uint8_t packed[KC / 2];
+        unpack_int4(int4_row_bytes(w.q, w.r16, w.n, w.k, n, (k0 + i) / 2, len / 2, packed), len / 2, qbuf);
         src = qbuf;
       }
       g_kernels.dequant(src, k0 + i, len, w.group, w.scale + n, w.offset ? w.offset + n : nullptr, w.n,
@@ -1278,15 +1435,15 @@ void quant_matmul(const float* x, int64_t rows, const QuantWeight& w, const floa
     QuantWeight wx = w;
     prepare_each(x, rows, &wx, 1, &px);
     RowsJob job;
-    job.w = &wx, job.rows = rows, job.b = b, job.y = y, job.step = task_rows(w.n);
+    job.w = &wx, job.rows = rows, job.b = b, job.y = y, job.step = quant_task_rows(w);
     const bool parallel = w.n >= MIN_PARALLEL_ROWS;
     job.shares.split((w.n + job.step - 1) / job.step, parallel ? threads_to_use() : 1);
     run(&job, parallel);
     return;
   }
   Problem p;
-  p.x = x, p.m = rows, p.k = w.k, p.n = w.n, p.q = w.q, p.int4 = w.int4, p.scale = w.scale, p.offset = w.offset;
-  p.group = w.group, p.round = F32, p.y = y;
+  p.x = x, p.m = rows, p.k = w.k, p.n = w.n, p.q = w.q, p.int4 = w.int4, p.r16 = w.r16, p.scale = w.scale;
+  p.offset = w.offset, p.group = w.group, p.round = F32, p.y = y;
   quant_gemm(p);
   if (b != nullptr)
     for (int64_t m = 0; m < rows; ++m)

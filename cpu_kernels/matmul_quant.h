@@ -16,6 +16,7 @@ struct PreparedX;
 struct QuantWeight {
   const void* q = nullptr;
   bool int4 = false;
+  bool r16 = false;  // int4 in bands of 16 rows (repack_int4_r16): read by an R16 op (registry.cc), set by read_quant_weight
   const float* scale = nullptr;
   const float* offset = nullptr;  // null: 0
   int64_t n = 0, k = 0, group = 0;
@@ -46,6 +47,24 @@ struct PreparedX {
 // i + 2 (float32 [G, N] each). 0, or the ops' error code: 2 a dtype, 3 a rank, 4 shapes that do not fit.
 int read_quant_weight(void** params, int* ndims, int64_t** shapes, const char** dtypes, int i, bool offset,
                       QuantWeight* w);
+
+// int4 weights in bands of 16 rows, the layout the runtime gives the int4 matrices of a `--device cpu` folder at load
+// where the fast form below runs (docs/architecture.md, "int4 in bands of 16 rows"): rows [0, n16) (n16 = n less
+// n % 16) in bands of 16 consecutive rows; in a band, each block of 32 inputs (a row's 16 bytes 16b..16b+15) is 256
+// bytes, 4 runs of 64: run j holds bytes 4j..4j+3 of each of the band's 16 rows in row order. The rows from n16 on stay
+// as they were (row-major, where they already are). A permutation of the bytes within each band, in place.
+// Requires k a multiple of 32 (else returns false, nothing changed).
+bool repack_int4_r16(uint8_t* q, int64_t n, int64_t k);
+// Whether an int4 weight of k inputs in groups of `group` takes the banded form on this machine in the activations
+// mode now in force (the AVX-512 VNNI form with x in int8): what the runtime repacks for.
+bool r16_runs(int64_t k, int64_t group);
+// While alive, read_quant_weight marks int4 weights as banded (the R16 ops of registry.cc); per thread.
+struct R16Call {
+  R16Call();
+  ~R16Call();
+};
+// The outputs per pool task for weight w: pool.h's task_rows, whole bands for a banded weight.
+int64_t quant_task_rows(const QuantWeight& w);
 
 // Whether dtype is a quantized weight's q (int8, or uint8 for int4).
 bool is_quant_dtype(const char* dtype);

@@ -178,6 +178,34 @@ int MsliteLlmQuantMatmulOffsetValid(int nparam, void** params, int* ndims, int64
   return timed(OP_QUANT_MATMUL, [&] { return quant_matmul_op(nparam, params, ndims, shapes, dtypes, true, true); });
 }
 
+// The quantized ops once more, for int4 weights in bands of 16 rows (matmul_quant.h repack_int4_r16): names the
+// runtime gives a graph's ops at load after it repacked every int4 weight they read (lite_runtime/backends/ms.py,
+// cpu_kernels.int4_bands); never in a folder as exported. The same bodies, the int4 weights read as banded.
+#define MSLLM_R16(name)                                                                                            \
+  int name##R16(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* s, void* e) { \
+    R16Call banded;                                                                                              \
+    return name(nparam, params, ndims, shapes, dtypes, s, e);                                                    \
+  }
+MSLLM_R16(MsliteLlmQuantQkvRope)
+MSLLM_R16(MsliteLlmQuantGemvAdd)
+MSLLM_R16(MsliteLlmQuantPagedDecodeQkv)
+MSLLM_R16(MsliteLlmQuantPagedDecodeLayer)
+MSLLM_R16(MsliteLlmQuantNormSwiGlu)
+MSLLM_R16(MsliteLlmQuantDecodeTail)
+MSLLM_R16(MsliteLlmQuantMatmul)
+MSLLM_R16(MsliteLlmQuantMatmulOffset)
+MSLLM_R16(MsliteLlmQuantMatmulValid)
+MSLLM_R16(MsliteLlmQuantMatmulOffsetValid)
+#undef MSLLM_R16
+
+// Repacks int4 q [n, k / 2] in place into bands of 16 rows: 0, or 4 when k is not a multiple of 32 (nothing changed).
+int MsliteLlmRepackInt4R16(void* q, int64_t n, int64_t k) {
+  return repack_int4_r16(static_cast<uint8_t*>(q), n, k) ? 0 : 4;
+}
+
+// 1 when int4 weights of k inputs in groups of `group` take the banded form here, in the activations mode now in force
+int MsliteLlmInt4R16Runs(int64_t k, int64_t group) { return r16_runs(k, group) ? 1 : 0; }
+
 int MsliteLlmAtlasWeightQuantBatchMatmul(int nparam, void** params, int* ndims, int64_t** shapes,
                                          const char** dtypes, void*, void*) {
   return weight_quant_batch_matmul(nparam, params, ndims, shapes, dtypes);

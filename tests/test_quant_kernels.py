@@ -531,3 +531,57 @@ def test_the_full_graphs_form_computes_only_each_rows_prompt(bits):
     assert call_kernel(cpu_kernels.QUANT_MATMUL_VALID, x, q, scale, valid, y2) == 0  # symmetric: no offset
     assert call_kernel(cpu_kernels.QUANT_MATMUL_VALID, x, q, scale, valid.astype(np.int64), y2) == 2
     assert call_kernel(cpu_kernels.QUANT_MATMUL_VALID, x, q, scale, np.zeros(5, np.int32), y2) == 4  # 72 rows / 5
+
+
+def banded(q: np.ndarray) -> np.ndarray:
+    """int4 q [N, K / 2] in bands of 16 rows as cpu_kernels/matmul_quant.h documents the layout, built here from the
+    rule (independently of the library): per band of 16 rows and block b of 32 inputs (each row's bytes 16b..16b+15),
+    256 bytes, 4 runs of 64, run j bytes 4j..4j+3 of each of the 16 rows in row order; the rows past the bands as
+    they were."""
+    n, kb = q.shape
+    n16 = n - n % 16
+    bands = q[:n16].reshape(n16 // 16, 16, kb // 16, 4, 4)  # band, row, block, run, byte
+    out = q.copy()
+    out[:n16] = bands.transpose(0, 2, 3, 1, 4).reshape(n16, kb)  # band, block, run, row, byte
+    return out
+
+
+def test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer():
+    """The R16 ops read int4 weights repacked in place by MsliteLlmRepackInt4R16 into bands of 16 rows (the layout
+    rule: `banded`), N with and without a partial band (1, 7, 16, 33, 40, 300: tasks over both threads), 1 to 40 rows
+    of x (the decode form, and the GEMM past 16), groups of 32 to per channel, with and without offsets. In the
+    default mode where the banded form runs (int4_r16_runs: AVX-512 VNNI) each output is the row-major op's to
+    float32's reordering of the same sums (1e-6 of their magnitude); in the int16 and exact modes, and past 16 rows,
+    the R16 ops compute the float32 product (1e-5 of the magnitude from float64's). K of 48 (not whole blocks): not
+    repacked, and an R16 op refuses it (error 4)."""
+    rng = np.random.default_rng(16)
+    try:
+        for mode in ("int8", "int16", "exact"):
+            assert cpu_kernels.set_quant_activations(mode) == mode
+            assert cpu_kernels.int4_r16_runs(896, 128) == (mode == "int8" and cpu_kernels.quant_form() == "avx512_vnni")
+            for k, g in ((256, 64), (576, 64), (896, 128), (256, 32), (576, 576)):
+                for n, m, with_offset in ((1, 1, True), (7, 2, False), (16, 1, False), (33, 3, True), (40, 4, False),
+                                          (300, 1, True), (300, 5, False), (33, 16, True), (40, 17, False),
+                                          (300, 40, True)):
+                    x, q, scale, offset = case(rng, 4, m, n, k, k // g, with_offset)
+                    r = q.copy()
+                    cpu_kernels.repack_int4_r16(r)
+                    assert np.array_equal(r, banded(q)), (k, n)
+                    args = (scale,) + ((offset,) if with_offset else ())
+                    function = QMO if with_offset else QM
+                    y, yb = np.full((m, n), np.nan, np.float32), np.full((m, n), np.nan, np.float32)
+                    assert call_kernel(function, x, q, *args, y) == 0
+                    assert call_kernel(cpu_kernels.R16_OPS[function], x, r, *args, yb) == 0
+                    w = dequantize(q, scale, offset)
+                    size = np.abs(x).astype(np.float64) @ np.abs(w).T
+                    where = (mode, k, g, n, m, with_offset)
+                    if mode == "int8" and m <= 16 and cpu_kernels.int4_r16_runs(k, g):
+                        assert np.all(np.abs(yb - y) <= 1e-6 * size), where
+                    else:
+                        assert np.all(np.abs(yb - x.astype(np.float64) @ w.T) <= 1e-5 * size), where
+        x, q, scale, _ = case(rng, 4, 2, 16, 48, 1, False)
+        with pytest.raises(ValueError, match="int4 weights of 48 inputs are not whole blocks of 32: not repacked"):
+            cpu_kernels.repack_int4_r16(q.copy())
+        assert call_kernel(cpu_kernels.R16_OPS[QM], x, q, scale, np.zeros((2, 16), np.float32)) == 4
+    finally:
+        cpu_kernels.set_quant_activations(None)

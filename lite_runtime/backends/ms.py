@@ -9,6 +9,10 @@ Graphs are read, loaded and compiled on first use (MsBackend). Weights and KV ca
   memory only once a block is written;
 - every later graph's Parameters are pointed at the first one's with `set_data`, which shares
   the storage: all graphs read and write the same cache, and nothing is handed over.
+- where the CPU kernels' banded int4 form runs (AVX-512 VNNI), the int4 matrices only our quantized ops read are
+  repacked in place at the first load into bands of 16 rows (`_int4_bands`, cpu_kernels.repack_int4_r16; those pages
+  become private copies, written once) and the ops reading them renamed to their R16 twins
+  (docs/architecture.md, "int4 in bands of 16 rows"); the folder on disk is unchanged.
 (`mindspore.load` with the data and `GraphCell(params_init=...)` would each hold another copy.)
 
 Graphs of `--device cpu` folders may call our CPU kernels (cpu_kernels) as aot Custom ops by
@@ -158,6 +162,120 @@ def _relocate_kernels(model, path: str) -> None:
                          "version, or re-export it with this one")
 
 
+def _quant_op_inputs(model):
+    """Per Custom primitive of a parsed MindIR that calls one of our ops: (its function, and per node the int4
+    weights it reads, each as (parameter, the scale parameter after it)); and the int4 parameters any other node
+    reads. int4 weights: uint8 parameters of rank 2 (cpu_kernels' q [N, K / 2])."""
+    import cpu_kernels
+
+    from mindspore.train import mind_ir_pb2
+
+    uint8 = mind_ir_pb2.TensorProto.DataType.Value("UINT8")
+    params = {p.name: p for p in model.graph.parameter}
+    int4 = {name for name, p in params.items() if p.data_type == uint8 and len(p.dims) == 2}
+    funcs = {}
+    for prim in model.primitives:
+        for attr in prim.attribute:
+            if attr.name == "func_name":
+                func = attr.s.decode("utf-8", "replace")
+                if cpu_kernels.names_our_library(func):
+                    funcs[prim.name] = func.rpartition(":")[2]
+    kind = {p.name: p.op_type for p in model.primitives}
+    op_of = lambda node: kind.get(node.op_type.rpartition("::")[2], node.op_type)
+    # a graph that writes the KV cache reads its parameters through Load (and Depend passes its first input on):
+    # those outputs are the parameter itself
+    alias = {}
+    for node in model.graph.node:
+        if op_of(node) in ("Load", "Depend") and node.input:
+            for out in node.output:
+                alias[out] = node.input[0]
+    resolve = lambda name: resolve(alias[name]) if name in alias else name
+    consumers = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    ops, others = {}, set()
+    for node in model.graph.node:
+        op = op_of(node)
+        inputs = [resolve(name) for name in node.input]
+        reads = [(name, inputs[i + 1] if i + 1 < len(inputs) else None)
+                 for i, name in enumerate(inputs) if name in int4]
+        if not reads or op in ("Load", "Depend", "UpdateState"):  # Depend's second input only orders
+            continue
+        prim = node.op_type.rpartition("::")[2]
+        if prim in funcs:
+            ops.setdefault(prim, (funcs[prim], []))[1].append(reads)
+        elif op == "MakeTuple" and all(op_of(c) == "UpdateState" for out in node.output for c in consumers.get(out, ())):
+            continue  # a side effect's ordering, not a read
+        else:
+            others.update(name for name, _ in reads)
+    return ops, others, params
+
+
+def _int4_bands(models) -> set:
+    """The int4 weights (parameter names without their graph's prefix) the runtime repacks into bands of 16 rows
+    (cpu_kernels.repack_int4_r16), over every graph of the folder: those only our quantized ops read (R16_OPS), with a
+    scale after them whose groups take the banded form here (cpu_kernels.int4_r16_runs: AVX-512 VNNI, x in int8), and
+    whose every op reads no other int4 weight (an op reads all its int4 weights banded, or none). Everything else
+    stays as stored (a tied int4 embedding the Gather reads, an odd K, another CPU or mode).
+    MSLITE_LLM_INT4_BANDS=0 keeps every weight as stored (the row-major forms: an A/B, or a suspicion).
+    """
+    import cpu_kernels
+
+    if os.environ.get("MSLITE_LLM_INT4_BANDS") == "0":
+        return set()
+
+    short = lambda name: name.rsplit(":", 1)[-1]
+    fits, blocked, op_sets = {}, set(), []
+    for model in models:
+        ops, others, params = _quant_op_inputs(model)
+        blocked.update(short(n) for n in others)
+        for function, nodes in ops.values():
+            names = {short(n) for reads in nodes for n, _ in reads}
+            op_sets.append(names)
+            if function not in cpu_kernels.R16_OPS:
+                blocked.update(names)
+                continue
+            for reads in nodes:
+                for name, scale in reads:
+                    q, sp = params[name], params.get(scale)
+                    k = 2 * int(q.dims[1])
+                    ok = (sp is not None and len(sp.dims) == 2 and int(sp.dims[0]) > 0 and int(sp.dims[1]) == int(q.dims[0])
+                          and k % int(sp.dims[0]) == 0 and cpu_kernels.int4_r16_runs(k, k // int(sp.dims[0])))
+                    fits[short(name)] = fits.get(short(name), True) and ok
+    bands = {name for name, ok in fits.items() if ok and name not in blocked}
+    changed = True
+    while changed:  # an op with some weights banded and some not: none of them
+        changed = False
+        for names in op_sets:
+            if names & bands and not names <= bands:
+                bands -= names
+                changed = True
+    return bands
+
+
+def _use_bands(model, bands: set) -> int:
+    """Point each of our quantized ops that reads banded int4 weights at its R16 name (cpu_kernels.R16_OPS); returns
+    how many primitives."""
+    import cpu_kernels
+
+    ops, _, _ = _quant_op_inputs(model)
+    renamed = 0
+    for prim in model.primitives:
+        if prim.name not in ops:
+            continue
+        function, nodes = ops[prim.name]
+        names = {n.rsplit(":", 1)[-1] for reads in nodes for n, _ in reads}
+        if not names or not names <= bands:
+            continue
+        for attr in prim.attribute:
+            text = attr.s.decode("utf-8", "replace") if attr.s else ""
+            if text.endswith(":" + function):
+                attr.s = (text[:-len(function)] + cpu_kernels.R16_OPS[function]).encode()
+        renamed += 1
+    return renamed
+
+
 def _substitute_standins(model, path: str, counts: Dict[str, int]) -> None:
     """Replace the Ascend fused operators of a `--graph fused` graph by their CPU stand-ins (backends/standins.py)."""
     import cpu_kernels
@@ -277,6 +395,7 @@ class MsBackend:
         self._compiled = set()
         self._owned = {}  # parameter name -> the Parameter every graph shares (weights and KV cache)
         self._owner = ""  # the graph whose parameters the others share
+        self._bands = set()  # int4 weights repacked into bands of 16 rows at load (_int4_bands)
         self._tensor = ms.Tensor
         self.standins: Dict[str, int] = {}  # fused op -> nodes replaced by CPU stand-ins, over the graphs loaded
         if cpu_kernels.library_path() is None:  # say so at load, not at the first decode step
@@ -295,10 +414,18 @@ class MsBackend:
             return cell
         path = self._paths[key]
         model = self._parse(key)
+        if not self._owned:  # the first graph: which int4 weights every graph of the folder can read in bands
+            self._bands = _int4_bands([self._parse(k) for k in self._paths])
         del self._parsed[key]
         _size_caches(model, self._num_blocks)
         arrays = _parameter_arrays(model, path) if not self._owned else None  # read before the data is cleared
+        if arrays is not None and self._bands:
+            import cpu_kernels
+
+            for name in sorted(self._bands):  # in place in the copy-on-write mapping: these pages become private
+                cpu_kernels.repack_int4_r16(arrays[name])
         _relocate_kernels(model, path)
+        _use_bands(model, self._bands)
         _substitute_standins(model, path, self.standins)
         if self._tp:
             _retarget_collectives(model)
