@@ -162,17 +162,22 @@ def _relocate_kernels(model, path: str) -> None:
                          "version, or re-export it with this one")
 
 
-def _quant_op_inputs(model):
-    """Per Custom primitive of a parsed MindIR that calls one of our ops: (its function, and per node the int4
-    weights it reads, each as (parameter, the scale parameter after it)); and the int4 parameters any other node
-    reads. int4 weights: uint8 parameters of rank 2 (cpu_kernels' q [N, K / 2])."""
-    import cpu_kernels
-
+def _int4_params(model) -> set:
+    """The int4 weights of a parsed MindIR: its uint8 parameters of rank 2 (cpu_kernels' q [N, K / 2])."""
     from mindspore.train import mind_ir_pb2
 
     uint8 = mind_ir_pb2.TensorProto.DataType.Value("UINT8")
+    return {p.name for p in model.graph.parameter if p.data_type == uint8 and len(p.dims) == 2}
+
+
+def _quant_op_inputs(model):
+    """Per Custom primitive of a parsed MindIR that calls one of our ops: (its function, and per node the int4
+    weights it reads, each as (parameter, the scale parameter after it)); and the int4 parameters any other node
+    reads (_int4_params)."""
+    import cpu_kernels
+
     params = {p.name: p for p in model.graph.parameter}
-    int4 = {name for name, p in params.items() if p.data_type == uint8 and len(p.dims) == 2}
+    int4 = _int4_params(model)
     funcs = {}
     for prim in model.primitives:
         for attr in prim.attribute:
@@ -214,7 +219,8 @@ def _quant_op_inputs(model):
 
 def _int4_bands(models) -> set:
     """The int4 weights (parameter names without their graph's prefix) the runtime repacks into bands of 16 rows
-    (cpu_kernels.repack_int4_r16), over every graph of the folder: those only our quantized ops read (R16_OPS), with a
+    (cpu_kernels.repack_int4_r16), over every graph of the folder (`models`, an iterable: not read where the banded
+    form does not run at all): those only our quantized ops read (R16_OPS), with a
     scale after them whose groups take the banded form here (cpu_kernels.int4_r16_runs: AVX-512 VNNI, x in int8), and
     whose every op reads no other int4 weight (an op reads all its int4 weights banded, or none). Everything else
     stays as stored (a tied int4 embedding the Gather reads, an odd K, another CPU or mode).
@@ -222,8 +228,8 @@ def _int4_bands(models) -> set:
     """
     import cpu_kernels
 
-    if os.environ.get("MSLITE_LLM_INT4_BANDS") == "0":
-        return set()
+    if os.environ.get("MSLITE_LLM_INT4_BANDS") == "0" or not cpu_kernels.int4_r16_runs(64, 64):
+        return set()  # (K 64 in groups of 64 fits the form: false only where the CPU or the mode has none)
 
     short = lambda name: name.rsplit(":", 1)[-1]
     fits, blocked, op_sets = {}, set(), []
@@ -259,6 +265,8 @@ def _use_bands(model, bands: set) -> int:
     how many primitives."""
     import cpu_kernels
 
+    if not bands:
+        return 0
     ops, _, _ = _quant_op_inputs(model)
     renamed = 0
     for prim in model.primitives:
@@ -414,8 +422,9 @@ class MsBackend:
             return cell
         path = self._paths[key]
         model = self._parse(key)
-        if not self._owned:  # the first graph: which int4 weights every graph of the folder can read in bands
-            self._bands = _int4_bands([self._parse(k) for k in self._paths])
+        if not self._owned and _int4_params(model):  # the first graph of an int4 folder: which int4 weights every
+            # graph of the folder can read in bands (the others parsed only where the banded form runs)
+            self._bands = _int4_bands(self._parse(k) for k in self._paths)
         del self._parsed[key]
         _size_caches(model, self._num_blocks)
         arrays = _parameter_arrays(model, path) if not self._owned else None  # read before the data is cleared
