@@ -196,7 +196,7 @@ def quant_form() -> Optional[str]:
 
 def int4_r16_runs(k: int, group: int) -> bool:
     """Whether int4 weights of k inputs in groups of `group` take the banded form (int4 in bands of 16 rows, the AVX-512
-    VNNI form with x in int8) on this machine in the activations mode now in force: what the runtime repacks for."""
+    VNNI and the AVX2 forms with x in int8) on this machine in the activations mode now in force: what the runtime repacks for."""
     lib = _library()
     return lib is not None and bool(lib.MsliteLlmInt4R16Runs(ctypes.c_int64(int(k)), ctypes.c_int64(int(group))))
 

@@ -624,6 +624,108 @@ MSLLM_AVX2 void add_group_constants_avx2(const QuantWeight& w, int64_t rows, flo
   add_group_constants(w, rows, y, ldy, o0, o1);
 }
 
+// ---- int4 in bands of 16 rows (repack_int4_r16) against x in int8 ----------------------------------------------
+// outputs [o0, o1) of a banded weight: band(rows, o, bo, yo, ldy) writes band o's 16 outputs of every row of x (yo:
+// where output o of row 0 goes; bo: the band's biases or null). Whole bands in place; a band only partly in [o0, o1)
+// into a buffer and its part copied (quant_task_rows keeps the pool's tasks whole bands); the rows past the bands
+// (row-major) by tail(o0', o1).
+template <class Band, class Tail>
+void each_band(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy, int64_t o0, int64_t o1,
+               Band&& band, Tail&& tail) {
+  const int64_t n16 = w.n - w.n % 16;
+  for (int64_t o = o0 - o0 % 16; o < std::min(o1, n16); o += 16) {
+    const float* bo = b != nullptr ? b + o : nullptr;
+    if (o >= o0 && o + 16 <= o1) {
+      band(rows, o, bo, y + o, ldy);
+    } else {
+      alignas(64) float part[QUANT_ROWS_MAX * 16];
+      std::vector<float> more(rows > QUANT_ROWS_MAX ? size_t(rows * 16) : 0);
+      float* t = rows > QUANT_ROWS_MAX ? more.data() : part;
+      band(rows, o, bo, t, 16);
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t c = std::max(o, o0); c < std::min(o + 16, o1); ++c) y[m * ldy + c] = t[m * 16 + c - o];
+    }
+  }
+  if (o1 > n16) tail(std::max(o0, n16), o1);
+}
+
+// The AVX2 form (vpmaddubsw): per block of 32 inputs, run j's 64 bytes are two ymm, rows 0-7 and 8-15 of the band,
+// lane r 4 bytes of one weight row; their nibbles (q + 8 in 0..15, as qtile8_avx2's: the byte xor 0x88, then and and
+// shift) against 4 of x's bytes broadcast, in pairs into int16 lanes (vpmaddubsw), the block's 8 such products per lane
+// summed in int16 (at most 8 x 2 x 15 x 127 = 30480: exact), then one vpmaddwd gives each int32 lane its row's sum
+// over the block: one conversion and one FMA (times the block's x scale and the group's weight scale) per block for 8
+// rows, where the row-major form spends them per two blocks of one row, and the band read in storage order (no
+// software prefetch). R rows of x (R <= 2 a pass; 3 and 4 rows in two passes, the band's second read from cache).
+// (docs/performance-log.md 42, the 7B shapes, 2 threads, out of cache: 1 row 1.13-1.39x the row-major AVX2 form,
+// 2 and 4 rows level, 16 rows 1.27-1.36x; the 7B int4 decode on the AVX2 path 1.24-1.30x.)
+template <int R>
+MSLLM_AVX2 void qband_r16_avx2(const QuantWeight& w, int64_t m0, int64_t o, const float* bo, float* yo, int64_t ldy) {
+  const PreparedX& x = *w.x;
+  const int64_t per = w.group / QBLOCK, blocks = w.k / QBLOCK;
+  const uint8_t* band = static_cast<const uint8_t*>(w.q) + o * (w.k / 2);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(char(0x88)), ones = _mm256_set1_epi16(1);
+  const int8_t* xb[R];
+  const float* bs[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) xb[r] = x.xb.data() + (m0 + r) * 2 * w.k, bs[r] = block_scales(x, m0 + r);
+  __m256 total[R][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* wp = band + blk * 256;
+    __m256i sum[R][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      __m256i e[R], od[R];  // x's even and odd inputs 4j..4j+3 of the block (PreparedX xb's int8 layout), broadcast
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int8_t* even = xb[r] + (blk >> 1) * 128 + (blk & 1) * 16 + 4 * j;
+        int32_t e4, o4;
+        std::memcpy(&e4, even, 4);
+        std::memcpy(&o4, even + 64, 4);
+        e[r] = _mm256_set1_epi32(e4), od[r] = _mm256_set1_epi32(o4);
+      }
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i raw =
+            _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + j * 64 + h * 32)), flip);
+        const __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+          sum[r][h] = _mm256_add_epi16(sum[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, e[r]),
+                                                                   _mm256_maddubs_epi16(hi, od[r])));
+      }
+    }
+    const float* ws = w.scale + (blk / per) * w.n + o;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = _mm256_loadu_ps(ws + 8 * h);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][h], ones)),
+                                      _mm256_mul_ps(_mm256_set1_ps(bs[r][blk]), s), total[r][h]);
+    }
+  }
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    const __m256 bias = bo ? _mm256_loadu_ps(bo + 8 * h) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(yo + (m0 + r) * ldy + 8 * h, _mm256_add_ps(total[r][h], bias));
+  }
+}
+
+MSLLM_AVX2 void qband_rows_r16_avx2(const QuantWeight& w, int64_t rows, int64_t o, const float* bo, float* yo,
+                                    int64_t ldy) {
+  for (int64_t m = 0; m < rows; m += 2) {
+    if (rows - m == 1)
+      qband_r16_avx2<1>(w, m, o, bo, yo, ldy);
+    else
+      qband_r16_avx2<2>(w, m, o, bo, yo, ldy);
+  }
+}
+
 template <int R, int C, bool INT4, bool EXACT>
 MSLLM_AVX2 void qtiles_avx2(const QuantWeight& w, int64_t m0, const float* b, float* y, int64_t ldy, int64_t o0,
                             int64_t o1) {
@@ -648,8 +750,13 @@ MSLLM_AVX2 void qrows_avx2_t(const QuantWeight& w, int64_t rows, const float* b,
 MSLLM_AVX2 void qrows_avx2(const float*, int64_t rows, const void* wv, const float* b, int64_t, float* y, int64_t ldy,
                            int64_t o0, int64_t o1) {
   const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
-  if (!w.x->int16 || w.r16) return qrows_float(w, rows, b, y, ldy, o0, o1);
-  if (w.x->int8) {
+  if (!w.x->int16 || (w.r16 && !w.x->int8)) return qrows_float(w, rows, b, y, ldy, o0, o1);
+  if (w.r16) {
+    each_band(
+        w, rows, b, y, ldy, o0, o1,
+        [&](int64_t m, int64_t o, const float* bo, float* yo, int64_t ld) { qband_rows_r16_avx2(w, m, o, bo, yo, ld); },
+        [&](int64_t t0, int64_t t1) { qrows8_avx2(w, rows, b, y, ldy, t0, t1); });
+  } else if (w.x->int8) {
     qrows8_avx2(w, rows, b, y, ldy, o0, o1);
   } else if (w.x->exact) {
     if (w.int4)
@@ -1002,33 +1109,15 @@ MSLLM_AVX512_VNNI void qband_rows_r16_vnni(const QuantWeight& w, int64_t rows, i
   }
 }
 
-// outputs [o0, o1) of a banded weight: whole bands in place; a band only partly in [o0, o1) computed into a buffer and
-// its part copied (quant_task_rows keeps the pool's tasks whole bands); the rows past the bands row-major (qrows8_vnni)
-MSLLM_AVX512_VNNI void qrows_r16_vnni(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy,
-                                      int64_t o0, int64_t o1) {
-  const int64_t n16 = w.n - w.n % 16;
-  for (int64_t o = o0 - o0 % 16; o < std::min(o1, n16); o += 16) {
-    const float* bo = b != nullptr ? b + o : nullptr;
-    if (o >= o0 && o + 16 <= o1) {
-      qband_rows_r16_vnni(w, rows, o, bo, y + o, ldy);
-    } else {
-      alignas(64) float part[QUANT_ROWS_MAX * 16];
-      std::vector<float> more(rows > QUANT_ROWS_MAX ? size_t(rows * 16) : 0);
-      float* t = rows > QUANT_ROWS_MAX ? more.data() : part;
-      qband_rows_r16_vnni(w, rows, o, bo, t, 16);
-      for (int64_t m = 0; m < rows; ++m)
-        for (int64_t c = std::max(o, o0); c < std::min(o + 16, o1); ++c) y[m * ldy + c] = t[m * 16 + c - o];
-    }
-  }
-  if (o1 > n16) qrows8_vnni(w, rows, b, y, ldy, std::max(o0, n16), o1);
-}
-
 MSLLM_AVX512_VNNI void qrows_vnni(const float*, int64_t rows, const void* wv, const float* b, int64_t, float* y,
                                   int64_t ldy, int64_t o0, int64_t o1) {
   const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
   if (!w.x->int16 || (w.r16 && !w.x->int8)) return qrows_float(w, rows, b, y, ldy, o0, o1);
   if (w.r16) {
-    qrows_r16_vnni(w, rows, b, y, ldy, o0, o1);
+    each_band(
+        w, rows, b, y, ldy, o0, o1,
+        [&](int64_t m, int64_t o, const float* bo, float* yo, int64_t ld) { qband_rows_r16_vnni(w, m, o, bo, yo, ld); },
+        [&](int64_t t0, int64_t t1) { qrows8_vnni(w, rows, b, y, ldy, t0, t1); });
   } else if (w.x->int8) {
     qrows8_vnni(w, rows, b, y, ldy, o0, o1);
   } else if (w.x->exact) {
@@ -1278,7 +1367,7 @@ R16Call::~R16Call() { --g_r16_calls; }
 bool r16_runs(int64_t k, int64_t group) {
   QuantWeight w;
   w.int4 = true, w.k = k, w.group = group;
-  return k > 0 && group > 0 && k % group == 0 && !std::strcmp(quant_form(), "avx512_vnni") &&
+  return k > 0 && group > 0 && k % group == 0 && (!std::strcmp(quant_form(), "avx512_vnni") || !std::strcmp(quant_form(), "avx2")) &&
          quant_activations() == ACTIVATIONS_INT8 && int16_fits(w) && int8_fits(w);
 }
 

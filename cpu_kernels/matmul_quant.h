@@ -56,7 +56,7 @@ int read_quant_weight(void** params, int* ndims, int64_t** shapes, const char** 
 // Requires k a multiple of 32 (else returns false, nothing changed).
 bool repack_int4_r16(uint8_t* q, int64_t n, int64_t k);
 // Whether an int4 weight of k inputs in groups of `group` takes the banded form on this machine in the activations
-// mode now in force (the AVX-512 VNNI form with x in int8): what the runtime repacks for.
+// mode now in force (the AVX-512 VNNI and the AVX2 forms with x in int8): what the runtime repacks for.
 bool r16_runs(int64_t k, int64_t group);
 // While alive, read_quant_weight marks int4 weights as banded (the R16 ops of registry.cc); per thread.
 struct R16Call {

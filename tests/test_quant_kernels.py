@@ -496,6 +496,7 @@ def test_the_avx2_path_gives_the_same_answers():
         t.matmul_case_results()
         t.exact_activation_cases()
         t.int8_activation_cases()
+        t.test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer()
     """)
 
 
@@ -550,7 +551,7 @@ def test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer():
     """The R16 ops read int4 weights repacked in place by MsliteLlmRepackInt4R16 into bands of 16 rows (the layout
     rule: `banded`), N with and without a partial band (1, 7, 16, 33, 40, 300: tasks over both threads), 1 to 40 rows
     of x (the decode form, and the GEMM past 16), groups of 32 to per channel, with and without offsets. In the
-    default mode where the banded form runs (int4_r16_runs: AVX-512 VNNI) each output is the row-major op's to
+    default mode where the banded form runs (int4_r16_runs: AVX-512 VNNI and AVX2) each output is the row-major op's to
     float32's reordering of the same sums (1e-6 of their magnitude); in the int16 and exact modes, and past 16 rows,
     the R16 ops compute the float32 product (1e-5 of the magnitude from float64's). K of 48 (not whole blocks): not
     repacked, and an R16 op refuses it (error 4)."""
@@ -558,7 +559,8 @@ def test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer():
     try:
         for mode in ("int8", "int16", "exact"):
             assert cpu_kernels.set_quant_activations(mode) == mode
-            assert cpu_kernels.int4_r16_runs(896, 128) == (mode == "int8" and cpu_kernels.quant_form() == "avx512_vnni")
+            assert cpu_kernels.int4_r16_runs(896, 128) == (mode == "int8" and
+                                                            cpu_kernels.quant_form() in ("avx512_vnni", "avx2"))
             for k, g in ((256, 64), (576, 64), (896, 128), (256, 32), (576, 576)):
                 for n, m, with_offset in ((1, 1, True), (7, 2, False), (16, 1, False), (33, 3, True), (40, 4, False),
                                           (300, 1, True), (300, 5, False), (33, 16, True), (40, 17, False),

@@ -9,7 +9,7 @@ Graphs are read, loaded and compiled on first use (MsBackend). Weights and KV ca
   memory only once a block is written;
 - every later graph's Parameters are pointed at the first one's with `set_data`, which shares
   the storage: all graphs read and write the same cache, and nothing is handed over.
-- where the CPU kernels' banded int4 form runs (AVX-512 VNNI), the int4 matrices only our quantized ops read are
+- where the CPU kernels' banded int4 form runs (AVX-512 VNNI, AVX2), the int4 matrices only our quantized ops read are
   repacked in place at the first load into bands of 16 rows (`_int4_bands`, cpu_kernels.repack_int4_r16; those pages
   become private copies, written once) and the ops reading them renamed to their R16 twins
   (docs/architecture.md, "int4 in bands of 16 rows"); the folder on disk is unchanged.
@@ -220,9 +220,8 @@ def _quant_op_inputs(model):
 def _int4_bands(models) -> set:
     """The int4 weights (parameter names without their graph's prefix) the runtime repacks into bands of 16 rows
     (cpu_kernels.repack_int4_r16), over every graph of the folder (`models`, an iterable: not read where the banded
-    form does not run at all): those only our quantized ops read (R16_OPS), with a
-    scale after them whose groups take the banded form here (cpu_kernels.int4_r16_runs: AVX-512 VNNI, x in int8), and
-    whose every op reads no other int4 weight (an op reads all its int4 weights banded, or none). Everything else
+    form does not run at all): those only our quantized ops read (R16_OPS), with a scale after them whose groups take
+    the banded form here (cpu_kernels.int4_r16_runs: AVX-512 VNNI or AVX2, x in int8), and whose every op reads no other int4 weight (an op reads all its int4 weights banded, or none). Everything else
     stays as stored (a tied int4 embedding the Gather reads, an odd K, another CPU or mode).
     MSLITE_LLM_INT4_BANDS=0 keeps every weight as stored (the row-major forms: an A/B, or a suspicion).
     """
