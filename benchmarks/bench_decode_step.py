@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     print("| path | weights | kernels ms | GB/s | read ms | GB/s | kernels / read pace | llama.cpp token ms |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for isa in args.isa.split(","):
-        for dtype in args.dtypes.split(","):
+        for dtype in filter(None, args.dtypes.split(",")):  # --dtypes "": only --in_graph
             env = dict(os.environ)
             env.pop("MSLITE_LLM_CPU_KERNELS_ISA", None)
             if env_isa[isa]:
