@@ -116,7 +116,7 @@ def write_checkpoint(folder: str, shape_name: str, layers: Optional[int], seed: 
         return folder
     from transformers import AutoConfig, GenerationConfig
 
-    from export.random_checkpoint import build_tokenizer
+    from export.checkpoints.random_checkpoint import build_tokenizer
 
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)

@@ -158,7 +158,7 @@ def ensure_checkpoint(args) -> str:
         return args.checkpoint
     path = os.path.join(args.work, "qwen2-0.5b-shape")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        from export.random_checkpoint import make_checkpoint
+        from export.checkpoints.random_checkpoint import make_checkpoint
 
         print(f"making a random Qwen2-0.5B-shaped checkpoint in {path}", flush=True)
         make_checkpoint(path, **SHAPE_05B)

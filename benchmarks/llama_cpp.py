@@ -11,7 +11,7 @@ How (each step is cached in `work_dir`, so only the first run takes minutes):
    tool with cmake (Release, GGML_NATIVE: what a user building llama.cpp on this machine gets); other tools on
    demand (step 4).
 2. Convert the checkpoint to f32 / f16 GGUF with the vendored `convert_hf_to_gguf.py`. The weights
-   are converted untouched; two things synthetic checkpoints (export/random_checkpoint.py) lack
+   are converted untouched; two things synthetic checkpoints (export/checkpoints/random_checkpoint.py) lack
    are filled in by wrapping two converter functions, only when the converter would otherwise stop:
    - config.json without "architectures": the class is taken from transformers' causal-LM mapping
      for its model_type (qwen2 -> Qwen2ForCausalLM);

@@ -55,7 +55,7 @@ def measure(name: str, kwargs: dict, work: str, seq_length: int, buckets) -> dic
     from export.pipeline import run_export
     from lite_runtime import pipeline
     from lite_runtime.folder import load_folder
-    from export.random_checkpoint import make_checkpoint
+    from export.checkpoints.random_checkpoint import make_checkpoint
     from lite_runtime.golden import TOLERANCES, load_golden, replay
 
     ckpt = os.path.join(work, "ckpt-" + name)

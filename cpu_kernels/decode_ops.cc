@@ -8,7 +8,7 @@
 // each. Float32 activations only.
 //
 // Weights: each matrix is one tensor (float32, float16 or bfloat16 [O, I]) or a quantized one's two or three,
-// q (int8 [O, I] / uint8 [O, I/2]), scale [G, O][, offset [G, O]] (matmul_quant.h; export/layers.py Linear.weights),
+// q (int8 [O, I] / uint8 [O, I/2]), scale [G, O][, offset [G, O]] (matmul_quant.h; export/network/layers.py Linear.weights),
 // all of one call alike. How many tensors a weight takes is told by the first weight's dtype and the call's count
 // of tensors (weight_arity).
 #include <cstring>

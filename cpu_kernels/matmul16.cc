@@ -552,7 +552,7 @@ MSLLM_AVX512 void rows_avx512(const float* x, int64_t rows, const void* wv, cons
 // BF16_MIN_ROWS rows keep the float32 form: bound by the weights' bytes, they measured slower in this one
 // (docs/performance-log.md 37). So does every call under ACTIVATIONS_EXACT (matmul_quant.h: check's replays held to
 // the float32 reference), and every CPU without AVX512_BF16. check's limit for this rounding is derived for each
-// bfloat16 folder at export (export/golden.py, the "bf16" lane; lite_runtime/golden.py derived_limits).
+// bfloat16 folder at export (export/writers/golden.py, the "bf16" lane; lite_runtime/golden.py derived_limits).
 #ifdef MSLLM_X86
 #define MSLLM_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
 

@@ -297,7 +297,7 @@ MSLLM_AVX2 void dots_avx2(const float* x, int64_t ldx, int64_t rows, const float
 // multiple of 64 take x in int8 by default (ACTIVATIONS_INT8: qtile8_avx2 / qtile8_vnni below; the int16 widening bound
 // them), int8 weights keep int16 (their one row is bound by the bytes, not the arithmetic). What changes the result is
 // x's rounding: at most max |x| / 65534 per input of its block in int16, max |x| / 254 in int8, so check holds these
-// folders to limits derived from that rounding (lite_runtime/golden.py derived_limits; export/golden.py's "int16" and
+// folders to limits derived from that rounding (lite_runtime/golden.py derived_limits; export/writers/golden.py's "int16" and
 // "int8" lanes).
 //
 // Per call, x is prepared once (PreparedX): per row, the integer inputs as int16 (int4: the even inputs, then the odd

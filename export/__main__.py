@@ -119,8 +119,8 @@ def default_dtype(profile, checkpoint: str) -> str:
         return "float32"
     if profile.name != "cpu":
         return profile.default_dtype
-    from export.gguf_checkpoint import gguf_config, is_gguf
-    from export.gguf_file import open_gguf_file
+    from export.checkpoints.gguf import gguf_config, is_gguf
+    from export.checkpoints.gguf_file import open_gguf_file
 
     try:
         if is_gguf(checkpoint):

@@ -2,10 +2,10 @@
 
 HF transformers (PyTorch, float32, the checkpoint's own weights) produces greedy tokens and top-k
 logits for the folder's golden prompts (or, for a folder without them, the same plan
-export/golden.py uses). The folder replays them teacher-forced on the `ms` backend and the report
+export/writers/golden.py uses). The folder replays them teacher-forced on the `ms` backend and the report
 is the one `python -m lite_runtime.check` prints, with the limits of the folder's dtype. It also
 replays the folder's stored golden references through HF, which checks the export's own float32
-reference (export/reference.py).
+reference (export/writers/reference.py).
 
 Float16 folders for Atlas run here too: they are the artifact that ships. MindSpore's CPU float16
 kernels are slow (README, "Checking a folder"). Bfloat16 folders cannot run on MindSpore's CPU
@@ -33,13 +33,13 @@ TORCH_HINT = "pip install torch==2.13.0 (a CPU build: pip install torch==2.13.0 
 
 def hf_model(checkpoint: str, dtype: str = "float32", matrices_in: str = "float32"):
     """HF's model; `matrices_in` rounds its matrices (2-D weights) through that dtype, as a CPU folder with 16-bit
-    weights stores them (the same round-to-nearest-even as export/weights.py), computing in `dtype`."""
+    weights stores them (the same round-to-nearest-even as export/checkpoints/safetensors.py), computing in `dtype`."""
     try:
         import torch
         from transformers import AutoModelForCausalLM
     except ImportError:
         raise ExportError(f"export.compare runs HF transformers as the reference and needs PyTorch: {TORCH_HINT}") from None
-    from export.gguf_checkpoint import is_gguf
+    from export.checkpoints.gguf import is_gguf
 
     if is_gguf(checkpoint):  # transformers dequantizes the file itself (its own reader, not ours)
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(checkpoint)),
@@ -75,7 +75,8 @@ def _dequantized_model(checkpoint: str, dtype):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from export.weights import open_checkpoint, widen
+    from export.checkpoints import open_checkpoint
+    from export.checkpoints.safetensors import widen
 
     raw = json.load(open(os.path.join(checkpoint, "config.json"), encoding="utf-8"))
     raw.pop("quantization_config", None)
@@ -162,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def compare(checkpoint: str, model_dir: str, quiet: bool = True):
     """(report of the folder against HF, rows of the stored golden against HF or None)."""
-    from export.golden import TOP_K, plan_batches, prompts_for
+    from export.writers.golden import TOP_K, plan_batches, prompts_for
     from lite_runtime import InferConfig
     from lite_runtime.check import check_config
     from lite_runtime.golden import load_golden
@@ -206,7 +207,7 @@ def compare(checkpoint: str, model_dir: str, quiet: bool = True):
 def folder_linears(folder):
     """{HF name: float32 [O, I]} of a quantized folder's linear layers, dequantized from its weights file (rank 0's
     inc graph names them): W = (q + offset) * scale, per group (model_dirs/README.md, "Quantized folders")."""
-    from export.quantize import dequantize, unpack_int4
+    from export.network.quantize import dequantize, unpack_int4
     from lite_runtime.backends.ms import _parameter_arrays, _read_mindir
 
     path = folder.graph_paths()["inc"]
@@ -245,7 +246,7 @@ def load_folder_linears(model, folder) -> int:
 def _refuse_what_cannot_fit(checkpoint: str, config) -> None:
     """HF transformers holds the checkpoint in float32 (4 bytes per parameter), then the folder runs on the `ms`
     backend: refuse up front, with the numbers, what this machine cannot hold (lite_runtime/memory.py)."""
-    from export.weights import open_checkpoint
+    from export.checkpoints import open_checkpoint
     from lite_runtime.memory import GIB, available_bytes, gib, refuse_if_too_big
 
     refuse_if_too_big(config.folder)  # the folder itself cannot run here: checking it on the device is the answer
@@ -266,7 +267,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from lite_runtime.errors import InferError
 
     try:
-        from export.gguf_checkpoint import is_gguf
+        from export.checkpoints.gguf import is_gguf
 
         if not os.path.isdir(args.checkpoint) and not is_gguf(args.checkpoint):
             raise ExportError(f"--checkpoint {args.checkpoint}: not a folder or a GGUF file; pass the checkpoint the "

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 # docs/architecture.md, "Configuration")
 DTYPES = ("float32", "float16", "bfloat16")
 
-# rope_scaling types computed as transformers computes them (export/rope.py): all static, one table per export
+# rope_scaling types computed as transformers computes them (export/network/rope.py): all static, one table per export
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 # what each scaling type needs besides its rope_type, and what it may carry
 _ROPE_KEYS = {
@@ -83,7 +83,7 @@ class ModelConfig:
     def from_dict(cls, raw: Dict[str, Any], source: str = "config.json") -> "ModelConfig":
         """Build from HF keys; unknown keys are ignored, features we cannot honour are refused."""
         family = families.get(raw.get("model_type"), source)
-        from export.packed import quantization
+        from export.checkpoints.packed import quantization
 
         quantization(raw, source)  # an unsupported quantization_config is refused here, before anything is read
         act = raw.get("hidden_act", "silu")
@@ -109,9 +109,9 @@ class ModelConfig:
 
     @classmethod
     def from_checkpoint(cls, checkpoint: str) -> "ModelConfig":
-        """A HF folder's config.json, or the config a GGUF file's metadata gives (export/gguf_checkpoint.py)."""
-        from export.gguf_checkpoint import gguf_config, is_gguf
-        from export.gguf_file import open_gguf_file
+        """A HF folder's config.json, or the config a GGUF file's metadata gives (export/checkpoints/gguf.py)."""
+        from export.checkpoints.gguf import gguf_config, is_gguf
+        from export.checkpoints.gguf_file import open_gguf_file
 
         if is_gguf(checkpoint):
             return cls.from_dict(gguf_config(open_gguf_file(checkpoint), checkpoint), source=checkpoint)
@@ -260,7 +260,7 @@ class ExportConfig:
     prefill_buckets: Optional[Tuple[int, ...]] = None
     # our CPU kernels (cpu_kernels) in the graphs' matmuls: auto (cpu folders, when the library is built), on, off
     cpu_kernels: str = "auto"
-    # tensor parallel ranks (Megatron split, export/model.py CausalLM tensor_parallel); 1: one device's folder
+    # tensor parallel ranks (Megatron split, export/network/model.py CausalLM tensor_parallel); 1: one device's folder
     tp_size: int = 1
     # the graph form (export/devices.py graph_form): fused (Ascend's fused operators), plain, or None: the profile's
     graph: Optional[str] = None
@@ -272,11 +272,11 @@ class ExportConfig:
     # decoding's verify, prompt logprobs, perplexity); None: the profile's (export/devices.py default_scores); ():
     # none. Tensor-parallel folders have none
     score_sizes: Optional[Tuple[int, ...]] = None
-    # weight-only quantization of the linear layers (export/quantize.py): None (a quantized checkpoint keeps its
+    # weight-only quantization of the linear layers (export/network/quantize.py): None (a quantized checkpoint keeps its
     # method, a float one stays float), none, int8 or int4; group_size None: the default for the bits
     quantize: Optional[str] = None
     group_size: Optional[int] = None
-    # a quantized folder's embedding and head (export/quantize.py resolve_tables): auto (as an imported checkpoint holds
+    # a quantized folder's embedding and head (export/network/quantize.py resolve_tables): auto (as an imported checkpoint holds
     # them; int8 per row with --quantize), none (float), int8
     quantize_tables: str = "auto"
     # rows of the extra inc graphs (fewer than batch_size: a decode step of few sequences computes only theirs); None:

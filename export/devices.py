@@ -24,7 +24,7 @@ class DeviceProfile:
     # default prompt-length buckets (default_buckets): first, first*factor, ... below seq_length
     bucket_first: int = 128
     bucket_factor: int = 4
-    # whether its SoC runs every fused operator of `--graph fused` (export/atlas_layers.py) as we call it:
+    # whether its SoC runs every fused operator of `--graph fused` (export/network/atlas_layers.py) as we call it:
     # ge_configs/README.md says which SoC runs which and why
     fused: bool = False
     # tokens of the chunk graphs (default_chunks): the smallest goes in with the running rows' decode steps, the
@@ -150,7 +150,7 @@ def default_scores(profile: DeviceProfile, seq_length: int) -> Tuple[int, ...]:
     """Tokens of the score graphs an export gets without --score_sizes: the profile's, at most seq_length.
 
     A score graph is a chunk graph that returns the logits of every position of its piece ([1 + C, V]: one step row,
-    export/graphs.py SCORE_STEP_ROWS), for speculative decoding (a verify of K draft tokens and the last one: K + 1
+    export/writers/graphs.py SCORE_STEP_ROWS), for speculative decoding (a verify of K draft tokens and the last one: K + 1
     positions), prompt logprobs and perplexity (a prompt in pieces). What the piece adds over a step is its arithmetic, the head's included:
     - CPU: 8 (a verify of up to 7 draft tokens; a piece of 8 costs 1.0-1.3x a float32 step, docs/performance-log.md
       "Chunked prefill and prefix reuse") and 128 (prompts scored in pieces; at 8 a long prompt would pay 16 times

@@ -2,11 +2,11 @@
 
 The stages, in order (each reported in the summary with its time):
 1. check: config.json, settings, the checkpoint's tensor names and shapes (headers only), the free space;
-2. golden: the golden references from the float32 numpy reference (export/golden.py), before any weight
+2. golden: the golden references from the float32 numpy reference (export/writers/golden.py), before any weight
    is written, so damaged weights fail early; a quantized folder's after stage 4, from the integers written;
 3. compile: the network, built without weights (the same for every rank), each graph compiled into a proto
-   without data (export/graphs.py);
-4. weights: every rank's weights file written once, streamed from the checkpoint (export/weights_file.py);
+   without data (export/writers/graphs.py);
+4. weights: every rank's weights file written once, streamed from the checkpoint (export/writers/weights_file.py);
 5. files: the graph files pointing into it, tokenizer, config.ini, yaml and manifest (lite_runtime's contract).
 Memory is set by the largest chunk in flight and MindSpore's own footprint, not by the model; the disk holds
 the folder and nothing else.
@@ -31,7 +31,7 @@ from export.config import ExportConfig, ModelConfig
 from export.devices import (default_buckets, default_chunks, default_scores, default_step_rows, get_profile, graph_form,
                             usage_lines)
 from export.errors import ExportError
-from export import folder as checkpoint_files
+from export.writers import checkpoint_files
 from lite_runtime.memory import anon_bytes
 
 log = logging.getLogger(__name__)
@@ -194,8 +194,8 @@ def run_export(cfg: ExportConfig, show_progress: bool = False,
 
 
 def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str], None]) -> ExportSummary:
-    from export.graphs import graph_plan
-    from export.weights import open_checkpoint
+    from export.writers.graphs import graph_plan
+    from export.checkpoints import open_checkpoint
 
     start = time.time()
     stages: Dict[str, float] = {}
@@ -223,7 +223,7 @@ def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str]
     try:
         # the golden before the graphs: its float32 working set and what MindSpore keeps after compiling (~0.35 GiB
         # at 7B) then never coexist, and damaged weights fail before minutes of compiling. A quantized folder's
-        # after its weights: the reference reads the integers written (export/quantize.py FolderMeaning) instead
+        # after its weights: the reference reads the integers written (export/network/quantize.py FolderMeaning) instead
         # of quantizing every layer again on each of its passes (docs/architecture.md, "Quantized folders")
         if quant is None:
             doc = _timed(stages, "golden", on_stage, _write_golden, cfg, model_cfg, tmp, show_progress)
@@ -273,7 +273,8 @@ def _quantization(cfg: ExportConfig, model_cfg: ModelConfig, profile, where):
     """The folder's QuantMethod and TablePlan (or None, None) and notes for the user; refused where the device cannot
     run it, or where a tensor-parallel split would cut a group."""
     from export.config import tensor_parallel_config
-    from export.quantize import is_linear, resolve, resolve_tables
+    from export.checkpoints.methods import is_linear
+    from export.network.quantize import resolve, resolve_tables
 
     tp = cfg.tp_size
     rank = tensor_parallel_config(model_cfg, tp) if tp > 1 else model_cfg
@@ -314,14 +315,15 @@ def _quantization(cfg: ExportConfig, model_cfg: ModelConfig, profile, where):
 
 def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where, quant=None, tables=None):
     """The network (no weights; every rank's is the same), each rank's weights file layout, the values the export
-    generates per rank, and the tensors the weights file is written from (a quantized folder's: export/quantize.py
+    generates per rank, and the tensors the weights file is written from (a quantized folder's: export/network/quantize.py
     FolderTensors); the checkpoint's names and shapes checked first."""
     import numpy as np
 
-    from export.graphs import Network
-    from export.reference import weight_shapes
-    from export.weights import plan_weights, split_axis
-    from export.weights_file import plan_layouts
+    from export.writers.graphs import Network
+    from export.writers.reference import weight_shapes
+    from export.checkpoints import plan_weights
+    from export.writers.weights_file import split_axis
+    from export.writers.weights_file import plan_layouts
     from lite_runtime.folder import data_location, rank_name
     from lite_runtime.mindspore_lock import MINDSPORE_LOCK
 
@@ -332,7 +334,7 @@ def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where, quant=None, tables=N
         network = Network(cfg, model_cfg, quant, tables)
     params = network.parameters()
     if quant is not None:
-        from export.quantize import Quantized
+        from export.network.quantize import Quantized
 
         where = Quantized(where, quant, cfg.compute_dtype, _native_loader(where), tables).folder_tensors()
     tp, shards = cfg.tp_size, network.vocab_shards
@@ -344,7 +346,7 @@ def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where, quant=None, tables=N
             if axis is not None and name in where and where[name].shape(name)[axis] == params[name][0][axis]:
                 axis = None
             splits[name] = axis
-    # vocab-parallel: each rank's first vocabulary row (export/model.py Embedding)
+    # vocab-parallel: each rank's first vocabulary row (export/network/model.py Embedding)
     values = {"model.embed_tokens.vocab_start": [np.array([r * (model_cfg.vocab_size // shards)], np.int32)
                                                  for r in range(tp)]} if shards > 1 else {}
     locations = [data_location(rank_name(cfg.name, rank, tp)) for rank in range(tp)]
@@ -352,14 +354,14 @@ def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where, quant=None, tables=N
 
 
 def _quant_record(quant) -> Optional[Dict[str, Any]]:
-    """The manifest's, the yaml's and golden.json's `quantization` (export/quantize.py QuantMethod.record) of a
+    """The manifest's, the yaml's and golden.json's `quantization` (export/network/quantize.py QuantMethod.record) of a
     (QuantMethod, TablePlan) pair, or None for a float folder."""
     method, tables = quant if quant is not None else (None, None)
     return None if method is None else method.record(tables)
 
 
 def _native_loader(where):
-    """For export/quantize.Quantized: a tensor's own quantized form, where the checkpoint holds it in `method`."""
+    """For export/network/quantize.py Quantized: a tensor's own quantized form, where the checkpoint holds it in `method`."""
     def native(name: str, method):
         src = where[name]
         if getattr(src, "native_method_of", lambda _: None)(name) == method:
@@ -374,7 +376,7 @@ def _bar(show_progress: bool, **kwargs) -> tqdm:
 
 
 def _compile(cfg: ExportConfig, network, show_progress: bool):
-    from export.graphs import compile_graphs, graph_plan
+    from export.writers.graphs import compile_graphs, graph_plan
 
     with _bar(show_progress, total=len(graph_plan(cfg)), desc="graphs", unit="graph") as bar:
         return compile_graphs(cfg, network, progress=bar.update)
@@ -385,8 +387,8 @@ def _golden_sizes(cfg: ExportConfig):
 
 
 def _agreement_prefill(cfg: ExportConfig, model_cfg: ModelConfig):
-    """export/golden.py AgreementPrefill, started (a quantized export's, before its compile stage)."""
-    from export import golden
+    """export/writers/golden.py AgreementPrefill, started (a quantized export's, before its compile stage)."""
+    from export.writers import golden
 
     return golden.AgreementPrefill(model_cfg, cfg.checkpoint, _golden_sizes(cfg), cfg.seq_length, cfg.batch_size)
 
@@ -398,11 +400,11 @@ def _cancel(early) -> None:
 
 def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_progress: bool,
                   quant=None, layouts=None, early=None) -> Dict[str, Any]:
-    """Fixed prompts through the float32 reference (export/golden.py), written to golden.json. A quantized folder's
+    """Fixed prompts through the float32 reference (export/writers/golden.py), written to golden.json. A quantized folder's
     from the weights its files in `tmp` hold (`layouts`), dequantized, beside the checkpoint's own float weights (the
     agreement)."""
-    from export import golden
-    from export.quantize import FolderMeaning
+    from export.writers import golden
+    from export.network.quantize import FolderMeaning
     from lite_runtime.golden import write_golden
 
     sizes = _golden_sizes(cfg)
@@ -421,7 +423,7 @@ def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_prog
 
 
 def _write_weights(tmp: str, layouts, where, values, show_progress: bool):
-    from export.weights_file import write_files
+    from export.writers.weights_file import write_files
 
     total = sum(layout.size for layout in layouts)
     with _bar(show_progress, total=total, desc="weights", unit="B", unit_scale=True, unit_divisor=1024) as bar:
@@ -432,7 +434,7 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
                         hashed: Dict[str, str], kernels: bool, vocab_parallel: bool, quant=None) -> None:
     import mindspore as ms
 
-    from export.graphs import write_graph
+    from export.writers.graphs import write_graph
     from lite_runtime.folder import GE_CONFIG
     from lite_runtime.manifest import InferSection, write_manifest, write_yaml
 

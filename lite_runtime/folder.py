@@ -22,7 +22,7 @@ QUANTIZED_FORMAT_VERSION = 4
 QUANT_BITS = (8, 4)
 SUPPORTED_VERSIONS = (3, 4)
 BEFORE_PAGED = (1, 2)  # folders whose caches were rows in the weights file: refused with "re-export"
-# a layer's KV cache Parameters (export/layers.py Attention): no data in the folder, the runtime's pool
+# a layer's KV cache Parameters (export/network/layers.py Attention): no data in the folder, the runtime's pool
 KV_CACHE_SUFFIXES = (".key_cache", ".value_cache")
 
 
@@ -112,7 +112,7 @@ class GraphSpec:
     tokens: int
     inputs: tuple  # of TensorSpec, in graph order
     outputs: tuple
-    # step rows: an inc graph of fewer than batch_size (graph_key), a score graph's (export/graphs.py SCORE_STEP_ROWS);
+    # step rows: an inc graph of fewer than batch_size (graph_key), a score graph's (export/writers/graphs.py SCORE_STEP_ROWS);
     # None: batch_size
     rows: Optional[int] = None
 
@@ -149,7 +149,7 @@ class ModelFolder:
 
     @property
     def quantization(self) -> Optional[Dict[str, Any]]:
-        """The linear layers' method ({bits, group_size, symmetric, source}: export/quantize.py), None: float."""
+        """The linear layers' method ({bits, group_size, symmetric, source}: export/network/quantize.py), None: float."""
         q = self.manifest.get("quantization")
         return dict(q) if q else None
 

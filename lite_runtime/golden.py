@@ -1,6 +1,6 @@
 """Replaying reference prompts on a loaded folder and judging the logits: the core of `check` and `export.compare`.
 
-The reference is a folder's golden.json (float32 numpy at export, export/golden.py) or, for
+The reference is a folder's golden.json (float32 numpy at export, export/writers/golden.py) or, for
 `python -m export.compare`, HF transformers on the checkpoint. Either way each prompt is replayed
 teacher-forced through `TextGenerator.infer`: the prompt prefills, then each reference token is
 fed through the incremental graph, so every step compares logits on the same context even after
@@ -64,7 +64,7 @@ INT16_ACTIVATIONS = Tolerance("float32 with int16 activations", 1e-3)
 
 # Limits derived for one folder from its own arithmetic (a quantized folder for the CPU kernels; docs/checking.md,
 # "Limits derived for a quantized CPU folder"). At export the golden references' decode steps run again in two lanes
-# (export/golden.py ArithmeticLanes): x rounded to int16 per block of 32 as the kernels' fast decode form rounds it,
+# (export/writers/golden.py ArithmeticLanes): x rounded to int16 per block of 32 as the kernels' fast decode form rounds it,
 # and every product in another float32 order (row by row, each in two halves). The largest distance of each lane
 # from the references, over every step's top-k logits relative to the step's largest |logit| (as RowResult.judge
 # measures a device), is what that arithmetic does to this folder's logits; the limit is LIMIT_FACTOR times it. A
@@ -91,7 +91,7 @@ LIMIT_FACTOR = 10.0
 LIMIT_FLOOR = 2.0 ** -20
 ACTIVATION_LABELS = {"exact": "float32 arithmetic (x exact)", "int16": "int16 activations",
                      "int8": "int8 activations", "bf16": "bfloat16 activations"}
-FAST_MODES = ("int16", "int8", "bf16")  # the fast forms' activations, one per folder (the lane export/golden.py ran)
+FAST_MODES = ("int16", "int8", "bf16")  # the fast forms' activations, one per folder (the lane export/writers/golden.py ran)
 _FAST_WHAT = {"int16": "with x rounded to int16 per block of 32 at every quantized matmul, as the CPU kernels' "
                        "decode form rounds it",
               "int8": "with x rounded to int8 per block of 32 at every int4 matmul whose inputs and group are whole "

@@ -62,7 +62,7 @@ class InferSection:
     graph: str = "plain"  # the graph form: plain, or fused (Ascend's fused operators; CPU stand-ins on the ms backend)
     chunk_sizes: List[int] = dataclasses.field(default_factory=list)  # of the chunk graphs (the server's prefill pieces)
     score_sizes: List[int] = dataclasses.field(default_factory=list)  # of the score graphs (every position's logits)
-    # the linear layers' weight-only quantization {bits, group_size, symmetric, source} (export/quantize.py), or None
+    # the linear layers' weight-only quantization {bits, group_size, symmetric, source} (export/network/quantize.py), or None
     quantization: Optional[Dict[str, Any]] = None
     # the paged KV cache the graphs read and write (lite_runtime/folder.py KVCacheSpec.to_dict); the pool's size is
     # the runtime's choice at load
@@ -99,7 +99,7 @@ def write_manifest(folder: str, name: str, graphs: List[GraphEntry], known: Opti
                    exported_with: Optional[Dict[str, str]] = None, family: Optional[str] = None,
                    quantization: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """`family` is the model family (export/families), the runtime's InputOfInfer key; `golden` is set when the
-    folder holds golden.json; `quantization` (export/quantize.py QuantMethod) makes it a format version 2 folder."""
+    folder holds golden.json; `quantization` (export/checkpoints/methods.py QuantMethod) makes it a format version 2 folder."""
     version = QUANTIZED_FORMAT_VERSION if quantization else FORMAT_VERSION
     manifest = {"format": FORMAT, "format_version": version, "name": name, "yaml": f"{name}.yaml",
                 **({"family": family} if family else {}),

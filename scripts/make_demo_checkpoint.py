@@ -1,7 +1,7 @@
 """Write a small random Hugging Face checkpoint (qwen2, qwen3 or llama) with a locally trained tokenizer (no downloads).
 
 The weights are random, so the text it generates is gibberish: the checkpoint exists to exercise
-export and runtime end to end (export/random_checkpoint.py writes it; neither torch nor transformers is needed).
+export and runtime end to end (export/checkpoints/random_checkpoint.py writes it; neither torch nor transformers is needed).
 
     python scripts/make_demo_checkpoint.py --output demo/qwen2-tiny
     python scripts/make_demo_checkpoint.py --output demo/llama-tiny --family llama
@@ -15,7 +15,7 @@ from typing import List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root, from any cwd
 
-from export.random_checkpoint import FAMILIES, make_checkpoint  # noqa: E402
+from export.checkpoints.random_checkpoint import FAMILIES, make_checkpoint  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

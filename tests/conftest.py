@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from export import random_checkpoint
+from export.checkpoints import random_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -122,7 +122,7 @@ def score_folders(tmp_path_factory, checkpoints):
     """gqa_tied at seq_length 64 with score graphs of 4 and 16 tokens (verifies of up to 3 and 15 drafts); mha_untied
     the same (another model, the same tokenizer: a poor draft); gqa_tied without score graphs; and a checkpoint with
     another tokenizer but the same vocab_size."""
-    from export import random_checkpoint
+    from export.checkpoints import random_checkpoint
     from export.config import ExportConfig
     from export.pipeline import run_export
 

@@ -2,7 +2,7 @@
 limits (issue 43, goal 2). Used by tests/test_check_limits.py (a few shapes drawn by hypothesis) and by
 benchmarks/measure_check_limits.py --quantized (the sweep behind docs/checking.md's table).
 
-A folder comes from a tiny random checkpoint (export/random_checkpoint.py), quantized by the export (round to
+A folder comes from a tiny random checkpoint (export/checkpoints/random_checkpoint.py), quantized by the export (round to
 nearest) or packed first as a GPTQ or AWQ checkpoint (tests/packers.py) and imported. A tamper edits the folder's
 weights file after export and re-hashes the manifest (what a careless copy tool or a wrong writer would leave, and
 only the replay can tell): one group's scale times 1.01, or one nibble of a weight inverted (its four bits; for int4
@@ -50,7 +50,7 @@ def make_folder(root: str, spec: Spec, family: str = "qwen2") -> str:
     """Export spec's folder for the CPU under `root` (once: an existing one is reused)."""
     from export.config import ExportConfig
     from export.pipeline import run_export
-    from export.random_checkpoint import make_checkpoint
+    from export.checkpoints.random_checkpoint import make_checkpoint
 
     folder = os.path.join(root, spec.name())
     if os.path.isdir(folder):

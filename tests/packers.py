@@ -1,6 +1,6 @@
 """GPTQ and AWQ checkpoints packed from a float checkpoint, for the tests and the quantization benchmarks: written from
 the formats' documentation (AutoGPTQ / GPTQModel's `qweight`/`qzeros`/`scales`/`g_idx`, AutoAWQ's GEMM layout), not
-from export/packed.py, which reads them: the two meet only at the files.
+from export/checkpoints/packed.py, which reads them: the two meet only at the files.
 
 Round-to-nearest per group, as the packers' own fallbacks do (GPTQ's Hessian updates change which integers are
 chosen, not how they are stored). Like Qwen's GPTQ-Int4/Int8 and AWQ releases, only the decoder layers' linear

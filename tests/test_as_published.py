@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from export.errors import ExportError
-from export.random_checkpoint import make_checkpoint
+from export.checkpoints.random_checkpoint import make_checkpoint
 from tests.packers import pack
 from tests.test_quantize import _check_and_compare, _export, _manifest, _tables
 

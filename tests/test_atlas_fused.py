@@ -196,7 +196,7 @@ def test_the_default_atlas_folder_is_fused_and_passes_check_with_stand_ins(atlas
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_qwen3_and_llama_fused_folders_pass_check(family, tokenizer, tmp_path):
     """Qwen3's per-head q/k norms through RmsNorm on [B, n, H, D]; Llama with biases (attention_bias, mlp_bias)."""
-    from export import random_checkpoint
+    from export.checkpoints import random_checkpoint
     from lite_runtime.check import run_check
 
     extra = dict(head_dim=32) if family == "qwen3" else dict(attention_bias=True, mlp_bias=True)
@@ -220,7 +220,7 @@ def test_fused_and_plain_folders_give_the_same_greedy_tokens(atlas_exported):
 
 
 def _miswire_swap_kv(monkeypatch):
-    import export.atlas_layers as layers
+    import export.network.atlas_layers as layers
 
     qkv = layers.FusedDecoderLayer._qkv
 
@@ -232,7 +232,7 @@ def _miswire_swap_kv(monkeypatch):
 
 
 def _miswire_scale(monkeypatch):
-    import export.atlas_layers as layers
+    import export.network.atlas_layers as layers
 
     monkeypatch.setattr(layers, "attention_scale", lambda d: 2.0 / d ** 0.5)
 
@@ -242,7 +242,7 @@ def _one_short(valid_length):  # module level, imports outside: MindSpore's grap
 
 
 def _miswire_length(monkeypatch):
-    import export.model as model
+    import export.network.model as model
 
     monkeypatch.setattr(model, "lengths_int64", _one_short)
 
@@ -263,7 +263,7 @@ def test_a_chunk_that_forgets_its_offset_fails_check(checkpoints, tmp_path, monk
     """The chunk graph's PagedAttention told that the piece's sequence begins with the piece (its queries' context
     lengths without `start`): the prefill graphs pass and the chunk replay, which writes each prompt's second half
     from the middle, fails."""
-    import export.atlas_layers as layers
+    import export.network.atlas_layers as layers
     from mindspore import ops
 
     from lite_runtime.check import run_check

@@ -70,7 +70,7 @@ def test_cpu_folder_passes_and_every_graph_runs(exported, capsys, tmp_path):
     report = tmp_path / "report.json"
     code, out, err = run_cli(check_main, capsys, folder, "--backend", "ms", "--json", str(report))
     assert code == 0, err
-    assert out[0] == "reference: golden.json: export/reference.py: float32 numpy on the checkpoint's weights"
+    assert out[0] == "reference: golden.json: export/writers/reference.py: float32 numpy on the checkpoint's weights"
     assert out[1].split() == ["prompt", "graph", "tokens", "steps", "diverges", "at", "top-1", "max", "abs", "err",
                               "max", "rel", "err", "result"]
     assert [line.split()[:6] for line in out[2:8]] == [

@@ -58,7 +58,7 @@ def test_bfloat16_folders_pass_with_margin_and_tampered_ones_fail(tmp_path_facto
     folder passes both replays with at least 3x to spare; one weight row of a linear layer 1 % off fails."""
     from export.config import ExportConfig
     from export.pipeline import run_export
-    from export.random_checkpoint import make_checkpoint
+    from export.checkpoints.random_checkpoint import make_checkpoint
 
     root = str(tmp_path_factory.mktemp("limits-bf16"))
     spec = Spec(hidden, 2, tied, 16, 0, True, "rtn", seed)
@@ -83,7 +83,7 @@ def test_an_int4_folder_with_an_int16_limit_replays_in_int16_and_says_so(tmp_pat
     not replayed and how to check it."""
     import json
 
-    from export import golden
+    from export.writers import golden
     from lite_runtime.check import run_check
 
     monkeypatch.setattr(golden, "lanes_for", lambda bits, matrices_in, cpu: ("int16", "reorder") if cpu else ())

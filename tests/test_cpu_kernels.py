@@ -349,7 +349,7 @@ def test_decode_graph_calls_our_kernels_and_prefill_only_for_few_rows(exported):
     assert not {p.op_type for p in graph_model(prefill).primitives} & {
         "ScatterNdUpdate", "ScatterUpdate", "Assign", "BatchMatMul", "Softmax"}
     # a bucket of at most KERNEL_PREFILL_MAX_ROWS rows (2 x 8) runs every matmul through the kernel
-    from export.layers import KERNEL_PREFILL_MAX_ROWS
+    from export.network.layers import KERNEL_PREFILL_MAX_ROWS
 
     bucketed = exported["gqa_tied_buckets"]
     with open(os.path.join(bucketed, "manifest.json")) as fh:

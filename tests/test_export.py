@@ -143,7 +143,7 @@ def test_folder_contents_and_manifest(exported):
                                          {"name": "chunk_block_table", "dtype": "int32", "shape": [1, 4]},
                                          {"name": "chunk_slot_mapping", "dtype": "int32", "shape": [8]}],
                                  [{"name": "logits", "dtype": "float32", "shape": [3, 512]}])
-    # the score graphs: the chunk graph's inputs and outputs of one step row (export/graphs.py SCORE_STEP_ROWS: a
+    # the score graphs: the chunk graph's inputs and outputs of one step row (export/writers/graphs.py SCORE_STEP_ROWS: a
     # verify, perplexity and check's replay put a piece in alone), the logits of every piece position
     one = [{"name": "input_ids", "dtype": "int32", "shape": [1, 1]},
            {"name": "valid_length", "dtype": "int32", "shape": [1]},

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from export import random_checkpoint
+from export.checkpoints import random_checkpoint
 from reference import exact_activations, hf_generate, hf_last_logits, hf_model, prompts, rel_err, served_limit
 
 TOL = 1e-4
@@ -87,7 +87,7 @@ def test_rope_tables_equal_transformers_and_differ_from_plain_rope(scaling):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     from export.config import ModelConfig
-    from export.rope import rope_tables
+    from export.network.rope import rope_tables
 
     raw = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024)

@@ -398,7 +398,7 @@ def test_gemm_over_the_prompt_rows_only(bias):
                        dtypes=["float32", "float32", "int64", "float32"]) == 2
 
 
-# ---- quantized weights: each op given q, scale[, offset] as export/layers.py Linear.weights() passes them --------
+# ---- quantized weights: each op given q, scale[, offset] as export/network/layers.py Linear.weights() passes them --------
 
 def _quantized(rng, w: np.ndarray, bits: int, group: int, offset: bool):
     """(tensors the op takes for W [O, I], the float32 W they stand for): q int8 [O, I] or int4 uint8 [O, I/2] (low

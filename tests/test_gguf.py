@@ -1,4 +1,4 @@
-"""GGUF files in: export/gguf_file.py (the bounded reader) and export/gguf_checkpoint.py (a GGUF as a float32 HF
+"""GGUF files in: export/checkpoints/gguf_file.py (the bounded reader) and export/checkpoints/gguf.py (a GGUF as a float32 HF
 checkpoint). The files are written here with the gguf package's own writer, laid out as llama.cpp's converter lays
 them out (its tensor names, metadata keys and, for llama, its q/k row permutation), from tiny random checkpoints;
 what comes back is held to the checkpoint it came from and to transformers' own GGUF loading. Hostile files: exact
@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from export.errors import ExportError
-from export.gguf_checkpoint import convert
-from export.gguf_file import GGUFFile
-from export.random_checkpoint import make_checkpoint
+from export.checkpoints.gguf import convert
+from export.checkpoints.gguf_file import GGUFFile
+from export.checkpoints.random_checkpoint import make_checkpoint
 
 gguf = pytest.importorskip("gguf")
 

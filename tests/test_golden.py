@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from export.golden import plan_batches
+from export.writers.golden import plan_batches
 from reference import hf_model
 from hiding import hide
 
@@ -89,7 +89,7 @@ def test_bf16_checkpoint_golden_uses_its_exact_weights(tmp_path, checkpoints):
     from transformers import Qwen2ForCausalLM
 
     from export.config import ModelConfig
-    from export.golden import compute
+    from export.writers.golden import compute
 
     model = Qwen2ForCausalLM.from_pretrained(checkpoints["gqa_tied"], dtype=torch.bfloat16)
     model.save_pretrained(tmp_path / "bf16")
@@ -126,8 +126,8 @@ def test_export_with_golden_needs_no_torch(tmp_path, checkpoints):
 def test_reference_reads_exactly_the_networks_weights(checkpoints, name):
     """The numpy reference and the MindSpore network expect the same checkpoint tensors, names and shapes."""
     from export.config import ModelConfig
-    from export.model import CausalLM
-    from export.reference import NumpyDecoder
+    from export.network.model import CausalLM
+    from export.writers.reference import NumpyDecoder
 
     cfg = ModelConfig.from_file(os.path.join(checkpoints[name], "config.json"))
     net = CausalLM(cfg, 1, 8)

@@ -97,7 +97,7 @@ def test_matrices_are_stored_in_16_bits_and_the_rest_in_float32(half_folders, dt
     matrices = [(v, e), (v, e)] + layers * [(h * d, e), (kh * d, e), (kh * d, e), (e, h * d), (i, e), (i, e), (e, i)]
     vectors = [(e,)] + layers * [(e,), (e,), (h * d,), (kh * d,), (kh * d,)]  # norms, biases
 
-    def stored(shapes, itemsize):  # the weights file: a 64-byte header, each tensor aligned to 64 bytes (export/weights_file.py)
+    def stored(shapes, itemsize):  # the weights file: a 64-byte header, each tensor aligned to 64 bytes (export/writers/weights_file.py)
         return sum(-(-int(np.prod(s)) * itemsize // 64) * 64 for s in shapes)
 
     data = os.path.getsize(os.path.join(folder, f"cpu_{dtype}_variables", "data_0"))

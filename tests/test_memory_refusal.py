@@ -58,7 +58,7 @@ def test_a_float16_folder_too_big_for_the_cpu_is_refused_before_it_loads(atlas_e
 
 def test_compare_refuses_a_checkpoint_hf_cannot_hold_in_float32(exported, checkpoints):
     """A float32 CPU folder needs no copies; HF's float32 model (plus 0.5 GiB) does not fit in 300 MB."""
-    from export.weights import open_checkpoint
+    from export.checkpoints import open_checkpoint
     from lite_runtime.folder import load_folder
     from lite_runtime.memory import ms_backend_needs
 

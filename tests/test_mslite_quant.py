@@ -15,7 +15,7 @@ import types
 import pytest
 
 from export.devices import PROFILES
-from export.random_checkpoint import make_checkpoint
+from export.checkpoints.random_checkpoint import make_checkpoint
 from lite_runtime import InferConfig, InferError
 from lite_runtime.backends.mslite import (QUANT_SOCS, UNKNOWN_SOC, build_plan, device_soc, quant_support,
                                           quantization_plan)

@@ -11,7 +11,7 @@ TOL = 1e-4
 
 def build(checkpoint: str, batch: int, seq: int, dtype: str = "float32"):
     from export.config import ModelConfig
-    from export.model import CausalLM, DecodeGraph, PrefillGraph
+    from export.network.model import CausalLM, DecodeGraph, PrefillGraph
 
     net = CausalLM(ModelConfig.from_file(f"{checkpoint}/config.json"), batch, seq, dtype, block_size=8)
     load_into(net, checkpoint)

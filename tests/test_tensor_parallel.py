@@ -245,7 +245,7 @@ def test_qwen3_and_llama_with_biases_split_over_two_ranks_equal_hf(tokenizer, tm
     Llama's o_proj and MLP biases (added once, after the AllReduce), with untied heads."""
     import torch
 
-    from export import random_checkpoint
+    from export.checkpoints import random_checkpoint
     from export.config import ExportConfig
     from export.pipeline import run_export
     from test_families import FAMILY_CHECKPOINTS

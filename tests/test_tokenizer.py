@@ -79,7 +79,7 @@ def test_bos_token_follows_add_bos_token_like_transformers_llama_tokenizer(tmp_p
 
     from transformers import AutoTokenizer
 
-    from export import random_checkpoint
+    from export.checkpoints import random_checkpoint
     from lite_runtime.tokenizer import FolderTokenizer
 
     folder = str(tmp_path / "llama")

@@ -163,7 +163,7 @@ def _primitives(graph) -> set:
 
 def test_a_vocabulary_the_ranks_cannot_share_equally_stays_replicated(tmp_path, tokenizer):
     """vocab 510 over 4 ranks: the embedding and head are whole on every rank, and no logits are gathered."""
-    from export import random_checkpoint
+    from export.checkpoints import random_checkpoint
     from export.config import ExportConfig
     from export.pipeline import run_export
 
@@ -238,8 +238,8 @@ def test_a_write_error_is_one_line_naming_the_file_and_nothing_is_kept(tmp_path,
 
 def test_a_full_disk_while_writing_the_weights_names_the_file(tmp_path, checkpoints):
     """ENOSPC from a real device (/dev/full behind the weights file's name) comes back as an OSError naming it."""
-    from export.weights import open_checkpoint
-    from export.weights_file import Layout, write_files
+    from export.checkpoints import open_checkpoint
+    from export.writers.weights_file import Layout, write_files
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full on this machine")

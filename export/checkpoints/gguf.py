@@ -1,5 +1,5 @@
 """A GGUF file (llama.cpp's format) as a Hugging Face checkpoint folder: config.json, model.safetensors in float32,
-the tokenizer with its chat template, generation_config.json. Read through export/gguf_file.py (every count and
+the tokenizer with its chat template, generation_config.json. Read through export/checkpoints/gguf_file.py (every count and
 offset checked against the file), dequantized with the `gguf` package's own dequantizers; the tokenizer built from
 its metadata with the tokenizers library (no torch, no transformers).
 
@@ -14,7 +14,7 @@ Architectures: `llama`, `qwen2`, `qwen3` (the families export/ has); anything el
 converter permutes a Llama's q and k rows (its RoPE pairs neighbours, HF's pairs halves); they are put back here as
 transformers puts them back when it loads a GGUF.
 
-    python -m export.gguf_checkpoint --gguf SmolLM2-135M-Instruct.Q4_1.gguf --output demo/smollm2
+    python -m export.checkpoints.gguf --gguf SmolLM2-135M-Instruct.Q4_1.gguf --output demo/smollm2
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from export.errors import ExportError
-from export.gguf_file import GGUFFile, open_gguf_file
+from export.checkpoints.gguf_file import GGUFFile, open_gguf_file
 
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                  "qwen3": ("Qwen3ForCausalLM", "qwen3")}
@@ -160,7 +160,7 @@ def is_gguf(path: str) -> bool:
 
 
 class GGUFTensors:
-    """A GGUF file as a checkpoint source for export (the interface of export/weights.py's SafetensorsFile, under the
+    """A GGUF file as a checkpoint source for export (the interface of export/checkpoints/safetensors.py's SafetensorsFile, under the
     HF names): `stored(name)` is the tensor dequantized to float32 by the gguf package, llama.cpp's q/k permutation
     undone. Nothing is read before a tensor is asked for; each ask dequantizes it again (the golden references ask
     once per forward pass), and memory holds that one tensor in float32."""
@@ -193,16 +193,16 @@ class GGUFTensors:
 
     def native_method(self):
         """The folder method the file's linear layers are stored in as they are: Q8_0 -> int8, Q4_0 -> int4
-        symmetric, Q4_1 -> int4 with offsets, each in groups of 32 (export/quantize.py); None for any other type or
+        symmetric, Q4_1 -> int4 with offsets, each in groups of 32 (export/network/quantize.py); None for any other type or
         a mix (those are dequantized)."""
-        from export.quantize import is_linear
+        from export.checkpoints.methods import is_linear
 
         methods = {self.native_method_of(n) for n in self._entries if is_linear(n)}
         return next(iter(methods)) if len(methods) == 1 else None
 
     def native_method_of(self, name: str):
         """The folder method one tensor is stored in as it is (Q8_0, Q4_0, Q4_1 in groups of 32), or None."""
-        from export.quantize import QuantMethod
+        from export.checkpoints.methods import QuantMethod
 
         kind = self._gguf[name].type_name
         if kind not in _NATIVE:
@@ -215,10 +215,10 @@ class GGUFTensors:
 
     def below_8_bits(self, name: str) -> Optional[str]:
         """`<GGUF tensor> is <type>, fewer than 8 bits a weight` for a tensor the file holds so, else None."""
-        from export.quantize import _FULL_GGUF_TYPES
+        from export.checkpoints.methods import FULL_GGUF_TYPES
 
         tensor = self._gguf[name]
-        if tensor.type_name in _FULL_GGUF_TYPES:
+        if tensor.type_name in FULL_GGUF_TYPES:
             return None
         return f"{tensor.name} is {tensor.type_name} (fewer than 8 bits a weight)"
 
@@ -440,7 +440,7 @@ def convert(path: str, output: str, overwrite: bool = False, source: Optional[Di
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m export.gguf_checkpoint",
+    parser = argparse.ArgumentParser(prog="python -m export.checkpoints.gguf",
                                      description="Write a GGUF file (llama, qwen2, qwen3) as a float32 HF checkpoint "
                                                  "folder that `python -m export` takes.")
     parser.add_argument("--gguf", required=True, help="the .gguf file")

@@ -83,7 +83,7 @@ def _unpack(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
 
 
 class PackedLayers:
-    """The checkpoint source for a GPTQ or AWQ checkpoint: the interface of export/weights.py's SafetensorsFile over
+    """The checkpoint source for a GPTQ or AWQ checkpoint: the interface of export/checkpoints/safetensors.py's SafetensorsFile over
     `where` (name -> file), with every quantized layer's packed tensors shown as `<layer>.weight` [out, in]."""
 
     def __init__(self, where: Dict[str, Any], settings: Dict[str, Any], source: str) -> None:
@@ -163,9 +163,9 @@ class PackedLayers:
         return np.ascontiguousarray(w.T)
 
     def native_method(self):
-        """The folder method the layers are kept in (export/quantize.py): the checkpoint's bits and group size, with
+        """The folder method the layers are kept in (export/network/quantize.py): the checkpoint's bits and group size, with
         offsets (half - zero: GPTQ's symmetric zeros give offsets of 0, AWQ's zero points their own)."""
-        from export.quantize import QuantMethod
+        from export.checkpoints.methods import QuantMethod
 
         s = self.settings
         return QuantMethod(s["bits"], 0 if s["group_size"] == -1 else s["group_size"], False, s["method"])

@@ -1,11 +1,11 @@
 """Checkpoint weights: *.safetensors read tensor by tensor from a memory map, names and shapes checked, cast to a
-folder's dtype (export/weights_file.py writes them)."""
+folder's dtype (export/writers/weights_file.py writes them)."""
 from __future__ import annotations
 
 import json
 import os
 import struct
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -19,8 +19,6 @@ _STORED = {
     "BF16": np.uint16,  # numpy has no bfloat16: keep the bits, widen to float32 below
 }
 _INTEGERS = {"I32": np.int32, "U32": np.uint32, "I64": np.int64, "I16": np.int16}
-# Tensors a checkpoint may carry that the network derives itself.
-_DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 class SafetensorsFile:
@@ -142,19 +140,7 @@ def rounded_to(values: np.ndarray, dtype: str) -> np.ndarray:
     return values
 
 
-def open_checkpoint(folder: str) -> Dict[str, SafetensorsFile]:
-    """Map every tensor name to the file that holds it (one file, or shards with an index); a GGUF file instead of a
-    folder: to its tensors under their HF names, dequantized (export/gguf_checkpoint.py, the same interface); a GPTQ
-    or AWQ checkpoint's packed layers: to their weights, dequantized (export/packed.py)."""
-    from export.gguf_checkpoint import is_gguf, open_gguf
-    from export.packed import open_packed
-
-    if is_gguf(folder):
-        return open_gguf(folder)[1]
-    return open_packed(folder, _open_safetensors(folder))
-
-
-def _open_safetensors(folder: str) -> Dict[str, SafetensorsFile]:
+def open_safetensors(folder: str) -> Dict[str, SafetensorsFile]:
     index_path = os.path.join(folder, INDEX_FILE)
     if os.path.isfile(index_path):
         try:
@@ -181,54 +167,3 @@ def _open_safetensors(folder: str) -> Dict[str, SafetensorsFile]:
         raise ExportError(f"{folder}: {len(paths)} .safetensors files but no {INDEX_FILE}; add the index file")
     single = SafetensorsFile(os.path.join(folder, paths[0]))
     return {name: single for name in single.names()}
-
-
-def plan_weights(expected: Dict[str, Tuple[int, ...]], where: Dict[str, SafetensorsFile],
-                 tied: bool) -> List[str]:
-    """Check names and shapes before reading anything. Returns the names to load.
-
-    Missing and unexpected tensors are reported together, by name; either refuses the export (a tied head saved
-    anyway and derived buffers such as rotary inv_freq are not unexpected).
-    """
-    available: Set[str] = set(where)
-    ignorable = {n for n in available if n.endswith(_DERIVED_SUFFIXES)}
-    if tied:
-        ignorable.add("lm_head.weight")  # a tied head may be saved too; the embedding is used
-    missing = sorted(set(expected) - available)
-    unexpected = sorted(available - set(expected) - ignorable)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)}: {', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)}: {', '.join(unexpected[:8])}{' …' if len(unexpected) > 8 else ''}")
-        # unexpected ones too: a tensor the network would not read (a bias of another family, say) means the export
-        # would compute something other than the checkpoint
-        raise ExportError(f"checkpoint tensors do not match config.json ({'; '.join(parts)}); "
-                          "check that the weights belong to this config")
-    for name, shape in expected.items():
-        got = where[name].shape(name)
-        if tuple(got) != tuple(shape):
-            raise ExportError(f"{where[name].path}: tensor {name} has shape {list(got)}, config.json implies "
-                              f"{list(shape)}; check that the weights belong to this config")
-    return list(expected)
-
-
-# Tensor parallel (Megatron): the axis each rank takes a slice of, by the end of the HF name; other tensors are
-# replicated (norms, the row-parallel projections' biases, added once after AllReduce, and the embedding and lm_head
-# unless they are vocab-parallel, export/config.py vocab_shards)
-_SPLIT_AXIS = {"self_attn.q_proj.weight": 0, "self_attn.q_proj.bias": 0, "self_attn.k_proj.weight": 0,
-               "self_attn.k_proj.bias": 0, "self_attn.v_proj.weight": 0, "self_attn.v_proj.bias": 0,
-               "mlp.gate_proj.weight": 0, "mlp.gate_proj.bias": 0, "mlp.up_proj.weight": 0, "mlp.up_proj.bias": 0,
-               "self_attn.o_proj.weight": 1, "mlp.down_proj.weight": 1}
-_VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-def split_axis(name: str, vocab_parallel: bool = False) -> Optional[int]:
-    for suffix in ("_scale", "_offset"):  # a quantized layer's [G, O]: the outputs are its columns, the groups its rows
-        if name.endswith(suffix):
-            base = split_axis(name[:-len(suffix)], vocab_parallel)
-            return None if base is None else 1 - base
-    if vocab_parallel and name in _VOCAB_ROWS:
-        return 0
-    return next((axis for end, axis in _SPLIT_AXIS.items() if name.endswith(end)), None)

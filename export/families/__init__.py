@@ -1,7 +1,7 @@
 """Model families: one module per Hugging Face `model_type`, and the registry that picks it.
 
-A family module says how its checkpoints differ from the shared decoder (export/model.py for the
-MindSpore graphs, export/reference.py for the float32 reference): which projections carry a bias,
+A family module says how its checkpoints differ from the shared decoder (export/network/model.py for the
+MindSpore graphs, export/writers/reference.py for the float32 reference): which projections carry a bias,
 whether q and k are normalised per head, which HF config keys it reads for that. Everything the
 families share (RMSNorm, RoPE tables and their scaling types, the KV-cache attention, the graph
 wrappers, the CPU kernels) lives once, in those shared modules; parameter names are always the

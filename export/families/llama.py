@@ -2,7 +2,7 @@
 
 HF: transformers.models.llama (LlamaAttention: q/k/v/o_proj bias = `attention_bias`; LlamaMLP:
 gate/up/down_proj bias = `mlp_bias`; both false by default). Llama 3.1/3.2 use `rope_scaling` type
-`llama3` (export/rope.py). Their tokenizers add a BOS token (lite_runtime/tokenizer.py honours
+`llama3` (export/network/rope.py). Their tokenizers add a BOS token (lite_runtime/tokenizer.py honours
 `add_bos_token`) and their generation configs list several eos ids.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 HF: transformers.models.qwen2 (Qwen2Attention: q/k/v_proj bias=True, o_proj bias=False; MLP without
 bias). Qwen2.5 checkpoints carry the same model_type, often with YaRN `rope_scaling` for 128K
-contexts (export/config.py reads it, export/rope.py computes it).
+contexts (export/config.py reads it, export/network/rope.py computes it).
 """
 from __future__ import annotations
 

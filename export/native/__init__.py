@@ -2,7 +2,7 @@
 reference's quantized rows (golden_rows.c).
 
 Optional, as the CPU kernel library is: without a compiler at install the export computes the same values in numpy
-(export/quantize.py rtn, FolderRows.rows_into: tests/test_quantize.py holds the two paths equal bit for bit), only
+(export/network/quantize.py rtn, FolderRows.rows_into: tests/test_quantize.py holds the two paths equal bit for bit), only
 slower; MSLITE_LLM_EXPORT_NUMPY=1 forces that path. It shares no code with cpu_kernels/: the golden references prove
 those kernels, so they are never computed by them (docs/architecture.md, "Quantized folders").
 """
@@ -63,7 +63,7 @@ def quantized_rows(q: np.ndarray, packed: bool, scale: np.ndarray, out: np.ndarr
 
 def rtn_rows(w: np.ndarray, bits: int, group: int, symmetric: bool, q: np.ndarray, scale: np.ndarray,
              offset: Optional[np.ndarray]) -> bool:
-    """export/quantize.py rtn() of the rows w [n, I] (float32, or bfloat16 bits as uint16: SafetensorsFile.stored)
+    """export/network/quantize.py rtn() of the rows w [n, I] (float32, or bfloat16 bits as uint16: SafetensorsFile.stored)
     into q (int8 [n, I], or int4 packed [n, I / 2] as pack_int4 packs it), scale and offset [n, G] (offset None when
     symmetric), the same values bit for bit. False when the library is not built, the arrays are not as it reads them,
     or a value is not finite (the caller then runs rtn(), which decides what that means)."""

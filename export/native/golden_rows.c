@@ -1,4 +1,4 @@
-/* The golden reference's quantized rows (export/quantize.py FolderRows.rows_into), in plain C.
+/* The golden reference's quantized rows (export/network/quantize.py FolderRows.rows_into), in plain C.
  *
  * Written for the reference alone and built into the export's own library (setup.py: export.native._native), sharing
  * no code and no header with the graphs' kernels (cpu_kernels/): the golden references are the proof of those
@@ -13,7 +13,7 @@
  * (contiguous) and their scales `scale` (float32, rows x groups, contiguous; groups == 1: per channel, the scale is
  * applied to the outputs by FolderRows.finish, and here each value is multiplied by 1, which changes none of them).
  * `width` is a multiple of `groups`, and for int4 the group's width is even (a byte never spans two groups:
- * export/quantize.py checks both at export).
+ * export/network/quantize.py checks both at export).
  */
 #include <stdint.h>
 

@@ -1,4 +1,4 @@
-/* Round-to-nearest of float rows into the folder's integers, as export/quantize.py rtn() defines it, in plain C.
+/* Round-to-nearest of float rows into the folder's integers, as export/network/quantize.py rtn() defines it, in plain C.
  *
  * The export's own code, not the graphs' kernels' (it shares nothing with cpu_kernels/). Each value goes through the
  * float32 operations numpy's rtn() applies, in the same order (a division by the group's scale, rounding to the

@@ -15,7 +15,7 @@ small ops, with the valid lengths as tensors so that no length ever recompiles a
 - norms: RmsNorm, and AddRmsNorm for the residual add before post_attention_layernorm (one op for add + norm).
 - rotary embedding: RotaryPositionEmbedding mode 0 (rotate-half, as HF) on BNSD with cos/sin [B|1, 1, n, D].
 Which profile gets the fused form: export/devices.py (DeviceProfile.fused) and ge_configs/README.md. The
-projections, the MLP and the cache writes are the plain form's (export/layers.py); parameter names are the same, so
+projections, the MLP and the cache writes are the plain form's (export/network/layers.py); parameter names are the same, so
 the weights file does not change with the graph form.
 
 On the CPU the `ms` backend replaces these ops by stand-ins (lite_runtime/backends/standins.py,
@@ -31,8 +31,8 @@ from mindspore.ops.auto_generate import (AddRmsNorm, PagedAttention, PromptFlash
                                          RotaryPositionEmbedding)
 
 from export.config import ModelConfig
-from export.layers import DecoderLayer, KVCache, RMSNorm, ew_add
-from export.matmul import Form
+from export.network.layers import DecoderLayer, KVCache, RMSNorm, ew_add
+from export.network.matmul import Form
 
 # the side of the compressed causal mask of PromptFlashAttention's sparse_mode 2 and 3 (MindSpore 2.10 op docs)
 COMPRESSED_MASK = 2048

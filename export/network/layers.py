@@ -1,7 +1,7 @@
-"""The building blocks of the shared decoder (export/model.py) as MindSpore cells: linear layers, RMSNorm, the MLP,
+"""The building blocks of the shared decoder (export/network/model.py) as MindSpore cells: linear layers, RMSNorm, the MLP,
 attention with its KV cache, the decoder layer and the embedding, each running plain MindSpore ops or, in
 `--device cpu` folders, our CPU kernels (cpu_kernels). The Atlas fused form of the attention and norms is in
-export/atlas_layers.py. Module and parameter names equal the Hugging Face checkpoint names, so the weight map is
+export/network/atlas_layers.py. Module and parameter names equal the Hugging Face checkpoint names, so the weight map is
 the identity.
 
 Only plain ops with CPU kernels in MindSpore 2.10 (fp32/fp16) are used here, so the same graph runs on the CPU and
@@ -31,7 +31,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
 from export.config import ModelConfig
-from export.matmul import (KERNEL_PREFILL_MAX_ROWS, Form, MatmulMethod, PlainMatmul, QuantMatmul,  # noqa: F401
+from export.network.matmul import (KERNEL_PREFILL_MAX_ROWS, Form, MatmulMethod, PlainMatmul, QuantMatmul,  # noqa: F401
                            ew_add, is_quantized, kernel_matmul, lazy_parameter as _weight)
 
 MS_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
@@ -74,7 +74,7 @@ def kernel_embed():
 
 
 class Linear(nn.Cell):
-    """y = x @ W^T (+ b), W [out, in] as HF stores it, stored and multiplied by the layer's `method` (export/matmul.py:
+    """y = x @ W^T (+ b), W [out, in] as HF stores it, stored and multiplied by the layer's `method` (export/network/matmul.py:
     plain MatMul, our CPU kernel, or a quantized matmul), chosen once for the network. `few_rows` is the decode
     step's call (a method may run another op for a few rows)."""
 
@@ -492,9 +492,9 @@ class Embedding(nn.Cell):
     every rank runs the same graph."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype, k: "Form", shards: int = 1) -> None:
-        """The table is stored as the form says (export/matmul.py), and the head uses it when it is this table (a tied
+        """The table is stored as the form says (export/network/matmul.py), and the head uses it when it is this table (a tied
         model; the form's `table` method is then the one that reads this storage). A quantized embedding
-        (k.embedding, export/quantize.py TablePlan) is q [V, E] int8, or int4 two per byte as uint8 [V, E / 2] (input
+        (k.embedding, export/network/quantize.py TablePlan) is q [V, E] int8, or int4 two per byte as uint8 [V, E / 2] (input
         2j in the low nibble, two's complement) in every form, with a scale (and offset) per group of its row,
         [G, V] (G = 1: per row); a lookup gathers the rows, their scales and offsets, and computes (q + offset) *
         scale by plain ops. A float one is [V, E] in the compute dtype, or in 16 bits read by our kernel."""

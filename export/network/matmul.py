@@ -1,12 +1,12 @@
 """The matmul methods of linear layers, and the one place that chooses them (docs/architecture.md, "Graph forms").
 
-As vLLM's `LinearBase(quant_method=...)`: each linear layer (export/layers.py Linear) gets its method when it is
+As vLLM's `LinearBase(quant_method=...)`: each linear layer (export/network/layers.py Linear) gets its method when it is
 built, and the method owns how the weight is stored (its Parameters) and how x . W^T is computed. A new weight
 format is a new method here, never a flag threaded through the layers. The methods:
 - PlainMatmul: MindSpore's MatMul (plain graphs on the CPU, every Atlas float folder);
 - KernelMatmul: mslite-llm's CPU kernel (cpu_kernels/gemv.cc), float32, float16 or bfloat16 matrices widened in
   registers, in the decode step and (for 16-bit matrices, or a few rows) in the full graph;
-- QuantMatmul: int8/int4 weights with scales (export/quantize.py has the format): Ascend's WeightQuantBatchMatmul in
+- QuantMatmul: int8/int4 weights with scales (export/network/quantize.py has the format): Ascend's WeightQuantBatchMatmul in
   Atlas graphs (a CPU stand-in at load: lite_runtime/backends/standins.py), cpu_kernels/matmul_quant.cc in CPU graphs
   (where the fused decode ops read the same integers).
 
@@ -36,7 +36,7 @@ KERNEL_PREFILL_MAX_ROWS = 16
 
 def lazy_parameter(shape, dtype, name: str) -> Parameter:
     """Lazy zeros: nothing is allocated. Export compiles the graphs from shapes and dtypes alone and writes the data
-    straight from the checkpoint (export/graphs.py, export/weights_file.py).
+    straight from the checkpoint (export/writers/graphs.py, export/writers/weights_file.py).
 
     MindSpore's Parameter materializes its initializer at construction (`init_data()`) unless its class says
     `init_param = False` (read from the class, so it is set on Parameter for the call: a subclass is not kept, the
@@ -54,12 +54,12 @@ def lazy_parameter(shape, dtype, name: str) -> Parameter:
 
 
 def ew_add(a, b):
-    """a + b; AddN for float16 (export/layers.py, FLOAT16: MindSpore's CPU Add has no fast path for it)."""
+    """a + b; AddN for float16 (export/network/layers.py, FLOAT16: MindSpore's CPU Add has no fast path for it)."""
     return ops.addn((a, b)) if a.dtype == ms.float16 else a + b
 
 
 def _add(y, bias):
-    """y + bias with the bias broadcast explicitly (export/layers.py, BROADCASTS); the depend keeps MindSpore from
+    """y + bias with the bias broadcast explicitly (export/network/layers.py, BROADCASTS); the depend keeps MindSpore from
     running every layer's broadcast at graph start."""
     return ew_add(y, ops.broadcast_to(ops.depend(bias, y), y.shape))
 
@@ -126,7 +126,7 @@ class KernelMatmul(MatmulMethod):
 
 
 class QuantMatmul(MatmulMethod):
-    """A quantized linear layer (export/quantize.py has the format): y = x . W^T with
+    """A quantized linear layer (export/network/quantize.py has the format): y = x . W^T with
     W[o, i] = (q[o, i] + offset[i // g, o]) * scale[i // g, o], q int8 [O, I] or int4 packed [O, I / 2].
 
     `atlas`: Ascend's WeightQuantBatchMatmul (float16/bfloat16 x, the weight transposed as [N, K], per-group scale
@@ -185,7 +185,7 @@ class Form(NamedTuple):
     layers.py), which read 16- or 32-bit matrices. `linear`: each linear layer's method. `table`: the head's method
     (a tied model's head is the embedding's table). `table_dtype`: a float table's storage dtype when it is not the
     compute dtype (our embedding kernel reads it). `embedding`: in a quantized folder, the embedding's QuantMethod
-    when it is quantized (export/quantize.py TablePlan), else None: float."""
+    when it is quantized (export/network/quantize.py TablePlan), else None: float."""
 
     decode_ops: bool = False
     linear: Factory = lambda with_bias: PlainMatmul()
@@ -198,8 +198,8 @@ def choose_form(kernels: bool, prompt_kernels: bool, weight_dtype, quant=None, a
                 tables=None) -> Form:
     """The form of a network: `kernels` (a CPU folder with our kernel library), `prompt_kernels` (the full graph's
     matmuls through them too: 16-bit matrices), `weight_dtype` (the matrices' storage dtype when it is not the
-    compute dtype), `quant` (export/quantize.QuantMethod of the linear layers, or None), `tables` (a quantized
-    folder's export/quantize.TablePlan: each table quantized by its method, or float as a float folder's)."""
+    compute dtype), `quant` (export/checkpoints/methods.py QuantMethod of the linear layers, or None), `tables` (a quantized
+    folder's export/network/quantize.py TablePlan: each table quantized by its method, or float as a float folder's)."""
     if kernels:
         def float_method(with_bias: bool) -> MatmulMethod:
             return KernelMatmul(prompt_kernels, weight_dtype, with_bias)
@@ -211,7 +211,7 @@ def choose_form(kernels: bool, prompt_kernels: bool, weight_dtype, quant=None, a
 
     # a quantized folder: one quantized matmul per linear layer. On the CPU the fused decode ops run the layers,
     # reading the integers as the matmul does (cpu_kernels/decode_ops.cc: a weight is its q, scale[, offset]); on
-    # Atlas the plain form around WeightQuantBatchMatmul (or the fused form, from export/atlas_layers.py)
+    # Atlas the plain form around WeightQuantBatchMatmul (or the fused form, from export/network/atlas_layers.py)
     def linear(with_bias: bool) -> MatmulMethod:
         return QuantMatmul(quant.bits, quant.group_size, quant.symmetric, atlas)
 

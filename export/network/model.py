@@ -1,11 +1,11 @@
 """The decoder of every family (export/families) in MindSpore with a KV cache (use_past): a full (prefill) and an
 incremental step. The families differ only in the structural flags of ModelConfig: biases on q/k/v, o_proj and the
-MLP, and Qwen3's per-head RMSNorm of q and k before RoPE; rope scaling only changes the tables (export/rope.py).
+MLP, and Qwen3's per-head RMSNorm of q and k before RoPE; rope scaling only changes the tables (export/network/rope.py).
 
 Two graph forms (--graph): `plain`, only ops with CPU kernels in MindSpore 2.10, so the same graph runs on the CPU
 and under GE on Ascend; `fused` (Atlas profiles), Ascend's fused attention, norm and rotary operators, which the
 `ms` backend replaces by CPU stand-ins when it loads the graph (lite_runtime/backends/standins.py).
-Building blocks: export/layers.py (plain ops and CPU kernels), export/atlas_layers.py (Ascend fused ops).
+Building blocks: export/network/layers.py (plain ops and CPU kernels), export/network/atlas_layers.py (Ascend fused ops).
 
 Shapes: B batch, L tokens in this call, S cache length (= exported seq_length),
 H query heads, KH key/value heads, G = H // KH, D head_dim, E hidden_size, V vocab.
@@ -19,11 +19,11 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from export.atlas_layers import AtlasRMSNorm, FusedDecoderLayer, FusedSteps, lengths_int64
+from export.network.atlas_layers import AtlasRMSNorm, FusedDecoderLayer, FusedSteps, lengths_int64
 from export.config import ModelConfig
-from export.layers import MS_DTYPES, DecoderLayer, Embedding, KVCache, Linear, RMSNorm
-from export.matmul import Form, choose_form  # noqa: F401 (Form: annotations)
-from export.rope import rope_tables
+from export.network.layers import MS_DTYPES, DecoderLayer, Embedding, KVCache, Linear, RMSNorm
+from export.network.matmul import Form, choose_form  # noqa: F401 (Form: annotations)
+from export.network.rope import rope_tables
 
 
 class DecoderModel(nn.Cell):
@@ -64,7 +64,7 @@ class CausalLM(nn.Cell):
     `dtype` is the compute dtype (activations, KV cache, norms and biases). CPU folders may use our
     kernels (cpu_kernels): gemv=True for every matmul of the decode step, gemm=True for those of the
     full graph, and weight_dtype float16/bfloat16 to store the matrices (linear layers, embedding,
-    head) in 16 bits while computing in float32, which needs both (export/matmul.py KernelMatmul).
+    head) in 16 bits while computing in float32, which needs both (export/network/matmul.py KernelMatmul).
 
     `tensor_parallel`: one rank of a Megatron split. `cfg` is then the rank's share (tensor_parallel_config: its
     heads, kv heads and intermediate columns); o_proj and down_proj are row-parallel, each followed by AllReduce
@@ -73,11 +73,11 @@ class CausalLM(nn.Cell):
     each rank's logits of its rows are gathered (AllGather) into the whole vocabulary's; 1: they are replicated.
     Either way every rank computes the same logits.
 
-    `fused` (Atlas A2 profiles only): the fused form of the layers (export/atlas_layers.py); else plain.
-    `quant`: the linear layers' export/quantize.QuantMethod, or None: float weights; `tables`: a quantized folder's
-    export/quantize.TablePlan (each table quantized or float); `atlas`: the folder is for an Atlas device (its
+    `fused` (Atlas A2 profiles only): the fused form of the layers (export/network/atlas_layers.py); else plain.
+    `quant`: the linear layers' export/checkpoints/methods.py QuantMethod, or None: float weights; `tables`: a quantized folder's
+    export/network/quantize.py TablePlan (each table quantized or float); `atlas`: the folder is for an Atlas device (its
     quantized matmul is WeightQuantBatchMatmul). The form and every linear layer's method are
-    chosen here, once (export/matmul.py choose_form).
+    chosen here, once (export/network/matmul.py choose_form).
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype: str = "float32",
@@ -201,7 +201,7 @@ class CausalLM(nn.Cell):
                 piece_mask = _additive(keep).reshape(1, n, t)  # [1, n, T]: token i sees its sequence up to itself
                 ctx = {"slots": slots, "block_tables": block_tables, "piece_table": chunk_block_table,
                        "step_mask": step_mask, "piece_mask": piece_mask}
-        # ctx, by name (export/layers.py Attention.chunk): every form's slots [B + n] (the cache writes); the form's
+        # ctx, by name (export/network/layers.py Attention.chunk): every form's slots [B + n] (the cache writes); the form's
         # own keys beside them
         for layer in self.model.layers:
             x = layer.chunk(x, cos, sin, ctx, b, n)
@@ -256,7 +256,7 @@ class ChunkGraph(nn.Cell):
     prefix its blocks already hold. Same parameters; logits [B + 1, V].
 
     `every` (the score graph): the same call returning the logits of every piece position, [B + C, V] (B: the step
-    rows it is compiled with, one for export's score graphs, export/graphs.py SCORE_STEP_ROWS; row B + i: after the
+    rows it is compiled with, one for export's score graphs, export/writers/graphs.py SCORE_STEP_ROWS; row B + i: after the
     piece's token i; those past chunk_length are padding's), for speculative decoding's verify, prompt
     logprobs and perplexity (docs/architecture.md, "score graphs")."""
 

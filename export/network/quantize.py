@@ -21,9 +21,9 @@ float, a GGUF table in a type the folder has a form for keeps its blocks (Q8_0, 
 
 Two views of one quantized checkpoint:
 - `Quantized.folder_tensors()`: what the weights file holds (q, scales, offsets), each layer quantized once, whole,
-  in a worker of export/weights_file.py;
+  in a worker of export/writers/weights_file.py;
 - `FolderMeaning`: once written, each layer's weight as the float32 values the folder means, dequantized block by
-  block from its weights files as the float32 reference (export/reference.py) reads it: the golden references
+  block from its weights files as the float32 reference (export/writers/reference.py) reads it: the golden references
   hold the folder to what it holds.
 """
 from __future__ import annotations
@@ -31,18 +31,16 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from export import native
 from export.errors import ExportError
-from export.weights import rounded_to, widen
-from lite_runtime.folder import quantization_label
+from export.checkpoints.methods import QuantMethod, is_linear
+from export.checkpoints.safetensors import rounded_to, widen
 
-LINEAR_SUFFIXES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                   "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # tensor parallel: split along the inputs
 SCALE, OFFSET = "_scale", "_offset"  # suffixes of a weight's companions: `<layer>.weight_scale`
 CHOICES = ("none", "int8", "int4")
@@ -55,39 +53,6 @@ MIN_GROUP = 32
 
 
 TABLES = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-def is_linear(name: str) -> bool:
-    return name.startswith("model.layers.") and name.endswith(LINEAR_SUFFIXES)
-
-
-@dataclass(frozen=True)
-class QuantMethod:
-    """How a folder's linear layers are stored: `bits` 8 or 4, `group_size` inputs per scale (0: per channel),
-    `symmetric` (no offsets), `source`: rtn, gptq, awq, or gguf:<type>."""
-
-    bits: int
-    group_size: int
-    symmetric: bool
-    source: str
-
-    def groups(self, inputs: int) -> int:
-        return 1 if self.group_size == 0 else inputs // self.group_size
-
-    def label(self) -> str:
-        return quantization_label(self.to_dict())
-
-    def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
-
-    def record(self, tables: "TablePlan") -> Dict[str, Any]:
-        """What the manifest, the yaml and golden.json say: this method, and how the tables are held
-        (TablePlan.record)."""
-        return {**self.to_dict(), "tables": tables.record()}
-
-    @classmethod
-    def from_dict(cls, raw: Dict[str, Any]) -> "QuantMethod":
-        return cls(int(raw["bits"]), int(raw["group_size"]), bool(raw["symmetric"]), str(raw["source"]))
 
 
 # The embedding and the head of a folder this export quantizes: int8, a scale per row (per channel: the head's outputs,
@@ -165,10 +130,6 @@ class TablePlan:
         if self.embedding == self.head:
             return f"embedding and head {words(self.embedding)}{again}"
         return f"embedding {words(self.embedding)}, head {words(self.head)}{again}"
-
-
-# GGUF tensor types that hold 8 bits or more per weight; any other quantized type is below (4, 5 or 6 bits)
-_FULL_GGUF_TYPES = ("F32", "F16", "BF16", "F64", "Q8_0", "Q8_1", "Q8_K")
 
 
 def resolve_tables(option: Optional[str], method: Optional[QuantMethod], where: Dict[str, Any], tied: bool,
@@ -322,7 +283,7 @@ def choose_group(requested: Optional[int], bits: int, inputs: List[int]) -> Tupl
 # ---------------------------------------------------------------------------------------------------------- sources
 
 class Quantized:
-    """A checkpoint (`where`: name -> source, export/weights.py's interface) with its linear layers quantized by
+    """A checkpoint (`where`: name -> source, export/checkpoints/safetensors.py's interface) with its linear layers quantized by
     `method`. Each layer's (q [O, I] int8, scale [G, O], offset [G, O] or None), float32 scales, comes from
     `layer_source(name)` when the checkpoint holds it quantized in this very format (GPTQ, AWQ, GGUF), else from
     round-to-nearest of its float values, in blocks of rows (float32 in memory: one block)."""
@@ -404,7 +365,7 @@ class Quantized:
 
 
 class FolderTensors:
-    """The weights file's view (export/weights_file.py): `<layer>.weight` (int8, or packed int4 as uint8),
+    """The weights file's view (export/writers/weights_file.py): `<layer>.weight` (int8, or packed int4 as uint8),
     `<layer>.weight_scale` and `<layer>.weight_offset` [G, O]. A layer is quantized once, by whichever of its tensors
     a worker asks for first; the others take its result, which is dropped once all are taken."""
 
@@ -468,7 +429,7 @@ class FolderTensors:
 
 
 def _as_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
-    from export.weights import stored_as
+    from export.checkpoints.safetensors import stored_as
 
     return stored_as(np.ascontiguousarray(values, np.float32), dtype)
 

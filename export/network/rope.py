@@ -1,6 +1,6 @@
 """Rotary position tables in numpy: shared by the MindSpore network (graph constants) and the float32 reference.
 
-One place for the math, so the golden references of export/golden.py and the exported graphs
+One place for the math, so the golden references of export/writers/golden.py and the exported graphs
 cannot drift apart on RoPE. The scaling types are the static ones of transformers'
 modeling_rope_utils, computed the same way in float32: `linear` (positions / factor), `yarn`
 (per-frequency blend of interpolation and extrapolation, and an attention factor on cos and sin)

@@ -21,7 +21,7 @@ _TOKENIZER_CORE = ("tokenizer.json", "vocab.json", "tokenizer.model")
 def copy_tokenizer(checkpoint: str, folder: str) -> List[str]:
     """The checkpoint's tokenizer files (and generation_config.json) into `folder`; a GGUF's written from its
     metadata. Returns their names."""
-    from export.gguf_checkpoint import is_gguf, write_tokenizer_files
+    from export.checkpoints.gguf import is_gguf, write_tokenizer_files
 
     if is_gguf(checkpoint):
         return write_tokenizer_files(checkpoint, folder)
@@ -36,8 +36,8 @@ def copy_tokenizer(checkpoint: str, folder: str) -> List[str]:
 
 def special_token_ids(checkpoint: str, model_eos) -> Dict[str, Any]:
     """eos and pad ids: generation_config.json first, then config.json (as HF generate does); a GGUF's metadata."""
-    from export.gguf_checkpoint import generation_config, is_gguf
-    from export.gguf_file import open_gguf_file
+    from export.checkpoints.gguf import generation_config, is_gguf
+    from export.checkpoints.gguf_file import open_gguf_file
 
     gen: Dict[str, Any] = {}
     path = os.path.join(checkpoint, "generation_config.json")

@@ -2,7 +2,7 @@
 
 `python -m lite_runtime.check` replays them on the device the folder runs on, with only
 mindspore_lite, numpy and pyyaml there, and says whether the device computes what the checkpoint
-means. They are computed at export by export/reference.py (float32 numpy on the checkpoint's own
+means. They are computed at export by export/writers/reference.py (float32 numpy on the checkpoint's own
 weights, whatever the export dtype), never by the exported graphs.
 
 The prompts (documented in model_dirs/README.md, "golden.json"):
@@ -63,8 +63,8 @@ def plan_batches(prefill_sizes: Sequence[int], seq_length: int, batch_size: int)
 def _text_ids(checkpoint: str, vocab_size: int) -> Optional[List[List[int]]]:
     """Each of TEXTS as token ids of the checkpoint's tokenizer.json (a GGUF's: built from its metadata), or None
     when that cannot be used."""
-    from export.gguf_checkpoint import build_tokenizer, is_gguf
-    from export.gguf_file import open_gguf_file
+    from export.checkpoints.gguf import build_tokenizer, is_gguf
+    from export.checkpoints.gguf_file import open_gguf_file
 
     gguf = is_gguf(checkpoint)
     path = checkpoint if gguf else os.path.join(checkpoint, "tokenizer.json")
@@ -110,7 +110,7 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
     prefills every prompt, each later one decodes one token of every row still going.
     matrices_in: for a CPU folder that stores its matrices in 16 bits and computes in float32, the
     reference uses the same rounded matrices (NumpyDecoder), and the folder is held to float32's limits.
-    quant: (the folder's `quantization` record, export/quantize.FolderMeaning) of a quantized folder, once its weights
+    quant: (the folder's `quantization` record, export/network/quantize.py FolderMeaning) of a quantized folder, once its weights
     are written: the reference runs on the weights the folder holds, dequantized, so `check` holds a device to the
     usual limits. Then a second reference on the checkpoint's own weights is fed the same tokens, all steps of every
     row in one prefill pass (the folder's greedy tokens are known by then), and how far the two are apart is recorded
@@ -121,8 +121,8 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
     (ArithmeticLanes), whose distance from the row sets the check's limits for this folder (`limits`,
     lite_runtime/golden.py derived_limits).
     """
-    from export.reference import NumpyDecoder
-    from export.weights import open_checkpoint, plan_weights
+    from export.writers.reference import NumpyDecoder
+    from export.checkpoints import open_checkpoint, plan_weights
 
     start = time.perf_counter()
     plan = plan_batches(prefill_sizes, seq_length, batch_size)
@@ -178,7 +178,7 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
     out = [ReferenceBatch(graph_key("prefill", tokens), [records[i] for i, (rb, _) in enumerate(rows) if rb == b])
            for b, (tokens, _, _) in enumerate(plan)]
     return golden_document(
-        out, computed_by="export/reference.py: float32 numpy on the checkpoint's weights" + (
+        out, computed_by="export/writers/reference.py: float32 numpy on the checkpoint's weights" + (
             f", matrices rounded to {matrices_in} as the folder stores them" if matrices_in != "float32" else "") + (
             ", dequantized from the folder's weights files" if quant is not None else ""),
         matrices_in=matrices_in, prompt_source=source, top_k=TOP_K, seq_length=seq_length, batch_size=batch_size,
@@ -220,11 +220,11 @@ def lanes_for(bits: Optional[int], matrices_in: str, cpu_kernels: bool) -> Tuple
 
 class ArithmeticLanes:
     """Each decode step of the golden references again in two lanes beside every row, from the same history (each
-    lane its own cache from the prompt on, fed the row's tokens), in the same matmul calls (export/reference.py
+    lane its own cache from the prompt on, fed the row's tokens), in the same matmul calls (export/writers/reference.py
     BlockedMatmul `lanes`, the widened weights shared): the fast form's, x rounded as the CPU kernels round it ("int16"
     at every quantized matmul, "int8" at an int4 folder's (int8 where the kernels take it so, else int16), or "bf16"
     at every matmul of bfloat16 matrices); "reorder", every product in another
-    float32 order (export/reference.py BlockedMatmul: row by row, each in two halves). How far
+    float32 order (export/writers/reference.py BlockedMatmul: row by row, each in two halves). How far
     each lane's top-k logits land from the row's, over every step, is what this folder's arithmetic does to its
     logits (`measured`): the check's limits follow from it (lite_runtime/golden.py derived_limits). Only the steps:
     the prompt's prefill is shared (measured, the step's own products carry the lanes' distance: 1.4e-6 / 6.5e-5
@@ -241,7 +241,7 @@ class ArithmeticLanes:
     def start(self, caches) -> None:
         """After the prompts' prefill: each lane's caches begin as copies of the rows' (keys and values are replaced,
         never written in place, by the reference's attention: a shallow copy is a copy)."""
-        from export.reference import RowCache
+        from export.writers.reference import RowCache
 
         for kind in self.kinds:
             self.caches[kind] = []
@@ -292,8 +292,8 @@ class AgreementPrefill:
                  batch_size: int) -> None:
         import threading
 
-        from export.reference import NumpyDecoder
-        from export.weights import open_checkpoint
+        from export.writers.reference import NumpyDecoder
+        from export.checkpoints import open_checkpoint
 
         batches, _ = prompts_for(plan_batches(prefill_sizes, seq_length, batch_size), checkpoint, model_cfg.vocab_size)
         prompts = [list(ids) for batch in batches for ids in batch]
@@ -368,7 +368,7 @@ class _Agreement:
         return {"tokens": self.steps, "greedy_agreement": round(self.before_first / max(self.steps, 1), 6),
                 "top1_match": round(self.same / max(self.steps, 1), 6),
                 "max_logit_error": float(f"{self.max_error:.6g}"),
-                "computed_by": "export/reference.py on the checkpoint's own weights, fed the folder's greedy tokens "
+                "computed_by": "export/writers/reference.py on the checkpoint's own weights, fed the folder's greedy tokens "
                                f"(one prefill of each prompt and its tokens, over the rows whose prompts have at most "
                                f"{LEAD_CAP} tokens)"}
 

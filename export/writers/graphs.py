@@ -5,7 +5,7 @@ mindspore.export compiles a cell, takes its graph proto, and only then writes ev
 _split_save). Compiling needs each Parameter's shape and dtype, not its bytes, so the network is built
 with lazily initialised Parameters (nothing allocated), each graph is compiled and its proto taken the
 way mindspore.export takes it (`_cell_info`, in MindSpore 2.7 to 2.10), and the bytes are written once
-per rank by export/weights_file.py. `write_graph` then points every parameter at its place in that file
+per rank by export/writers/weights_file.py. `write_graph` then points every parameter at its place in that file
 (MindIR's external_data: location, offset, length) and writes the graph.
 """
 from __future__ import annotations
@@ -56,17 +56,17 @@ class Network:
     parameter names), so one is built and compiled for all of them."""
 
     def __init__(self, cfg: ExportConfig, model_cfg: ModelConfig, quant=None, tables=None) -> None:
-        """`quant`: the linear layers' export/quantize.QuantMethod, or None; `tables`: a quantized folder's
-        export/quantize.TablePlan."""
+        """`quant`: the linear layers' export/checkpoints/methods.py QuantMethod, or None; `tables`: a quantized folder's
+        export/network/quantize.py TablePlan."""
         import mindspore as ms
 
-        from export.model import CausalLM
+        from export.network.model import CausalLM
 
         ms.set_context(mode=ms.GRAPH_MODE)
         self.cfg = cfg
         self.kernels = cfg.use_cpu_kernels()
         # every full-graph matmul through our kernel: 16-bit matrices need it; float32 ones only for few rows
-        # (export/matmul.py KERNEL_PREFILL_MAX_ROWS)
+        # (export/network/matmul.py KERNEL_PREFILL_MAX_ROWS)
         gemm = self.kernels and cfg.half_weights_on_cpu
         tp = cfg.tp_size
         self.vocab_shards = vocab_shards(model_cfg, tp)
@@ -86,7 +86,7 @@ class Network:
         import numpy as np
 
         import mindspore as ms
-        from export.model import ChunkGraph, DecodeGraph, PrefillGraph
+        from export.network.model import ChunkGraph, DecodeGraph, PrefillGraph
 
         try:
             from mindspore.train.serialization import _cell_info
@@ -145,7 +145,7 @@ def compile_graphs(cfg: ExportConfig, network: Network,
 def write_graph(folder: str, cfg: ExportConfig, graph: CompiledGraph, rank: int, layout,
                 portable_kernels: bool) -> GraphEntry:
     """Rank `rank`'s copy of the graph: its parameters pointed at that rank's weights file (`layout`:
-    export/weights_file.Layout), written, and its manifest entry returned. The specs are read from the very proto
+    export/writers/weights_file.py Layout), written, and its manifest entry returned. The specs are read from the very proto
     written."""
     tp = cfg.tp_size
     file = graph_file(rank_name(cfg.name, rank, tp), graph.role, graph.tokens, cfg.seq_length, graph.rows)
@@ -157,7 +157,7 @@ def write_graph(folder: str, cfg: ExportConfig, graph: CompiledGraph, rank: int,
         declared = (tuple(int(d) for d in param.dims), MINDIR_DTYPES[_type_name(param.data_type)])
         if entry is None or declared != (entry.shape, entry.dtype):
             raise ExportError(f"{file}: parameter {name} {list(param.dims)} is not in {layout.location} as the "
-                              "graph declares it; this is a bug in export/graphs.py, please report it")
+                              "graph declares it; this is a bug in export/writers/graphs.py, please report it")
         param.external_data.location = layout.location
         param.external_data.offset = entry.offset
         param.external_data.length = entry.nbytes

@@ -30,8 +30,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from export.config import ModelConfig
-from export.rope import rope_tables
-from export.weights import SafetensorsFile, rounded_to, widen
+from export.network.rope import rope_tables
+from export.checkpoints.safetensors import SafetensorsFile, rounded_to, widen
 
 # Above this many rows a matmul is a GEMM on big blocks with BLAS's own threads; at or below it, cache-sized
 # blocks shared among Python threads with BLAS on one thread each, a few rows per call (_SMALL_M_ROWS). Measured on the
@@ -97,7 +97,7 @@ class BlockedMatmul:
     """x [T, I] @ W[O, I]^T for W as the checkpoint stores it (float32, float16, or bfloat16 bits as uint16),
     widened to float32 block by block and rounded through `matrices_in` when the folder stores its matrices so.
 
-    `lanes` (set by the caller around a forward, export/golden.py ArithmeticLanes): rows of x that compute the same
+    `lanes` (set by the caller around a forward, export/writers/golden.py ArithmeticLanes): rows of x that compute the same
     product another way, from the same widened blocks: "int16" rows with x rounded as the CPU kernels' decode form
     rounds it (rounded_to_int16_blocks) at every quantized matmul (the offsets' sums from x as given, as the kernels
     take them); "int8" rows likewise as the default decode form rounds x for an int4 folder: to int8 at the int4 matmuls
@@ -126,7 +126,7 @@ class BlockedMatmul:
 
     def _widen(self, block, buf: np.ndarray) -> np.ndarray:
         """`block` [n, I] of stored bits as float32, in `buf` (a float32 scratch of at least n rows) unless it is
-        float32 already and needs no rounding. A quantized layer's block (export/quantize.FolderRows) is
+        float32 already and needs no rounding. A quantized layer's block (export/network/quantize.py FolderRows) is
         dequantized here, exactly: the folder computes with those values, never rounded to 16 bits."""
         n = block.shape[0]
         if isinstance(block, _Rows):
@@ -147,7 +147,7 @@ class BlockedMatmul:
         rows, width = x.shape
         n_out = w.shape[0]
         out = np.empty((rows, n_out), np.float32)
-        quantized = not isinstance(w, np.ndarray)  # export/quantize.FolderRows: each block finished after its GEMM
+        quantized = not isinstance(w, np.ndarray)  # export/network/quantize.py FolderRows: each block finished after its GEMM
         lanes = self._lanes(x, w if quantized else None)
         if rows > FEW_ROWS or self._pool is None:
             step = max(1, GEMM_BLOCK_BYTES // (4 * width))
@@ -221,7 +221,7 @@ class BlockedMatmul:
 
 
 class _Rows:
-    """Rows [a, b) of a quantized layer (export/quantize.FolderRows), dequantized when widened."""
+    """Rows [a, b) of a quantized layer (export/network/quantize.py FolderRows), dequantized when widened."""
 
     def __init__(self, matrix, a: int, b: int) -> None:
         self.matrix, self.a, self.b = matrix, a, min(b, matrix.shape[0])
@@ -326,7 +326,7 @@ class NumpyDecoder:
         embed = self.where["model.embed_tokens.weight"].stored("model.embed_tokens.weight")
         x = widen(np.asarray(embed[ids])).astype(np.float32)  # [T, E]: the rows used
         if isinstance(embed, np.ndarray):  # a float table, rounded as the folder stores it; a quantized one's rows
-            x = rounded_to(x, self.matrices_in)  # (export/quantize.FolderRows) are what the folder computes with
+            x = rounded_to(x, self.matrices_in)  # (export/network/quantize.py FolderRows) are what the folder computes with
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, D]
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         for layer in range(cfg.num_hidden_layers):

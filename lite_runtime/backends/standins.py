@@ -1,7 +1,7 @@
 """The `ms` backend's CPU stand-ins for Ascend's fused operators: a parsed MindIR's fused-op nodes rewritten, before
 the graph is loaded, into aot Custom ops calling cpu_kernels/atlas_ops.cc.
 
-A `--graph fused` folder (export/atlas_layers.py) calls PromptFlashAttention, PagedAttention, ReshapeAndCache, RmsNorm,
+A `--graph fused` folder (export/network/atlas_layers.py) calls PromptFlashAttention, PagedAttention, ReshapeAndCache, RmsNorm,
 AddRmsNorm and RotaryPositionEmbedding (and WeightQuantBatchMatmul when quantized). MindSpore's CPU build infers their shapes, so the graphs export, but it has no kernels
 for them. Each node is replaced in place: same data inputs, same output (the node's recorded shape, which is what a
 loaded Custom op's abstract comes from), the op's scalar arguments (scale, sparse_mode, epsilon, ...) passed as a
@@ -53,7 +53,7 @@ _STANDINS: Dict[str, Standin] = {
     "RotaryPositionEmbedding": Standin("MsliteLlmAtlasRotaryPositionEmbedding", (0, 1, 2), (3,),
                                        checks=((3, "mode", lambda v: v in (0, 1)),), arity=4),
     # x, weight, antiquant_scale, antiquant_offset | quant_scale, quant_offset, bias | transpose_x, transpose_weight,
-    # antiquant_group_size (quantized folders: export/layers.py QuantMatmul; the weight as [N, K])
+    # antiquant_group_size (quantized folders: export/network/layers.py QuantMatmul; the weight as [N, K])
     "WeightQuantBatchMatmul": Standin(
         "MsliteLlmAtlasWeightQuantBatchMatmul", (0, 1, 2), (9,), nones=(4, 5, 6),
         checks=((7, "transpose_x", lambda v: not v), (8, "transpose_weight", lambda v: bool(v))), arity=10,

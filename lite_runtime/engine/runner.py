@@ -324,7 +324,7 @@ class ModelRunner:
         `every`, through the smallest score graph, the logits after each of the piece's tokens [len, V] instead (a
         view of the graph's output: copy what outlives the next call).
 
-        A graph of fewer step rows than B (a score graph's one, export/graphs.py SCORE_STEP_ROWS) takes the live rows
+        A graph of fewer step rows than B (a score graph's one, export/writers/graphs.py SCORE_STEP_ROWS) takes the live rows
         packed when they fit; when they do not, they step first (`step`) and the piece goes in alone: two calls, the
         same logits (docs/architecture.md, "Score graphs of one step row")."""
         role = "score" if every else "chunk"

@@ -1,6 +1,6 @@
 """Speculative decoding: propose K tokens cheaply, check them in one call of the target's score graph.
 
-The score graph (export/model.py ChunkGraph `every`) takes the row's last chosen token and the K draft tokens as a
+The score graph (export/network/model.py ChunkGraph `every`) takes the row's last chosen token and the K draft tokens as a
 piece at the row's own position and returns the logits after each of them: K + 1 positions of the target for one
 reading of its weights. The tokens the target agrees with are kept, and the logits after the last kept one choose
 the next token as a plain step would. Rejected positions need no cleanup: the row's length is a graph input, so
