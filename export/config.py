@@ -63,6 +63,18 @@ class ModelConfig:
     rope_scaling: Optional[Dict[str, Any]] = None
     # the window of the layers that slide (use_sliding_window), None when none does; export needs seq_length <= it
     sliding_window: Optional[int] = None
+    # a mixture of experts (qwen3_moe, qwen2_moe: the family's moe()); 0 experts: every layer a dense MLP. A layer is
+    # sparse when it is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (`sparse`); its router picks
+    # num_experts_per_tok experts (softmax in float32, top-k, divided by their sum with norm_topk_prob), each a SwiGLU
+    # of moe_intermediate_size; qwen2_moe adds a shared expert of shared_expert_intermediate_size, times
+    # sigmoid(shared_expert_gate(x)).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: Tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -72,12 +84,19 @@ class ModelConfig:
     def kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the mixture of experts (HF's Qwen3Moe/Qwen2MoeDecoderLayer rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
     @property
     def rope_type(self) -> str:
         return (self.rope_scaling or {}).get("rope_type", "default")
 
     def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields (the manifest's `model.config`); a dense model's without the experts' (all zero)."""
+        fields = dataclasses.asdict(self)
+        return fields if self.num_experts else {k: v for k, v in fields.items() if k not in _MOE_FIELDS}
 
     @classmethod
     def from_dict(cls, raw: Dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -89,7 +108,8 @@ class ModelConfig:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ExportError(f"{source}: hidden_act {act!r} is not supported; only 'silu'")
-        own = {"rope_theta", "rope_scaling", "sliding_window", "qkv_bias", "o_proj_bias", "mlp_bias", "qk_norm"}
+        own = {"rope_theta", "rope_scaling", "sliding_window", "qkv_bias", "o_proj_bias", "mlp_bias", "qk_norm",
+               *_MOE_FIELDS}
         fields = {f.name for f in dataclasses.fields(cls)} - own
         required = [f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.name != "num_key_value_heads"]
@@ -101,6 +121,7 @@ class ModelConfig:
         kwargs["rope_theta"], kwargs["rope_scaling"] = _rope_settings(raw, source)
         kwargs["sliding_window"] = _sliding_window(raw, family, source)
         kwargs.update(family.structure(raw, source))
+        kwargs.update(family.moe(raw, source) if hasattr(family, "moe") else {})
         if kwargs.get("head_dim") is None:
             kwargs.pop("head_dim", None)
         config = cls(**kwargs)
@@ -149,6 +170,27 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ExportError(f"{source}: {name} must be a positive number, got {value!r}")
+        if self.num_experts:
+            self._validate_moe(source)
+
+    def _validate_moe(self, source: str) -> None:
+        sizes = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
+        for name in sizes + ("shared_expert_intermediate_size",):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name in sizes else 0):
+                raise ExportError(f"{source}: {name} must be a positive integer, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ExportError(f"{source}: num_experts_per_tok ({self.num_experts_per_tok}) is greater than "
+                              f"num_experts ({self.num_experts}); a token cannot pick more experts than there are")
+        bad = [i for i in self.mlp_only_layers
+               if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ExportError(f"{source}: mlp_only_layers holds {bad[0]!r}, not a layer index below "
+                              f"num_hidden_layers ({self.num_hidden_layers})")
+
+
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+               "mlp_only_layers", "shared_expert_intermediate_size")
 
 
 def tensor_parallel_config(model: ModelConfig, tp_size: int) -> ModelConfig:

@@ -146,6 +146,9 @@ class PeakAnon:
 def prepare(cfg: ExportConfig) -> tuple:
     """Every check that needs no weights: config.json, settings, device, the target folder."""
     model_cfg = ModelConfig.from_checkpoint(cfg.checkpoint)
+    if model_cfg.num_experts:  # issue 46: the configuration and the float32 reference read them; the graphs do not yet
+        raise ExportError(f"{cfg.checkpoint}: model_type {model_cfg.model_type!r} is a mixture-of-experts model, "
+                          "whose graphs this version cannot build yet; export a dense checkpoint (qwen2, qwen3, llama)")
     profile = get_profile(cfg.device)
     cfg.validate(model_cfg, profile.dtypes)
     if os.path.exists(cfg.output) and not cfg.overwrite:

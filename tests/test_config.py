@@ -8,6 +8,7 @@ from export.errors import ExportError
 
 BASE = dict(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+MOE = dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 def test_hf_written_config_round_trips(checkpoints):
@@ -39,10 +40,16 @@ def test_head_dim_and_missing_kv_heads_default_to_hf_rules():
 
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "gemma"}, "config.json: model_type 'gemma' is not supported; supported: qwen2, qwen3, llama"),
-    ({"model_type": "qwen2_moe"}, "config.json: model_type 'qwen2_moe' is a mixture-of-experts model, which is not "
-                                  "supported; export a dense checkpoint (qwen2, qwen3, llama)"),
-    ({"model_type": "qwen3_moe"}, "config.json: model_type 'qwen3_moe' is a mixture-of-experts model, which is not "
-                                  "supported; export a dense checkpoint (qwen2, qwen3, llama)"),
+    ({"model_type": "mixtral"}, "config.json: model_type 'mixtral' is a mixture-of-experts model, which is not "
+                                "supported; export a dense checkpoint (qwen2, qwen3, llama)"),
+    ({"model_type": "qwen3_moe"}, "config.json: missing field num_experts (a mixture-of-experts config needs it)"),
+    ({**MOE, "num_experts_per_tok": 9}, "config.json: num_experts_per_tok (9) is greater than num_experts (8); a "
+                                        "token cannot pick more experts than there are"),
+    ({**MOE, "mlp_only_layers": [2]},
+     "config.json: mlp_only_layers holds 2, not a layer index below num_hidden_layers (2)"),
+    ({**MOE, "model_type": "qwen2_moe"},
+     "config.json: missing field shared_expert_intermediate_size (a mixture-of-experts config needs it)"),
+    ({**MOE, "norm_topk_prob": 1}, "config.json: norm_topk_prob must be true or false, got 1"),
     ({"rope_scaling": {"type": "dynamic", "factor": 4.0}},
      "config.json: rope_scaling type 'dynamic' is not supported: dynamic NTK scaling changes the rotary frequencies "
      "with each sequence's length at run time, which graphs of static shapes cannot; drop rope_scaling or use 'yarn'"),

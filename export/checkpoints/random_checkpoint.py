@@ -1,4 +1,5 @@
-"""Random Hugging Face checkpoints (qwen2, qwen3, llama) for demos, tests and benchmarks; no downloads.
+"""Random Hugging Face checkpoints (qwen2, qwen3, llama, qwen3_moe, qwen2_moe) for demos, tests and benchmarks; no
+downloads.
 
 The weights are random, so the text such a checkpoint generates is gibberish: it exists to exercise export and the
 runtime end to end, and to be the reference the tests compare against. The tokenizer is a byte-level BPE trained here.
@@ -29,7 +30,10 @@ Once upon a time there was a little model that wanted to run on every server in 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Llama 3's: a BOS token the tokenizer adds in front of every encoded text, and two eos ids (end of text, end of turn)
 LLAMA_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe")
+# a mixture of experts's defaults here: tiny, every layer sparse
+MOE_DEFAULTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                    decoder_sparse_step=1, mlp_only_layers=[], shared_expert_intermediate_size=48)
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -98,9 +102,10 @@ def model_config(family: str, *, vocab_size: int, hidden_size: int, intermediate
                  num_attention_heads: int, num_key_value_heads: int, max_position_embeddings: int,
                  tie_word_embeddings: bool, rope_parameters: dict, bos_token_id: int, eos_token_id,
                  head_dim: Optional[int] = None, attention_bias: bool = False,
-                 mlp_bias: bool = False) -> Dict[str, Any]:
+                 mlp_bias: bool = False, moe: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """config.json for `family` with the keys and defaults transformers 5's Qwen2Config / Qwen3Config / LlamaConfig
-    write (Qwen3's head_dim defaults to 128, not hidden / heads)."""
+    write (Qwen3's head_dim defaults to 128, not hidden / heads); the MoE families' keys from `moe` (MOE_DEFAULTS
+    where absent; qwen3_moe has no shared expert)."""
     cfg: Dict[str, Any] = dict(
         model_type=family, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
@@ -114,10 +119,16 @@ def model_config(family: str, *, vocab_size: int, hidden_size: int, intermediate
         return cfg
     cfg.update(layer_types=["full_attention"] * num_hidden_layers, max_window_layers=28, sliding_window=None,
                use_sliding_window=False)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         cfg.update(head_dim=head_dim or 128, attention_bias=attention_bias)
     elif head_dim:
         cfg.update(head_dim=head_dim)
+    if family.endswith("_moe"):
+        cfg.update({k: v for k, v in dict(MOE_DEFAULTS, **(moe or {})).items()
+                    if k != "shared_expert_intermediate_size" or family == "qwen2_moe"})
+        cfg.update(router_aux_loss_coef=0.001, output_router_logits=False)
+        if family == "qwen2_moe":
+            cfg.update(qkv_bias=True)
     return cfg
 
 
@@ -131,8 +142,8 @@ def random_weights(cfg, seed: int, dtype) -> Dict[str, np.ndarray]:
     h, kh = cfg.num_attention_heads, cfg.num_key_value_heads
     family = cfg.model_type
     attention_bias = getattr(cfg, "attention_bias", False)
-    qkv_bias = family == "qwen2" or attention_bias
-    o_bias = family != "qwen2" and attention_bias
+    qkv_bias = family in ("qwen2", "qwen2_moe") or attention_bias
+    o_bias = family not in ("qwen2", "qwen2_moe") and attention_bias
     mlp_bias = getattr(cfg, "mlp_bias", False)
 
     def dense(out_f: int, in_f: int) -> np.ndarray:
@@ -158,15 +169,37 @@ def random_weights(cfg, seed: int, dtype) -> Dict[str, np.ndarray]:
         linear(p + "self_attn.v_proj", kh * d, e, qkv_bias)
         linear(p + "self_attn.o_proj", e, h * d, o_bias)
         w[p + "post_attention_layernorm.weight"] = vec(e, 1.0)
-        linear(p + "mlp.gate_proj", i, e, mlp_bias)
-        linear(p + "mlp.up_proj", i, e, mlp_bias)
-        linear(p + "mlp.down_proj", e, i, mlp_bias)
-        if family == "qwen3":
+        if _sparse(cfg, n):  # the router, each expert's SwiGLU (HF's per-expert layout), Qwen2-MoE's shared expert
+            w[p + "mlp.gate.weight"] = dense(cfg.num_experts, e)
+            mi = cfg.moe_intermediate_size
+            for x in range(cfg.num_experts):
+                linear(f"{p}mlp.experts.{x}.gate_proj", mi, e, False)
+                linear(f"{p}mlp.experts.{x}.up_proj", mi, e, False)
+                linear(f"{p}mlp.experts.{x}.down_proj", e, mi, False)
+            si = getattr(cfg, "shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0
+            if si:
+                linear(p + "mlp.shared_expert.gate_proj", si, e, False)
+                linear(p + "mlp.shared_expert.up_proj", si, e, False)
+                linear(p + "mlp.shared_expert.down_proj", e, si, False)
+                w[p + "mlp.shared_expert_gate.weight"] = dense(1, e)
+        else:
+            linear(p + "mlp.gate_proj", i, e, mlp_bias)
+            linear(p + "mlp.up_proj", i, e, mlp_bias)
+            linear(p + "mlp.down_proj", e, i, mlp_bias)
+        if family in ("qwen3", "qwen3_moe"):
             w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = vec(d, 1.0), vec(d, 1.0)
     w["model.norm.weight"] = vec(e, 1.0)
     if not cfg.tie_word_embeddings:
         w["lm_head.weight"] = dense(cfg.vocab_size, e)
     return w
+
+
+def _sparse(cfg, layer: int) -> bool:
+    """HF's rule for a mixture-of-experts layer (export/config.py ModelConfig.sparse, written here again: this module
+    imports nothing of export/)."""
+    experts = getattr(cfg, "num_experts", 0) if cfg.model_type.endswith("_moe") else 0
+    return bool(experts) and layer not in (getattr(cfg, "mlp_only_layers", None) or []) and \
+        (layer + 1) % getattr(cfg, "decoder_sparse_step", 1) == 0
 
 
 def _special_ids(tokenizer) -> tuple:
@@ -213,12 +246,14 @@ def make_checkpoint(output: str, *, hidden_size: int = 64, intermediate_size: in
                     rope_theta: float = 10000.0, seed: int = 0, dtype: str = "float32",
                     max_shard_bytes: Optional[int] = None, tokenizer=None, family: str = "qwen2",
                     head_dim: Optional[int] = None, rope_scaling: Optional[dict] = None, attention_bias: bool = False,
-                    mlp_bias: bool = False) -> str:
+                    mlp_bias: bool = False, moe: Optional[Dict[str, Any]] = None) -> str:
     """Write config.json, generation_config.json, *.safetensors and the tokenizer files to `output`.
 
     family: qwen2 (q/k/v bias), qwen3 (q_norm/k_norm; `head_dim` may differ from hidden / heads) or llama (a BOS
     token, two eos ids). rope_scaling: as transformers 5 writes it (`rope_type` and its keys), merged into
-    rope_parameters. attention_bias, mlp_bias: the HF keys of qwen3 / llama. tokenizer: a transformers tokenizer
+    rope_parameters. attention_bias, mlp_bias: the HF keys of qwen3 / llama. moe: qwen3_moe's / qwen2_moe's keys
+    (num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers,
+    shared_expert_intermediate_size), over MOE_DEFAULTS. tokenizer: a transformers tokenizer
     (saved with its save_pretrained), or None for train_tokenizer's, with Llama 3's tokens for llama.
     """
     if family not in FAMILIES:
@@ -235,7 +270,7 @@ def make_checkpoint(output: str, *, hidden_size: int = 64, intermediate_size: in
                           tie_word_embeddings=tie_word_embeddings,
                           rope_parameters={"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})},
                           bos_token_id=bos, eos_token_id=eos, head_dim=head_dim, attention_bias=attention_bias,
-                          mlp_bias=mlp_bias)
+                          mlp_bias=mlp_bias, moe=moe)
     os.makedirs(output, exist_ok=True)
     _write_json(os.path.join(output, "config.json"), config)
     _write_json(os.path.join(output, "generation_config.json"),

@@ -10,7 +10,8 @@ lite_runtime's InputOfInfer.MAPPING when it needs other graph inputs).
 
 Module contract: MODEL_TYPE (the config.json value), SLIDING_WINDOW_KEYS (whether the family has
 Qwen's use_sliding_window / max_window_layers keys), structure(raw, source) -> the structural flags
-of ModelConfig (qkv_bias, o_proj_bias, mlp_bias, qk_norm). Family modules read their keys with keys.flag and
+of ModelConfig (qkv_bias, o_proj_bias, mlp_bias, qk_norm); a mixture-of-experts family also has moe(raw, source) ->
+the experts' fields (moe.py). Family modules read their keys with keys.flag and
 import nothing else of export/, so export/config.py imports this registry at the top (no cycle).
 """
 from __future__ import annotations
@@ -19,17 +20,22 @@ from types import ModuleType
 from typing import Dict
 
 from export.errors import ExportError
-from export.families import llama, qwen2, qwen3
+from export.families import llama, qwen2, qwen2_moe, qwen3, qwen3_moe
 
 FAMILIES: Dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (qwen2, qwen3, llama)}
+# mixture-of-experts families whose configuration, checkpoints and float32 reference are read (issue 46); export
+# refuses them by name (export/pipeline.py prepare) until their graphs are built, so they are not listed as supported
+MOE_FAMILIES: Dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (qwen3_moe, qwen2_moe)}
 
 # model_types people try that are not dense decoders of these families: refused by name, with what to do
-MIXTURE_OF_EXPERTS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "llama4", "qwen3_next")
+MIXTURE_OF_EXPERTS = ("mixtral", "deepseek_v2", "deepseek_v3", "llama4", "qwen3_next")
 
 
 def get(model_type, source: str = "config.json") -> ModuleType:
     if model_type in FAMILIES:
         return FAMILIES[model_type]
+    if model_type in MOE_FAMILIES:
+        return MOE_FAMILIES[model_type]
     known = ", ".join(FAMILIES)
     if model_type in MIXTURE_OF_EXPERTS:
         raise ExportError(f"{source}: model_type {model_type!r} is a mixture-of-experts model, which is not "

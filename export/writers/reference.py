@@ -253,9 +253,22 @@ def weight_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
         p = f"model.layers.{layer}."
         shapes.update({p + "input_layernorm.weight": (e,), p + "post_attention_layernorm.weight": (e,)})
         for name, (shape, bias) in linear.items():
+            if cfg.sparse(layer) and name.startswith("mlp."):
+                continue
             shapes[p + name + ".weight"] = shape
             if bias:
                 shapes[p + name + ".bias"] = shape[:1]
+        if cfg.sparse(layer):  # the router, each expert's SwiGLU, Qwen2-MoE's shared expert and its gate
+            mi, si = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (cfg.num_experts, e)
+            for n in range(cfg.num_experts):
+                x = f"{p}mlp.experts.{n}."
+                shapes.update({x + "gate_proj.weight": (mi, e), x + "up_proj.weight": (mi, e),
+                               x + "down_proj.weight": (e, mi)})
+            if si:
+                x = p + "mlp.shared_expert."
+                shapes.update({x + "gate_proj.weight": (si, e), x + "up_proj.weight": (si, e),
+                               x + "down_proj.weight": (e, si), p + "mlp.shared_expert_gate.weight": (1, e)})
         if cfg.qk_norm:
             shapes.update({p + f"self_attn.{n}_norm.weight": (cfg.head_dim,) for n in "qk"})
     if not cfg.tie_word_embeddings:
@@ -338,8 +351,7 @@ class NumpyDecoder:
             x = x + self._linear(self._attention(h, cos, sin, layer, sizes, caches), p + "self_attn.o_proj",
                                  cfg.o_proj_bias)
             h = _rms_norm(x, self._vector(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
-            gate, up = self._linear(h, p + "mlp.gate_proj", cfg.mlp_bias), self._linear(h, p + "mlp.up_proj", cfg.mlp_bias)
-            x = x + self._linear(gate / (1 + np.exp(-gate)) * up, p + "mlp.down_proj", cfg.mlp_bias)
+            x = x + (self._experts(h, p + "mlp.") if cfg.sparse(layer) else self._mlp(h, p + "mlp.", cfg.mlp_bias))
         for cache, n in zip(caches, sizes):
             cache.length += n
         ends = np.cumsum(sizes)
@@ -347,6 +359,35 @@ class NumpyDecoder:
         x = _rms_norm(x[last], self._vector("model.norm.weight"), cfg.rms_norm_eps)  # [rows, E]
         self._read_ahead("model.layers.0.")  # the next forward's
         return self.matmul(x, self.where[head].stored(head))
+
+    def _mlp(self, h: np.ndarray, p: str, bias: bool = False) -> np.ndarray:
+        """SwiGLU: down(silu(gate(h)) * up(h)), the projections under `p` (`...mlp.`, an expert's, the shared one)."""
+        gate, up = self._linear(h, p + "gate_proj", bias), self._linear(h, p + "up_proj", bias)
+        return self._linear(gate / (1 + np.exp(-gate)) * up, p + "down_proj", bias)
+
+    def routing(self, h: np.ndarray, p: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A sparse layer's router on h [T, E] (`p`: `...mlp.`): (probabilities [T, X] in float32 (softmax of the
+        router's logits), the chosen experts [T, k] in descending probability, their weights [T, k] (divided by their
+        sum with norm_topk_prob)). Equal probabilities go to the lower expert index (a stable sort)."""
+        probs = _softmax(self._linear(h, p + "gate").astype(np.float32))
+        chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :self.cfg.num_experts_per_tok]
+        weights = np.take_along_axis(probs, chosen, axis=-1)
+        if self.cfg.norm_topk_prob:
+            weights = weights / np.sum(weights, axis=-1, keepdims=True)
+        return probs, chosen, weights
+
+    def _experts(self, h: np.ndarray, p: str) -> np.ndarray:
+        """A sparse layer's MLP: each token's chosen experts' SwiGLU times their weights, summed; plus Qwen2-MoE's
+        shared expert times sigmoid(shared_expert_gate(h)). Each expert reads only the rows that chose it."""
+        _, chosen, weights = self.routing(h, p)
+        out = np.zeros_like(h)
+        for n in np.unique(chosen):
+            rows, slot = np.nonzero(chosen == n)
+            out[rows] += self._mlp(h[rows], f"{p}experts.{n}.") * weights[rows, slot][:, None]
+        if self.cfg.shared_expert_intermediate_size:
+            gate = self._linear(h, p + "shared_expert_gate")  # [T, 1]
+            out += self._mlp(h, p + "shared_expert.") / (1 + np.exp(-gate))
+        return out
 
     def _attention(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, layer: int, sizes: List[int],
                    caches: Sequence[RowCache]) -> np.ndarray:
