@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from typing import Dict, Tuple
 
@@ -21,6 +22,9 @@ import numpy as np
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
+# a mixture of experts' projections, packed per expert as Qwen's GPTQ releases pack them (the router mlp.gate and
+# Qwen2-MoE's shared_expert_gate stay in 16 bits)
+EXPERT = re.compile(r"\.mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj$")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: nibble k of a word holds column 8c + AWQ_ORDER[k]
 
 
@@ -93,7 +97,7 @@ def pack(float_dir: str, out_dir: str, method: str = "gptq", bits: int = 4, grou
     packed, twin = {}, {}
     for name, value in tensors.items():
         layer = name[:-len(".weight")]
-        linear = (name.endswith(".weight") and any(layer.endswith(l) for l in LINEARS)) or (
+        linear = (name.endswith(".weight") and (any(layer.endswith(l) for l in LINEARS) or EXPERT.search(layer))) or (
             pack_head and name == "lm_head.weight")
         if not linear:
             half = np.asarray(value, np.float32).astype(np.float16)

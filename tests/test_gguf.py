@@ -28,7 +28,16 @@ _LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernor
           "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
           "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
           "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-          "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+          "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+          "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+          "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+          "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+          "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight"}
+# llama.cpp's architecture names and its stacked experts' tensors ([E, rows, inputs]: convert_hf_to_gguf.py stacks
+# mlp.experts.N.* per layer)
+_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+_EXPERTS = {"gate_proj.weight": "ffn_gate_exps.weight", "up_proj.weight": "ffn_up_exps.weight",
+            "down_proj.weight": "ffn_down_exps.weight"}
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 TEXTS = ["Hello, world!", "  two spaces\tand a tab\n\nnew lines", "The capital of France is Paris. 1234567",
@@ -47,14 +56,15 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(checkpoint: str, path: str, quant: str = "F32", pre: str = "gpt-2", tensor_types: dict = None) -> dict:
+def write_gguf(checkpoint: str, path: str, quant: str = "F32", pre: str = "gpt-2", tensor_types: dict = None,
+               extra: dict = None) -> dict:
     """The checkpoint as llama.cpp's converter would write it (2-D weights as `quant`: F32, F16, Q8_0, Q4_0, ...;
     `tensor_types`: another type for some, by HF name, as llama-quantize gives the tables theirs; `pre` the pre-tokenizer it
-    names: the tiny checkpoints' tokenizers split as GPT-2's)."""
+    names: the tiny checkpoints' tokenizers split as GPT-2's; `extra`: more metadata, key -> (value, GGUFValueType))."""
     from safetensors.numpy import load_file
 
     cfg = json.load(open(os.path.join(checkpoint, "config.json")))
-    arch = cfg["model_type"]
+    arch = _ARCH.get(cfg["model_type"], cfg["model_type"])
     weights = {}
     for f in sorted(os.listdir(checkpoint)):
         if f.endswith(".safetensors"):
@@ -90,19 +100,39 @@ def write_gguf(checkpoint: str, path: str, quant: str = "F32", pre: str = "gpt-2
     if len(eos) > 1:  # Llama 3's end of turn, as llama.cpp's converter writes it
         w.add_eot_token_id(eos[1])
     w.add_chat_template(open(os.path.join(checkpoint, "chat_template.jinja")).read())
-    for name, value in weights.items():
+    tensors = dict(weights)
+    if arch in _ARCH.values():  # the experts' keys, and each layer's experts stacked as llama.cpp's converter stacks them
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        for layer in range(cfg["num_hidden_layers"]):
+            for proj, gguf_name in _EXPERTS.items():
+                names = [f"model.layers.{layer}.mlp.experts.{n}.{proj}" for n in range(cfg["num_experts"])]
+                if names[0] in tensors:
+                    tensors[f"blk.{layer}.{gguf_name}"] = np.stack([tensors.pop(n) for n in names])
+            gate = f"model.layers.{layer}.mlp.shared_expert_gate.weight"
+            if gate in tensors:  # [1, H] in HF's, [H] in the file
+                tensors[gate] = tensors[gate].reshape(-1)
+    for name, value in tensors.items():
         value = value.astype(np.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             value = _permute(value, heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             value = _permute(value, kv)
         kind_name = (tensor_types or {}).get(name, quant)
-        if value.ndim == 2 and kind_name != "F32":
+        if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            kind_name = "F32"  # llama-quantize keeps the routers (ffn_gate_inp*) in float
+        gguf_name = name if name.startswith("blk.") else _gguf_name(name)
+        if value.ndim >= 2 and kind_name != "F32":
             kind = getattr(gguf.GGMLQuantizationType, kind_name)
             packed = gguf.quants.quantize(value, kind)
-            w.add_tensor(_gguf_name(name), packed, raw_shape=packed.shape, raw_dtype=kind)
+            w.add_tensor(gguf_name, packed, raw_shape=packed.shape, raw_dtype=kind)
         else:
-            w.add_tensor(_gguf_name(name), value)
+            w.add_tensor(gguf_name, value)
+    for key, (value, kind) in (extra or {}).items():
+        w.add_key_value(key, value, kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -206,7 +236,7 @@ def test_refusals_name_the_file_and_field(llama_gguf, tmp_path):
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(ExportError, match=r"GGUF architecture 'gpt2' is not supported; supported: llama, qwen2, qwen3"):
+    with pytest.raises(ExportError, match=r"GGUF architecture 'gpt2' is not supported; supported: llama, qwen2, qwen2moe, qwen3, qwen3moe"):
         convert(str(other), str(tmp_path / "never"))
     assert not os.path.exists(tmp_path / "never")
 

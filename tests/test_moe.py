@@ -28,7 +28,7 @@ CASES = {
                                      decoder_sparse_step=2)),
     "qwen2_moe": dict(family="qwen2_moe", num_hidden_layers=2,
                       moe=dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
-                               shared_expert_intermediate_size=48)),
+                               shared_expert_intermediate_size=64)),
 }
 PROMPTS = [[5, 17, 200, 33, 90, 7, 64], [300, 12, 41]]
 
@@ -161,3 +161,117 @@ def test_config_keys_are_qwens(moe_checkpoints):
         assert ours.shared_expert_intermediate_size == getattr(hf, "shared_expert_intermediate_size", 0)
         with open(os.path.join(path, "config.json")) as fh:
             assert json.load(fh)["model_type"] == name.split("_step")[0]
+
+
+# --- GGUF (llama.cpp's qwen3moe / qwen2moe) -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_a_gguf_moe_round_trips_to_the_checkpoint(moe_checkpoints, tmp_path, name):
+    """checkpoint -> GGUF as llama.cpp's converter lays it out (experts stacked [E, rows, inputs] per layer, the
+    shared expert's gate 1-D, the experts' metadata keys; F32) -> our HF folder: every tensor bit for bit under its
+    per-expert name, and the experts' config as HF's (norm_topk_prob as llama.cpp hard-codes it per architecture:
+    these checkpoints were made so); the reference on the GGUF itself gives HF's logits of the checkpoint."""
+    import torch
+    from safetensors.numpy import load_file
+
+    from export.checkpoints.gguf import convert
+    from tests.test_gguf import write_gguf
+
+    ckpt = moe_checkpoints[name]
+    weights = write_gguf(ckpt, str(tmp_path / "m.gguf"))
+    config = convert(str(tmp_path / "m.gguf"), str(tmp_path / "out"))
+    back = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(back) == set(weights)
+    for tensor, value in weights.items():
+        assert np.array_equal(back[tensor], value.astype(np.float32)), tensor
+    ours, original = ModelConfig.from_dict(config), ModelConfig.from_checkpoint(ckpt)
+    for field in ("model_type", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "shared_expert_intermediate_size", "qkv_bias", "qk_norm"):
+        assert getattr(ours, field) == getattr(original, field), field
+    assert [ours.sparse(i) for i in range(ours.num_hidden_layers)] == [
+        original.sparse(i) for i in range(original.num_hidden_layers)]
+    cfg = ModelConfig.from_checkpoint(str(tmp_path / "m.gguf"))
+    ref = NumpyDecoder(cfg, open_checkpoint(str(tmp_path / "m.gguf")), max_positions=32)
+    try:
+        logits = ref.forward(PROMPTS[:1], [ref.new_cache()])[0]
+    finally:
+        ref.close()
+    with torch.no_grad():
+        theirs = hf_model(ckpt)(torch.tensor([PROMPTS[0]])).logits[0, -1].numpy()
+    assert np.abs(logits - theirs).max() <= 1e-4 * np.abs(theirs).max()
+
+
+def test_a_q8_gguf_moe_reads_each_expert_alone(moe_checkpoints, tmp_path):
+    """Q8_0 experts (the routers kept in float, as llama-quantize keeps them): each expert's tensor is the gguf
+    package's dequantization of its own rows of the stacked tensor."""
+    import gguf
+
+    from tests.test_gguf import write_gguf
+
+    write_gguf(moe_checkpoints["qwen3_moe"], str(tmp_path / "q8.gguf"), quant="Q8_0")
+    where = open_checkpoint(str(tmp_path / "q8.gguf"))
+    reader = gguf.GGUFReader(str(tmp_path / "q8.gguf"))
+    stacked = {t.name: t for t in reader.tensors}["blk.2.ffn_down_exps.weight"]
+    whole = gguf.dequantize(stacked.data, stacked.tensor_type).reshape(8, 64, 32)
+    for n in (0, 5, 7):
+        name = f"model.layers.2.mlp.experts.{n}.down_proj.weight"
+        assert where[name].shape(name) == (64, 32)
+        assert np.array_equal(where[name].read(name), whole[n]), n
+    assert where["model.layers.2.mlp.gate.weight"].stored_type("model.layers.2.mlp.gate.weight") == "gguf:F32"
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("expert_gating_func", 2, "GGUF metadata qwen3moe.expert_gating_func is 2 (1 is softmax, 2 sigmoid): only softmax "
+                              "routing is supported"),
+    ("expert_group_count", 4, "GGUF metadata qwen3moe.expert_group_count is 4: grouped expert routing (DeepSeek's) is "
+                              "not supported"),
+    ("attention.kv_lora_rank", 512, "GGUF metadata qwen3moe.attention.kv_lora_rank is set: MLA attention "
+                                    "(DeepSeek's) is not supported"),
+    ("expert_weights_scale", 2.5, "GGUF metadata qwen3moe.expert_weights_scale is 2.5: scaled expert weights "
+                                  "(DeepSeek's) are not supported"),
+])
+def test_a_gguf_moe_routed_otherwise_is_refused_by_its_key(moe_checkpoints, tmp_path, key, value, message):
+    import gguf
+
+    from tests.test_gguf import write_gguf
+
+    path = str(tmp_path / "m.gguf")
+    kind = gguf.GGUFValueType.UINT32 if isinstance(value, int) else gguf.GGUFValueType.FLOAT32
+    write_gguf(moe_checkpoints["qwen3_moe"], path, extra={f"qwen3moe.{key}": (value, kind)})
+    with pytest.raises(ExportError) as err:
+        ModelConfig.from_checkpoint(path)
+    assert str(err.value) == f"{path}: {message}"
+
+
+# --- GPTQ (Qwen's Qwen3-30B-A3B-GPTQ-Int4 layout) ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, bits", [("qwen3_moe", 4), ("qwen2_moe", 8)])
+def test_a_gptq_moe_is_read_as_its_dequantized_twin(moe_checkpoints, tmp_path, name, bits):
+    """Each expert's projections (and Qwen2-MoE's shared expert's) packed by AutoGPTQ's layout (tests/packers.py,
+    written independently of export/), the routers left in 16 bits: the reference on the packed checkpoint gives HF's
+    logits and greedy tokens on its dequantized float twin."""
+    import torch
+
+    from tests.packers import pack
+
+    packed, twin = pack(moe_checkpoints[name], str(tmp_path), "gptq", bits=bits, group=32)
+    where = open_checkpoint(packed)
+    assert "model.layers.0.mlp.experts.1.down_proj.weight" in where
+    assert not any(n.endswith(".qweight") for n in where)
+    cfg = ModelConfig.from_checkpoint(packed)
+    ref = NumpyDecoder(cfg, where, max_positions=32)
+    try:
+        caches = [ref.new_cache()]
+        logits = ref.forward(PROMPTS[:1], caches)[0]
+        tokens = [int(np.argmax(logits))]
+        for _ in range(5):
+            tokens.append(int(np.argmax(ref.forward([[tokens[-1]]], caches)[0])))
+    finally:
+        ref.close()
+    model = hf_model(twin)
+    with torch.no_grad():
+        theirs = model(torch.tensor([PROMPTS[0]])).logits[0, -1].numpy()
+        out = model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    assert np.abs(logits - theirs).max() <= 1e-4 * np.abs(theirs).max()
+    assert tokens == out[0, len(PROMPTS[0]):].tolist()

@@ -10,7 +10,11 @@ folder's golden references and HF's own GGUF loading see the same numbers. Tenso
 one at a time: memory holds one tensor, whatever the model. The disk holds the float32 copy (4 bytes a parameter):
 meant for small models; quantized folders straight from a GGUF are issue 31's import.
 
-Architectures: `llama`, `qwen2`, `qwen3` (the families export/ has); anything else is refused by name. llama.cpp's
+Architectures: `llama`, `qwen2`, `qwen3` (the families export/ has) and the mixtures of experts `qwen3moe` and
+`qwen2moe` (each layer's stacked `ffn_{gate,up,down}_exps` [E, rows, inputs] read one expert at a time under Qwen's
+per-expert names, the router `ffn_gate_inp`, Qwen2-MoE's `*_shexp`; norm_topk_prob as llama.cpp hard-codes it, true
+for qwen3moe and false for qwen2moe; sigmoid or grouped gating, scaled expert weights and MLA refused by their keys);
+anything else is refused by name. llama.cpp's
 converter permutes a Llama's q and k rows (its RoPE pairs neighbours, HF's pairs halves); they are put back here as
 transformers puts them back when it loads a GGUF.
 
@@ -32,7 +36,12 @@ from export.errors import ExportError
 from export.checkpoints.gguf_file import GGUFFile, open_gguf_file
 
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                 "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+                 "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+                 "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe")}
+# llama.cpp hard-codes the renormalisation of the chosen experts' weights per architecture (HF's norm_topk_prob; its
+# src/models/qwen3moe.cpp and qwen2moe.cpp pass norm_w true and false to build_moe_ffn whatever the file says): a
+# file means what llama.cpp computes from it
+_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False}
 
 # GGUF tensor name -> HF name ({} is the layer index); gguf-py's tensor_mapping.py names these for the three families
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -45,7 +54,15 @@ _LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post
           "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
           "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
           "ffn_down.weight": "mlp.down_proj.weight", "ffn_gate.bias": "mlp.gate_proj.bias",
-          "ffn_up.bias": "mlp.up_proj.bias", "ffn_down.bias": "mlp.down_proj.bias"}
+          "ffn_up.bias": "mlp.up_proj.bias", "ffn_down.bias": "mlp.down_proj.bias",
+          # a mixture of experts: the router, Qwen2-MoE's shared expert and its gate (1-D in the file, [1, H] in HF's)
+          "ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+          "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+          "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+          "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"}
+# the experts, stacked in the file ([E, rows, inputs], llama.cpp's converter): each expert its own HF tensor
+_EXPERTS = {"ffn_gate_exps.weight": "gate_proj.weight", "ffn_up_exps.weight": "up_proj.weight",
+            "ffn_down_exps.weight": "down_proj.weight"}
 SOURCE_FILE = "gguf_source.json"
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -57,12 +74,15 @@ def _reader(path: str) -> GGUFFile:
 
 
 def hf_name(gguf_name: str) -> Optional[str]:
-    """The HF checkpoint name of a GGUF tensor, or None for one this converter does not know."""
+    """The HF checkpoint name of a GGUF tensor, or None for one this converter does not know (stacked experts: the
+    name with `{}` where the expert's index goes)."""
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
     match = _BLOCK.match(gguf_name)
     if match and match.group(2) in _LAYER:
         return f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}"
+    if match and match.group(2) in _EXPERTS:
+        return f"model.layers.{match.group(1)}.mlp.experts.{{}}.{_EXPERTS[match.group(2)]}"
     return None
 
 
@@ -90,7 +110,9 @@ def gguf_config(reader: GGUFFile, path: str) -> Dict[str, Any]:
     head_dim = reader.field(f"{arch}.attention.key_length") or reader.field(f"{arch}.rope.dimension_count")
     config: Dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch][0]], "model_type": ARCHITECTURES[arch][1],
-        "hidden_size": hidden, "intermediate_size": int(need("feed_forward_length")),
+        "hidden_size": hidden,
+        "intermediate_size": int(reader.field(f"{arch}.feed_forward_length") or 0) or (
+            int(need("expert_feed_forward_length")) if arch in _NORM_TOPK else int(need("feed_forward_length"))),
         "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
         "num_key_value_heads": int(reader.field(f"{arch}.attention.head_count_kv", heads)),
         "head_dim": int(head_dim) if head_dim else hidden // heads,
@@ -105,10 +127,41 @@ def gguf_config(reader: GGUFFile, path: str) -> Dict[str, Any]:
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in names
         config["mlp_bias"] = "blk.0.ffn_up.bias" in names
+    if arch in _NORM_TOPK:
+        config.update(_moe_config(reader, path, arch, names, need, config["num_hidden_layers"]))
     for key in ("bos_token_id", "eos_token_id"):
         value = reader.field(f"tokenizer.ggml.{key}")
         if value is not None:
             config[key] = int(value)
+    return config
+
+
+def _moe_config(reader: GGUFFile, path: str, arch: str, names, need, layers: int) -> Dict[str, Any]:
+    """A qwen3moe / qwen2moe file's experts as HF's config keys. Routing other than Qwen's (a softmax over every
+    expert, then top-k) is refused by the metadata key that says so: sigmoid gating, expert groups, MLA attention
+    (DeepSeek's)."""
+    gating = reader.field(f"{arch}.expert_gating_func")
+    if gating not in (None, 1):
+        raise ExportError(f"{path}: GGUF metadata {arch}.expert_gating_func is {gating} (1 is softmax, 2 sigmoid): "
+                          "only softmax routing is supported")
+    groups = reader.field(f"{arch}.expert_group_count")
+    if groups not in (None, 0, 1):
+        raise ExportError(f"{path}: GGUF metadata {arch}.expert_group_count is {groups}: grouped expert routing "
+                          "(DeepSeek's) is not supported")
+    if reader.field(f"{arch}.attention.kv_lora_rank") is not None:
+        raise ExportError(f"{path}: GGUF metadata {arch}.attention.kv_lora_rank is set: MLA attention (DeepSeek's) "
+                          "is not supported")
+    scale = reader.field(f"{arch}.expert_weights_scale")
+    if scale not in (None, 0, 1):
+        raise ExportError(f"{path}: GGUF metadata {arch}.expert_weights_scale is {scale}: scaled expert weights "
+                          "(DeepSeek's) are not supported")
+    config = {"num_experts": int(need("expert_count")), "num_experts_per_tok": int(need("expert_used_count")),
+              "moe_intermediate_size": int(need("expert_feed_forward_length")),
+              "norm_topk_prob": _NORM_TOPK[arch], "decoder_sparse_step": 1,
+              "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]}
+    if arch == "qwen2moe":
+        config["shared_expert_intermediate_size"] = int(need("expert_shared_feed_forward_length"))
+        config["qkv_bias"] = "blk.0.attn_q.bias" in names
     return config
 
 
@@ -118,8 +171,11 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def _tensors(reader: GGUFFile, path: str, config: Dict[str, Any]) -> List[Tuple[str, Tuple[int, ...], Callable[[], np.ndarray]]]:
-    """(HF name, shape, load) for every tensor: names and shapes are known before any data is read."""
+def _tensors(reader: GGUFFile, path: str,
+             config: Dict[str, Any]) -> List[Tuple[str, Tuple[int, ...], Callable[[], np.ndarray], Any, Optional[int]]]:
+    """(HF name, shape, load, the GGUF tensor, the expert's index in it or None) for every tensor: names and shapes are
+    known before any data is read. A stacked experts' tensor gives one entry per expert, each dequantizing its rows
+    only."""
     permute = config["model_type"] == "llama"
     out, unknown = [], []
     for tensor in reader.tensors:
@@ -127,7 +183,21 @@ def _tensors(reader: GGUFFile, path: str, config: Dict[str, Any]) -> List[Tuple[
         if name is None:
             unknown.append(tensor.name)
             continue
+        if "{}" in name:
+            if len(tensor.shape) != 3:
+                raise ExportError(f"{path}: GGUF tensor {tensor.name} has shape {list(tensor.shape)}; stacked experts "
+                                  "are [experts, rows, inputs]")
+            experts, rows = tensor.shape[0], tensor.shape[1]
+            for n in range(experts):
+                out.append((name.format(n), tuple(tensor.shape[1:]),
+                            lambda tensor=tensor, n=n, rows=rows: reader.dequantized_rows(tensor, n * rows, rows),
+                            tensor, n))
+            continue
         shape = tensor.shape
+        if name.endswith("shared_expert_gate.weight") and len(shape) == 1:  # [H] in the file, HF's Linear(H, 1)
+            out.append((name, (1,) + tuple(shape), lambda tensor=tensor: reader.dequantized(tensor).reshape(1, -1),
+                        tensor, None))
+            continue
 
         def load(tensor=tensor, name=name) -> np.ndarray:
             values = reader.dequantized(tensor)
@@ -137,7 +207,7 @@ def _tensors(reader: GGUFFile, path: str, config: Dict[str, Any]) -> List[Tuple[
                 values = _unpermute(values, config["num_key_value_heads"])
             return values
 
-        out.append((name, shape, load))
+        out.append((name, shape, load, tensor, None))
     if unknown:
         raise ExportError(f"{path}: tensors this converter does not know: {', '.join(unknown[:5])}"
                           f"{' …' if len(unknown) > 5 else ''}; supported: the {config['model_type']} decoder's")
@@ -168,9 +238,12 @@ class GGUFTensors:
     def __init__(self, reader: GGUFFile, path: str, config: Dict[str, Any]) -> None:
         self.path = path
         self._reader, self._config = reader, config
-        self._gguf = {hf_name(t.name): t for t in reader.tensors}
-        self._entries = {name: (shape, load) for name, shape, load in _tensors(reader, path, config)}
-        self._offsets = {hf_name(t.name): t.offset for t in reader.tensors}
+        entries = _tensors(reader, path, config)
+        self._gguf = {name: tensor for name, _, _, tensor, _ in entries}
+        self._expert = {name: index for name, _, _, _, index in entries if index is not None}
+        self._entries = {name: (shape, load) for name, shape, load, _, _ in entries}
+        self._offsets = {name: tensor.offset + (index or 0) * (tensor.nbytes // tensor.shape[0])
+                         for name, _, _, tensor, index in entries}
         self.header = {name: {"shape": list(shape)} for name, (shape, _) in self._entries.items()}
 
     def names(self) -> List[str]:
@@ -228,8 +301,10 @@ class GGUFTensors:
         nibbles are elements 0-15 and high nibbles 16-31, w = d (u - 8); Q4_1 = f16 d, f16 m, the same nibbles,
         w = d u + m = (u - 8 + (8 + m / d)) d)."""
         tensor = self._gguf[name]
-        raw = self._reader.raw(tensor)  # [O, blocks * bytes]
-        rows, inputs = tensor.shape
+        raw = self._reader.raw(tensor)  # [O, blocks * bytes] (stacked experts: [E * O, ...], this expert's O rows)
+        rows, inputs = tensor.shape[-2:]
+        if name in self._expert:
+            raw = raw[self._expert[name] * rows:(self._expert[name] + 1) * rows]
         blocks = inputs // 32
         if tensor.type_name == "Q8_0":
             b = raw.reshape(rows, blocks, 34)
@@ -416,7 +491,7 @@ def convert(path: str, output: str, overwrite: bool = False, source: Optional[Di
         raise ExportError(f"{output} already exists; delete it or pass --overwrite")
     reader = _reader(path)
     config = dict(gguf_config(reader, path), torch_dtype="float32")  # written in float32 below
-    tensors = _tensors(reader, path, config)
+    tensors = [entry[:3] for entry in _tensors(reader, path, config)]
     partial = f"{output.rstrip(os.sep)}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
@@ -441,8 +516,8 @@ def convert(path: str, output: str, overwrite: bool = False, source: Optional[Di
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m export.checkpoints.gguf",
-                                     description="Write a GGUF file (llama, qwen2, qwen3) as a float32 HF checkpoint "
-                                                 "folder that `python -m export` takes.")
+                                     description="Write a GGUF file (llama, qwen2, qwen3, qwen3moe, qwen2moe) as a "
+                                                 "float32 HF checkpoint folder that `python -m export` takes.")
     parser.add_argument("--gguf", required=True, help="the .gguf file")
     parser.add_argument("--output", required=True, help="the checkpoint folder to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")

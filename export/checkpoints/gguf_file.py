@@ -204,6 +204,19 @@ class GGUFFile:
         rows = int(np.prod(tensor.shape[:-1], dtype=np.int64))
         return data.reshape(rows, tensor.nbytes // rows)
 
+    def dequantized_rows(self, tensor: GGUFTensor, first: int, count: int) -> np.ndarray:
+        """Rows [first, first + count) of the tensor seen as [rows, last dimension] (one expert of a stacked [E, O, I]
+        tensor: its O rows), in float32, dequantizing those rows only."""
+        from gguf import GGMLQuantizationType, dequantize
+
+        raw = self.raw(tensor)[first:first + count]
+        try:
+            values = dequantize(raw, GGMLQuantizationType(tensor.ggml_type))
+        except NotImplementedError:
+            raise ExportError(f"{self.path}: GGUF tensor {tensor.name} has type {tensor.type_name}, which the gguf "
+                              "package cannot dequantize") from None
+        return np.asarray(values, dtype=np.float32).reshape(count, tensor.shape[-1])
+
     def dequantized(self, tensor: GGUFTensor) -> np.ndarray:
         """float32 values in numpy order, by the gguf package's dequantizer for the tensor's type."""
         from gguf import GGMLQuantizationType, dequantize
