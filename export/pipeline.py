@@ -146,14 +146,25 @@ class PeakAnon:
 def prepare(cfg: ExportConfig) -> tuple:
     """Every check that needs no weights: config.json, settings, device, the target folder."""
     model_cfg = ModelConfig.from_checkpoint(cfg.checkpoint)
-    if model_cfg.num_experts:  # issue 46: the configuration and the float32 reference read them; the graphs do not yet
-        raise ExportError(f"{cfg.checkpoint}: model_type {model_cfg.model_type!r} is a mixture-of-experts model, "
-                          "whose graphs this version cannot build yet; export a dense checkpoint (qwen2, qwen3, llama)")
+    _moe_supported(cfg, model_cfg)
     profile = get_profile(cfg.device)
     cfg.validate(model_cfg, profile.dtypes)
     if os.path.exists(cfg.output) and not cfg.overwrite:
         raise ExportError(f"{cfg.output} already exists. Delete it or pass --overwrite")
     return model_cfg, profile
+
+
+def _moe_supported(cfg: ExportConfig, model_cfg: ModelConfig, quantized: bool = False) -> None:
+    """A mixture of experts exports, so far, in the plain MoE form (export/network/moe.py) as a float CPU folder of
+    one rank (issue 46); anything else is refused by the option to change, before anything is written (`quantized`:
+    the folder would keep a quantized checkpoint's layers, GPTQ's or a GGUF's, as they are)."""
+    if not model_cfg.num_experts:
+        return
+    why = ("--device cpu" if cfg.device != "cpu" else "--tp_size 1" if cfg.tp_size != 1 else
+           "--quantize none" if cfg.quantize not in (None, "none") or quantized else None)
+    if why is not None:
+        raise ExportError(f"{cfg.checkpoint}: model_type {model_cfg.model_type!r} is a mixture-of-experts model, "
+                          f"whose graphs this version builds only with {why} (float weights, one rank, on the CPU)")
 
 
 def resolve(cfg: ExportConfig, model_cfg: ModelConfig) -> ExportConfig:
@@ -206,6 +217,7 @@ def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str]
     cfg = resolve(cfg, model_cfg)
     where = open_checkpoint(cfg.checkpoint)
     quant, tables, quant_notes = _quantization(cfg, model_cfg, profile, where)
+    _moe_supported(cfg, model_cfg, quant is not None or tables is not None)
     for note in quant_notes:
         log.warning("%s", note) if note.startswith("group size") else log.info("%s", note)
     output = os.path.abspath(cfg.output)
@@ -333,6 +345,10 @@ def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where, quant=None, tables=N
     # names and shapes, by name, before anything runs (the reference reads exactly the network's weights:
     # tests/test_golden.py)
     plan_weights(weight_shapes(model_cfg), where, tied=bool(model_cfg.tie_word_embeddings))
+    if model_cfg.num_experts:  # the graphs read each layer's experts stacked (export/writers/stacked.py)
+        from export.writers.stacked import stack_experts
+
+        where = stack_experts(model_cfg, where)
     with MINDSPORE_LOCK:
         network = Network(cfg, model_cfg, quant, tables)
     params = network.parameters()

@@ -51,7 +51,8 @@ class InputOfInfer:
     """The registry: model family (the folder's `infer.model_name`, export/families) -> input builder. A family whose
     graphs need another input gets its own class here; one with the shared graph contract reuses DecoderInputs."""
 
-    MAPPING: Dict[str, Type] = {"qwen2": DecoderInputs, "qwen3": DecoderInputs, "llama": DecoderInputs}
+    MAPPING: Dict[str, Type] = {"qwen2": DecoderInputs, "qwen3": DecoderInputs, "llama": DecoderInputs,
+                                "qwen3_moe": DecoderInputs, "qwen2_moe": DecoderInputs}
 
     @classmethod
     def get(cls, model_name: str):

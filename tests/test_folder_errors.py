@@ -138,9 +138,10 @@ def test_unknown_task_backend_and_model_name(exported):
         "task 'summarization' is not supported; supported: text_generation")
     assert error_of(pipeline, "text_generation", model=folder, backend="onnx") == (
         "backend 'onnx' is not one of mslite, ms, auto")
-    assert error_of(InputOfInfer.get, "gemma") == "model_name 'gemma' has no input mapping; known: llama, qwen2, qwen3"
+    assert error_of(InputOfInfer.get, "gemma") == (
+        "model_name 'gemma' has no input mapping; known: llama, qwen2, qwen2_moe, qwen3, qwen3_moe")
     assert error_of(pipeline, "text_generation", model=folder, backend="ms", model_name="glm") == (
-        "model_name 'glm' has no input mapping; known: llama, qwen2, qwen3")
+        "model_name 'glm' has no input mapping; known: llama, qwen2, qwen2_moe, qwen3, qwen3_moe")
     assert error_of(InferTask.get_infer_task, "chat", None) == "task 'chat' is not supported; supported: text_generation"
     assert error_of(InferConfig.from_folder, folder, warm_up="some") == (
         "warm_up 'some' is not one of auto, smallest, all, none")

@@ -139,13 +139,109 @@ def test_a_missing_expert_or_a_wrong_router_is_refused_by_name(moe_checkpoints, 
                               "[3, 64], config.json implies [4, 64]; check that the weights belong to this config")
 
 
-def test_export_refuses_a_mixture_of_experts_until_its_graphs_exist(moe_checkpoints, tmp_path, capsys):
+@pytest.mark.parametrize("args, option", [
+    (["--device", "atlas_800i_a2"], "--device cpu"),
+    (["--device", "cpu", "--dtype", "float32", "--quantize", "int8"], "--quantize none"),
+    (["--device", "cpu", "--dtype", "float32", "--tp_size", "2"], "--tp_size 1"),
+])
+def test_export_refuses_what_the_moe_graphs_do_not_build_yet(moe_checkpoints, tmp_path, capsys, args, option):
+    """The plain MoE form exports as a float CPU folder of one rank; anything else: one line naming the option,
+    nothing on disk."""
     path = moe_checkpoints["qwen3_moe"]
-    code = main(["-q", "--checkpoint", path, "--output", str(tmp_path / "out"), "--device", "cpu"])
+    code = main(["-q", "--checkpoint", path, "--output", str(tmp_path / "out"), *args])
     assert (code, capsys.readouterr().err.strip()) == (
-        2, f"error: {path}: model_type 'qwen3_moe' is a mixture-of-experts model, whose graphs this version cannot "
-           "build yet; export a dense checkpoint (qwen2, qwen3, llama)")
+        2, f"error: {path}: model_type 'qwen3_moe' is a mixture-of-experts model, whose graphs this version builds "
+           f"only with {option} (float weights, one rank, on the CPU)")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_packed_moe_checkpoint_exports_only_dequantized(moe_checkpoints, tmp_path, capsys):
+    """A GPTQ MoE checkpoint keeps its quantization by default, which the MoE graphs do not take yet: refused, naming
+    --quantize none, nothing on disk; with --quantize none its packed layers are dequantized and the folder passes
+    check."""
+    from lite_runtime.check import run_check
+    from tests.packers import pack
+
+    packed, _ = pack(moe_checkpoints["qwen3_moe"], str(tmp_path / "gptq"), "gptq", bits=4, group=32)
+    out = str(tmp_path / "out" / "f")
+    code = main(["-q", "--checkpoint", packed, "--output", out, "--device", "cpu", "--seq_length", "32"])
+    assert (code, capsys.readouterr().err.strip()) == (
+        2, f"error: {packed}: model_type 'qwen3_moe' is a mixture-of-experts model, whose graphs this version builds "
+           "only with --quantize none (float weights, one rank, on the CPU)")
+    assert not os.path.exists(os.path.dirname(out))
+    assert main(["-q", "--checkpoint", packed, "--output", out, "--device", "cpu", "--seq_length", "32",
+                 "--dtype", "float32", "--quantize", "none"]) == 0
+    report = run_check(out, "ms")
+    assert report.passed, report.verdict()
+
+
+@pytest.fixture(scope="module")
+def moe_folders(moe_checkpoints, tmp_path_factory):
+    """qwen3_moe (a dense layer among sparse ones) as a float32 and a bfloat16 CPU folder, qwen2_moe (a shared
+    expert) as a float32 one: batch 2, seq_length 64, the default buckets, chunk and score graphs."""
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+
+    root = tmp_path_factory.mktemp("moe_folders")
+    out = {}
+    for name, dtype in (("qwen3_moe", "float32"), ("qwen2_moe", "float32"), ("qwen3_moe", "bfloat16")):
+        out[name, dtype] = str(root / f"{name}_{dtype}")
+        run_export(ExportConfig(checkpoint=moe_checkpoints[name], output=out[name, dtype], name=name, seq_length=64,
+                                batch_size=2, dtype=dtype, device="cpu"))
+    return out
+
+
+def _folder_weights(folder: str, name: str) -> dict:
+    """Every parameter of the folder's incremental graph, by name, as the ms backend maps them."""
+    import yaml
+    from mindspore.train import mind_ir_pb2
+
+    from lite_runtime.backends.ms import _parameter_arrays
+
+    infer = yaml.safe_load(open(os.path.join(folder, f"{name}.yaml")))["infer"]
+    path = os.path.join(folder, infer["increment_model_path"])
+    model = mind_ir_pb2.ModelProto()
+    model.ParseFromString(open(path, "rb").read())
+    return _parameter_arrays(model, path)
+
+
+@pytest.mark.parametrize("name, dtype", [("qwen3_moe", "float32"), ("qwen2_moe", "float32"),
+                                         ("qwen3_moe", "bfloat16")])
+def test_a_moe_folder_passes_check_and_decodes_as_hf(moe_folders, moe_checkpoints, name, dtype):
+    """`check` replays the golden references through every prefill, chunk and score graph (and the inc graphs'
+    steps); the float32 folder's greedy tokens of two prompts of different lengths equal HF's generate, and its
+    last-token logits HF's within 1e-4 (the bfloat16 folder: HF on its rounded weights is check's golden). The stacked
+    experts in the weights file are the checkpoint's, expert by expert, stored as the folder stores its matrices."""
+    import torch
+
+    from export.checkpoints.safetensors import stored_as
+    from lite_runtime import pipeline
+    from lite_runtime.check import run_check
+
+    folder = moe_folders[name, dtype]
+    report = run_check(folder, "ms")
+    assert report.passed, report.verdict()
+    assert {r.graph.split("_")[0] for r in report.rows} == {"prefill", "chunk", "score"}
+    where = open_checkpoint(moe_checkpoints[name])
+    stacked = _folder_weights(folder, name)["model.layers.0.mlp.experts.gate_up_proj"]
+    for n in (0, 3):
+        p = f"model.layers.0.mlp.experts.{n}."
+        expected = np.concatenate([stored_as(where[p + "gate_proj.weight"].stored(p + "gate_proj.weight"), dtype),
+                                   stored_as(where[p + "up_proj.weight"].stored(p + "up_proj.weight"), dtype)])
+        assert np.array_equal(stacked[n], expected), n
+    if dtype != "float32":
+        return
+    pipe = pipeline("text_generation", model=folder, backend="ms")
+    model = hf_model(moe_checkpoints[name])
+    logits = pipe.infer([list(p) for p in PROMPTS]).logits
+    out = pipe.generate([list(p) for p in PROMPTS], max_new_tokens=8).sequences
+    for prompt, got, tokens in zip(PROMPTS, logits, out):
+        with torch.no_grad():
+            theirs = model(torch.tensor([prompt])).logits[0, -1].numpy()
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0].tolist()
+        assert np.abs(np.asarray(got) - theirs).max() <= 1e-4 * np.abs(theirs).max(), name
+        assert tokens == want, name
 
 
 def test_config_keys_are_qwens(moe_checkpoints):

@@ -23,8 +23,8 @@ from export.errors import ExportError
 from export.families import llama, qwen2, qwen2_moe, qwen3, qwen3_moe
 
 FAMILIES: Dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (qwen2, qwen3, llama)}
-# mixture-of-experts families whose configuration, checkpoints and float32 reference are read (issue 46); export
-# refuses them by name (export/pipeline.py prepare) until their graphs are built, so they are not listed as supported
+# mixture-of-experts families (issue 46): read from every checkpoint form, and exported so far only as float CPU
+# folders of one rank in the plain MoE form (export/pipeline.py _moe_supported), so not listed as supported yet
 MOE_FAMILIES: Dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (qwen3_moe, qwen2_moe)}
 
 # model_types people try that are not dense decoders of these families: refused by name, with what to do

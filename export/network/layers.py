@@ -378,13 +378,27 @@ class Attention(nn.Cell):
 
 
 class DecoderLayer(nn.Cell):
-    def __init__(self, cfg: ModelConfig, cache: KVCache, dtype, k: "Form", tp: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, cache: KVCache, dtype, k: "Form", tp: bool = False,
+                 sparse: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.decode_ops)
         self.self_attn = Attention(cfg, cache, dtype, k, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.decode_ops)
-        self.mlp = MLP(cfg, dtype, k, tp)
-        if k.decode_ops:  # the decode step: o_proj and down_proj each with the residual add, one kernel
+        self.sparse = sparse
+        if sparse:  # a mixture of experts (export/network/moe.py): its own cell, none of the fused MLP kernels
+            from export.network.moe import SparseMoeBlock
+
+            # its weights stored as the folder's matrices are (bfloat16 on a 16-bit CPU folder), computed in float32
+            self.mlp = SparseMoeBlock(cfg, getattr(k.linear(False), "weight_dtype", None) or dtype)
+        else:
+            self.mlp = MLP(cfg, dtype, k, tp)
+        if k.decode_ops and sparse:
+            import cpu_kernels
+
+            self.project_add = kernel_op(cpu_kernels.fused_op(cpu_kernels.GEMV_ADD, False), lambda *s: s[-1],
+                                         lambda x, *_: x)  # o_proj + residual
+            self.norm_swiglu = self.tail = self.layer_op = None
+        elif k.decode_ops:  # the decode step: o_proj and down_proj each with the residual add, one kernel
             import cpu_kernels
 
             quant = is_quantized(self.mlp.down_proj.method)
@@ -443,6 +457,8 @@ class DecoderLayer(nn.Cell):
         if self.tail is not None:
             return self.tail(*((attn,) + self._tail_args(x, norm)))
         h = self._project_add(self.self_attn.o_proj, attn, x)
+        if self.sparse:
+            return ew_add(h, self.mlp(norm.few_rows(h)))
         if self.norm_swiglu is not None:
             mlp = self.norm_swiglu(*((h, norm.weight, norm.eps_tensor) + self.mlp.gate_proj.weights()
                                      + self.mlp.up_proj.weights()))

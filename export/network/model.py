@@ -34,7 +34,7 @@ class DecoderModel(nn.Cell):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, k, vocab_shards)
         if not fused:
-            layers = [DecoderLayer(cfg, cache, dtype, k, tp) for _ in range(cfg.num_hidden_layers)]
+            layers = [DecoderLayer(cfg, cache, dtype, k, tp, cfg.sparse(i)) for i in range(cfg.num_hidden_layers)]
         else:
             layers = [FusedDecoderLayer(cfg, cache, dtype, tp, k) for _ in range(cfg.num_hidden_layers)]
         self.layers = nn.CellList(layers)

@@ -381,9 +381,16 @@ class NumpyDecoder:
         shared expert times sigmoid(shared_expert_gate(h)). Each expert reads only the rows that chose it."""
         _, chosen, weights = self.routing(h, p)
         out = np.zeros_like(h)
-        for n in np.unique(chosen):
-            rows, slot = np.nonzero(chosen == n)
-            out[rows] += self._mlp(h[rows], f"{p}experts.{n}.") * weights[rows, slot][:, None]
+        # an expert sees a subset of the rows, so the matmul's lanes (rows of the whole batch computed another way:
+        # golden.py ArithmeticLanes) do not apply: the experts' products are the plain ones in every row, as the MoE
+        # graphs compute them (float32 BatchMatMul on the stored weights: export/network/moe.py)
+        lanes, self.matmul.lanes = self.matmul.lanes, {}
+        try:
+            for n in np.unique(chosen):
+                rows, slot = np.nonzero(chosen == n)
+                out[rows] += self._mlp(h[rows], f"{p}experts.{n}.") * weights[rows, slot][:, None]
+        finally:
+            self.matmul.lanes = lanes
         if self.cfg.shared_expert_intermediate_size:
             gate = self._linear(h, p + "shared_expert_gate")  # [T, 1]
             out += self._mlp(h, p + "shared_expert.") / (1 + np.exp(-gate))
