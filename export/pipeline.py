@@ -334,11 +334,10 @@ def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where, quant=None, tables=N
     FolderTensors); the checkpoint's names and shapes checked first."""
     import numpy as np
 
+    from export.checkpoints import plan_weights
     from export.writers.graphs import Network
     from export.writers.reference import weight_shapes
-    from export.checkpoints import plan_weights
-    from export.writers.weights_file import split_axis
-    from export.writers.weights_file import plan_layouts
+    from export.writers.weights_file import plan_layouts, split_axis
     from lite_runtime.folder import data_location, rank_name
     from lite_runtime.mindspore_lock import MINDSPORE_LOCK
 

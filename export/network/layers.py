@@ -392,18 +392,15 @@ class DecoderLayer(nn.Cell):
             self.mlp = SparseMoeBlock(cfg, getattr(k.linear(False), "weight_dtype", None) or dtype)
         else:
             self.mlp = MLP(cfg, dtype, k, tp)
-        if k.decode_ops and sparse:
+        if k.decode_ops:  # the decode step: o_proj (and down_proj) each with the residual add, one kernel
             import cpu_kernels
 
-            self.project_add = kernel_op(cpu_kernels.fused_op(cpu_kernels.GEMV_ADD, False), lambda *s: s[-1],
-                                         lambda x, *_: x)  # o_proj + residual
-            self.norm_swiglu = self.tail = self.layer_op = None
-        elif k.decode_ops:  # the decode step: o_proj and down_proj each with the residual add, one kernel
-            import cpu_kernels
-
-            quant = is_quantized(self.mlp.down_proj.method)
+            quant = is_quantized(self.self_attn.o_proj.method)  # one method for every linear layer of the network
             self.project_add = kernel_op(cpu_kernels.fused_op(cpu_kernels.GEMV_ADD, quant), lambda *s: s[-1],
                                          lambda x, *_: x)  # x, W.., r
+        if k.decode_ops and sparse:  # the MoE block runs alone after o_proj: no fused MLP kernel
+            self.norm_swiglu = self.tail = self.layer_op = None
+        elif k.decode_ops:
             # post_attention_layernorm, gate, up, SiLU and the product in one kernel (no MLP bias)
             self.norm_swiglu = None if self.mlp.swiglu is None else kernel_op(
                 cpu_kernels.fused_op(cpu_kernels.NORM_SWIGLU, quant), lambda h, w, e, wg, *_: (h[0], wg[0]),

@@ -369,7 +369,7 @@ class NumpyDecoder:
         """A sparse layer's router on h [T, E] (`p`: `...mlp.`): (probabilities [T, X] in float32 (softmax of the
         router's logits), the chosen experts [T, k] in descending probability, their weights [T, k] (divided by their
         sum with norm_topk_prob)). Equal probabilities go to the lower expert index (a stable sort)."""
-        probs = _softmax(self._linear(h, p + "gate").astype(np.float32))
+        probs = _softmax(self._linear(h, p + "gate"))  # float32 in, float32 out
         chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :self.cfg.num_experts_per_tok]
         weights = np.take_along_axis(probs, chosen, axis=-1)
         if self.cfg.norm_topk_prob:

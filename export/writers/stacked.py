@@ -55,13 +55,6 @@ class StackedExperts:
         shape, experts = self.stacks[name]
         return _Rows([[(self.where[n], n) for n in names] for names in experts], shape)
 
-    def will_need(self, name: str) -> None:
-        for names in self.stacks[name][1]:
-            for n in names:
-                hint = getattr(self.where[n], "will_need", None)
-                if hint is not None:
-                    hint(n)
-
 
 def stack_experts(cfg, where: Dict[str, object]) -> Dict[str, object]:
     """`where` with each sparse layer's stacked tensors added (cfg: the ModelConfig)."""
