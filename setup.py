@@ -10,7 +10,7 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension(
     "cpu_kernels._mslite_llm_cpu_kernels",
     sources=["cpu_kernels/" + f for f in ("registry.cc", "pool.cc", "matmul16.cc", "attention.cc", "decode_ops.cc",
-                                          "matmul_quant.cc", "atlas_ops.cc")],
+                                          "matmul_quant.cc", "moe.cc", "atlas_ops.cc")],
     depends=["cpu_kernels/" + f for f in ("common.h", "pool.h", "matmul16.h", "ops.h", "dtypes.h")],
     language="c++",
     extra_compile_args=["-O3", "-std=c++14", "-pthread"],

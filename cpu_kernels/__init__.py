@@ -50,6 +50,9 @@ QUANT_MATMUL_OFFSET = "MsliteLlmQuantMatmulOffset"  # the same with offset [G, N
 QUANT_MATMUL_VALID = "MsliteLlmQuantMatmulValid"  # x, q, scale, valid_length [B] int32 -> y: the full graph's form,
 #   x holding B rows of n tokens, only each row's first valid_length computed, the padding rows zero (as GEMM_VALID)
 QUANT_MATMUL_OFFSET_VALID = "MsliteLlmQuantMatmulOffsetValid"  # the same with offset
+MOE_EXPERTS = "MsliteLlmMoeExperts"  # x [N, H], index [N, K] int32, weights [N, K] float32, gate_up [E, 2I, H], down
+#   [E, H, I] (each one float tensor or q, scale [E, G, n][, offset]) -> [N, H]: each row's chosen experts' SwiGLU,
+#   weighted and summed; the experts no row chose are not read (cpu_kernels/moe.cc)
 ATLAS_WEIGHT_QUANT_BATCH_MATMUL = "MsliteLlmAtlasWeightQuantBatchMatmul"  # WeightQuantBatchMatmul's CPU stand-in:
 #   x [M, K] T, q [N, ...], scale [G, N] T[, offset [G, N] T], attrs [antiquant_group_size] -> [M, N] T (W rounded to T)
 # the fused ops under the names a quantized folder's graphs call: the same ops (each weight one float tensor or q,
@@ -64,7 +67,7 @@ R16_OPS = {f: f + "R16" for f in (QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMU
                                   *QUANTIZED_OPS.values())}
 FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
              WRITE_CACHE, NORM_SWIGLU, DECODE_TAIL, DECODE_LAYER, QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
-             ATLAS_WEIGHT_QUANT_BATCH_MATMUL,
+             ATLAS_WEIGHT_QUANT_BATCH_MATMUL, MOE_EXPERTS,
              *QUANTIZED_OPS.values(), *R16_OPS.values())
 
 

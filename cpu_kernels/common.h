@@ -8,6 +8,7 @@
 //   attention.cc          the decode step's attention over the KV cache
 //   decode_ops.cc         the decode step's fused ops (RMSNorm, q/k/v with RoPE, SwiGLU, the layer's tail)
 //   matmul_quant.cc       matmuls of int8/int4 weights, WeightQuantBatchMatmul's CPU stand-in
+//   moe.cc                a mixture of experts' chosen experts (their SwiGLU from the stacked weights, weighted)
 //   atlas_ops.cc          CPU stand-ins of Ascend's fused operators (plain C++, self-contained; dtypes.h)
 //   ops.h                 the op bodies the families define, for registry.cc
 //   registry.cc           every extern "C" entry of the families above (MindSpore calls these)

@@ -32,6 +32,9 @@ int quant_matmul_op(int nparam, void** params, int* ndims, int64_t** shapes, con
                     bool prompt_rows);
 int weight_quant_batch_matmul(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 
+// moe.cc: a mixture of experts' chosen experts (float or quantized stacked weights)
+int moe_experts(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
+
 }  // namespace msllm
 
 #endif  // MSLITE_LLM_CPU_KERNELS_OPS_H_

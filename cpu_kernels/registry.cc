@@ -34,7 +34,7 @@ namespace {
 // The last slot, OP_GAP, is not an op: the time from the end of one of our ops to the start of the next, when under
 // 2 ms (inside one graph call): what MindSpore's runtime spends between our kernels.
 enum Op { OP_GEMV, OP_GEMV_BIAS, OP_GEMM_VALID, OP_EMBED, OP_RMS_NORM, OP_QKV_ROPE, OP_GEMV_ADD, OP_SWIGLU,
-          OP_ATTENTION, OP_DECODE_QKV, OP_NORM_SWIGLU, OP_DECODE_TAIL, OP_QUANT_MATMUL, OP_DECODE_LAYER, OP_GAP,
+          OP_ATTENTION, OP_DECODE_QKV, OP_NORM_SWIGLU, OP_DECODE_TAIL, OP_QUANT_MATMUL, OP_DECODE_LAYER, OP_MOE_EXPERTS, OP_GAP,
           OP_COUNT };
 const bool g_profile = std::getenv("MSLITE_LLM_CPU_KERNELS_PROFILE") != nullptr;
 std::atomic<int64_t> g_profile_ns[OP_COUNT], g_profile_calls[OP_COUNT], g_last_end{0};
@@ -205,6 +205,12 @@ int MsliteLlmRepackInt4R16(void* q, int64_t n, int64_t k) {
 
 // 1 when int4 weights of k inputs in groups of `group` take the banded form here, in the activations mode now in force
 int MsliteLlmInt4R16Runs(int64_t k, int64_t group) { return r16_runs(k, group) ? 1 : 0; }
+
+// A mixture of experts' chosen experts (moe.cc, whose comment lists the tensors; error 5: an expert index outside the
+// stack): x, index, weights, gate_up, down (each one float tensor or q, scale[, offset]), y.
+int MsliteLlmMoeExperts(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return timed(OP_MOE_EXPERTS, [&] { return moe_experts(nparam, params, ndims, shapes, dtypes); });
+}
 
 int MsliteLlmAtlasWeightQuantBatchMatmul(int nparam, void** params, int* ndims, int64_t** shapes,
                                          const char** dtypes, void*, void*) {

@@ -5,6 +5,7 @@ weights: logits within 1e-4 of their magnitude, greedy tokens identical. Export 
 graphs exist, leaving nothing on disk."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -222,6 +223,14 @@ def test_a_moe_folder_passes_check_and_decodes_as_hf(moe_folders, moe_checkpoint
     report = run_check(folder, "ms")
     assert report.passed, report.verdict()
     assert {r.graph.split("_")[0] for r in report.rows} == {"prefill", "chunk", "score"}
+    # the experts ran in the CPU kernel that reads only the chosen ones (cpu_kernels/moe.cc), in every graph
+    import cpu_kernels
+    from test_cpu_kernels import custom_funcs
+
+    graphs = glob.glob(os.path.join(folder, "**", "*.mindir"), recursive=True)
+    assert graphs
+    for graph in graphs:
+        assert any(f.endswith(":" + cpu_kernels.MOE_EXPERTS) for f in custom_funcs(graph)[0]), graph
     where = open_checkpoint(moe_checkpoints[name])
     stacked = _folder_weights(folder, name)["model.layers.0.mlp.experts.gate_up_proj"]
     for n in (0, 3):

@@ -389,7 +389,7 @@ class DecoderLayer(nn.Cell):
             from export.network.moe import SparseMoeBlock
 
             # its weights stored as the folder's matrices are (bfloat16 on a 16-bit CPU folder), computed in float32
-            self.mlp = SparseMoeBlock(cfg, getattr(k.linear(False), "weight_dtype", None) or dtype)
+            self.mlp = SparseMoeBlock(cfg, getattr(k.linear(False), "weight_dtype", None) or dtype, k.decode_ops)
         else:
             self.mlp = MLP(cfg, dtype, k, tp)
         if k.decode_ops:  # the decode step: o_proj (and down_proj) each with the residual add, one kernel

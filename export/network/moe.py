@@ -3,9 +3,11 @@ layer's method), a float32 softmax, TopK, the chosen weights divided by their su
 expert's SwiGLU on every row from the stacked weights (export/writers/stacked.py: `experts.gate_up_proj` [E, 2I, H],
 `experts.down_proj` [E, H, I]) by BatchMatMul, weighted by the routing ([N, E], zero for the experts not chosen) and
 summed; Qwen2-MoE's shared expert (an MLP) times sigmoid(shared_expert_gate(x)) added. Plain ops only, so it runs on
-the CPU and under GE alike; it reads every expert's weights each call (the CPU kernel that reads only the chosen
-experts, and Atlas's fused routing ops, are issue 46's next parts). Parameter names are the graph's: the router and
-the shared expert as the checkpoint names them, the stacked experts as transformers 5 holds them in memory."""
+the CPU and under GE alike; it reads every expert's weights each call. A `--device cpu` folder with the kernel
+library takes the kernels' form instead (KernelExperts: cpu_kernels/moe.cc runs only the chosen experts, on the rows
+that chose them, reading nothing of the others), the routing the same graph ops. Parameter names are the graph's:
+the router and the shared expert as the checkpoint names them, the stacked experts as transformers 5 holds them in
+memory (docs/architecture.md, "Mixture of experts")."""
 from __future__ import annotations
 
 import mindspore as ms
@@ -63,14 +65,34 @@ class Experts(nn.Cell):
         return self.sum(ew_mul(out, weights), 0)
 
 
-class SparseMoeBlock(nn.Cell):
-    """`dtype`: the weights' storage dtype (the folder's matrices'); the block computes in float32."""
+class KernelExperts(nn.Cell):
+    """The experts through the CPU kernels (cpu_kernels.MOE_EXPERTS): each row's chosen experts from the stacked
+    weights (the same Parameters as Experts'), weighted and summed; an expert no row chose is not read."""
 
     def __init__(self, cfg: ModelConfig, dtype) -> None:
         super().__init__()
+        import cpu_kernels
+
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = lazy_parameter((e, 2 * i, h), dtype, "gate_up_proj")
+        self.down_proj = lazy_parameter((e, h, i), dtype, "down_proj")
+        self.op = ops.Custom(cpu_kernels.local_func(cpu_kernels.MOE_EXPERTS), out_shape=lambda x, *_: x,
+                             out_dtype=lambda x, *_: x, func_type="aot")
+
+    def construct(self, x, index, weights):  # x [N, H] float32, index [N, k] int32, weights [N, k] float32
+        return self.op(x, index, weights, self.gate_up_proj, self.down_proj)
+
+
+class SparseMoeBlock(nn.Cell):
+    """`dtype`: the weights' storage dtype (the folder's matrices'); the block computes in float32. `kernels`: the
+    experts through the CPU kernels (KernelExperts), else every expert by BatchMatMul (Experts)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, kernels: bool = False) -> None:
+        super().__init__()
         self.top_k, self.experts_n, self.norm = cfg.num_experts_per_tok, cfg.num_experts, cfg.norm_topk_prob
         self.gate = Dense32(cfg.hidden_size, cfg.num_experts, dtype)
-        self.experts = Experts(cfg, dtype)
+        self.kernels = kernels
+        self.experts = KernelExperts(cfg, dtype) if kernels else Experts(cfg, dtype)
         shared = cfg.shared_expert_intermediate_size
         if shared:
             self.shared_expert = SharedExpert(cfg.hidden_size, shared, dtype)
@@ -87,9 +109,12 @@ class SparseMoeBlock(nn.Cell):
         top, index = ops.topk(probs, self.top_k)  # [N, k], descending
         if self.norm:
             top = top / ops.broadcast_to(self.sum_keep(top, -1), top.shape)
-        chosen = self.one_hot(index, self.experts_n, self.on, self.off)  # [N, k, E]
-        routing = self.sum(ew_mul(chosen, ops.broadcast_to(ops.expand_dims(top, -1), chosen.shape)), 1)
-        y = self.experts(x, routing)
+        if self.kernels:
+            y = self.experts(x, ops.cast(index, ms.int32), top)
+        else:
+            chosen = self.one_hot(index, self.experts_n, self.on, self.off)  # [N, k, E]
+            routing = self.sum(ew_mul(chosen, ops.broadcast_to(ops.expand_dims(top, -1), chosen.shape)), 1)
+            y = self.experts(x, routing)
         if self.shared_expert is not None:
             g = ops.sigmoid(self.shared_expert_gate(x))  # [N, 1]
             s = self.shared_expert(x)
