@@ -104,7 +104,7 @@ def measure(dtype: str, rows: int, threads: int, repeat: int) -> Dict[str, float
 
 OPS = ("GEMV", "GEMV+bias", "GEMM over prompt rows", "embed", "RMSNorm", "q/k/v+RoPE", "GEMV+residual", "SwiGLU",
        "attention", "norm+q/k/v+RoPE+cache", "norm+SwiGLU", "o_proj+norm+MLP", "int8/int4 matmul",
-       "whole layer", "MoE experts", "between our ops (MindSpore)")
+       "whole layer", "MoE (router + experts)", "between our ops (MindSpore)")
 
 
 def in_graph(folder: str, steps: int) -> Dict[str, object]:

@@ -59,6 +59,11 @@ SHAPES: Dict[str, Dict[str, Any]] = {  # the released configs' sizes (Qwen/Qwen2
                      num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
     "qwen2-72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
                       num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    # Qwen/Qwen3-30B-A3B: a mixture of experts (every layer sparse, 8 of 128 experts a token), q/k norms, no biases
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True),
 }
 SHARD_BYTES = 2 << 30
 CHUNK_ELEMENTS = 16 << 20
@@ -71,19 +76,33 @@ def say(text: str) -> None:
 # ---------------------------------------------------------------- 1. the checkpoint
 
 def tensors(shape: Dict[str, Any]):
-    """(HF name, shape, (mean, std)) of every tensor of a Qwen2 checkpoint, in module order."""
+    """(HF name, shape, (mean, std)) of every tensor of a Qwen2 checkpoint (or a Qwen3-MoE one: q/k norms, no biases,
+    each layer's router and experts), in module order."""
     e, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     h, kh = shape["num_attention_heads"], shape["num_key_value_heads"]
-    d = e // h
+    d = shape.get("head_dim", e // h)
+    qwen3 = shape.get("model_type", "qwen2").startswith("qwen3")
     yield "model.embed_tokens.weight", (v, e), (0.0, 0.1)
     for n in range(shape["num_hidden_layers"]):
         p = f"model.layers.{n}."
         yield p + "input_layernorm.weight", (e,), (1.0, 0.1)
         for name, out, inp in (("q_proj", h * d, e), ("k_proj", kh * d, e), ("v_proj", kh * d, e)):
             yield p + f"self_attn.{name}.weight", (out, inp), (0.0, inp ** -0.5)
-            yield p + f"self_attn.{name}.bias", (out,), (0.0, 0.1)
+            if not qwen3:
+                yield p + f"self_attn.{name}.bias", (out,), (0.0, 0.1)
         yield p + "self_attn.o_proj.weight", (e, h * d), (0.0, (h * d) ** -0.5)
+        if qwen3:
+            yield p + "self_attn.q_norm.weight", (d,), (1.0, 0.1)
+            yield p + "self_attn.k_norm.weight", (d,), (1.0, 0.1)
         yield p + "post_attention_layernorm.weight", (e,), (1.0, 0.1)
+        if shape.get("num_experts"):
+            mi = shape["moe_intermediate_size"]
+            yield p + "mlp.gate.weight", (shape["num_experts"], e), (0.0, e ** -0.5)
+            for x in range(shape["num_experts"]):
+                yield p + f"mlp.experts.{x}.gate_proj.weight", (mi, e), (0.0, e ** -0.5)
+                yield p + f"mlp.experts.{x}.up_proj.weight", (mi, e), (0.0, e ** -0.5)
+                yield p + f"mlp.experts.{x}.down_proj.weight", (e, mi), (0.0, mi ** -0.5)
+            continue
         yield p + "mlp.gate_proj.weight", (i, e), (0.0, e ** -0.5)
         yield p + "mlp.up_proj.weight", (i, e), (0.0, e ** -0.5)
         yield p + "mlp.down_proj.weight", (e, i), (0.0, i ** -0.5)
@@ -122,9 +141,11 @@ def write_checkpoint(folder: str, shape_name: str, layers: Optional[int], seed: 
     os.makedirs(folder)
     tokenizer = build_tokenizer()
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    cfg = AutoConfig.for_model("qwen2", max_position_embeddings=32768, rms_norm_eps=1e-6, bos_token_id=eos,
-                               eos_token_id=eos, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-                               use_sliding_window=False, dtype="bfloat16", **shape)
+    fields = {k: v for k, v in shape.items() if k != "model_type"}
+    cfg = AutoConfig.for_model(shape.get("model_type", "qwen2"), max_position_embeddings=32768, rms_norm_eps=1e-6,
+                               bos_token_id=eos, eos_token_id=eos,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                               use_sliding_window=False, dtype="bfloat16", **fields)
     cfg.save_pretrained(folder)
     GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, do_sample=False).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -368,7 +389,8 @@ def _kind(name: str) -> str:
         return "bias"
     if "norm" in base:
         return "norm"
-    if base.startswith("model.layers.") and base.endswith("_proj.weight"):
+    if base.startswith("model.layers.") and (base.endswith(("_proj.weight", "mlp.gate.weight"))
+                                             or ".mlp.experts." in base):  # a MoE's router and (stacked) experts
         return "linear"
     return "generated"
 

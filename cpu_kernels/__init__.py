@@ -50,9 +50,10 @@ QUANT_MATMUL_OFFSET = "MsliteLlmQuantMatmulOffset"  # the same with offset [G, N
 QUANT_MATMUL_VALID = "MsliteLlmQuantMatmulValid"  # x, q, scale, valid_length [B] int32 -> y: the full graph's form,
 #   x holding B rows of n tokens, only each row's first valid_length computed, the padding rows zero (as GEMM_VALID)
 QUANT_MATMUL_OFFSET_VALID = "MsliteLlmQuantMatmulOffsetValid"  # the same with offset
-MOE_EXPERTS = "MsliteLlmMoeExperts"  # x [N, H], index [N, K] int32, weights [N, K] float32, gate_up [E, 2I, H], down
-#   [E, H, I] (each one float tensor or q, scale [E, G, n][, offset]) -> [N, H]: each row's chosen experts' SwiGLU,
-#   weighted and summed; the experts no row chose are not read (cpu_kernels/moe.cc)
+MOE = "MsliteLlmMoe"  # layout int32 [3] (k, norm_topk_prob, residual), x [N, H] (residual: h, ln_w [H], eps [1]),
+#   router [E, H], gate_up [E, 2I, H], down [E, H, I] (each one float tensor or q, scale [E, G, n][, offset]) -> [N, H]:
+#   the router, a float32 softmax and top k, each row's chosen experts' SwiGLU weighted and summed (residual: h +
+#   that of RMSNorm(h)); the experts no row chose are not read (cpu_kernels/moe.cc)
 ATLAS_WEIGHT_QUANT_BATCH_MATMUL = "MsliteLlmAtlasWeightQuantBatchMatmul"  # WeightQuantBatchMatmul's CPU stand-in:
 #   x [M, K] T, q [N, ...], scale [G, N] T[, offset [G, N] T], attrs [antiquant_group_size] -> [M, N] T (W rounded to T)
 # the fused ops under the names a quantized folder's graphs call: the same ops (each weight one float tensor or q,
@@ -64,10 +65,10 @@ QUANTIZED_OPS = {QKV_ROPE: "MsliteLlmQuantQkvRope", GEMV_ADD: "MsliteLlmQuantGem
 # repack_int4_r16): the runtime renames an op so at load after repacking every int4 weight it reads (int4_bands in
 # lite_runtime/backends/ms.py; docs/architecture.md, "int4 in bands of 16 rows"). Never written in a folder.
 R16_OPS = {f: f + "R16" for f in (QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
-                                  *QUANTIZED_OPS.values())}
+                                  *QUANTIZED_OPS.values(), MOE)}
 FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
              WRITE_CACHE, NORM_SWIGLU, DECODE_TAIL, DECODE_LAYER, QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
-             ATLAS_WEIGHT_QUANT_BATCH_MATMUL, MOE_EXPERTS,
+             ATLAS_WEIGHT_QUANT_BATCH_MATMUL, MOE,
              *QUANTIZED_OPS.values(), *R16_OPS.values())
 
 
@@ -205,19 +206,21 @@ def int4_r16_runs(k: int, group: int) -> bool:
 
 
 def repack_int4_r16(q) -> None:
-    """int4 weights q (numpy uint8 [N, K / 2], C-contiguous and writable) repacked in place into bands of 16 rows
-    (matmul_quant.h repack_int4_r16), what the R16 ops read. Raises ValueError for an array it cannot take."""
+    """int4 weights q (numpy uint8 [N, K / 2], or a mixture of experts' stack [E, N, K / 2]: each expert's matrix
+    alone; C-contiguous and writable) repacked in place into bands of 16 rows (matmul_quant.h repack_int4_r16), what
+    the R16 ops read. Raises ValueError for an array it cannot take."""
     import numpy as np
 
     lib = _library()
     if lib is None:
         raise FileNotFoundError(f"the mslite-llm CPU kernel library is not built in {_HERE}; {BUILD_HINT}")
-    if q.dtype != np.uint8 or q.ndim != 2 or not q.flags.c_contiguous or not q.flags.writeable:
-        raise ValueError(f"int4 weights to repack must be a writable C-contiguous uint8 [N, K / 2] array, not {q.dtype} "
-                         f"{q.shape}")
-    if lib.MsliteLlmRepackInt4R16(ctypes.c_void_p(q.ctypes.data), ctypes.c_int64(q.shape[0]),
-                                  ctypes.c_int64(2 * q.shape[1])):
-        raise ValueError(f"int4 weights of {2 * q.shape[1]} inputs are not whole blocks of 32: not repacked")
+    if q.dtype != np.uint8 or q.ndim not in (2, 3) or not q.flags.c_contiguous or not q.flags.writeable:
+        raise ValueError(f"int4 weights to repack must be a writable C-contiguous uint8 [N, K / 2] or [E, N, K / 2] "
+                         f"array, not {q.dtype} {q.shape}")
+    for matrix in (q,) if q.ndim == 2 else q:
+        if lib.MsliteLlmRepackInt4R16(ctypes.c_void_p(matrix.ctypes.data), ctypes.c_int64(matrix.shape[0]),
+                                      ctypes.c_int64(2 * matrix.shape[1])):
+            raise ValueError(f"int4 weights of {2 * q.shape[-1]} inputs are not whole blocks of 32: not repacked")
 
 
 # cpu_kernels/matmul16.h: the rows of x for which bfloat16 weights take the AVX512-BF16 form

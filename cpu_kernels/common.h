@@ -8,7 +8,7 @@
 //   attention.cc          the decode step's attention over the KV cache
 //   decode_ops.cc         the decode step's fused ops (RMSNorm, q/k/v with RoPE, SwiGLU, the layer's tail)
 //   matmul_quant.cc       matmuls of int8/int4 weights, WeightQuantBatchMatmul's CPU stand-in
-//   moe.cc                a mixture of experts' chosen experts (their SwiGLU from the stacked weights, weighted)
+//   moe.cc                a mixture of experts' sparse MLP: the router, the routing, the chosen experts' SwiGLU
 //   atlas_ops.cc          CPU stand-ins of Ascend's fused operators (plain C++, self-contained; dtypes.h)
 //   ops.h                 the op bodies the families define, for registry.cc
 //   registry.cc           every extern "C" entry of the families above (MindSpore calls these)
@@ -147,6 +147,18 @@ inline float dot_generic(const float* a, const float* b, int64_t n) {
   }
   for (; i < n; ++i) s0 += a[i] * b[i];
   return (s0 + s1) + (s2 + s3);
+}
+
+// y = x * rsqrt(mean(x^2) + eps) * w, per row (HF Qwen2RMSNorm in float32; the sum in double): the fused decode ops'
+// and the MoE op's input norm.
+inline void norm_rows(const float* x, int64_t rows, int64_t e, const float* w, float eps, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * e;
+    double ss = 0.0;
+    for (int64_t i = 0; i < e; ++i) ss += double(xr[i]) * xr[i];
+    const float inv = 1.0f / std::sqrt(float(ss / double(e > 0 ? e : 1)) + eps);
+    for (int64_t i = 0; i < e; ++i) y[r * e + i] = w[i] * (xr[i] * inv);
+  }
 }
 
 // ---- the rows kernels' signature ---------------------------------------------------------------

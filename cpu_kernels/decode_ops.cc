@@ -115,17 +115,6 @@ int read_weights(void** params, int* ndims, int64_t** shapes, const char** dtype
   return 0;
 }
 
-// y = x * rsqrt(mean(x^2) + eps) * w, per row (HF Qwen2RMSNorm in float32; the sum in double).
-void norm_rows(const float* x, int64_t rows, int64_t e, const float* w, float eps, float* y) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * e;
-    double ss = 0.0;
-    for (int64_t i = 0; i < e; ++i) ss += double(xr[i]) * xr[i];
-    const float inv = 1.0f / std::sqrt(float(ss / double(e > 0 ? e : 1)) + eps);
-    for (int64_t i = 0; i < e; ++i) y[r * e + i] = w[i] * (xr[i] * inv);
-  }
-}
-
 // In place on [rows, heads * d]: x * cos + rotate_half(x) * sin, cos/sin [rows, d] (HF apply_rotary_pos_emb).
 void rope(float* x, int64_t rows, int64_t heads, int64_t d, const float* cos, const float* sin) {
   const int64_t half = d / 2;

@@ -1,23 +1,27 @@
-// mslite-llm CPU kernels: a mixture of experts' experts in one op (the op body moe_experts; registry.cc exports it as
-// MsliteLlmMoeExperts). The graph routes (export/network/moe.py: the router, a float32 softmax, top-k, the weights
-// renormalised with norm_topk_prob) and gives this op each token's chosen experts and their weights; the op runs
-// each chosen expert's SwiGLU on the rows that chose it, from that expert's slice of the stacked weights, and sums
-// them weighted. An expert no row chose is not read: a decode step reads the active experts' bytes, not all of them
-// (docs/architecture.md, "Mixture of experts").
+// mslite-llm CPU kernels: a mixture of experts' sparse MLP in one op (the op body moe; registry.cc exports it as
+// MsliteLlmMoe): the router, the routing (a float32 softmax, the top k, renormalised with norm_topk_prob, as HF's
+// Qwen3-MoE / Qwen2-MoE route), and each chosen expert's SwiGLU on the rows that chose it, from that expert's slice
+// of the stacked weights, summed weighted. An expert no row chose is not read: a decode step reads the active
+// experts' bytes, not all of them (docs/architecture.md, "Mixture of experts").
 //
-// Tensors: x [N, H] float32, index [N, K] int32 (each row's chosen experts), weights [N, K] float32, gate_up, down,
-// y [N, H] float32. gate_up is [E, 2I, H] (each expert's gate rows, then its up rows) and down [E, H, I], each one
-// float tensor (float32, float16 or bfloat16) or a quantized one's q (int8 [E, n, k] / uint8 [E, n, k / 2], int4 as
-// matmul_quant.h has it), scale [E, G, n][, offset [E, G, n]] float32: 6, 8 or 10 tensors. Errors as registry.cc's
-// (5: an expert index outside [0, E)).
+// Tensors: layout int32 [3] (k, norm_topk_prob, residual); with residual h [N, H], ln_w [H], eps [1] (the op computes
+// h + MoE(RMSNorm(h)): the layer after its attention), else x [N, H] (MoE(x)); the router [E, H] (float32, float16
+// or bfloat16); gate_up, down; y [N, H] float32. gate_up is [E, 2I, H] (each expert's gate rows, then its up rows)
+// and down [E, H, I], each one float tensor (float32, float16 or bfloat16) or a quantized one's q (int8 [E, n, k] /
+// uint8 [E, n, k / 2], int4 as matmul_quant.h has it), scale [E, G, n][, offset [E, G, n]] float32. Errors as
+// registry.cc's.
 //
-// The matmuls are matmul16.cc's matmul(), per expert (GEMV up to 16 rows, the GEMM beyond; the quantized rows kernel
-// or its prompt GEMM), each in the pool. The SwiGLU between them and the weighted sum are plain C++, in float32.
+// The router's logits are float32 products of x as given (the rows kernel of its dtype, never the AVX512-BF16 form,
+// which would round x and move the routing). The experts' matmuls: where every chosen expert has a few rows (the
+// decode step), the rows kernels of every expert's matrix in one pool dispatch (expert_products); beyond, matmul16.cc's
+// matmul() per expert (its GEMM for the prompt's rows). The SwiGLU between them and the weighted sum are plain C++, in
+// float32.
 #include <vector>
 
 #include "matmul16.h"
 #include "matmul_quant.h"
 #include "ops.h"
+#include "pool.h"
 
 namespace msllm {
 namespace {
@@ -78,71 +82,216 @@ int read_stacked(void** params, int* ndims, int64_t** shapes, const char** dtype
   return 0;
 }
 
+// The rows of x each expert reads in the rows kernels' range (the decode step, a few rows a piece): one pool
+// dispatch runs every chosen expert's matrix (tasks of outputs of every expert, each thread a contiguous share), where
+// matmul() per expert would dispatch twice per expert (16 a layer at 8 experts a token). The same rows kernels as
+// matmul()'s for these rows, so the same sums.
+bool rows_form(WType wt, int64_t most_rows) {
+  const int64_t limit = wt == W_QUANT ? QUANT_ROWS_MAX : wt == W_BF16 ? BF16_MIN_ROWS - 1 : GEMV_MAX_ROWS;
+  return most_rows <= limit;
+}
+
+struct ExpertsJob : Job {
+  RowsFn fn = nullptr;
+  int64_t in = 0;
+  struct Part {
+    const float* x;
+    int64_t rows;
+    const void* w;
+    float* y;
+    int64_t out, step;
+  };
+  std::vector<Part> parts;
+  std::vector<int64_t> first_task{0};
+  Shares shares;
+
+  void add(const Part& p) {
+    parts.push_back(p);
+    first_task.push_back(first_task.back() + (p.out + p.step - 1) / p.step);
+  }
+
+  void work() override {
+    shares.claim([&](int64_t t) {
+      const size_t m = size_t(std::upper_bound(first_task.begin(), first_task.end(), t) - first_task.begin()) - 1;
+      const Part& p = parts[m];
+      const int64_t o0 = (t - first_task[m]) * p.step;
+      fn(p.x, p.rows, p.w, nullptr, in, p.y, p.out, o0, std::min(p.out, o0 + p.step));
+    });
+  }
+};
+
+// dst [P, s.n] = src [P, s.k] . W_e^T for each expert e on its rows [first[e], first[e + 1]) of src
+void expert_products(const Stacked& s, const std::vector<int64_t>& first, const float* src, float* dst) {
+  const int64_t experts = int64_t(first.size()) - 1;
+  int64_t most = 0, outputs = 0;
+  for (int64_t e = 0; e < experts; ++e) most = std::max(most, first[e + 1] - first[e]);
+  QuantWeight holder;
+  if (!rows_form(s.type, most)) {  // the prompt's rows: matmul() per expert (its GEMM)
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t m = first[e + 1] - first[e];
+      if (m > 0) matmul(src + first[e] * s.k, m, s.expert(e, &holder), s.type, nullptr, s.k, s.n, dst + first[e] * s.n);
+    }
+    return;
+  }
+  ExpertsJob job;
+  job.fn = rows_kernel(s.type), job.in = s.k;
+  std::vector<QuantWeight> quant;  // a quantized expert's weight, its x prepared (px)
+  std::vector<PreparedX> px;
+  if (s.type == W_QUANT) quant.reserve(size_t(experts)), px.reserve(size_t(experts));
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t m = first[e + 1] - first[e];
+    if (m == 0) continue;  // not chosen: its weights are not read
+    const float* x = src + first[e] * s.k;
+    const void* w = s.expert(e, &holder);
+    int64_t step = task_rows(s.n);
+    if (s.type == W_QUANT) {
+      quant.push_back(holder);
+      px.emplace_back();
+      prepare(x, m, quant.back(), &px.back());
+      quant.back().x = &px.back();
+      w = &quant.back();
+      step = quant_task_rows(quant.back());
+    }
+    job.add({x, m, w, dst + first[e] * s.n, s.n, step});
+    outputs += s.n;
+  }
+  const bool parallel = outputs >= MIN_PARALLEL_ROWS;
+  job.shares.split(job.first_task.back(), parallel ? threads_to_use() : 1);
+  run(&job, parallel);
+}
+
+// logits [rows, experts] = x . router^T in float32 (the rows kernel of the router's dtype: its weights widened, x as
+// given, never rounded to bfloat16), tasks of a few rows over the pool
+struct RouterJob : Job {
+  RowsFn fn;
+  const float* x;
+  const void* w;
+  int64_t rows, in, experts;
+  float* logits;
+  Shares shares;
+  static constexpr int64_t ROWS = 4;
+
+  void work() override {
+    shares.claim([&](int64_t t) {
+      const int64_t r0 = t * ROWS, r1 = std::min(rows, r0 + ROWS);
+      fn(x + r0 * in, r1 - r0, w, nullptr, in, logits + r0 * experts, experts, 0, experts);
+    });
+  }
+};
+
+// Each row's top `top` experts by a float32 softmax of its logits, largest first, equal ones to the lower index
+// (HF: softmax(logits, dtype=float32), torch.topk), and their probabilities, divided by their sum with `norm`.
+void route(const float* logits, int64_t rows, int64_t experts, int64_t top, bool norm, int32_t* index,
+           float* weights) {
+  std::vector<float> probs(experts);
+  std::vector<int32_t> order(experts);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* l = logits + r * experts;
+    float most = l[0];
+    for (int64_t e = 1; e < experts; ++e) most = std::max(most, l[e]);
+    float sum = 0.f;
+    for (int64_t e = 0; e < experts; ++e) sum += probs[e] = std::exp(l[e] - most);
+    for (int64_t e = 0; e < experts; ++e) probs[e] /= sum;
+    for (int64_t e = 0; e < experts; ++e) order[e] = int32_t(e);
+    std::partial_sort(order.begin(), order.begin() + top, order.end(), [&](int32_t a, int32_t b) {
+      return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
+    });
+    float chosen = 0.f;
+    for (int64_t j = 0; j < top; ++j) chosen += probs[order[j]];
+    for (int64_t j = 0; j < top; ++j) {
+      index[r * top + j] = order[j];
+      weights[r * top + j] = norm ? probs[order[j]] / chosen : probs[order[j]];
+    }
+  }
+}
+
 }  // namespace
 
-int moe_experts(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
-  if (nparam < 6) return 1;
-  const int arity = is_quant_dtype(dtypes[3]) ? (nparam - 4) / 2 : 1;
-  if ((arity != 1 && arity != 2 && arity != 3) || nparam != 4 + 2 * arity) return 1;
+int moe(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam < 2) return 1;
+  if (std::strcmp(dtypes[0], "int32") != 0) return 2;
+  if (ndims[0] != 1 || shapes[0][0] != 3) return 3;
+  const int32_t* layout = static_cast<const int32_t*>(params[0]);
+  const int64_t top = layout[0];
+  const bool norm_topk = layout[1] != 0, residual = layout[2] != 0;
+  const int ri = residual ? 4 : 2, gi = ri + 1;  // the router's and gate_up's places
+  if (nparam < gi + 3) return 1;
+  const int arity = is_quant_dtype(dtypes[gi]) ? (nparam - gi - 1) / 2 : 1;
+  if ((arity != 1 && arity != 2 && arity != 3) || nparam != gi + 1 + 2 * arity) return 1;
   const int yi = nparam - 1;
-  if (!is_f32(dtypes[0]) || std::strcmp(dtypes[1], "int32") != 0 || !is_f32(dtypes[2]) || !is_f32(dtypes[yi]))
+  const WType rt = weight_type(dtypes[ri]);
+  if (!is_f32(dtypes[1]) || !is_f32(dtypes[yi]) || rt == W_NONE || (residual && (!is_f32(dtypes[2]) ||
+                                                                                  !is_f32(dtypes[3]))))
     return 2;
-  if (ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[yi] != 2) return 3;
+  if (ndims[1] != 2 || ndims[yi] != 2 || ndims[ri] != 2 || (residual && (ndims[2] != 1 || ndims[3] > 1))) return 3;
   Stacked gate_up, down;
-  int i = 3;
+  int i = gi;
   if (const int bad = read_stacked(params, ndims, shapes, dtypes, arity, &i, &gate_up)) return bad;
   if (const int bad = read_stacked(params, ndims, shapes, dtypes, arity, &i, &down)) return bad;
   if (gate_up.type != down.type) return 2;
-  const int64_t rows = shapes[0][0], hidden = shapes[0][1], top = shapes[1][1], experts = gate_up.experts;
-  const int64_t inter = down.k;
-  if (shapes[1][0] != rows || shapes[2][0] != rows || shapes[2][1] != top || shapes[yi][0] != rows ||
-      shapes[yi][1] != hidden || down.experts != experts || gate_up.n != 2 * inter || gate_up.k != hidden ||
-      down.n != hidden)
+  const int64_t rows = shapes[1][0], hidden = shapes[1][1], experts = gate_up.experts, inter = down.k;
+  if (shapes[yi][0] != rows || shapes[yi][1] != hidden || shapes[ri][0] != experts || shapes[ri][1] != hidden ||
+      down.experts != experts || gate_up.n != 2 * inter || gate_up.k != hidden || down.n != hidden ||
+      (residual && shapes[2][0] != hidden) || top < 1 || top > experts)
     return 4;
-  const float* x = static_cast<const float*>(params[0]);
-  const int32_t* index = static_cast<const int32_t*>(params[1]);
-  const float* weight = static_cast<const float*>(params[2]);
+  const float* h = static_cast<const float*>(params[1]);
   float* y = static_cast<float*>(params[yi]);
-  for (int64_t t = 0; t < rows * top; ++t)  // every index first: nothing is computed for a bad call
-    if (index[t] < 0 || index[t] >= experts) return 5;
-  std::fill(y, y + rows * hidden, 0.f);
-  if (rows <= 0 || hidden <= 0 || inter <= 0 || top <= 0) return 0;
+  if (rows <= 0 || hidden <= 0) return 0;
 
-  // the (row, weight) pairs grouped by expert, each expert's in row order (a counting sort)
+  // the input: RMSNorm(h) with the residual form, else x as given
+  thread_local std::vector<float> normed, logits, xs, gu, act, out;
+  const float* x = h;
+  if (residual) {
+    normed.resize(size_t(rows * hidden));
+    norm_rows(h, rows, hidden, static_cast<const float*>(params[2]), *static_cast<const float*>(params[3]),
+              normed.data());
+    x = normed.data();
+  }
+  // the router and the routing, in float32
+  logits.resize(size_t(rows * experts));
+  RouterJob router;
+  router.fn = rows_kernel(rt), router.x = x, router.w = params[ri], router.rows = rows, router.in = hidden;
+  router.experts = experts, router.logits = logits.data();
+  const int64_t tasks = (rows + RouterJob::ROWS - 1) / RouterJob::ROWS;
+  const bool parallel = tasks > 1 && rows * experts >= MIN_PARALLEL_ROWS;
+  router.shares.split(tasks, parallel ? threads_to_use() : 1);
+  run(&router, parallel);
+  const int64_t pairs = rows * top;
+  std::vector<int32_t> index(pairs);
+  std::vector<float> weight(pairs);
+  route(logits.data(), rows, experts, top, norm_topk, index.data(), weight.data());
+  if (residual) std::memcpy(y, h, sizeof(float) * rows * hidden);
+  else std::fill(y, y + rows * hidden, 0.f);
+  if (inter <= 0) return 0;
+
+  // the (row, weight) pairs grouped by expert, each expert's in row order (a counting sort): pair p is x's row
+  // row_of[p], expert e's pairs [first[e], first[e + 1])
   std::vector<int64_t> first(experts + 1, 0);
-  for (int64_t t = 0; t < rows * top; ++t) ++first[index[t] + 1];
+  for (int64_t t = 0; t < pairs; ++t) ++first[index[t] + 1];
   for (int64_t e = 0; e < experts; ++e) first[e + 1] += first[e];
-  std::vector<int64_t> fill(first.begin(), first.end() - 1), row_of(rows * top);
-  std::vector<float> weight_of(rows * top);
-  for (int64_t t = 0; t < rows * top; ++t) {
+  std::vector<int64_t> fill(first.begin(), first.end() - 1), row_of(pairs);
+  std::vector<float> weight_of(pairs);
+  for (int64_t t = 0; t < pairs; ++t) {
     const int64_t at = fill[index[t]]++;
     row_of[at] = t / top, weight_of[at] = weight[t];
   }
 
-  thread_local std::vector<float> xs, gu, act, out;
-  QuantWeight holder;
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t m = first[e + 1] - first[e];
-    if (m == 0) continue;  // not chosen: its weights are not read
-    const int64_t* rs = row_of.data() + first[e];
-    const float* ws = weight_of.data() + first[e];
-    xs.resize(size_t(m * hidden)), gu.resize(size_t(m * 2 * inter)), act.resize(size_t(m * inter));
-    out.resize(size_t(m * hidden));
-    for (int64_t r = 0; r < m; ++r) std::memcpy(&xs[r * hidden], x + rs[r] * hidden, sizeof(float) * hidden);
-    matmul(xs.data(), m, gate_up.expert(e, &holder), gate_up.type, nullptr, hidden, 2 * inter, gu.data());
-    for (int64_t r = 0; r < m; ++r) {  // silu(gate) * up, HF's SwiGLU in float32
-      const float* g = &gu[r * 2 * inter];
-      const float* u = g + inter;
-      float* a = &act[r * inter];
-      for (int64_t j = 0; j < inter; ++j) a[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
-    }
-    matmul(act.data(), m, down.expert(e, &holder), down.type, nullptr, inter, hidden, out.data());
-    for (int64_t r = 0; r < m; ++r) {
-      float* yr = y + rs[r] * hidden;
-      const float* o = &out[r * hidden];
-      const float w = ws[r];
-      for (int64_t j = 0; j < hidden; ++j) yr[j] += w * o[j];
-    }
+  xs.resize(size_t(pairs * hidden)), gu.resize(size_t(pairs * 2 * inter)), act.resize(size_t(pairs * inter));
+  out.resize(size_t(pairs * hidden));
+  for (int64_t p = 0; p < pairs; ++p) std::memcpy(&xs[p * hidden], x + row_of[p] * hidden, sizeof(float) * hidden);
+  expert_products(gate_up, first, xs.data(), gu.data());
+  for (int64_t p = 0; p < pairs; ++p) {  // silu(gate) * up, HF's SwiGLU in float32
+    const float* g = &gu[p * 2 * inter];
+    const float* u = g + inter;
+    float* a = &act[p * inter];
+    for (int64_t j = 0; j < inter; ++j) a[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+  }
+  expert_products(down, first, act.data(), out.data());
+  for (int64_t p = 0; p < pairs; ++p) {  // weighted, summed per row in expert order
+    float* yr = y + row_of[p] * hidden;
+    const float* o = &out[p * hidden];
+    const float w = weight_of[p];
+    for (int64_t j = 0; j < hidden; ++j) yr[j] += w * o[j];
   }
   return 0;
 }

@@ -32,8 +32,8 @@ int quant_matmul_op(int nparam, void** params, int* ndims, int64_t** shapes, con
                     bool prompt_rows);
 int weight_quant_batch_matmul(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 
-// moe.cc: a mixture of experts' chosen experts (float or quantized stacked weights)
-int moe_experts(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
+// moe.cc: a mixture of experts' sparse MLP (the router, the routing, the chosen experts; float or quantized)
+int moe(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 
 }  // namespace msllm
 

@@ -34,7 +34,7 @@ namespace {
 // The last slot, OP_GAP, is not an op: the time from the end of one of our ops to the start of the next, when under
 // 2 ms (inside one graph call): what MindSpore's runtime spends between our kernels.
 enum Op { OP_GEMV, OP_GEMV_BIAS, OP_GEMM_VALID, OP_EMBED, OP_RMS_NORM, OP_QKV_ROPE, OP_GEMV_ADD, OP_SWIGLU,
-          OP_ATTENTION, OP_DECODE_QKV, OP_NORM_SWIGLU, OP_DECODE_TAIL, OP_QUANT_MATMUL, OP_DECODE_LAYER, OP_MOE_EXPERTS, OP_GAP,
+          OP_ATTENTION, OP_DECODE_QKV, OP_NORM_SWIGLU, OP_DECODE_TAIL, OP_QUANT_MATMUL, OP_DECODE_LAYER, OP_MOE, OP_GAP,
           OP_COUNT };
 const bool g_profile = std::getenv("MSLITE_LLM_CPU_KERNELS_PROFILE") != nullptr;
 std::atomic<int64_t> g_profile_ns[OP_COUNT], g_profile_calls[OP_COUNT], g_last_end{0};
@@ -178,6 +178,12 @@ int MsliteLlmQuantMatmulOffsetValid(int nparam, void** params, int* ndims, int64
   return timed(OP_QUANT_MATMUL, [&] { return quant_matmul_op(nparam, params, ndims, shapes, dtypes, true, true); });
 }
 
+// A mixture of experts' sparse MLP (moe.cc, whose comment lists the tensors): layout [3], x (or h, ln_w, eps), the
+// router, gate_up, down (each one float tensor or q, scale[, offset]), y.
+int MsliteLlmMoe(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
+  return timed(OP_MOE, [&] { return moe(nparam, params, ndims, shapes, dtypes); });
+}
+
 // The quantized ops once more, for int4 weights in bands of 16 rows (matmul_quant.h repack_int4_r16): names the
 // runtime gives a graph's ops at load after it repacked every int4 weight they read (lite_runtime/backends/ms.py,
 // cpu_kernels.int4_bands); never in a folder as exported. The same bodies, the int4 weights read as banded.
@@ -196,6 +202,7 @@ MSLLM_R16(MsliteLlmQuantMatmul)
 MSLLM_R16(MsliteLlmQuantMatmulOffset)
 MSLLM_R16(MsliteLlmQuantMatmulValid)
 MSLLM_R16(MsliteLlmQuantMatmulOffsetValid)
+MSLLM_R16(MsliteLlmMoe)
 #undef MSLLM_R16
 
 // Repacks int4 q [n, k / 2] in place into bands of 16 rows: 0, or 4 when k is not a multiple of 32 (nothing changed).
@@ -205,12 +212,6 @@ int MsliteLlmRepackInt4R16(void* q, int64_t n, int64_t k) {
 
 // 1 when int4 weights of k inputs in groups of `group` take the banded form here, in the activations mode now in force
 int MsliteLlmInt4R16Runs(int64_t k, int64_t group) { return r16_runs(k, group) ? 1 : 0; }
-
-// A mixture of experts' chosen experts (moe.cc, whose comment lists the tensors; error 5: an expert index outside the
-// stack): x, index, weights, gate_up, down (each one float tensor or q, scale[, offset]), y.
-int MsliteLlmMoeExperts(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
-  return timed(OP_MOE_EXPERTS, [&] { return moe_experts(nparam, params, ndims, shapes, dtypes); });
-}
 
 int MsliteLlmAtlasWeightQuantBatchMatmul(int nparam, void** params, int* ndims, int64_t** shapes,
                                          const char** dtypes, void*, void*) {

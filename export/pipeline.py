@@ -155,16 +155,20 @@ def prepare(cfg: ExportConfig) -> tuple:
 
 
 def _moe_supported(cfg: ExportConfig, model_cfg: ModelConfig, quantized: bool = False) -> None:
-    """A mixture of experts exports, so far, in the plain MoE form (export/network/moe.py) as a float CPU folder of
-    one rank (issue 46); anything else is refused by the option to change, before anything is written (`quantized`:
-    the folder would keep a quantized checkpoint's layers, GPTQ's or a GGUF's, as they are)."""
+    """A mixture of experts exports, so far, as a CPU folder of one rank (issue 46; export/network/moe.py): float
+    weights in either form, quantized experts only in the CPU kernels' (`quantized`: the folder quantizes, or keeps a
+    quantized checkpoint's layers, GPTQ's or a GGUF's, as they are). Anything else is refused by the option to
+    change, before anything is written."""
     if not model_cfg.num_experts:
         return
-    why = ("--device cpu" if cfg.device != "cpu" else "--tp_size 1" if cfg.tp_size != 1 else
-           "--quantize none" if cfg.quantize not in (None, "none") or quantized else None)
-    if why is not None:
+    if cfg.device != "cpu" or cfg.tp_size != 1:
+        why = "--device cpu" if cfg.device != "cpu" else "--tp_size 1"
         raise ExportError(f"{cfg.checkpoint}: model_type {model_cfg.model_type!r} is a mixture-of-experts model, "
-                          f"whose graphs this version builds only with {why} (float weights, one rank, on the CPU)")
+                          f"whose graphs this version builds only with {why} (one rank, on the CPU)")
+    if (quantized or cfg.quantize not in (None, "none")) and not cfg.use_cpu_kernels():
+        raise ExportError(f"{cfg.checkpoint}: model_type {model_cfg.model_type!r} is a mixture-of-experts model, "
+                          "whose quantized experts run only in the CPU kernels, which this export does not use; "
+                          "export with them (the default where the library is built) or with --quantize none")
 
 
 def resolve(cfg: ExportConfig, model_cfg: ModelConfig) -> ExportConfig:
@@ -294,7 +298,8 @@ def _quantization(cfg: ExportConfig, model_cfg: ModelConfig, profile, where):
     tp = cfg.tp_size
     rank = tensor_parallel_config(model_cfg, tp) if tp > 1 else model_cfg
     heads = rank.num_attention_heads * rank.head_dim
-    inputs = [model_cfg.hidden_size, heads, rank.intermediate_size]
+    inputs = [model_cfg.hidden_size, heads, rank.intermediate_size] + (
+        [model_cfg.moe_intermediate_size] if model_cfg.num_experts else [])
     method, notes = resolve(cfg.quantize, cfg.group_size, where, inputs, cfg.checkpoint)
     tied = bool(model_cfg.tie_word_embeddings)
     tables = resolve_tables(cfg.quantize_tables, method, where, tied, model_cfg.hidden_size, cfg.dtype,
@@ -344,10 +349,6 @@ def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where, quant=None, tables=N
     # names and shapes, by name, before anything runs (the reference reads exactly the network's weights:
     # tests/test_golden.py)
     plan_weights(weight_shapes(model_cfg), where, tied=bool(model_cfg.tie_word_embeddings))
-    if model_cfg.num_experts:  # the graphs read each layer's experts stacked (export/writers/stacked.py)
-        from export.writers.stacked import stack_experts
-
-        where = stack_experts(model_cfg, where)
     with MINDSPORE_LOCK:
         network = Network(cfg, model_cfg, quant, tables)
     params = network.parameters()
@@ -355,6 +356,10 @@ def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where, quant=None, tables=N
         from export.network.quantize import Quantized
 
         where = Quantized(where, quant, cfg.compute_dtype, _native_loader(where), tables).folder_tensors()
+    if model_cfg.num_experts:  # the graphs read each layer's experts stacked, each expert's folder tensors
+        from export.writers.stacked import stack_experts  # (export/writers/stacked.py)
+
+        where = stack_experts(model_cfg, where, params)
     tp, shards = cfg.tp_size, network.vocab_shards
     splits = {}
     if tp > 1:

@@ -129,6 +129,10 @@ class Report:
         limit = self.tolerance.limit_text()
         ties = sum(len(r.near_ties) for r in self.rows)
         tie_note = f"; {ties} near-tie step(s) reported, not failed" if ties else ""
+        routed = [r for r in self.rows if r.routing_tie is not None]
+        if routed:  # a mixture of experts' near-tied routing (lite_runtime/golden.py RowResult.judge)
+            tie_note += (f"; {len(routed)} run(s) judged up to a token whose expert routing is a near tie, reported "
+                         f"after it (worst {max(r.routing_max_rel for r in routed):.1e} relative)")
         prompts = _count(len({r.prompt for r in self.rows}), "prompt")
         chunks = any(r.graph.startswith("chunk_") for r in self.rows)  # replay_chunks ran every prompt a second way
         scores = any(r.graph.startswith("score_") for r in self.rows)  # replay_scores: one prompt per batch
@@ -165,6 +169,8 @@ class Report:
             result = "ok" if r.passed else "FAIL"
             if r.near_ties:
                 result += f" (near tie at {', '.join(map(str, r.near_ties))})"
+            if r.routing_tie is not None:
+                result += f" (routing near tie from step {r.routing_tie})"
             lines.append((str(r.prompt), r.graph, str(r.prompt_tokens), str(r.steps), where,
                           f"{r.top1_agree}/{r.steps}", f"{r.max_abs:.2e}", f"{r.max_rel:.2e}", result))
         widths = [max(len(line[i]) for line in lines) for i in range(len(head))]

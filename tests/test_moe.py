@@ -1,8 +1,9 @@
 """Mixture-of-experts models (issue 46), so far: Qwen3-MoE and Qwen2-MoE configs read as HF reads them, random
 checkpoints in Qwen's per-expert layout, and the float32 numpy reference (export/writers/reference.py: routing and
 experts computed independently) against HF transformers' own Qwen3MoeForCausalLM / Qwen2MoeForCausalLM on the same
-weights: logits within 1e-4 of their magnitude, greedy tokens identical. Export refuses them by name until their
-graphs exist, leaving nothing on disk."""
+weights: logits within 1e-4 of their magnitude, greedy tokens identical; CPU folders, float and quantized (the
+experts in the CPU kernel, tests/test_moe_kernel.py), checked. Export refuses what it does not build yet by the
+option to change, leaving nothing on disk."""
 from __future__ import annotations
 
 import glob
@@ -113,6 +114,65 @@ def test_routing_is_softmax_top_k_in_float32(moe_checkpoints):
         ref.close()
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_routing_margins_are_hfs_router_gaps(moe_checkpoints, name):
+    """Each token's routing margin (the reference's, per new token, over the sparse layers) is, from HF's own router
+    logits (output_router_logits), the gap between the k-th and the (k+1)-th largest logit over the largest |logit|,
+    the smallest over the layers."""
+    import torch
+
+    path = moe_checkpoints[name]
+    cfg = ModelConfig.from_checkpoint(path)
+    ref = NumpyDecoder(cfg, open_checkpoint(path), max_positions=16)
+    try:
+        ref.forward([PROMPTS[0]], [ref.new_cache()])
+        mine = ref.routing_margins
+    finally:
+        ref.close()
+    with torch.no_grad():
+        out = hf_model(path)(torch.tensor([PROMPTS[0]]), output_router_logits=True)
+    k = cfg.num_experts_per_tok
+    gaps = []
+    for logits in out.router_logits:  # one [T, E] per sparse layer
+        top = np.sort(logits.double().numpy(), axis=-1)[:, ::-1]
+        gaps.append((top[:, k - 1] - top[:, k]) / np.abs(top).max(axis=-1))
+    assert len(gaps) == sum(cfg.sparse(i) for i in range(cfg.num_hidden_layers))
+    assert np.allclose(mine, np.min(gaps, axis=0), rtol=1e-4, atol=1e-6)
+
+
+def _judged(margins, errors, rel=1e-4):
+    """A RowResult after judging steps whose logits are the reference's top logits plus errors[s] (relative to the
+    step's scale), the reference row carrying routing `margins`."""
+    from lite_runtime.golden import ReferenceRow, RowResult, Tolerance
+
+    ref = ReferenceRow(prompt=[1, 2], routing_margin=list(margins))
+    row = RowResult(0, "prefill_16", 2)
+    for step, err in enumerate(errors):
+        logits = np.zeros(8, np.float32)
+        logits[3], logits[5] = 10.0, 4.0
+        ref.record(logits, 2)
+        device = logits.copy()
+        device[3] += err * 10.0
+        row.judge(step, device, ref, Tolerance("float32", rel))
+    row.close(Tolerance("float32", rel))
+    return row
+
+
+def test_check_judges_a_row_up_to_its_first_near_tied_routing():
+    """A token routed on a near tie (margin at most twice the limit) may take another expert on a device, and every
+    later step attends to it: from that step on the row is reported (routing_tie, routing_max_rel), not failed;
+    before it, and in a row without one, an error beyond the limit fails."""
+    clean = _judged([0.3, 0.3, 0.3], [0.0, 5e-4, 0.0])
+    assert (clean.passed, clean.routing_tie) == (False, None)
+    tied = _judged([0.3, 1.5e-4, 0.3], [0.0, 5e-4, 3e-4])
+    assert (tied.passed, tied.routing_tie, tied.max_rel) == (True, 1, 0.0)
+    assert tied.routing_max_rel == pytest.approx(5e-4, rel=1e-3)
+    early = _judged([0.3, 1.5e-4, 0.3], [5e-4, 0.0, 0.0])  # before the tie: failed
+    assert (early.passed, early.routing_tie) == (False, 1)
+    dense = _judged([], [0.0, 5e-5, 0.0])  # a dense model's row (no margins): judged throughout
+    assert (dense.passed, dense.routing_tie) == (True, None)
+
+
 def test_a_missing_expert_or_a_wrong_router_is_refused_by_name(moe_checkpoints, tmp_path):
     from safetensors.numpy import load_file, save_file
 
@@ -142,38 +202,99 @@ def test_a_missing_expert_or_a_wrong_router_is_refused_by_name(moe_checkpoints, 
 
 @pytest.mark.parametrize("args, option", [
     (["--device", "atlas_800i_a2"], "--device cpu"),
-    (["--device", "cpu", "--dtype", "float32", "--quantize", "int8"], "--quantize none"),
     (["--device", "cpu", "--dtype", "float32", "--tp_size", "2"], "--tp_size 1"),
 ])
 def test_export_refuses_what_the_moe_graphs_do_not_build_yet(moe_checkpoints, tmp_path, capsys, args, option):
-    """The plain MoE form exports as a float CPU folder of one rank; anything else: one line naming the option,
-    nothing on disk."""
+    """MoE folders export for the CPU, one rank; anything else: one line naming the option, nothing on disk."""
     path = moe_checkpoints["qwen3_moe"]
     code = main(["-q", "--checkpoint", path, "--output", str(tmp_path / "out"), *args])
     assert (code, capsys.readouterr().err.strip()) == (
         2, f"error: {path}: model_type 'qwen3_moe' is a mixture-of-experts model, whose graphs this version builds "
-           f"only with {option} (float weights, one rank, on the CPU)")
+           f"only with {option} (one rank, on the CPU)")
     assert os.listdir(tmp_path) == []
 
 
-def test_a_packed_moe_checkpoint_exports_only_dequantized(moe_checkpoints, tmp_path, capsys):
-    """A GPTQ MoE checkpoint keeps its quantization by default, which the MoE graphs do not take yet: refused, naming
-    --quantize none, nothing on disk; with --quantize none its packed layers are dequantized and the folder passes
-    check."""
+def test_quantized_experts_without_the_cpu_kernels_are_refused(moe_checkpoints, tmp_path, capsys):
+    path = moe_checkpoints["qwen3_moe"]
+    code = main(["-q", "--checkpoint", path, "--output", str(tmp_path / "out"), "--device", "cpu", "--dtype",
+                 "float32", "--quantize", "int8", "--cpu_kernels", "off"])
+    assert (code, capsys.readouterr().err.strip()) == (
+        2, f"error: {path}: model_type 'qwen3_moe' is a mixture-of-experts model, whose quantized experts run only in "
+           "the CPU kernels, which this export does not use; export with them (the default where the library is "
+           "built) or with --quantize none")
+    assert os.listdir(tmp_path) == []
+
+
+def _stack(folder: str, name: str, layer: int, kind: str) -> tuple:
+    """A quantized folder's stacked experts of one layer: (q, scale [E, G, n], offset or None) as numpy."""
+    weights = _folder_weights(folder, name)
+    p = f"model.layers.{layer}.mlp.experts.{kind}"
+    return weights[p], weights[p + "_scale"], weights.get(p + "_offset")
+
+
+def _unpacked(q: np.ndarray) -> np.ndarray:
+    """int4 bytes [..., K / 2] -> their values [..., K] (low nibble first, two's complement), by arithmetic."""
+    b = q.astype(np.int16)
+    lo, hi = b % 16, b // 16
+    out = np.empty(q.shape[:-1] + (2 * q.shape[-1],), np.float64)
+    out[..., 0::2], out[..., 1::2] = np.where(lo >= 8, lo - 16, lo), np.where(hi >= 8, hi - 16, hi)
+    return out
+
+
+def test_a_packed_moe_checkpoint_keeps_its_experts_integers(moe_checkpoints, tmp_path):
+    """A GPTQ-Int4 MoE checkpoint (Qwen's releases: each expert packed alone) exports by default with its experts'
+    integers and scales kept as they are, stacked (gate rows, then up rows), and the folder passes check."""
     from lite_runtime.check import run_check
     from tests.packers import pack
 
     packed, _ = pack(moe_checkpoints["qwen3_moe"], str(tmp_path / "gptq"), "gptq", bits=4, group=32)
     out = str(tmp_path / "out" / "f")
-    code = main(["-q", "--checkpoint", packed, "--output", out, "--device", "cpu", "--seq_length", "32"])
-    assert (code, capsys.readouterr().err.strip()) == (
-        2, f"error: {packed}: model_type 'qwen3_moe' is a mixture-of-experts model, whose graphs this version builds "
-           "only with --quantize none (float weights, one rank, on the CPU)")
-    assert not os.path.exists(os.path.dirname(out))
-    assert main(["-q", "--checkpoint", packed, "--output", out, "--device", "cpu", "--seq_length", "32",
-                 "--dtype", "float32", "--quantize", "none"]) == 0
+    assert main(["-q", "--checkpoint", packed, "--output", out, "--device", "cpu", "--seq_length", "32"]) == 0
     report = run_check(out, "ms")
     assert report.passed, report.verdict()
+    manifest = json.load(open(os.path.join(out, "manifest.json")))
+    assert manifest["quantization"]["source"] == "gptq", manifest["quantization"]
+    where = open_checkpoint(packed)
+    q, scale, _ = _stack(out, "f", 0, "gate_up_proj")
+    inter = q.shape[1] // 2
+    for e in (0, 5):
+        for kind, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
+            name = f"model.layers.0.mlp.experts.{e}.{kind}.weight"
+            mine_q, mine_s, _ = where[name].quantized(name)  # the packed reader's integers [O, I], scales [O, G]
+            assert np.array_equal(_unpacked(q[e][rows]), mine_q), name
+            assert np.allclose(scale[e][:, rows].T, mine_s, rtol=0, atol=0), name
+
+
+@pytest.mark.parametrize("name, bits", [("qwen3_moe", 8), ("qwen3_moe", 4), ("qwen2_moe", 4)])
+def test_a_quantized_moe_folder_rounds_each_expert_and_passes_check(moe_checkpoints, tmp_path, name, bits):
+    """--quantize int8 / int4: each expert quantized as a linear layer (round-to-nearest per group of its inputs,
+    W = (q + offset) * scale),
+    stacked; check passes (the experts run in the CPU kernel, which reads their integers); each expert's dequantized
+    weights, read from the folder's stacks by numpy, are the checkpoint's within half a step of their group."""
+    from export.checkpoints.safetensors import widen
+    from lite_runtime.check import run_check
+
+    out = str(tmp_path / name)
+    assert main(["-q", "--checkpoint", moe_checkpoints[name], "--output", out, "--name", name, "--device", "cpu",
+                 "--seq_length", "32", "--quantize", f"int{bits}"]) == 0
+    report = run_check(out, "ms")
+    assert report.passed, report.verdict()
+    where = open_checkpoint(moe_checkpoints[name])
+    for kind, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+        q, scale, offset = _stack(out, name, 0, kind)
+        values = _unpacked(q) if bits == 4 else q.astype(np.float64)
+        assert (offset is None) == (bits == 8)  # int8 symmetric, int4 with offsets (the defaults)
+        e_count, groups, n = scale.shape
+        k = values.shape[2]
+        per_input = lambda a: np.repeat(a.astype(np.float64), k // groups, axis=1).transpose(0, 2, 1)  # [E, n, k]
+        deq = (values + (0 if offset is None else per_input(offset))) * per_input(scale)
+        for e in range(e_count):
+            rows = n // len(parts)
+            for j, part in enumerate(parts):
+                w_name = f"model.layers.0.mlp.experts.{e}.{part}.weight"
+                w = widen(np.asarray(where[w_name].stored(w_name))).astype(np.float64)
+                step = np.repeat(scale[e][:, j * rows:(j + 1) * rows].astype(np.float64), k // groups, axis=0).T
+                assert np.all(np.abs(deq[e][j * rows:(j + 1) * rows] - w) <= step / 2 * (1 + 1e-5)), w_name
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +343,10 @@ def test_a_moe_folder_passes_check_and_decodes_as_hf(moe_folders, moe_checkpoint
     folder = moe_folders[name, dtype]
     report = run_check(folder, "ms")
     assert report.passed, report.verdict()
+    golden = json.load(open(os.path.join(folder, "golden.json")))
+    for batch in golden["batches"]:
+        for row in batch["rows"]:
+            assert len(row["routing_margin"]) == batch["steps"] and min(row["routing_margin"]) >= 0
     assert {r.graph.split("_")[0] for r in report.rows} == {"prefill", "chunk", "score"}
     # the experts ran in the CPU kernel that reads only the chosen ones (cpu_kernels/moe.cc), in every graph
     import cpu_kernels
@@ -230,7 +355,7 @@ def test_a_moe_folder_passes_check_and_decodes_as_hf(moe_folders, moe_checkpoint
     graphs = glob.glob(os.path.join(folder, "**", "*.mindir"), recursive=True)
     assert graphs
     for graph in graphs:
-        assert any(f.endswith(":" + cpu_kernels.MOE_EXPERTS) for f in custom_funcs(graph)[0]), graph
+        assert any(f.endswith(":" + cpu_kernels.MOE) for f in custom_funcs(graph)[0]), graph
     where = open_checkpoint(moe_checkpoints[name])
     stacked = _folder_weights(folder, name)["model.layers.0.mlp.experts.gate_up_proj"]
     for n in (0, 3):
@@ -251,6 +376,26 @@ def test_a_moe_folder_passes_check_and_decodes_as_hf(moe_folders, moe_checkpoint
                                   pad_token_id=0)[0].tolist()
         assert np.abs(np.asarray(got) - theirs).max() <= 1e-4 * np.abs(theirs).max(), name
         assert tokens == want, name
+
+
+def test_num_experts_as_transformers_5_saves_it(moe_checkpoints, tmp_path):
+    """transformers 5 writes Qwen3MoeConfig's num_experts as num_local_experts (its attribute_map): read as HF reads
+    it; the two keys disagreeing is refused naming both."""
+    from transformers import Qwen3MoeConfig
+
+    path = str(tmp_path / "config.json")
+    Qwen3MoeConfig(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, hidden_size=64,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1,
+                   vocab_size=512).to_json_file(path)
+    raw = json.load(open(path))
+    assert "num_experts" not in raw and raw["num_local_experts"] == 6
+    assert ModelConfig.from_file(path).num_experts == 6
+    raw["num_experts"] = 8
+    json.dump(raw, open(path, "w"))
+    with pytest.raises(ExportError) as err:
+        ModelConfig.from_file(path)
+    assert str(err.value) == (f"{path}: num_experts (8) and num_local_experts (6) disagree; they name one field: "
+                              "keep one")
 
 
 def test_config_keys_are_qwens(moe_checkpoints):
@@ -323,6 +468,30 @@ def test_a_q8_gguf_moe_reads_each_expert_alone(moe_checkpoints, tmp_path):
         assert where[name].shape(name) == (64, 32)
         assert np.array_equal(where[name].read(name), whole[n]), n
     assert where["model.layers.2.mlp.gate.weight"].stored_type("model.layers.2.mlp.gate.weight") == "gguf:F32"
+
+
+def test_a_q8_gguf_moe_exports_with_its_experts_blocks_kept(moe_checkpoints, tmp_path):
+    """By default a Q8_0 GGUF keeps its blocks: each expert's int8 integers in the folder's stack are the bytes of its
+    own rows of llama.cpp's stacked tensor (read from the file's raw blocks: d f16, 32 x int8), and the folder passes
+    check."""
+    import gguf
+
+    from lite_runtime.check import run_check
+    from tests.test_gguf import write_gguf
+
+    path = str(tmp_path / "q8.gguf")
+    write_gguf(moe_checkpoints["qwen3_moe"], path, quant="Q8_0")
+    out = str(tmp_path / "f")
+    assert main(["-q", "--checkpoint", path, "--output", out, "--name", "f", "--device", "cpu",
+                 "--seq_length", "32"]) == 0
+    report = run_check(out, "ms")
+    assert report.passed, report.verdict()
+    assert json.load(open(os.path.join(out, "manifest.json")))["quantization"]["source"] == "gguf:Q8_0"
+    raw = {t.name: t for t in gguf.GGUFReader(path).tensors}["blk.2.ffn_down_exps.weight"]
+    blocks = np.asarray(raw.data).reshape(8, 64, 1, 34)  # [experts, rows, blocks of 32 inputs, bytes]
+    q, scale, _ = _stack(out, "f", 2, "down_proj")
+    assert np.array_equal(q, blocks[..., 2:].copy().view(np.int8).reshape(8, 64, 32))
+    assert np.array_equal(scale[:, 0, :], blocks[..., :2].copy().view(np.float16)[..., 0, 0].astype(np.float32))
 
 
 @pytest.mark.parametrize("key, value, message", [

@@ -1,7 +1,8 @@
-"""The CPU kernel of a mixture of experts' experts (cpu_kernels.MOE_EXPERTS, cpu_kernels/moe.cc) against numpy in
-float64: each row's chosen experts' SwiGLU from the stacked weights, weighted and summed, with float32, float16,
-bfloat16 and int8/int4 (with and without offsets) weights; the experts no row chose are never read; bad calls refused
-with the ops' error codes, y untouched."""
+"""The CPU kernel of a mixture of experts' sparse MLP (cpu_kernels.MOE, cpu_kernels/moe.cc) against numpy in float64:
+the router, a softmax, the top k (renormalised or not), each row's chosen experts' SwiGLU from the stacked weights,
+weighted and summed, with float32, float16, bfloat16 and int8/int4 (with and without offsets) weights, alone or as the
+layer's residual form (h + MoE(RMSNorm(h))); the experts no row chose are never read; bad calls refused with the ops'
+error codes, y untouched."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,16 +12,28 @@ import cpu_kernels
 from test_cpu_kernels import call_kernel, stored
 from test_quant_kernels import dequantize, pack_int4, random_q
 
-MOE = cpu_kernels.MOE_EXPERTS
+MOE = cpu_kernels.MOE
 
 
 def silu(g):
     return g / (1 + np.exp(-g))
 
 
-def reference(x, index, weights, gate_up, down):
-    """float64: y[r] = sum over j of weights[r, j] * down_e(silu(gate_e(x_r)) * up_e(x_r)), e = index[r, j];
-    gate_up [E, 2I, H] as float64 values, down [E, H, I]."""
+def route(x, router, top: int, norm: bool):
+    """float64: each row's top experts by softmax of x . router^T (equal ones to the lower index), and their
+    probabilities (divided by their sum with `norm`)."""
+    logits = x.astype(np.float64) @ router.T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    index = np.argsort(-probs, axis=-1, kind="stable")[:, :top]
+    weights = np.take_along_axis(probs, index, -1)
+    return index, weights / weights.sum(-1, keepdims=True) if norm else weights
+
+
+def reference(x, router, top, norm, gate_up, down):
+    """float64: y[r] = sum over the chosen e of weight * down_e(silu(gate_e(x_r)) * up_e(x_r)); router [E, H],
+    gate_up [E, 2I, H], down [E, H, I] as float64 values."""
+    index, weights = route(x, router, top, norm)
     inter = down.shape[2]
     y = np.zeros((x.shape[0], down.shape[1]))
     for r in range(x.shape[0]):
@@ -30,10 +43,13 @@ def reference(x, index, weights, gate_up, down):
     return y
 
 
-def routing(rng, rows: int, experts: int, top: int):
-    """Each row's top distinct experts (a random permutation's first), and positive weights."""
-    index = np.stack([rng.permutation(experts)[:top] for _ in range(rows)]).astype(np.int32)
-    return index, rng.random((rows, top), dtype=np.float32) + 0.1
+def rms_norm(h, w, eps):
+    h = h.astype(np.float64)
+    return h / np.sqrt((h * h).mean(-1, keepdims=True) + eps) * w
+
+
+def layout(top: int, norm: bool, residual: bool) -> np.ndarray:
+    return np.array([top, int(norm), int(residual)], np.int32)
 
 
 def check(y, ref, what: str) -> None:
@@ -50,19 +66,37 @@ def exact():
 
 
 # rows: one (a decode step), 3, and 40 over 4 experts (about 20 rows each: the GEMM form)
-@pytest.mark.parametrize("rows, experts, top", [(1, 8, 2), (3, 6, 3), (40, 4, 2)])
+@pytest.mark.parametrize("rows, experts, top, norm", [(1, 8, 2, True), (3, 6, 3, False), (40, 4, 2, True)])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_float_experts_against_numpy(exact, rows, experts, top, dtype):
+def test_float_experts_against_numpy(exact, rows, experts, top, norm, dtype):
     rng = np.random.default_rng(rows * 100 + experts)
     hidden, inter = 96, 40
     x = rng.standard_normal((rows, hidden), dtype=np.float32)
-    index, weights = routing(rng, rows, experts, top)
+    r_w, r64 = stored(rng.standard_normal((experts, hidden), dtype=np.float32), dtype)
     gu_w, gu64 = stored(rng.standard_normal((experts, 2 * inter, hidden), dtype=np.float32) * 0.1, dtype)
     d_w, d64 = stored(rng.standard_normal((experts, hidden, inter), dtype=np.float32) * 0.1, dtype)
     y = np.full((rows, hidden), np.nan, np.float32)
-    assert call_kernel(MOE, x, index, weights, gu_w, d_w, y,
-                       dtypes=["float32", "int32", "float32", dtype, dtype, "float32"]) == 0
-    check(y, reference(x, index, weights, gu64, d64), f"{dtype} {rows} rows")
+    assert call_kernel(MOE, layout(top, norm, False), x, r_w, gu_w, d_w, y,
+                       dtypes=["int32", "float32", dtype, dtype, dtype, "float32"]) == 0
+    check(y, reference(x, r64, top, norm, gu64, d64), f"{dtype} {rows} rows")
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_residual_form_is_h_plus_the_moe_of_its_norm(exact, rows):
+    """layout residual 1: h, ln_w, eps in place of x, y = h + MoE(RMSNorm(h)) (the layer after its attention)."""
+    rng = np.random.default_rng(rows)
+    experts, top, hidden, inter, eps = 6, 2, 64, 32, 1e-6
+    h = rng.standard_normal((rows, hidden), dtype=np.float32) * 3
+    ln_w = rng.random(hidden, dtype=np.float32) + 0.5
+    router = rng.standard_normal((experts, hidden), dtype=np.float32)
+    gu = rng.standard_normal((experts, 2 * inter, hidden), dtype=np.float32) * 0.1
+    d = rng.standard_normal((experts, hidden, inter), dtype=np.float32) * 0.1
+    y = np.full((rows, hidden), np.nan, np.float32)
+    assert call_kernel(MOE, layout(top, True, True), h, ln_w, np.array([eps], np.float32), router, gu, d, y,
+                       dtypes=["int32"] + ["float32"] * 7) == 0
+    x = rms_norm(h, ln_w, eps)
+    want = h + reference(x, router.astype(np.float64), top, True, gu.astype(np.float64), d.astype(np.float64))
+    check(y, want, f"residual {rows} rows")
 
 
 def quant_stack(rng, bits: int, experts: int, n: int, k: int, groups: int, with_offset: bool):
@@ -77,56 +111,87 @@ def quant_stack(rng, bits: int, experts: int, n: int, k: int, groups: int, with_
     return (np.stack(qs), np.stack(scales), np.stack(offsets) if with_offset else None, np.stack(values))
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits, banded", [(8, False), (4, False), (4, True)])
 @pytest.mark.parametrize("with_offset", [False, True])
-@pytest.mark.parametrize("rows", [1, 24])
-def test_quantized_experts_against_numpy(exact, bits, with_offset, rows):
-    """int8 / int4 experts, groups of 32 over hidden 128 (gate_up) and 64 (down), each expert its own scales."""
+@pytest.mark.parametrize("rows", [1, 24, 60])  # 60: about 24 rows an expert, past the rows form (the GEMM)
+def test_quantized_experts_against_numpy(exact, bits, banded, with_offset, rows):
+    """int8 / int4 experts, groups of 32 over hidden 128 (gate_up) and 64 (down), each expert its own scales; int4
+    also in bands of 16 rows, each expert's matrix repacked alone (cpu_kernels.repack_int4_r16 on the stack), read by
+    the op's R16 name, as the runtime gives it an int4 folder's experts where the banded form runs."""
     rng = np.random.default_rng(bits + rows + with_offset)
     experts, top, hidden, inter = 5, 2, 128, 64
     x = rng.standard_normal((rows, hidden), dtype=np.float32)
-    index, weights = routing(rng, rows, experts, top)
+    router = rng.standard_normal((experts, hidden), dtype=np.float32)
     gq, gs, go, g64 = quant_stack(rng, bits, experts, 2 * inter, hidden, hidden // 32, with_offset)
     dq, ds, do, d64 = quant_stack(rng, bits, experts, hidden, inter, inter // 32, with_offset)
     tensors = [gq, gs] + ([go] if with_offset else []) + [dq, ds] + ([do] if with_offset else [])
     qtype = "int8" if bits == 8 else "uint8"
-    dtypes = ["float32", "int32", "float32"] + [qtype if t.dtype != np.float32 else "float32" for t in tensors]
+    dtypes = ["int32", "float32", "float32"] + [qtype if t.dtype != np.float32 else "float32" for t in tensors]
+    if banded:
+        for q in (gq, dq):
+            cpu_kernels.repack_int4_r16(q)
     y = np.full((rows, hidden), np.nan, np.float32)
-    assert call_kernel(MOE, x, index, weights, *tensors, y, dtypes=dtypes + ["float32"]) == 0
-    check(y, reference(x, index, weights, g64, d64), f"int{bits} offset={with_offset} {rows} rows")
+    assert call_kernel(cpu_kernels.R16_OPS[MOE] if banded else MOE, layout(top, False, False), x, router, *tensors,
+                       y, dtypes=dtypes + ["float32"]) == 0
+    check(y, reference(x, router.astype(np.float64), top, False, g64, d64),
+          f"int{bits} offset={with_offset} banded={banded} {rows} rows")
 
 
 def test_experts_no_row_chose_are_not_read():
-    """NaN in every expert but the chosen ones: were one read, its NaN would reach y."""
+    """NaN in every expert the router does not choose (experts 1 and 4, by a router whose rows favour them): were
+    one read, its NaN would reach y."""
     rng = np.random.default_rng(3)
     experts, hidden, inter = 6, 32, 16
-    x = rng.standard_normal((2, hidden), dtype=np.float32)
-    index = np.array([[1, 4], [4, 1]], np.int32)
-    weights = np.array([[0.7, 0.3], [0.6, 0.4]], np.float32)
+    x = np.abs(rng.standard_normal((2, hidden), dtype=np.float32))
+    router = np.full((experts, hidden), -1.0, np.float32)
+    router[1], router[4] = 1.0, 0.9
     gu = rng.standard_normal((experts, 2 * inter, hidden), dtype=np.float32)
     d = rng.standard_normal((experts, hidden, inter), dtype=np.float32)
     gu_nan, d_nan = gu.copy(), d.copy()
     for e in (0, 2, 3, 5):
         gu_nan[e], d_nan[e] = np.nan, np.nan
     y = np.zeros((2, hidden), np.float32)
-    assert call_kernel(MOE, x, index, weights, gu_nan, d_nan, y, dtypes=["float32", "int32"] + ["float32"] * 4) == 0
-    check(y, reference(x, index, weights, gu.astype(np.float64), d.astype(np.float64)), "chosen only")
+    assert call_kernel(MOE, layout(2, True, False), x, router, gu_nan, d_nan, y,
+                       dtypes=["int32"] + ["float32"] * 5) == 0
+    assert route(x, router.astype(np.float64), 2, True)[0].tolist() == [[1, 4], [1, 4]]
+    check(y, reference(x, router.astype(np.float64), 2, True, gu.astype(np.float64), d.astype(np.float64)),
+          "chosen only")
 
 
-@pytest.mark.parametrize("what, code", [("index", 5), ("index_dtype", 2), ("down_shape", 4), ("count", 1),
-                                        ("rank", 3)])
+def test_equal_probabilities_go_to_the_lower_expert():
+    """A router whose rows are all equal: every expert has the same probability, and the lowest k are chosen (as the
+    float32 reference's stable sort), each weighted 1 / E (not renormalised) or 1 / k."""
+    experts, hidden, inter = 5, 16, 8
+    x = np.ones((1, hidden), np.float32)
+    router = np.ones((experts, hidden), np.float32)
+    gu = np.zeros((experts, 2 * inter, hidden), np.float32)
+    gu[:, :inter] = 1.0  # gate 16, up 16 * (e + 1): expert e's SwiGLU is a known multiple of e + 1
+    for e in range(experts):
+        gu[e, inter:] = e + 1
+    d = np.ones((experts, hidden, inter), np.float32)
+    for norm, share in ((False, 1 / experts), (True, 1 / 3)):
+        y = np.zeros((1, hidden), np.float32)
+        assert call_kernel(MOE, layout(3, norm, False), x, router, gu, d, y, dtypes=["int32"] + ["float32"] * 5) == 0
+        one = inter * (16 / (1 + np.exp(-16.0))) * 16  # expert 0's output per hidden unit
+        assert np.allclose(y, share * one * (1 + 2 + 3), rtol=1e-6), norm
+
+
+@pytest.mark.parametrize("what, code", [("layout_dtype", 2), ("layout_size", 3), ("top", 4), ("router_shape", 4),
+                                        ("down_shape", 4), ("count", 1), ("rank", 3)])
 def test_bad_calls_are_refused_and_write_nothing(what, code):
     rng = np.random.default_rng(4)
     experts, hidden, inter = 4, 16, 8
     x = rng.standard_normal((2, hidden), dtype=np.float32)
-    index = np.array([[0, 1], [2, experts if what == "index" else 3]], np.int32)
-    weights = np.ones((2, 2), np.float32)
+    lay = layout(experts + 1 if what == "top" else 2, True, False)
+    if what == "layout_size":
+        lay = lay[:2].copy()
+    router = rng.standard_normal((experts + (1 if what == "router_shape" else 0), hidden), dtype=np.float32)
     gu = rng.standard_normal((experts, 2 * inter, hidden), dtype=np.float32)
     d = rng.standard_normal((experts, hidden, inter + (1 if what == "down_shape" else 0)), dtype=np.float32)
     y = np.full((2, hidden), 7.0, np.float32)
-    arrays = [x, index.astype(np.int64) if what == "index_dtype" else index, weights,
+    arrays = [lay.astype(np.int64) if what == "layout_dtype" else lay, x, router,
               gu.reshape(experts * 2 * inter, hidden) if what == "rank" else gu, d, y]
-    dtypes = ["float32", "int64" if what == "index_dtype" else "int32"] + ["float32"] * 4
+    dtypes = ["int64" if what == "layout_dtype" else "int32"] + ["float32"] * 5
     if what == "count":
         arrays, dtypes = arrays[:3] + arrays[4:], dtypes[:3] + dtypes[4:]
     assert call_kernel(MOE, *arrays, dtypes=dtypes) == code

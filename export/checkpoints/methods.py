@@ -3,6 +3,8 @@ layers: the vocabulary the checkpoint readers (gguf.py, packed.py) and the netwo
 (export/network/quantize.py) share."""
 from __future__ import annotations
 
+import re
+
 from dataclasses import asdict, dataclass
 from typing import Any, Dict
 
@@ -12,8 +14,13 @@ LINEAR_SUFFIXES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_a
                    "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 
 
+# a mixture of experts' experts, each its own linear layers in the checkpoint (Qwen's layout): quantized as the dense
+# layers are; the router (`mlp.gate`), Qwen2-MoE's shared expert and its gate stay float (export/network/moe.py)
+_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+
 def is_linear(name: str) -> bool:
-    return name.startswith("model.layers.") and name.endswith(LINEAR_SUFFIXES)
+    return name.startswith("model.layers.") and (name.endswith(LINEAR_SUFFIXES) or _EXPERT.match(name) is not None)
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,25 @@ def _count(raw: Dict[str, Any], name: str, source: str, default=None, least: int
     return value
 
 
-def moe_keys(raw: Dict[str, Any], source: str, shared_expert: bool) -> Dict[str, Any]:
-    """The ModelConfig fields of the experts (export/config.py); `shared_expert`: the family has Qwen2-MoE's."""
+def _experts(raw: Dict[str, Any], source: str, alias: str = "") -> int:
+    """num_experts, or its `alias` where the family's config maps it (transformers 5's Qwen3MoeConfig saves
+    num_experts as num_local_experts: attribute_map); both present must agree."""
+    if alias and alias in raw:
+        if "num_experts" in raw and raw["num_experts"] != raw[alias]:
+            raise ExportError(f"{source}: num_experts ({raw['num_experts']!r}) and {alias} ({raw[alias]!r}) disagree; "
+                              "they name one field: keep one")
+        return _count(raw, alias, source)
+    return _count(raw, "num_experts", source)
+
+
+def moe_keys(raw: Dict[str, Any], source: str, shared_expert: bool, experts_alias: str = "") -> Dict[str, Any]:
+    """The ModelConfig fields of the experts (export/config.py); `shared_expert`: the family has Qwen2-MoE's;
+    `experts_alias`: another key the family's config writes num_experts under."""
     layers = raw.get("mlp_only_layers") or []
     if not isinstance(layers, list):
         raise ExportError(f"{source}: mlp_only_layers must be a list of layer indices, got {layers!r}")
     fields = {
-        "num_experts": _count(raw, "num_experts", source),
+        "num_experts": _experts(raw, source, experts_alias),
         "num_experts_per_tok": _count(raw, "num_experts_per_tok", source),
         "moe_intermediate_size": _count(raw, "moe_intermediate_size", source),
         "norm_topk_prob": flag(raw, "norm_topk_prob", False, source),

@@ -22,4 +22,6 @@ def structure(raw: Dict[str, Any], source: str) -> Dict[str, bool]:
 
 
 def moe(raw: Dict[str, Any], source: str) -> Dict[str, Any]:
-    return moe_keys(raw, source, shared_expert=False)
+    # transformers 5 saves Qwen3MoeConfig's num_experts as num_local_experts (its attribute_map); Qwen's releases
+    # write num_experts
+    return moe_keys(raw, source, shared_expert=False, experts_alias="num_local_experts")

@@ -4,8 +4,9 @@ expert's SwiGLU on every row from the stacked weights (export/writers/stacked.py
 `experts.down_proj` [E, H, I]) by BatchMatMul, weighted by the routing ([N, E], zero for the experts not chosen) and
 summed; Qwen2-MoE's shared expert (an MLP) times sigmoid(shared_expert_gate(x)) added. Plain ops only, so it runs on
 the CPU and under GE alike; it reads every expert's weights each call. A `--device cpu` folder with the kernel
-library takes the kernels' form instead (KernelExperts: cpu_kernels/moe.cc runs only the chosen experts, on the rows
-that chose them, reading nothing of the others), the routing the same graph ops. Parameter names are the graph's:
+library takes the kernels' form instead: one op (cpu_kernels/moe.cc) routes in float32 as above and runs only the
+chosen experts, on the rows that chose them, reading nothing of the others (KernelExperts holds its weights); after
+the attention it also takes the norm and the residual (SparseMoeBlock.residual). Parameter names are the graph's:
 the router and the shared expert as the checkpoint names them, the stacked experts as transformers 5 holds them in
 memory (docs/architecture.md, "Mixture of experts")."""
 from __future__ import annotations
@@ -66,33 +67,66 @@ class Experts(nn.Cell):
 
 
 class KernelExperts(nn.Cell):
-    """The experts through the CPU kernels (cpu_kernels.MOE_EXPERTS): each row's chosen experts from the stacked
-    weights (the same Parameters as Experts'), weighted and summed; an expert no row chose is not read."""
+    """The stacked experts as the CPU kernels' MoE op reads them (cpu_kernels.MOE: the router, the routing and each
+    row's chosen experts, weighted and summed; an expert no row chose is not read). Float weights are the same
+    Parameters as Experts'; quantized ones (`quant`: the layers' QuantMatmul, whose bits, group size and symmetry
+    every expert shares) are each stack's q (int8 [E, n, k], int4 packed as uint8 [E, n, k / 2]), `_scale` and,
+    asymmetric, `_offset` [E, G, n] in `scale_dtype` (the folder's compute dtype), as export/writers/stacked.py
+    writes them."""
 
-    def __init__(self, cfg: ModelConfig, dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype, quant=None, scale_dtype=None) -> None:
         super().__init__()
         import cpu_kernels
 
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = lazy_parameter((e, 2 * i, h), dtype, "gate_up_proj")
-        self.down_proj = lazy_parameter((e, h, i), dtype, "down_proj")
-        self.op = ops.Custom(cpu_kernels.local_func(cpu_kernels.MOE_EXPERTS), out_shape=lambda x, *_: x,
-                             out_dtype=lambda x, *_: x, func_type="aot")
+        self.gate_up_proj, self.gate_up_proj_scale, self.gate_up_proj_offset = self._storage(
+            e, 2 * i, h, dtype, quant, scale_dtype, "gate_up_proj")
+        self.down_proj, self.down_proj_scale, self.down_proj_offset = self._storage(
+            e, h, i, dtype, quant, scale_dtype, "down_proj")
+        out = lambda layout, x, *_: x  # noqa: E731  (x, or h in the residual form)
+        self.op = ops.Custom(cpu_kernels.local_func(cpu_kernels.MOE), out_shape=out, out_dtype=out, func_type="aot")
 
-    def construct(self, x, index, weights):  # x [N, H] float32, index [N, k] int32, weights [N, k] float32
-        return self.op(x, index, weights, self.gate_up_proj, self.down_proj)
+    @staticmethod
+    def _storage(e: int, n: int, k: int, dtype, quant, scale_dtype, name: str):
+        if quant is None:
+            return lazy_parameter((e, n, k), dtype, name), None, None
+        q = lazy_parameter((e, n, k // 2), ms.uint8, name) if quant.bits == 4 else lazy_parameter(
+            (e, n, k), ms.int8, name)
+        groups = 1 if quant.group_size == 0 else k // quant.group_size
+        scale = lazy_parameter((e, groups, n), scale_dtype, name + "_scale")
+        offset = None if quant.symmetric else lazy_parameter((e, groups, n), scale_dtype, name + "_offset")
+        return q, scale, offset
+
+    @staticmethod
+    def _tensors(q, scale, offset) -> tuple:
+        return (q,) if scale is None else (q, scale) if offset is None else (q, scale, offset)
+
+    def weights(self) -> tuple:
+        """gate_up's tensors, then down's, as the op takes them."""
+        return (self._tensors(self.gate_up_proj, self.gate_up_proj_scale, self.gate_up_proj_offset)
+                + self._tensors(self.down_proj, self.down_proj_scale, self.down_proj_offset))
 
 
 class SparseMoeBlock(nn.Cell):
-    """`dtype`: the weights' storage dtype (the folder's matrices'); the block computes in float32. `kernels`: the
-    experts through the CPU kernels (KernelExperts), else every expert by BatchMatMul (Experts)."""
+    """`dtype`: the float weights' storage dtype (the folder's matrices'); the block computes in float32. `kernels`:
+    the experts through the CPU kernels (KernelExperts), else every expert by BatchMatMul (Experts). `quant`: the
+    layers' QuantMatmul in a quantized folder (the experts quantized as it stores a layer, their scales in
+    `scale_dtype`; kernels only); the router and the shared expert stay float."""
 
-    def __init__(self, cfg: ModelConfig, dtype, kernels: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, dtype, kernels: bool = False, quant=None, scale_dtype=None) -> None:
         super().__init__()
         self.top_k, self.experts_n, self.norm = cfg.num_experts_per_tok, cfg.num_experts, cfg.norm_topk_prob
         self.gate = Dense32(cfg.hidden_size, cfg.num_experts, dtype)
         self.kernels = kernels
-        self.experts = KernelExperts(cfg, dtype) if kernels else Experts(cfg, dtype)
+        if quant is not None and not kernels:
+            raise ValueError("quantized experts run only in the CPU kernels (export/pipeline.py _moe_supported)")
+        self.experts = KernelExperts(cfg, dtype, quant, scale_dtype) if kernels else Experts(cfg, dtype)
+        if kernels:  # the MoE op's layout: k, norm_topk_prob, and whether it takes the residual form
+            import numpy as np
+
+            self.layout = ms.Tensor(np.array([cfg.num_experts_per_tok, int(cfg.norm_topk_prob), 0], np.int32))
+            self.layout_residual = ms.Tensor(np.array([cfg.num_experts_per_tok, int(cfg.norm_topk_prob), 1],
+                                                      np.int32))
         shared = cfg.shared_expert_intermediate_size
         if shared:
             self.shared_expert = SharedExpert(cfg.hidden_size, shared, dtype)
@@ -105,13 +139,13 @@ class SparseMoeBlock(nn.Cell):
 
     def construct(self, x, valid_length=None):  # [N, H] -> [N, H]
         x = ops.cast(x, ms.float32)
-        probs = ops.softmax(self.gate(x), -1)  # [N, E]
-        top, index = ops.topk(probs, self.top_k)  # [N, k], descending
-        if self.norm:
-            top = top / ops.broadcast_to(self.sum_keep(top, -1), top.shape)
-        if self.kernels:
-            y = self.experts(x, ops.cast(index, ms.int32), top)
+        if self.kernels:  # the router, the routing and the chosen experts in one op
+            y = self.experts.op(*((self.layout, x, self.gate.weight) + self.experts.weights()))
         else:
+            probs = ops.softmax(self.gate(x), -1)  # [N, E]
+            top, index = ops.topk(probs, self.top_k)  # [N, k], descending
+            if self.norm:
+                top = top / ops.broadcast_to(self.sum_keep(top, -1), top.shape)
             chosen = self.one_hot(index, self.experts_n, self.on, self.off)  # [N, k, E]
             routing = self.sum(ew_mul(chosen, ops.broadcast_to(ops.expand_dims(top, -1), chosen.shape)), 1)
             y = self.experts(x, routing)
@@ -123,3 +157,12 @@ class SparseMoeBlock(nn.Cell):
 
     def few_rows(self, x):
         return self.construct(x)
+
+    def residual(self, h, norm):
+        """h + this MLP of norm(h) (`norm`: the layer's post_attention_layernorm), the CPU kernels' way: one op
+        where there is no shared expert (the MoE op's residual form), else the norm's kernel, the op and the shared
+        expert."""
+        if self.shared_expert is None:
+            return self.experts.op(*((self.layout_residual, h, norm.weight, norm.eps_tensor, self.gate.weight)
+                                     + self.experts.weights()))
+        return ew_add(h, self.construct(norm.few_rows(h)))

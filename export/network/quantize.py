@@ -449,7 +449,18 @@ class FolderMeaning:
         self.layouts = layouts
         self._maps = [np.memmap(os.path.join(folder, layout.location), np.uint8, mode="r") for layout in layouts]
         entries = layouts[0].entries
-        self.layers = [n[:-len(SCALE)] for n in entries if n.endswith(SCALE) and n[:-len(SCALE)] in entries]
+        quantized = [n[:-len(SCALE)] for n in entries if n.endswith(SCALE) and n[:-len(SCALE)] in entries]
+        # a mixture of experts' stacks (export/writers/stacked.py): each expert's layers by the checkpoint's names,
+        # rows of one expert of the stack (gate_up_proj: the gate's first half of the outputs, the up's second)
+        self.experts: Dict[str, Tuple[str, int, int, int]] = {}
+        for name in (n for n in quantized if len(entries[n].shape) == 3):
+            stack, n_out = name.rsplit(".", 1)[0] + ".", entries[name].shape[1]
+            kinds = (("gate_proj", 0, n_out // 2), ("up_proj", n_out // 2, n_out // 2)) if name.endswith(
+                "gate_up_proj") else (("down_proj", 0, n_out),)
+            for e in range(entries[name].shape[0]):
+                for kind, first, rows in kinds:
+                    self.experts[f"{stack}{e}.{kind}.weight"] = (name, e, first, rows)
+        self.layers = [n for n in quantized if len(entries[n].shape) == 2] + list(self.experts)
 
     def _part(self, rank: int, name: str) -> np.ndarray:
         entry = self.layouts[rank].entries[name]
@@ -469,6 +480,10 @@ class FolderMeaning:
         return widen(np.asarray(values)).astype(np.float32, copy=False)
 
     def shape(self, name: str) -> Tuple[int, ...]:
+        if name in self.experts:
+            stack, _, _, rows = self.experts[name]
+            entry = self.layouts[0].entries[stack]
+            return rows, entry.shape[2] * (2 if entry.dtype in ("uint8", "qint4x2") else 1)
         parts, split = self._parts(name)
         shape = list(parts[0].shape)
         if split is not None:
@@ -478,18 +493,40 @@ class FolderMeaning:
         return tuple(shape)
 
     def offset(self, name: str) -> int:
+        if name in self.experts:
+            stack, e = self.experts[name][:2]
+            entry = self.layouts[0].entries[stack]
+            return entry.offset + e * (entry.nbytes // entry.shape[0])
         return self.layouts[0].entries[name].offset
 
     def will_need(self, name: str) -> None:
         for rank, layout in enumerate(self.layouts):
-            entry = layout.entries[name]
-            start = entry.offset - entry.offset % mmap.PAGESIZE
+            if name in self.experts:  # one expert's rows of its stack
+                stack, e = self.experts[name][:2]
+                entry = layout.entries[stack]
+                begin, size = entry.offset + e * (entry.nbytes // entry.shape[0]), entry.nbytes // entry.shape[0]
+            else:
+                entry = layout.entries[name]
+                begin, size = entry.offset, entry.nbytes
+            start = begin - begin % mmap.PAGESIZE
             try:
-                self._maps[rank]._mmap.madvise(mmap.MADV_WILLNEED, start, entry.offset + entry.nbytes - start)
+                self._maps[rank]._mmap.madvise(mmap.MADV_WILLNEED, start, begin + size - start)
             except (AttributeError, OSError, ValueError):  # a platform without madvise: read by page faults
                 return
 
     def stored(self, name: str) -> "FolderRows":
+        if name in self.experts:  # one expert's rows of a stack, its scales [G, n] sliced before they are widened
+            stack, e, first, rows = self.experts[name]
+            entries = self.layouts[0].entries
+
+            def scales(suffix: str) -> Optional[np.ndarray]:
+                if stack + suffix not in entries:
+                    return None
+                part = np.asarray(self._part(0, stack + suffix)[e][:, first:first + rows])
+                return widen(part).astype(np.float32, copy=False).T
+
+            return FolderRows([self._part(0, stack)[e][first:first + rows]], None,
+                              entries[stack].dtype in ("uint8", "qint4x2"), scales(SCALE), scales(OFFSET))
         parts, split = self._parts(name)
         offset = name + OFFSET in self.layouts[0].entries
         return FolderRows(parts, split, self.layouts[0].entries[name].dtype in ("uint8", "qint4x2"),

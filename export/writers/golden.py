@@ -154,6 +154,11 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
             if not np.isfinite(logits).all():
                 raise ExportError(f"{checkpoint}: the float32 reference produced non-finite logits; the weights are "
                                   "damaged or not this config's")
+            margins = net.routing_margins  # a mixture of experts': each new token's (the rows' first, lanes after)
+            if margins is not None:
+                ends = np.cumsum([len(feed[i]) for i in active])
+                for i, end, n in zip(active, ends, [len(feed[i]) for i in active]):
+                    records[i].routing_margin.append(float(f"{margins[end - n:end].min():.6g}"))
             for i, row_logits in zip(active, logits):
                 feed[i] = [records[i].record(row_logits, TOP_K)]
                 if history is not None:

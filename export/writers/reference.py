@@ -302,6 +302,7 @@ class NumpyDecoder:
         self.cos, self.sin = rope_tables(cfg, max_positions)  # [P, D]
         self.matmul = BlockedMatmul(matrices_in, threads)
         self.stopped = threading.Event()  # set from another thread: the forward running there raises Stopped
+        self.routing_margins: Optional[np.ndarray] = None  # a mixture of experts': the last forward's, per new token
 
     def close(self) -> None:
         self.matmul.close()
@@ -335,6 +336,8 @@ class NumpyDecoder:
         cfg = self.cfg
         sizes = [len(c) for c in chunks]
         ids = np.concatenate([np.asarray(c, np.int64) for c in chunks])
+        # a mixture of experts: each new token's smallest routing margin over the sparse layers (routing)
+        self.routing_margins = np.full(len(ids), np.inf) if cfg.num_experts else None
         positions = np.concatenate([np.arange(c.length, c.length + n) for c, n in zip(caches, sizes)])
         embed = self.where["model.embed_tokens.weight"].stored("model.embed_tokens.weight")
         x = widen(np.asarray(embed[ids])).astype(np.float32)  # [T, E]: the rows used
@@ -368,9 +371,22 @@ class NumpyDecoder:
     def routing(self, h: np.ndarray, p: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A sparse layer's router on h [T, E] (`p`: `...mlp.`): (probabilities [T, X] in float32 (softmax of the
         router's logits), the chosen experts [T, k] in descending probability, their weights [T, k] (divided by their
-        sum with norm_topk_prob)). Equal probabilities go to the lower expert index (a stable sort)."""
-        probs = _softmax(self._linear(h, p + "gate"))  # float32 in, float32 out
-        chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :self.cfg.num_experts_per_tok]
+        sum with norm_topk_prob)). Equal probabilities go to the lower expert index (a stable sort).
+
+        Each token's routing margin, the router logits' gap between the last chosen expert and the first one not
+        chosen relative to their largest magnitude, lowers `routing_margins` (forward's, per new token): a device
+        whose logits are off by that much relative may choose another expert there (lite_runtime/golden.py
+        RowResult.judge)."""
+        logits = self._linear(h, p + "gate")
+        probs = _softmax(logits)  # float32 in, float32 out
+        k = self.cfg.num_experts_per_tok
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        chosen = order[:, :k]
+        margins = self.routing_margins
+        if margins is not None and len(margins) == len(logits) and k < probs.shape[1]:
+            edge = np.take_along_axis(logits, order[:, k - 1:k + 1], axis=-1).astype(np.float64)  # [T, 2]
+            gap = (edge[:, 0] - edge[:, 1]) / np.maximum(np.abs(logits).max(axis=-1), 1e-30)
+            np.minimum(margins, gap, out=margins)
         weights = np.take_along_axis(probs, chosen, axis=-1)
         if self.cfg.norm_topk_prob:
             weights = weights / np.sum(weights, axis=-1, keepdims=True)

@@ -1,45 +1,70 @@
 """A mixture of experts' weights stacked at export: the checkpoint holds each expert's projections apart
-(`mlp.experts.N.{gate,up,down}_proj.weight`, Qwen's layout, whatever the source: safetensors, GPTQ dequantized,
-GGUF split per expert by its reader); the graphs read one tensor per layer and kind, as transformers 5 holds them in
-memory: `mlp.experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up rows) and `mlp.experts.down_proj`
-[E, H, I]. The weights writer (weights_file.py) reads a stacked tensor a few experts at a time (its chunks are
-rows of the first dimension), so memory holds a chunk, never a layer (docs/architecture.md, "Mixture of experts")."""
+(`mlp.experts.N.{gate,up,down}_proj.weight`, Qwen's layout, whatever the source: safetensors, GPTQ, GGUF split per
+expert by its reader); the graphs read one tensor per layer and kind, as transformers 5 holds them in memory:
+`mlp.experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up rows) and `mlp.experts.down_proj`
+[E, H, I]. In a quantized folder each expert is quantized as a linear layer is (export/network/quantize.py), and
+the stacks are of its folder tensors: `gate_up_proj` the q [E, 2I, H or H / 2], `gate_up_proj_scale` (and `_offset`)
+[E, G, 2I] (the gate's scales, then the up's, along the outputs), `down_proj` [E, H, I or I / 2] and its [E, G, H].
+
+The weights writer (weights_file.py) reads a stacked tensor a few experts at a time (its chunks are rows of the
+first dimension), each chunk read, or quantized, in a worker when the writer converts it: memory holds a chunk,
+never a layer (docs/architecture.md, "Mixture of experts")."""
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Tuple
 
 import numpy as np
 
+# a stack: (shape, per expert the names concatenated, the axis they are concatenated along)
+Stack = Tuple[Tuple[int, ...], List[List[str]], int]
+
+
+def _read(src, name: str) -> np.ndarray:
+    """One expert's tensor as the folder holds it: a quantized layer's folder tensor (computed by its source, once),
+    else the checkpoint's stored bits."""
+    if hasattr(src, "materialize"):
+        return src.materialize(name)
+    return np.asarray(src.stored(name))
+
 
 class _Rows:
-    """A stacked tensor as the writer reads it: shape, ndim, reshape to [E, -1] and rows (experts) by slice."""
+    """A stacked tensor as the writer reads it: shape, ndim, the bytes of a row (an expert), reshape to [E, -1], and
+    rows by slice: a callable the writer's worker runs (the experts read then)."""
 
-    def __init__(self, parts: List[List[Tuple[object, str]]], shape: Tuple[int, ...], flat: bool = False) -> None:
-        self.parts, self.shape, self.flat = parts, shape, flat
+    def __init__(self, parts: List[List[Tuple[object, str]]], shape: Tuple[int, ...], axis: int,
+                 flat: bool = False) -> None:
+        self.parts, self.shape, self.axis, self.flat = parts, shape, axis, flat
         self.ndim = len(shape)
 
     def reshape(self, rows: int, _=-1) -> "_Rows":
-        return _Rows(self.parts, (rows, int(np.prod(self.shape[1:]))), flat=True)
+        return _Rows(self.parts, (rows, int(np.prod(self.shape[1:]))), self.axis, flat=True)
 
     def _expert(self, e: int) -> np.ndarray:
-        block = np.concatenate([np.asarray(src.stored(name)) for src, name in self.parts[e]], axis=0)
+        block = np.concatenate([_read(src, name) for src, name in self.parts[e]], axis=self.axis)
         return block.reshape(-1) if self.flat else block
+
+    def _stack(self, index: slice) -> np.ndarray:
+        return np.stack([self._expert(e) for e in range(*index.indices(self.shape[0]))])
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return np.stack([self._expert(e) for e in range(*index.indices(self.shape[0]))])
+            return functools.partial(self._stack, index)
         return self._expert(index)
 
 
 class StackedExperts:
     """The stacked tensors of one checkpoint (`where`: name -> source), under their graph names, with the source
-    interface the weights writer reads (path, offset, shape, stored)."""
+    interface the weights writer reads (path, offset, shape, stored, row_nbytes)."""
 
-    def __init__(self, where: Dict[str, object], stacks: Dict[str, Tuple[Tuple[int, ...], List[List[str]]]]) -> None:
+    def __init__(self, where: Dict[str, object], stacks: Dict[str, Stack], itemsize: Dict[str, int]) -> None:
         self.where = where
         self.stacks = stacks
+        self.itemsize = itemsize
         first = next(iter(stacks.values()))[1][0][0]
-        self.path = getattr(where[first], "path", "")
+        src = where[first]
+        layer = getattr(src, "layer_of", {}).get(first)  # a quantized layer's: its checkpoint file, for the order
+        self.path = src.q.where[layer].path if layer is not None else getattr(src, "path", "")
 
     def names(self) -> List[str]:
         return list(self.stacks)
@@ -51,23 +76,35 @@ class StackedExperts:
         first = self.stacks[name][1][0][0]
         return self.where[first].offset(first)
 
+    def row_nbytes(self, name: str) -> int:
+        """One expert's bytes as the folder holds them (what the writer's chunks are counted in)."""
+        return int(np.prod(self.shape(name)[1:])) * self.itemsize[name]
+
     def stored(self, name: str) -> _Rows:
-        shape, experts = self.stacks[name]
-        return _Rows([[(self.where[n], n) for n in names] for names in experts], shape)
+        shape, experts, axis = self.stacks[name]
+        return _Rows([[(self.where[n], n) for n in names] for names in experts], shape, axis)
 
 
-def stack_experts(cfg, where: Dict[str, object]) -> Dict[str, object]:
-    """`where` with each sparse layer's stacked tensors added (cfg: the ModelConfig)."""
-    stacks: Dict[str, Tuple[Tuple[int, ...], List[List[str]]]] = {}
-    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+def stack_experts(cfg, where: Dict[str, object], params: Dict[str, Tuple[Tuple[int, ...], str]]) -> Dict[str, object]:
+    """`where` with each sparse layer's stacked tensors added (cfg: the ModelConfig; params: the network's parameters,
+    name -> (shape, dtype), whose stacked ones say what each stack holds: a float matrix, or a quantized one's q,
+    scale and offset, taken from the folder tensors of `where`)."""
+    stacks: Dict[str, Stack] = {}
+    itemsize: Dict[str, int] = {}
     for layer in range(cfg.num_hidden_layers):
         if not cfg.sparse(layer):
             continue
         p = f"model.layers.{layer}.mlp.experts."
-        stacks[p + "gate_up_proj"] = ((e, 2 * i, h), [[f"{p}{n}.gate_proj.weight", f"{p}{n}.up_proj.weight"]
-                                                      for n in range(e)])
-        stacks[p + "down_proj"] = ((e, h, i), [[f"{p}{n}.down_proj.weight"] for n in range(e)])
+        for stacked, kinds in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+            for suffix, axis in (("", 0), ("_scale", 1), ("_offset", 1)):
+                name = p + stacked + suffix
+                if name not in params:
+                    continue
+                shape, dtype = params[name]
+                stacks[name] = (tuple(shape), [[f"{p}{n}.{kind}.weight{suffix}" for kind in kinds]
+                                               for n in range(cfg.num_experts)], axis)
+                itemsize[name] = 1 if dtype in ("int8", "uint8") else 2 if dtype in ("float16", "bfloat16") else 4
     if not stacks:
         return where
-    source = StackedExperts(where, stacks)
+    source = StackedExperts(where, stacks, itemsize)
     return {**where, **{name: source for name in source.names()}}

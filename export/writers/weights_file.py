@@ -208,8 +208,11 @@ def write_files(folder: str, layouts: List[Layout], where: Dict[str, Safetensors
 
     def convert(source, dtype: str) -> np.ndarray:
         start = time.perf_counter()
-        if callable(source):  # a quantized layer's tensor, computed whole here (export/network/quantize.py FolderTensors)
+        if callable(source):  # a quantized layer's tensor, computed whole here (export/network/quantize.py
+            # FolderTensors), or a chunk of stacked experts read here (export/writers/stacked.py)
             out = np.ascontiguousarray(source())
+            if dtype not in ("int8", "uint8"):  # a float part as the folder stores it (as is when it already is)
+                out = np.ascontiguousarray(stored_as(out, dtype))
             with lock:
                 convert_seconds[0] += time.perf_counter() - start
             return out
@@ -233,7 +236,8 @@ def write_files(folder: str, layouts: List[Layout], where: Dict[str, Safetensors
             source = src.stored(entry.name)
             rows = source.shape[0] if source.ndim else 1
             flat = source.reshape(rows, -1)
-            for a, b in _chunks(rows, flat[0].nbytes if rows else 0):
+            row_bytes = src.row_nbytes(entry.name) if hasattr(src, "row_nbytes") else flat[0].nbytes if rows else 0
+            for a, b in _chunks(rows, row_bytes):
                 yield entry, a, b, b == rows, flat[a:b]
 
     try:

@@ -163,11 +163,12 @@ def _relocate_kernels(model, path: str) -> None:
 
 
 def _int4_params(model) -> set:
-    """The int4 weights of a parsed MindIR: its uint8 parameters of rank 2 (cpu_kernels' q [N, K / 2])."""
+    """The int4 weights of a parsed MindIR: its uint8 parameters of rank 2 (cpu_kernels' q [N, K / 2]) and 3 (a
+    mixture of experts' stacked q [E, N, K / 2])."""
     from mindspore.train import mind_ir_pb2
 
     uint8 = mind_ir_pb2.TensorProto.DataType.Value("UINT8")
-    return {p.name for p in model.graph.parameter if p.data_type == uint8 and len(p.dims) == 2}
+    return {p.name for p in model.graph.parameter if p.data_type == uint8 and len(p.dims) in (2, 3)}
 
 
 def _quant_op_inputs(model):
@@ -243,10 +244,11 @@ def _int4_bands(models) -> set:
                 continue
             for reads in nodes:
                 for name, scale in reads:
-                    q, sp = params[name], params.get(scale)
-                    k = 2 * int(q.dims[1])
-                    ok = (sp is not None and len(sp.dims) == 2 and int(sp.dims[0]) > 0 and int(sp.dims[1]) == int(q.dims[0])
-                          and k % int(sp.dims[0]) == 0 and cpu_kernels.int4_r16_runs(k, k // int(sp.dims[0])))
+                    q, sp = params[name], params.get(scale)  # q [(E,) N, K / 2], its scale [(E,) G, N]
+                    k = 2 * int(q.dims[-1])
+                    ok = (sp is not None and len(sp.dims) == len(q.dims) and list(sp.dims[:-2]) == list(q.dims[:-2])
+                          and int(sp.dims[-2]) > 0 and int(sp.dims[-1]) == int(q.dims[-2])
+                          and k % int(sp.dims[-2]) == 0 and cpu_kernels.int4_r16_runs(k, k // int(sp.dims[-2])))
                     fits[short(name)] = fits.get(short(name), True) and ok
     bands = {name for name, ok in fits.items() if ok and name not in blocked}
     changed = True
