@@ -54,6 +54,9 @@ MOE = "MsliteLlmMoe"  # layout int32 [3] (k, norm_topk_prob, residual), x [N, H]
 #   router [E, H], gate_up [E, 2I, H], down [E, H, I] (each one float tensor or q, scale [E, G, n][, offset]) -> [N, H]:
 #   the router, a float32 softmax and top k, each row's chosen experts' SwiGLU weighted and summed (residual: h +
 #   that of RMSNorm(h)); the experts no row chose are not read (cpu_kernels/moe.cc)
+DECODE_MOE_LAYER = "MsliteLlmPagedDecodeMoeLayer"  # layout int32 [4] (nq, no, kc, nm), DECODE_QKV's nq inputs,
+#   lengths [N], rows [N], tables [R, M], Wo's no tensors, MOE's nm inputs but h (its layout first) -> [N, E]: a
+#   mixture of experts' decode step layer in one call (decode_qkv, the attention, o_proj + x, MOE's residual form)
 ATLAS_WEIGHT_QUANT_BATCH_MATMUL = "MsliteLlmAtlasWeightQuantBatchMatmul"  # WeightQuantBatchMatmul's CPU stand-in:
 #   x [M, K] T, q [N, ...], scale [G, N] T[, offset [G, N] T], attrs [antiquant_group_size] -> [M, N] T (W rounded to T)
 # the fused ops under the names a quantized folder's graphs call: the same ops (each weight one float tensor or q,
@@ -65,10 +68,10 @@ QUANTIZED_OPS = {QKV_ROPE: "MsliteLlmQuantQkvRope", GEMV_ADD: "MsliteLlmQuantGem
 # repack_int4_r16): the runtime renames an op so at load after repacking every int4 weight it reads (int4_bands in
 # lite_runtime/backends/ms.py; docs/architecture.md, "int4 in bands of 16 rows"). Never written in a folder.
 R16_OPS = {f: f + "R16" for f in (QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
-                                  *QUANTIZED_OPS.values(), MOE)}
+                                  *QUANTIZED_OPS.values(), MOE, DECODE_MOE_LAYER)}
 FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
              WRITE_CACHE, NORM_SWIGLU, DECODE_TAIL, DECODE_LAYER, QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
-             ATLAS_WEIGHT_QUANT_BATCH_MATMUL, MOE,
+             ATLAS_WEIGHT_QUANT_BATCH_MATMUL, MOE, DECODE_MOE_LAYER,
              *QUANTIZED_OPS.values(), *R16_OPS.values())
 
 

@@ -296,4 +296,60 @@ int moe(int nparam, void** params, int* ndims, int64_t** shapes, const char** dt
   return 0;
 }
 
+// The decode step's layer of a mixture of experts in one call (MsliteLlmPagedDecodeMoeLayer), as decode_ops.cc's
+// decode_layer composes the dense one's: decode_qkv (the input norm, q/k/v, RoPE, the cache writes), the attention,
+// o_proj + the residual (gemv_add), then moe's residual form (the norm, the router, the experts, the residual).
+// params: layout int32 [4] (nq, no, kc, nm): decode_qkv's nq tensors (x first, without its output; kc: key_cache's
+// index among them), lengths [N], rows [N], tables [R, M], Wo's no tensors, moe's nm tensors without its h (its
+// layout, ln_w, eps, the router, gate_up.., down..), y [N, E]. x is the layer's residual too. One MindSpore launch
+// where the graph made four (~25 us between two of them: docs/performance-log.md 35).
+int decode_moe_layer(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam < 12 || ndims[0] != 1 || shapes[0][0] != 4 || std::strcmp(dtypes[0], "int32") != 0) return 1;
+  const int32_t* layout = static_cast<const int32_t*>(params[0]);
+  const int nq = layout[0], no = layout[1], kc = layout[2], nm = layout[3];
+  if (nq < 4 || no < 1 || no > 3 || kc < 1 || kc + 1 >= nq || nm < 5 || 1 + nq + 3 + no + nm + 1 != nparam) return 1;
+  const int q0 = 1, a0 = 1 + nq, o0 = a0 + 3, m0 = o0 + no;
+  if (ndims[q0] != 2 || ndims[q0 + 3] < 1) return 3;
+  const int64_t n = shapes[q0][0], hidden = shapes[q0][1], width = shapes[q0 + 3][0];  // x [N, E]; q [N, H*D]
+  thread_local std::vector<float> qbuf, abuf, hbuf;
+  if (int64_t(qbuf.size()) < n * width) qbuf.resize(n * width), abuf.resize(n * width);
+  if (int64_t(hbuf.size()) < n * hidden) hbuf.resize(n * hidden);
+  int64_t qshape[2] = {n, width}, hshape[2] = {n, hidden};
+  thread_local std::vector<void*> p;  // each sub-op's tensors, as MindSpore would hand them
+  thread_local std::vector<int> nd;
+  thread_local std::vector<int64_t*> sh;
+  thread_local std::vector<const char*> dt;
+  auto reset = [&] { p.clear(), nd.clear(), sh.clear(), dt.clear(); };
+  auto take = [&](int i) {
+    p.push_back(params[i]), nd.push_back(ndims[i]), sh.push_back(shapes[i]), dt.push_back(dtypes[i]);
+  };
+  auto scratch = [&](float* buf, int64_t* shape) {
+    p.push_back(buf), nd.push_back(2), sh.push_back(shape), dt.push_back("float32");
+  };
+  reset();
+  for (int i = q0; i < q0 + nq; ++i) take(i);
+  scratch(qbuf.data(), qshape);
+  int rc = decode_qkv(int(p.size()), p.data(), nd.data(), sh.data(), dt.data());
+  if (rc) return rc;
+  reset();
+  scratch(qbuf.data(), qshape);
+  take(q0 + kc), take(q0 + kc + 1), take(a0), take(a0 + 1), take(a0 + 2);
+  scratch(abuf.data(), qshape);
+  rc = decode_attention(int(p.size()), p.data(), nd.data(), sh.data(), dt.data());
+  if (rc) return rc;
+  reset();  // h = x + attn . Wo^T
+  scratch(abuf.data(), qshape);
+  for (int i = o0; i < o0 + no; ++i) take(i);
+  take(q0);
+  scratch(hbuf.data(), hshape);
+  rc = gemv_add(int(p.size()), p.data(), nd.data(), sh.data(), dt.data());
+  if (rc) return rc;
+  reset();  // y = h + MoE(RMSNorm(h))
+  take(m0);
+  scratch(hbuf.data(), hshape);
+  for (int i = m0 + 1; i < m0 + nm; ++i) take(i);
+  take(nparam - 1);
+  return moe(int(p.size()), p.data(), nd.data(), sh.data(), dt.data());
+}
+
 }  // namespace msllm

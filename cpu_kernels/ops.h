@@ -34,6 +34,7 @@ int weight_quant_batch_matmul(int nparam, void** params, int* ndims, int64_t** s
 
 // moe.cc: a mixture of experts' sparse MLP (the router, the routing, the chosen experts; float or quantized)
 int moe(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
+int decode_moe_layer(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 
 }  // namespace msllm
 

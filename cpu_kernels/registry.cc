@@ -184,6 +184,13 @@ int MsliteLlmMoe(int nparam, void** params, int* ndims, int64_t** shapes, const 
   return timed(OP_MOE, [&] { return moe(nparam, params, ndims, shapes, dtypes); });
 }
 
+// A mixture of experts' decode step layer in one call (moe.cc decode_moe_layer): layout int32 [4], then
+// MsliteLlmPagedDecodeQkv's, the attention's, o_proj's and MsliteLlmMoe's tensors (timed as a whole layer).
+int MsliteLlmPagedDecodeMoeLayer(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
+                                 void*) {
+  return timed(OP_DECODE_LAYER, [&] { return decode_moe_layer(nparam, params, ndims, shapes, dtypes); });
+}
+
 // The quantized ops once more, for int4 weights in bands of 16 rows (matmul_quant.h repack_int4_r16): names the
 // runtime gives a graph's ops at load after it repacked every int4 weight they read (lite_runtime/backends/ms.py,
 // cpu_kernels.int4_bands); never in a folder as exported. The same bodies, the int4 weights read as banded.
@@ -203,6 +210,7 @@ MSLLM_R16(MsliteLlmQuantMatmulOffset)
 MSLLM_R16(MsliteLlmQuantMatmulValid)
 MSLLM_R16(MsliteLlmQuantMatmulOffsetValid)
 MSLLM_R16(MsliteLlmMoe)
+MSLLM_R16(MsliteLlmPagedDecodeMoeLayer)
 #undef MSLLM_R16
 
 // Repacks int4 q [n, k / 2] in place into bands of 16 rows: 0, or 4 when k is not a multiple of 32 (nothing changed).

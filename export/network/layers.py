@@ -400,8 +400,20 @@ class DecoderLayer(nn.Cell):
             quant = is_quantized(self.self_attn.o_proj.method)  # one method for every linear layer of the network
             self.project_add = kernel_op(cpu_kernels.fused_op(cpu_kernels.GEMV_ADD, quant), lambda *s: s[-1],
                                          lambda x, *_: x)  # x, W.., r
-        if k.decode_ops and sparse:  # the MoE block runs alone after o_proj: no fused MLP kernel
-            self.norm_swiglu = self.tail = self.layer_op = None
+        if k.decode_ops and sparse:  # a mixture of experts: no fused MLP kernel; the decode step's layer in one
+            # kernel (cpu_kernels.DECODE_MOE_LAYER: q/k/v, the attention, o_proj + x, the MoE op's residual form)
+            # where o_proj has no bias or AllReduce and the MLP no shared expert
+            self.norm_swiglu = self.tail = None
+            o = self.self_attn.o_proj
+            plain = o.bias is None and o.reduce is None and self.mlp.shared_expert is None
+            self.layer_op = kernel_op(cpu_kernels.DECODE_MOE_LAYER, lambda layout, x, *_: x,
+                                      lambda layout, x, *_: x) if plain else None
+            if self.layer_op is not None:
+                self.layer_op.add_prim_attr("side_effect_mem", True)
+                qkv = self.self_attn.decode_qkv_args(None, self.input_layernorm, None, None, None)
+                kc = next(i for i, t in enumerate(qkv) if t is self.self_attn.key_cache)
+                moe = self.mlp.residual_args(self.post_attention_layernorm)
+                self.layer_layout = Tensor(np.array([len(qkv), o.arity(), kc, len(moe)], np.int32))
         elif k.decode_ops:
             # post_attention_layernorm, gate, up, SiLU and the product in one kernel (no MLP bias)
             self.norm_swiglu = None if self.mlp.swiglu is None else kernel_op(
@@ -476,8 +488,13 @@ class DecoderLayer(nn.Cell):
 
     def _kernel_layer(self, x, cos, sin, ctx):
         """The decode step's layer through MsliteLlmPagedDecodeLayer: decode_qkv_args and _tail_args, after a layout
-        [3] (their counts, key_cache's index among the first)."""
+        [3] (their counts, key_cache's index among the first); a sparse layer's through MsliteLlmPagedDecodeMoeLayer:
+        decode_qkv_args, Wo and the MoE op's residual_args, after a layout [4]."""
         qkv = self.self_attn.decode_qkv_args(x, self.input_layernorm, cos, sin, ctx["slots"])
+        if self.sparse:
+            return self.layer_op(*((self.layer_layout,) + qkv + (ctx["lengths"], ctx["rows"], ctx["tables"])
+                                   + self.self_attn.o_proj.weights()
+                                   + self.mlp.residual_args(self.post_attention_layernorm)))
         tail = self._tail_args(x, self.post_attention_layernorm)
         return self.layer_op(*((self.layer_layout,) + qkv + (ctx["lengths"], ctx["rows"], ctx["tables"]) + tail))
 

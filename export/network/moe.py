@@ -163,6 +163,11 @@ class SparseMoeBlock(nn.Cell):
         where there is no shared expert (the MoE op's residual form), else the norm's kernel, the op and the shared
         expert."""
         if self.shared_expert is None:
-            return self.experts.op(*((self.layout_residual, h, norm.weight, norm.eps_tensor, self.gate.weight)
-                                     + self.experts.weights()))
+            layout, *rest = self.residual_args(norm)
+            return self.experts.op(*((layout, h) + tuple(rest)))
         return ew_add(h, self.construct(norm.few_rows(h)))
+
+    def residual_args(self, norm) -> tuple:
+        """The MoE op's residual form's tensors but h (its layout first), as the decode step's layer op takes them
+        (cpu_kernels.DECODE_MOE_LAYER)."""
+        return (self.layout_residual, norm.weight, norm.eps_tensor, self.gate.weight) + self.experts.weights()

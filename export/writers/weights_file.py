@@ -211,7 +211,8 @@ def write_files(folder: str, layouts: List[Layout], where: Dict[str, Safetensors
         if callable(source):  # a quantized layer's tensor, computed whole here (export/network/quantize.py
             # FolderTensors), or a chunk of stacked experts read here (export/writers/stacked.py)
             out = np.ascontiguousarray(source())
-            if dtype not in ("int8", "uint8"):  # a float part as the folder stores it (as is when it already is)
+            if dtype in ("float32", "float16", "bfloat16"):  # a float part as the folder stores it (as is when it
+                # already is); integers (int8, uint8, qint4x2) as they come
                 out = np.ascontiguousarray(stored_as(out, dtype))
             with lock:
                 convert_seconds[0] += time.perf_counter() - start
