@@ -185,6 +185,123 @@ def write_checkpoint(folder: str, shape_name: str, layers: Optional[int], seed: 
     return folder
 
 
+_GPTQ_LINEAR = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight$")
+
+
+def _gptq_tensors(shape: Dict[str, Any], bits: int, group: int):
+    """(name, dims, safetensors dtype, chunks(rng)) of a random GPTQ checkpoint of the shape, as Qwen's GPTQ releases
+    hold it: each linear layer (experts each alone) as qweight int32 [in / (32 / bits), out], qzeros int32
+    [groups, out / (32 / bits)] (symmetric: every zero 2^(bits-1), stored minus one), scales float16 [groups, out],
+    g_idx int32 [in]; everything else (embeddings, norms, the routers, lm_head) float16."""
+    per = 32 // bits
+    zero_word = 0
+    for k in range(per):
+        zero_word |= ((1 << (bits - 1)) - 1) << (bits * k)
+
+    def words(n):
+        return lambda rng: (np.frombuffer(rng.bytes(4 * m), np.uint32) for m in _spans(n))
+
+    def const(n, value, dtype):
+        return lambda rng: (np.full(m, value, dtype) for m in _spans(n))
+
+    def half(n, mean, std):
+        return lambda rng: ((rng.random(m, dtype=np.float32) * 2 - 1) * np.float32(std * 3 ** 0.5) + np.float32(mean)
+                            for m in _spans(n))
+
+    for name, dims, (mean, std) in tensors(shape):
+        if not _GPTQ_LINEAR.search(name):
+            yield name, dims, "F16", (lambda n, a, b: (lambda rng: (c.astype(np.float16) for c in half(n, a, b)(rng))))(
+                int(np.prod(dims)), mean, std)
+            continue
+        out, inp = dims
+        layer, groups = name[:-len(".weight")], inp // group
+        step = std * 3 ** 0.5 / (1 << (bits - 1))  # the uniform weights' range over the integers
+        yield layer + ".qweight", (inp // per, out), "I32", words(inp // per * out)
+        yield layer + ".qzeros", (groups, out // per), "I32", const(groups * out // per, zero_word, np.uint32)
+        yield layer + ".scales", (groups, out), "F16", (lambda n, a: (
+            lambda rng: (c.astype(np.float16) for c in half(n, a, a * 0.2)(rng))))(groups * out, step)
+        yield layer + ".g_idx", (inp,), "I32", (lambda n: (lambda rng: (
+            (np.arange(a, a + m) // group).astype(np.int32) for a, m in _offsets(n))))(inp)
+
+
+def _spans(n: int):
+    for _, m in _offsets(n):
+        yield m
+
+
+def _offsets(n: int):
+    for a in range(0, n, CHUNK_ELEMENTS):
+        yield a, min(CHUNK_ELEMENTS, n - a)
+
+
+def write_gptq_checkpoint(folder: str, shape_name: str, layers: Optional[int], bits: int = 4, group: int = 128,
+                          seed: int = 0) -> str:
+    """A random GPTQ-Int<bits> checkpoint of the shape in `folder`, shard by shard (an existing complete one is
+    reused): what export reads from Qwen's GPTQ releases, at their size, without quantizing anything."""
+    shape = dict(SHAPES[shape_name])
+    if layers:
+        shape["num_hidden_layers"] = layers
+    done = os.path.join(folder, ".complete")
+    if os.path.isfile(done):
+        return folder
+    from transformers import AutoConfig
+
+    from export.checkpoints.random_checkpoint import build_tokenizer
+
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder)
+    tokenizer = build_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    fields = {k: v for k, v in shape.items() if k != "model_type"}
+    cfg = AutoConfig.for_model(shape.get("model_type", "qwen2"), max_position_embeddings=32768, rms_norm_eps=1e-6,
+                               bos_token_id=eos, eos_token_id=eos,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                               use_sliding_window=False, dtype="float16", **fields)
+    cfg.save_pretrained(folder)
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as fh:
+        raw = json.load(fh)
+    raw["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": True,
+                                  "desc_act": False, "checkpoint_format": "gptq"}
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(raw, fh, indent=2)
+    tokenizer.save_pretrained(folder)
+    size_of = {"F16": 2, "I32": 4}
+    shards: List[List[tuple]] = [[]]
+    size = 0
+    for entry in _gptq_tensors(shape, bits, group):
+        nbytes = int(np.prod(entry[1])) * size_of[entry[2]]
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    rng = np.random.default_rng(seed)
+    weight_map, total = {}, 0
+    start = time.perf_counter()
+    for k, shard in enumerate(shards, 1):
+        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, dims, dtype, _ in shard:
+            nbytes = int(np.prod(dims)) * size_of[dtype]
+            header[name] = {"dtype": dtype, "shape": list(dims), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        with open(os.path.join(folder, fname), "wb") as fh:
+            fh.write(len(text).to_bytes(8, "little") + text)
+            for name, dims, dtype, chunks in shard:
+                for chunk in chunks(rng):
+                    fh.write(chunk.tobytes())
+                weight_map[name] = fname
+        total += offset
+        say(f"GPTQ checkpoint shard {k}/{len(shards)} written ({total / 2**30:.1f} GiB, "
+            f"{time.perf_counter() - start:.0f} s)")
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w", encoding="utf-8") as fh:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
+    open(done, "w").close()
+    return folder
+
+
 # ---------------------------------------------------------------- 2. measuring a command
 
 def _tree(pid: int) -> List[int]:
@@ -586,6 +703,8 @@ def main(argv=None) -> int:
     p.add_argument("--export", action="append", default=None, metavar="ARGS",
                    help="extra arguments of one export run, e.g. \"--device cpu --seq_length 512\" (repeatable; "
                         "default: one run with none, the default Atlas export)")
+    p.add_argument("--gptq", type=int, choices=(4, 8), default=0, metavar="BITS",
+                   help="the checkpoint a random GPTQ-Int<BITS> one (groups of 128), as Qwen's GPTQ releases pack it")
     p.add_argument("--llama_cpp", action="store_true", help="also time llama.cpp's converter (f16 GGUF)")
     p.add_argument("--llama_quantize", default="", metavar="TYPES",
                    help="with --llama_cpp: also llama-quantize the f16 GGUF to these types (e.g. Q8_0,Q4_0), each "
@@ -601,7 +720,12 @@ def main(argv=None) -> int:
     tag = args.shape + (f"-{args.layers}l" if args.layers else "")
     os.makedirs(args.work_dir, exist_ok=True)
     say(f"checkpoint {tag} in {args.work_dir}")
-    checkpoint = write_checkpoint(os.path.join(args.work_dir, f"ckpt-{tag}"), args.shape, args.layers)
+    if args.gptq:
+        tag += f"-gptq-int{args.gptq}"
+        checkpoint = write_gptq_checkpoint(os.path.join(args.work_dir, f"ckpt-{tag}"), args.shape, args.layers,
+                                           args.gptq)
+    else:
+        checkpoint = write_checkpoint(os.path.join(args.work_dir, f"ckpt-{tag}"), args.shape, args.layers)
     shape = dict(SHAPES[args.shape], **({"num_hidden_layers": args.layers} if args.layers else {}))
     params = checkpoint_params(shape)
     doc: Dict[str, Any] = {"machine": machine(), "command": " ".join(shlex.quote(a) for a in

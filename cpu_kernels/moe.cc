@@ -6,7 +6,8 @@
 //
 // Tensors: layout int32 [3] (k, norm_topk_prob, residual); with residual h [N, H], ln_w [H], eps [1] (the op computes
 // h + MoE(RMSNorm(h)): the layer after its attention), else x [N, H] (MoE(x)); the router [E, H] (float32, float16
-// or bfloat16); gate_up, down; y [N, H] float32. gate_up is [E, 2I, H] (each expert's gate rows, then its up rows)
+// or bfloat16); gate_up, down; optionally valid_length [B] int32 (the full graph: x holds B prompts of N / B rows and
+// only each one's first valid_length are computed, the padding rows' y h or 0); y [N, H] float32. gate_up is [E, 2I, H] (each expert's gate rows, then its up rows)
 // and down [E, H, I], each one float tensor (float32, float16 or bfloat16) or a quantized one's q (int8 [E, n, k] /
 // uint8 [E, n, k / 2], int4 as matmul_quant.h has it), scale [E, G, n][, offset [E, G, n]] float32. Errors as
 // registry.cc's.
@@ -216,8 +217,12 @@ int moe(int nparam, void** params, int* ndims, int64_t** shapes, const char** dt
   const bool norm_topk = layout[1] != 0, residual = layout[2] != 0;
   const int ri = residual ? 4 : 2, gi = ri + 1;  // the router's and gate_up's places
   if (nparam < gi + 3) return 1;
-  const int arity = is_quant_dtype(dtypes[gi]) ? (nparam - gi - 1) / 2 : 1;
-  if ((arity != 1 && arity != 2 && arity != 3) || nparam != gi + 1 + 2 * arity) return 1;
+  // the full graph's form: valid_length [B] int32 before y, x holding B prompts of N / B rows, only each one's first
+  // valid_length rows computed (the padding rows' y: h with the residual, else 0)
+  const int vi = std::strcmp(dtypes[nparam - 2], "int32") == 0 && ndims[nparam - 2] == 1 ? nparam - 2 : -1;
+  const int weights_end = vi > 0 ? vi : nparam - 1;
+  const int arity = is_quant_dtype(dtypes[gi]) ? (weights_end - gi) / 2 : 1;
+  if ((arity != 1 && arity != 2 && arity != 3) || weights_end != gi + 2 * arity) return 1;
   const int yi = nparam - 1;
   const WType rt = weight_type(dtypes[ri]);
   if (!is_f32(dtypes[1]) || !is_f32(dtypes[yi]) || rt == W_NONE || (residual && (!is_f32(dtypes[2]) ||
@@ -234,12 +239,24 @@ int moe(int nparam, void** params, int* ndims, int64_t** shapes, const char** dt
       down.experts != experts || gate_up.n != 2 * inter || gate_up.k != hidden || down.n != hidden ||
       (residual && shapes[2][0] != hidden) || top < 1 || top > experts)
     return 4;
+  const int64_t batch = vi > 0 ? shapes[vi][0] : 1;
+  if (batch <= 0 || rows % batch) return 4;
   const float* h = static_cast<const float*>(params[1]);
   float* y = static_cast<float*>(params[yi]);
   if (rows <= 0 || hidden <= 0) return 0;
+  // the rows computed: every one, or each prompt's first valid_length
+  std::vector<int64_t> live;
+  if (vi > 0) {
+    const int32_t* valid = static_cast<const int32_t*>(params[vi]);
+    const int64_t n = rows / batch;
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t r = 0; r < std::min<int64_t>(n, std::max<int32_t>(0, valid[b])); ++r) live.push_back(b * n + r);
+  }
+  const bool all = vi < 0;
+  const int64_t used = all ? rows : int64_t(live.size());
 
   // the input: RMSNorm(h) with the residual form, else x as given
-  thread_local std::vector<float> normed, logits, xs, gu, act, out;
+  thread_local std::vector<float> normed, xlive, logits, xs, gu, act, out;
   const float* x = h;
   if (residual) {
     normed.resize(size_t(rows * hidden));
@@ -247,21 +264,28 @@ int moe(int nparam, void** params, int* ndims, int64_t** shapes, const char** dt
               normed.data());
     x = normed.data();
   }
-  // the router and the routing, in float32
-  logits.resize(size_t(rows * experts));
-  RouterJob router;
-  router.fn = rows_kernel(rt), router.x = x, router.w = params[ri], router.rows = rows, router.in = hidden;
-  router.experts = experts, router.logits = logits.data();
-  const int64_t tasks = (rows + RouterJob::ROWS - 1) / RouterJob::ROWS;
-  const bool parallel = tasks > 1 && rows * experts >= MIN_PARALLEL_ROWS;
-  router.shares.split(tasks, parallel ? threads_to_use() : 1);
-  run(&router, parallel);
-  const int64_t pairs = rows * top;
-  std::vector<int32_t> index(pairs);
-  std::vector<float> weight(pairs);
-  route(logits.data(), rows, experts, top, norm_topk, index.data(), weight.data());
+  // the router and the routing, in float32, on the rows computed (gathered when some are padding)
+  const float* xr = x;
+  if (!all) {
+    xlive.resize(size_t(used * hidden));
+    for (int64_t r = 0; r < used; ++r) std::memcpy(&xlive[r * hidden], x + live[r] * hidden, sizeof(float) * hidden);
+    xr = xlive.data();
+  }
   if (residual) std::memcpy(y, h, sizeof(float) * rows * hidden);
   else std::fill(y, y + rows * hidden, 0.f);
+  if (used == 0) return 0;
+  logits.resize(size_t(used * experts));
+  RouterJob router;
+  router.fn = rows_kernel(rt), router.x = xr, router.w = params[ri], router.rows = used, router.in = hidden;
+  router.experts = experts, router.logits = logits.data();
+  const int64_t tasks = (used + RouterJob::ROWS - 1) / RouterJob::ROWS;
+  const bool parallel = tasks > 1 && used * experts >= MIN_PARALLEL_ROWS;
+  router.shares.split(tasks, parallel ? threads_to_use() : 1);
+  run(&router, parallel);
+  const int64_t pairs = used * top;
+  std::vector<int32_t> index(pairs);
+  std::vector<float> weight(pairs);
+  route(logits.data(), used, experts, top, norm_topk, index.data(), weight.data());
   if (inter <= 0) return 0;
 
   // the (row, weight) pairs grouped by expert, each expert's in row order (a counting sort): pair p is x's row
@@ -273,7 +297,7 @@ int moe(int nparam, void** params, int* ndims, int64_t** shapes, const char** dt
   std::vector<float> weight_of(pairs);
   for (int64_t t = 0; t < pairs; ++t) {
     const int64_t at = fill[index[t]]++;
-    row_of[at] = t / top, weight_of[at] = weight[t];
+    row_of[at] = all ? t / top : live[t / top], weight_of[at] = weight[t];
   }
 
   xs.resize(size_t(pairs * hidden)), gu.resize(size_t(pairs * 2 * inter)), act.resize(size_t(pairs * inter));

@@ -194,11 +194,13 @@ _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n
 
 
 def tensor_parallel_config(model: ModelConfig, tp_size: int) -> ModelConfig:
-    """One rank's share of the model: its query heads, kv heads and MLP columns (ExportConfig.validate checked that
-    tp_size divides them); head_dim stays the model's."""
+    """One rank's share of the model: its query heads, kv heads and MLP columns, and every expert's columns of a
+    mixture of experts (ExportConfig.validate checked that tp_size divides them); head_dim stays the model's. The
+    router and Qwen2-MoE's shared expert are every rank's, whole."""
     return dataclasses.replace(model, num_attention_heads=model.num_attention_heads // tp_size,
                                num_key_value_heads=model.num_key_value_heads // tp_size,
-                               intermediate_size=model.intermediate_size // tp_size, head_dim=model.head_dim)
+                               intermediate_size=model.intermediate_size // tp_size, head_dim=model.head_dim,
+                               moe_intermediate_size=model.moe_intermediate_size // tp_size)
 
 
 def vocab_shards(model: ModelConfig, tp_size: int) -> int:
@@ -417,7 +419,8 @@ class ExportConfig:
             raise ExportError(f"--tp_size must be at least 1, got {self.tp_size}")
         if self.tp_size > 1:
             split = {"num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.num_key_value_heads,
-                     "intermediate_size": model.intermediate_size}
+                     "intermediate_size": model.intermediate_size,
+                     **({"moe_intermediate_size": model.moe_intermediate_size} if model.num_experts else {})}
             bad = [f"{k} {v}" for k, v in split.items() if v % self.tp_size]
             if bad:
                 raise ExportError(f"--tp_size {self.tp_size} does not divide config.json's {', '.join(bad)}; each "

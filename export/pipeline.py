@@ -155,16 +155,15 @@ def prepare(cfg: ExportConfig) -> tuple:
 
 
 def _moe_supported(cfg: ExportConfig, model_cfg: ModelConfig, quantized: bool = False) -> None:
-    """A mixture of experts exports, so far, as a CPU folder of one rank (issue 46; export/network/moe.py): float
-    weights in either form, quantized experts only in the CPU kernels' (`quantized`: the folder quantizes, or keeps a
-    quantized checkpoint's layers, GPTQ's or a GGUF's, as they are). Anything else is refused by the option to
-    change, before anything is written."""
+    """A mixture of experts exports, so far, as a CPU folder (issue 46; export/network/moe.py), of one rank or
+    tensor parallel (every rank each expert's share of its columns): float weights in either form, quantized experts
+    only in the CPU kernels' (`quantized`: the folder quantizes, or keeps a quantized checkpoint's layers, GPTQ's or
+    a GGUF's, as they are). Anything else is refused by the option to change, before anything is written."""
     if not model_cfg.num_experts:
         return
-    if cfg.device != "cpu" or cfg.tp_size != 1:
-        why = "--device cpu" if cfg.device != "cpu" else "--tp_size 1"
+    if cfg.device != "cpu":
         raise ExportError(f"{cfg.checkpoint}: model_type {model_cfg.model_type!r} is a mixture-of-experts model, "
-                          f"whose graphs this version builds only with {why} (one rank, on the CPU)")
+                          "whose graphs this version builds only with --device cpu")
     if (quantized or cfg.quantize not in (None, "none")) and not cfg.use_cpu_kernels():
         raise ExportError(f"{cfg.checkpoint}: model_type {model_cfg.model_type!r} is a mixture-of-experts model, "
                           "whose quantized experts run only in the CPU kernels, which this export does not use; "
@@ -359,7 +358,7 @@ def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where, quant=None, tables=N
     if model_cfg.num_experts:  # the graphs read each layer's experts stacked, each expert's folder tensors
         from export.writers.stacked import stack_experts  # (export/writers/stacked.py)
 
-        where = stack_experts(model_cfg, where, params)
+        where = stack_experts(model_cfg, where, params, cfg.tp_size)
     tp, shards = cfg.tp_size, network.vocab_shards
     splits = {}
     if tp > 1:

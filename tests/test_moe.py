@@ -200,18 +200,68 @@ def test_a_missing_expert_or_a_wrong_router_is_refused_by_name(moe_checkpoints, 
                               "[3, 64], config.json implies [4, 64]; check that the weights belong to this config")
 
 
-@pytest.mark.parametrize("args, option", [
-    (["--device", "atlas_800i_a2"], "--device cpu"),
-    (["--device", "cpu", "--dtype", "float32", "--tp_size", "2"], "--tp_size 1"),
-])
-def test_export_refuses_what_the_moe_graphs_do_not_build_yet(moe_checkpoints, tmp_path, capsys, args, option):
-    """MoE folders export for the CPU, one rank; anything else: one line naming the option, nothing on disk."""
+def test_export_refuses_what_the_moe_graphs_do_not_build_yet(moe_checkpoints, tmp_path, capsys):
+    """MoE folders export for the CPU; an Atlas device: one line naming the option, nothing on disk."""
     path = moe_checkpoints["qwen3_moe"]
-    code = main(["-q", "--checkpoint", path, "--output", str(tmp_path / "out"), *args])
+    code = main(["-q", "--checkpoint", path, "--output", str(tmp_path / "out"), "--device", "atlas_800i_a2"])
     assert (code, capsys.readouterr().err.strip()) == (
         2, f"error: {path}: model_type 'qwen3_moe' is a mixture-of-experts model, whose graphs this version builds "
-           f"only with {option} (one rank, on the CPU)")
+           "only with --device cpu")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_tp_size_that_does_not_divide_the_experts_is_refused(moe_checkpoints, tmp_path, capsys):
+    path = moe_checkpoints["qwen3_moe"]
+    cfg = ModelConfig.from_checkpoint(path)
+    code = main(["-q", "--checkpoint", path, "--output", str(tmp_path / "out"), "--device", "cpu", "--dtype",
+                 "float32", "--tp_size", "3"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and f"moe_intermediate_size {cfg.moe_intermediate_size}" in err, err
+    assert os.listdir(tmp_path) == []
+
+
+def _rank_weights(folder: str, name: str, rank: int) -> dict:
+    """Every parameter of rank `rank`'s incremental graph of a tensor-parallel folder, by name."""
+    from mindspore.train import mind_ir_pb2
+
+    from lite_runtime.backends.ms import _parameter_arrays
+
+    path = glob.glob(os.path.join(folder, f"{name}_rank{rank}_inc_graph.mindir"))[0]
+    model = mind_ir_pb2.ModelProto()
+    model.ParseFromString(open(path, "rb").read())
+    return _parameter_arrays(model, path)
+
+
+@pytest.mark.parametrize("name, quantize", [("qwen3_moe", "none"), ("qwen2_moe", "int8")])
+def test_experts_split_over_two_ranks_pass_check_under_msrun(moe_checkpoints, tmp_path, name, quantize):
+    """--tp_size 2: every rank holds every expert's share of its columns (vLLM's tensor-parallel MoE): gate_up its
+    half of the gate rows and of the up rows, down its half of the inputs; the router and Qwen2-MoE's shared expert
+    whole. The partial sums meet in an AllReduce; check passes on both ranks under msrun (float32 against the
+    checkpoint's reference, int8 against the folder's integers put back together)."""
+    from export.checkpoints.safetensors import widen
+    from test_tensor_parallel import check_under_msrun
+
+    out = str(tmp_path / name)
+    assert main(["-q", "--checkpoint", moe_checkpoints[name], "--output", out, "--name", name, "--device", "cpu",
+                 "--dtype", "float32", "--seq_length", "32", "--tp_size", "2", "--quantize", quantize]) == 0
+    where = open_checkpoint(moe_checkpoints[name])
+    cfg = ModelConfig.from_checkpoint(moe_checkpoints[name])
+    share = cfg.moe_intermediate_size // 2
+    p = "model.layers.0.mlp."
+    for rank in (0, 1):
+        weights = _rank_weights(out, name, rank)
+        assert weights[p + "experts.gate_up_proj"].shape[1] == 2 * share
+        assert weights[p + "gate.weight"].shape == (cfg.num_experts, cfg.hidden_size)
+        if quantize != "none":
+            continue
+        cols = slice(rank * share, (rank + 1) * share)
+        for e in (0, cfg.num_experts - 1):
+            read = lambda n: widen(np.asarray(where[f"{p}experts.{e}.{n}.weight"].stored(f"{p}experts.{e}.{n}.weight")))
+            assert np.array_equal(weights[p + "experts.gate_up_proj"][e],
+                                  np.concatenate([read("gate_proj")[cols], read("up_proj")[cols]])), (rank, e)
+            assert np.array_equal(weights[p + "experts.down_proj"][e], read("down_proj")[:, cols]), (rank, e)
+    for log in check_under_msrun(tmp_path, out).values():
+        assert "PASS" in log, log[-2000:]
 
 
 def test_quantized_experts_without_the_cpu_kernels_are_refused(moe_checkpoints, tmp_path, capsys):

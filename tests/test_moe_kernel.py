@@ -137,6 +137,34 @@ def test_quantized_experts_against_numpy(exact, bits, banded, with_offset, rows)
           f"int{bits} offset={with_offset} banded={banded} {rows} rows")
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_full_graphs_form_computes_each_prompts_rows_only(exact, residual):
+    """valid_length [B] before y: x holds B prompts of n rows, only each one's first valid_length are computed; the
+    padding rows (NaN here: computed, they would stay NaN) come out 0, or h in the residual form."""
+    rng = np.random.default_rng(11)
+    experts, top, hidden, inter, n, eps = 6, 2, 32, 16, 5, 1e-6
+    valid = np.array([3, 0, 5], np.int32)
+    h = rng.standard_normal((3 * n, hidden), dtype=np.float32)
+    pad = np.concatenate([np.arange(b * n + v, (b + 1) * n) for b, v in enumerate(valid)])
+    h[pad] = np.nan
+    ln_w = rng.random(hidden, dtype=np.float32) + 0.5
+    router = rng.standard_normal((experts, hidden), dtype=np.float32)
+    gu = rng.standard_normal((experts, 2 * inter, hidden), dtype=np.float32) * 0.1
+    d = rng.standard_normal((experts, hidden, inter), dtype=np.float32) * 0.1
+    y = np.full_like(h, 7.0)
+    lead = [h, ln_w, np.array([eps], np.float32)] if residual else [h]
+    assert call_kernel(MOE, layout(top, True, residual), *lead, router, gu, d, valid, y,
+                       dtypes=["int32"] + ["float32"] * (len(lead) + 3) + ["int32", "float32"]) == 0
+    live = np.setdiff1d(np.arange(3 * n), pad)
+    x = rms_norm(h[live], ln_w, eps) if residual else h[live]
+    want = reference(x, router.astype(np.float64), top, True, gu.astype(np.float64), d.astype(np.float64))
+    check(y[live], want + (h[live] if residual else 0), f"valid rows, residual={residual}")
+    if residual:
+        assert np.isnan(y[pad]).all()  # h as it was
+    else:
+        assert (y[pad] == 0).all()
+
+
 def test_experts_no_row_chose_are_not_read():
     """NaN in every expert the router does not choose (experts 1 and 4, by a router whose rows favour them): were
     one read, its NaN would reach y."""

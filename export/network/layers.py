@@ -391,7 +391,7 @@ class DecoderLayer(nn.Cell):
             # its weights stored as the folder's matrices are (bfloat16 on a 16-bit CPU folder), computed in float32
             method = k.linear(False)
             self.mlp = SparseMoeBlock(cfg, getattr(method, "weight_dtype", None) or dtype, k.decode_ops,
-                                      method if is_quantized(method) else None, dtype)
+                                      method if is_quantized(method) else None, dtype, tp)
         else:
             self.mlp = MLP(cfg, dtype, k, tp)
         if k.decode_ops:  # the decode step: o_proj (and down_proj) each with the residual add, one kernel
@@ -450,8 +450,8 @@ class DecoderLayer(nn.Cell):
             # the rest as the full graph's (MatMul in float32 folders: MsliteLlmDecodeTail's tiles are 1.5x slower at
             # 128 rows; GEMM_VALID, skipping the padding rows, in 16-bit ones)
             h = ew_add(x, self.self_attn.o_proj(attn, valid_length))
-            if self.sparse:  # the MoE op takes the norm and the residual (export/network/moe.py)
-                return self.mlp.residual(h, self.post_attention_layernorm)
+            if self.sparse:  # the MoE op takes the norm and the residual, and each prompt's rows only
+                return self.mlp.residual(h, self.post_attention_layernorm, valid_length)
             return ew_add(h, self.mlp(self.post_attention_layernorm.few_rows(h), valid_length))
         h = ew_add(x, self.self_attn.prefill(self.input_layernorm(x), cos, sin, ctx["mask"], b, n, valid_length,
                                              ctx["slots"]))

@@ -113,8 +113,12 @@ class SparseMoeBlock(nn.Cell):
     layers' QuantMatmul in a quantized folder (the experts quantized as it stores a layer, their scales in
     `scale_dtype`; kernels only); the router and the shared expert stay float."""
 
-    def __init__(self, cfg: ModelConfig, dtype, kernels: bool = False, quant=None, scale_dtype=None) -> None:
+    def __init__(self, cfg: ModelConfig, dtype, kernels: bool = False, quant=None, scale_dtype=None,
+                 tp: bool = False) -> None:
         super().__init__()
+        # tensor parallel: `cfg` is one rank's share (every expert's share of its columns); the experts' partial sums
+        # are summed by AllReduce, the router and the shared expert (every rank's, whole) computed alike on each
+        self.reduce = ops.AllReduce() if tp else None
         self.top_k, self.experts_n, self.norm = cfg.num_experts_per_tok, cfg.num_experts, cfg.norm_topk_prob
         self.gate = Dense32(cfg.hidden_size, cfg.num_experts, dtype)
         self.kernels = kernels
@@ -139,8 +143,10 @@ class SparseMoeBlock(nn.Cell):
 
     def construct(self, x, valid_length=None):  # [N, H] -> [N, H]
         x = ops.cast(x, ms.float32)
-        if self.kernels:  # the router, the routing and the chosen experts in one op
-            y = self.experts.op(*((self.layout, x, self.gate.weight) + self.experts.weights()))
+        if self.kernels:  # the router, the routing and the chosen experts in one op (the full graph: each prompt's
+            # rows only, valid_length)
+            y = self.experts.op(*((self.layout, x, self.gate.weight) + self.experts.weights()
+                                  + (() if valid_length is None else (valid_length,))))
         else:
             probs = ops.softmax(self.gate(x), -1)  # [N, E]
             top, index = ops.topk(probs, self.top_k)  # [N, k], descending
@@ -149,6 +155,8 @@ class SparseMoeBlock(nn.Cell):
             chosen = self.one_hot(index, self.experts_n, self.on, self.off)  # [N, k, E]
             routing = self.sum(ew_mul(chosen, ops.broadcast_to(ops.expand_dims(top, -1), chosen.shape)), 1)
             y = self.experts(x, routing)
+        if self.reduce is not None:
+            y = self.reduce(y)
         if self.shared_expert is not None:
             g = ops.sigmoid(self.shared_expert_gate(x))  # [N, 1]
             s = self.shared_expert(x)
@@ -158,14 +166,15 @@ class SparseMoeBlock(nn.Cell):
     def few_rows(self, x):
         return self.construct(x)
 
-    def residual(self, h, norm):
+    def residual(self, h, norm, valid_length=None):
         """h + this MLP of norm(h) (`norm`: the layer's post_attention_layernorm), the CPU kernels' way: one op
-        where there is no shared expert (the MoE op's residual form), else the norm's kernel, the op and the shared
-        expert."""
-        if self.shared_expert is None:
+        where there is no shared expert and no AllReduce (the MoE op's residual form), else the norm's kernel, the op
+        (its AllReduce) and the shared expert. valid_length [B]: the full graph's prompts (the op computes only their
+        rows)."""
+        if self.shared_expert is None and self.reduce is None:
             layout, *rest = self.residual_args(norm)
-            return self.experts.op(*((layout, h) + tuple(rest)))
-        return ew_add(h, self.construct(norm.few_rows(h)))
+            return self.experts.op(*((layout, h) + tuple(rest) + (() if valid_length is None else (valid_length,))))
+        return ew_add(h, self.construct(norm.few_rows(h), valid_length))
 
     def residual_args(self, norm) -> tuple:
         """The MoE op's residual form's tensors but h (its layout first), as the decode step's layer op takes them

@@ -452,14 +452,15 @@ class FolderMeaning:
         quantized = [n[:-len(SCALE)] for n in entries if n.endswith(SCALE) and n[:-len(SCALE)] in entries]
         # a mixture of experts' stacks (export/writers/stacked.py): each expert's layers by the checkpoint's names,
         # rows of one expert of the stack (gate_up_proj: the gate's first half of the outputs, the up's second)
+        # (tensor parallel: each rank's share of an expert, gate_up's gate and up halves of its share, down's columns
+        # and its groups, put back together: export/writers/stacked.py)
         self.experts: Dict[str, Tuple[str, int, int, int]] = {}
         for name in (n for n in quantized if len(entries[n].shape) == 3):
-            stack, n_out = name.rsplit(".", 1)[0] + ".", entries[name].shape[1]
-            kinds = (("gate_proj", 0, n_out // 2), ("up_proj", n_out // 2, n_out // 2)) if name.endswith(
-                "gate_up_proj") else (("down_proj", 0, n_out),)
+            stack = name.rsplit(".", 1)[0] + "."
+            kinds = (("gate_proj", 0), ("up_proj", 1)) if name.endswith("gate_up_proj") else (("down_proj", 0),)
             for e in range(entries[name].shape[0]):
-                for kind, first, rows in kinds:
-                    self.experts[f"{stack}{e}.{kind}.weight"] = (name, e, first, rows)
+                for kind, half in kinds:
+                    self.experts[f"{stack}{e}.{kind}.weight"] = (name, e, half, len(kinds))
         self.layers = [n for n in quantized if len(entries[n].shape) == 2] + list(self.experts)
 
     def _part(self, rank: int, name: str) -> np.ndarray:
@@ -479,11 +480,32 @@ class FolderMeaning:
         values = parts[0] if split is None else np.concatenate(parts, axis=split)
         return widen(np.asarray(values)).astype(np.float32, copy=False)
 
+    def _expert(self, name: str, suffix: str = "") -> Optional[np.ndarray]:
+        """One expert's q (suffix "") or scale / offset [G, n] of its stack, every rank's share put back in place:
+        gate_up's ranks each hold [gate share; up share] (q rows, scale columns), down's its columns of q and its
+        groups of the scales (or the whole scale, per channel)."""
+        stack, e, half, halves = self.experts[name]
+        if stack + suffix not in self.layouts[0].entries:
+            return None
+        parts, split = self._parts(stack + suffix)
+        along = 0 if suffix == "" else 1  # gate_up's outputs: q's rows, the scales' columns
+        pieces = []
+        for part in parts:
+            block = np.asarray(part[e])
+            if halves == 2:  # this rank's gate or up half of its outputs
+                n = block.shape[along] // 2
+                block = block[(slice(None),) * along + (slice(half * n, (half + 1) * n),)]
+            pieces.append(block)
+        if len(pieces) == 1:
+            return pieces[0]
+        axis = along if halves == 2 else (1 if suffix == "" else 0)  # down: q's columns, the scales' groups
+        return np.concatenate(pieces, axis=axis)
+
     def shape(self, name: str) -> Tuple[int, ...]:
         if name in self.experts:
-            stack, _, _, rows = self.experts[name]
-            entry = self.layouts[0].entries[stack]
-            return rows, entry.shape[2] * (2 if entry.dtype in ("uint8", "qint4x2") else 1)
+            q = self._expert(name)
+            packed = self.layouts[0].entries[self.experts[name][0]].dtype in ("uint8", "qint4x2")
+            return q.shape[0], q.shape[1] * (2 if packed else 1)
         parts, split = self._parts(name)
         shape = list(parts[0].shape)
         if split is not None:
@@ -516,17 +538,14 @@ class FolderMeaning:
 
     def stored(self, name: str) -> "FolderRows":
         if name in self.experts:  # one expert's rows of a stack, its scales [G, n] sliced before they are widened
-            stack, e, first, rows = self.experts[name]
-            entries = self.layouts[0].entries
+            stack = self.experts[name][0]
 
             def scales(suffix: str) -> Optional[np.ndarray]:
-                if stack + suffix not in entries:
-                    return None
-                part = np.asarray(self._part(0, stack + suffix)[e][:, first:first + rows])
-                return widen(part).astype(np.float32, copy=False).T
+                part = self._expert(name, suffix)
+                return None if part is None else widen(part).astype(np.float32, copy=False).T
 
-            return FolderRows([self._part(0, stack)[e][first:first + rows]], None,
-                              entries[stack].dtype in ("uint8", "qint4x2"), scales(SCALE), scales(OFFSET))
+            return FolderRows([self._expert(name)], None, self.layouts[0].entries[stack].dtype in ("uint8", "qint4x2"),
+                              scales(SCALE), scales(OFFSET))
         parts, split = self._parts(name)
         offset = name + OFFSET in self.layouts[0].entries
         return FolderRows(parts, split, self.layouts[0].entries[name].dtype in ("uint8", "qint4x2"),

@@ -29,20 +29,33 @@ def _read(src, name: str) -> np.ndarray:
 
 
 class _Rows:
-    """A stacked tensor as the writer reads it: shape, ndim, the bytes of a row (an expert), reshape to [E, -1], and
-    rows by slice: a callable the writer's worker runs (the experts read then)."""
+    """A stacked tensor as the writer reads it: shape, ndim, reshape to [E, -1], and rows by slice: a callable the
+    writer's worker runs (the experts read then). Tensor parallel (`tp` > 1, `split`: the stack's axis the ranks
+    share): each expert's block is its ranks' shares one after another, flattened, so that rank r's part of an
+    expert is the r-th contiguous run of its bytes (export/writers/weights_file.py _STACKED_AXIS)."""
 
     def __init__(self, parts: List[List[Tuple[object, str]]], shape: Tuple[int, ...], axis: int,
-                 flat: bool = False) -> None:
+                 flat: bool = False, tp: int = 1, split=None) -> None:
         self.parts, self.shape, self.axis, self.flat = parts, shape, axis, flat
+        self.tp, self.split = tp, split
         self.ndim = len(shape)
 
     def reshape(self, rows: int, _=-1) -> "_Rows":
-        return _Rows(self.parts, (rows, int(np.prod(self.shape[1:]))), self.axis, flat=True)
+        return _Rows(self.parts, (rows, int(np.prod(self.shape[1:]))), self.axis, True, self.tp, self.split)
 
     def _expert(self, e: int) -> np.ndarray:
-        block = np.concatenate([_read(src, name) for src, name in self.parts[e]], axis=self.axis)
-        return block.reshape(-1) if self.flat else block
+        arrays = [_read(src, name) for src, name in self.parts[e]]
+        if self.tp == 1 or self.split is None:
+            block = np.concatenate(arrays, axis=self.axis)
+            return block.reshape(-1) if self.flat else block
+        along = self.split - 1  # the split axis within one expert's block
+
+        def share(a: np.ndarray, r: int) -> np.ndarray:
+            n = a.shape[along] // self.tp
+            return a[(slice(None),) * along + (slice(r * n, (r + 1) * n),)]
+
+        return np.concatenate([np.concatenate([share(a, r) for a in arrays], axis=self.axis).reshape(-1)
+                               for r in range(self.tp)])
 
     def _stack(self, index: slice) -> np.ndarray:
         return np.stack([self._expert(e) for e in range(*index.indices(self.shape[0]))])
@@ -57,10 +70,12 @@ class StackedExperts:
     """The stacked tensors of one checkpoint (`where`: name -> source), under their graph names, with the source
     interface the weights writer reads (path, offset, shape, stored, row_nbytes)."""
 
-    def __init__(self, where: Dict[str, object], stacks: Dict[str, Stack], itemsize: Dict[str, int]) -> None:
+    def __init__(self, where: Dict[str, object], stacks: Dict[str, Stack], itemsize: Dict[str, int], tp: int = 1,
+                 splits: Dict[str, object] = None) -> None:
         self.where = where
         self.stacks = stacks
         self.itemsize = itemsize
+        self.tp, self.splits = tp, splits or {}
         first = next(iter(stacks.values()))[1][0][0]
         src = where[first]
         layer = getattr(src, "layer_of", {}).get(first)  # a quantized layer's: its checkpoint file, for the order
@@ -82,15 +97,21 @@ class StackedExperts:
 
     def stored(self, name: str) -> _Rows:
         shape, experts, axis = self.stacks[name]
-        return _Rows([[(self.where[n], n) for n in names] for names in experts], shape, axis)
+        return _Rows([[(self.where[n], n) for n in names] for names in experts], shape, axis, tp=self.tp,
+                     split=self.splits.get(name))
 
 
-def stack_experts(cfg, where: Dict[str, object], params: Dict[str, Tuple[Tuple[int, ...], str]]) -> Dict[str, object]:
+def stack_experts(cfg, where: Dict[str, object], params: Dict[str, Tuple[Tuple[int, ...], str]],
+                  tp: int = 1) -> Dict[str, object]:
     """`where` with each sparse layer's stacked tensors added (cfg: the ModelConfig; params: the network's parameters,
-    name -> (shape, dtype), whose stacked ones say what each stack holds: a float matrix, or a quantized one's q,
-    scale and offset, taken from the folder tensors of `where`)."""
+    name -> (shape, dtype), one rank's, whose stacked ones say what each stack holds: a float matrix, or a quantized
+    one's q, scale and offset, taken from the folder tensors of `where`). A stack's shape is the whole model's, from
+    its experts' tensors; `tp` > 1 lays each expert's rank shares out one after another (_Rows)."""
+    from export.writers.weights_file import split_axis
+
     stacks: Dict[str, Stack] = {}
     itemsize: Dict[str, int] = {}
+    splits: Dict[str, object] = {}
     for layer in range(cfg.num_hidden_layers):
         if not cfg.sparse(layer):
             continue
@@ -100,11 +121,18 @@ def stack_experts(cfg, where: Dict[str, object], params: Dict[str, Tuple[Tuple[i
                 name = p + stacked + suffix
                 if name not in params:
                     continue
-                shape, dtype = params[name]
-                stacks[name] = (tuple(shape), [[f"{p}{n}.{kind}.weight{suffix}" for kind in kinds]
-                                               for n in range(cfg.num_experts)], axis)
+                dtype = params[name][1]
+                experts = [[f"{p}{n}.{kind}.weight{suffix}" for kind in kinds] for n in range(cfg.num_experts)]
+                first = [where[n].shape(n) for n in experts[0]]
+                block = list(first[0])
+                block[axis] = sum(s[axis] for s in first)
+                shape = (cfg.num_experts, *block)
+                stacks[name] = (shape, experts, axis)
                 itemsize[name] = 1 if dtype in ("int8", "uint8") else 2 if dtype in ("float16", "bfloat16") else 4
+                split = split_axis(name) if tp > 1 else None
+                if split is not None and shape[split] != params[name][0][split]:  # else every rank's, whole
+                    splits[name] = split
     if not stacks:
         return where
-    source = StackedExperts(where, stacks, itemsize)
+    source = StackedExperts(where, stacks, itemsize, tp, splits)
     return {**where, **{name: source for name in source.names()}}

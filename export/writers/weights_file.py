@@ -124,7 +124,7 @@ def _rank_parts(block: np.ndarray, start: int, stop: int, axis: Optional[int], t
     """Each rank's share of rows [start, stop) of a converted tensor, contiguous, or None where a rank has none."""
     if axis is None:
         return [block] * tp
-    if axis == 1:
+    if axis >= 1:  # a 2-D tensor's columns, or a stacked one's flattened rank runs (_STACKED_AXIS)
         width = block.shape[1] // tp
         return [np.ascontiguousarray(block[:, r * width:(r + 1) * width]) for r in range(tp)]
     parts: List[Optional[np.ndarray]] = []
@@ -310,9 +310,19 @@ _SPLIT_AXIS = {"self_attn.q_proj.weight": 0, "self_attn.q_proj.bias": 0, "self_a
                "mlp.gate_proj.weight": 0, "mlp.gate_proj.bias": 0, "mlp.up_proj.weight": 0, "mlp.up_proj.bias": 0,
                "self_attn.o_proj.weight": 1, "mlp.down_proj.weight": 1}
 _VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
+# a mixture of experts' stacks [E, n, k] (export/writers/stacked.py): gate_up split along its outputs (each rank its
+# share of the gate rows and of the up rows), down along its inputs, a quantized one's scales [E, G, n] with them.
+# The stacks hold each expert's rank shares one after another (stacked.py), so a rank's part of an expert is a
+# contiguous run of its bytes: _rank_parts splits the writer's flattened chunks along their columns.
+_STACKED_AXIS = {"mlp.experts.gate_up_proj": 1, "mlp.experts.down_proj": 2, "mlp.experts.gate_up_proj_scale": 2,
+                 "mlp.experts.gate_up_proj_offset": 2, "mlp.experts.down_proj_scale": 1,
+                 "mlp.experts.down_proj_offset": 1}
 
 
 def split_axis(name: str, vocab_parallel: bool = False) -> Optional[int]:
+    stacked = next((axis for end, axis in _STACKED_AXIS.items() if name.endswith(end)), None)
+    if stacked is not None:
+        return stacked
     for suffix in ("_scale", "_offset"):  # a quantized layer's [G, O]: the outputs are its columns, the groups its rows
         if name.endswith(suffix):
             base = split_axis(name[:-len(suffix)], vocab_parallel)
