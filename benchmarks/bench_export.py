@@ -125,14 +125,9 @@ def _bf16_chunks(shape, mean: float, std: float, rng) -> "iter":
         yield (bits >> np.uint32(16)).astype(np.uint16)
 
 
-def write_checkpoint(folder: str, shape_name: str, layers: Optional[int], seed: int = 0) -> str:
-    """A random bf16 checkpoint of the shape in `folder` (written once: an existing complete one is reused)."""
-    shape = dict(SHAPES[shape_name])
-    if layers:
-        shape["num_hidden_layers"] = layers
-    done = os.path.join(folder, ".complete")
-    if os.path.isfile(done):
-        return folder
+def _start_checkpoint(folder: str, shape: Dict[str, Any], dtype: str, quantization: Optional[Dict[str, Any]] = None):
+    """A new checkpoint folder's config.json (the shape; `quantization`: its quantization_config), generation config
+    and tokenizer."""
     from transformers import AutoConfig, GenerationConfig
 
     from export.checkpoints.random_checkpoint import build_tokenizer
@@ -145,18 +140,32 @@ def write_checkpoint(folder: str, shape_name: str, layers: Optional[int], seed: 
     cfg = AutoConfig.for_model(shape.get("model_type", "qwen2"), max_position_embeddings=32768, rms_norm_eps=1e-6,
                                bos_token_id=eos, eos_token_id=eos,
                                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-                               use_sliding_window=False, dtype="bfloat16", **fields)
+                               use_sliding_window=False, dtype=dtype, **fields)
     cfg.save_pretrained(folder)
+    if quantization is not None:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as fh:
+            raw = json.load(fh)
+        raw["quantization_config"] = quantization
+        with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as fh:
+            json.dump(raw, fh, indent=2)
     GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, do_sample=False).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+_SIZE_OF = {"BF16": 2, "F16": 2, "I32": 4}
+
+
+def _write_shards(folder: str, entries, seed: int, what: str) -> None:
+    """Safetensors shards of at most SHARD_BYTES from `entries` (name, dims, safetensors dtype, chunks(rng): the
+    tensor's values chunk by chunk), their index, and the `.complete` mark."""
     shards: List[List[tuple]] = [[]]
     size = 0
-    for name, dims, init in tensors(shape):
-        nbytes = int(np.prod(dims)) * 2
+    for entry in entries:
+        nbytes = int(np.prod(entry[1])) * _SIZE_OF[entry[2]]
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append([])
             size = 0
-        shards[-1].append((name, dims, init))
+        shards[-1].append(entry)
         size += nbytes
     rng = np.random.default_rng(seed)
     weight_map, total = {}, 0
@@ -164,24 +173,41 @@ def write_checkpoint(folder: str, shape_name: str, layers: Optional[int], seed: 
     for k, shard in enumerate(shards, 1):
         fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
         header, offset = {"__metadata__": {"format": "pt"}}, 0
-        for name, dims, _ in shard:
-            nbytes = int(np.prod(dims)) * 2
-            header[name] = {"dtype": "BF16", "shape": list(dims), "data_offsets": [offset, offset + nbytes]}
+        for name, dims, dtype, _ in shard:
+            nbytes = int(np.prod(dims)) * _SIZE_OF[dtype]
+            header[name] = {"dtype": dtype, "shape": list(dims), "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         text = json.dumps(header).encode()
         text += b" " * (-len(text) % 8)
         with open(os.path.join(folder, fname), "wb") as fh:
             fh.write(len(text).to_bytes(8, "little") + text)
-            for name, dims, (mean, std) in shard:
-                for chunk in _bf16_chunks(dims, mean, std, rng):
+            for name, _, _, chunks in shard:
+                for chunk in chunks(rng):
                     fh.write(chunk.tobytes())
                 weight_map[name] = fname
         total += offset
-        say(f"checkpoint shard {k}/{len(shards)} written ({total / 2**30:.1f} GiB, "
-            f"{time.perf_counter() - start:.0f} s)")
+        say(f"{what} shard {k}/{len(shards)} written ({total / 2**30:.1f} GiB, {time.perf_counter() - start:.0f} s)")
     with open(os.path.join(folder, "model.safetensors.index.json"), "w", encoding="utf-8") as fh:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
-    open(done, "w").close()
+    open(os.path.join(folder, ".complete"), "w").close()
+
+
+def _shape(shape_name: str, layers: Optional[int]) -> Dict[str, Any]:
+    shape = dict(SHAPES[shape_name])
+    if layers:
+        shape["num_hidden_layers"] = layers
+    return shape
+
+
+def write_checkpoint(folder: str, shape_name: str, layers: Optional[int], seed: int = 0) -> str:
+    """A random bf16 checkpoint of the shape in `folder` (written once: an existing complete one is reused)."""
+    if os.path.isfile(os.path.join(folder, ".complete")):
+        return folder
+    shape = _shape(shape_name, layers)
+    _start_checkpoint(folder, shape, "bfloat16")
+    entries = ((name, dims, "BF16", (lambda d, m, s: lambda rng: _bf16_chunks(d, m, s, rng))(dims, mean, std))
+               for name, dims, (mean, std) in tensors(shape))
+    _write_shards(folder, entries, seed, "checkpoint")
     return folder
 
 
@@ -238,67 +264,12 @@ def write_gptq_checkpoint(folder: str, shape_name: str, layers: Optional[int], b
                           seed: int = 0) -> str:
     """A random GPTQ-Int<bits> checkpoint of the shape in `folder`, shard by shard (an existing complete one is
     reused): what export reads from Qwen's GPTQ releases, at their size, without quantizing anything."""
-    shape = dict(SHAPES[shape_name])
-    if layers:
-        shape["num_hidden_layers"] = layers
-    done = os.path.join(folder, ".complete")
-    if os.path.isfile(done):
+    if os.path.isfile(os.path.join(folder, ".complete")):
         return folder
-    from transformers import AutoConfig
-
-    from export.checkpoints.random_checkpoint import build_tokenizer
-
-    shutil.rmtree(folder, ignore_errors=True)
-    os.makedirs(folder)
-    tokenizer = build_tokenizer()
-    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    fields = {k: v for k, v in shape.items() if k != "model_type"}
-    cfg = AutoConfig.for_model(shape.get("model_type", "qwen2"), max_position_embeddings=32768, rms_norm_eps=1e-6,
-                               bos_token_id=eos, eos_token_id=eos,
-                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-                               use_sliding_window=False, dtype="float16", **fields)
-    cfg.save_pretrained(folder)
-    with open(os.path.join(folder, "config.json"), encoding="utf-8") as fh:
-        raw = json.load(fh)
-    raw["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": True,
-                                  "desc_act": False, "checkpoint_format": "gptq"}
-    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as fh:
-        json.dump(raw, fh, indent=2)
-    tokenizer.save_pretrained(folder)
-    size_of = {"F16": 2, "I32": 4}
-    shards: List[List[tuple]] = [[]]
-    size = 0
-    for entry in _gptq_tensors(shape, bits, group):
-        nbytes = int(np.prod(entry[1])) * size_of[entry[2]]
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += nbytes
-    rng = np.random.default_rng(seed)
-    weight_map, total = {}, 0
-    start = time.perf_counter()
-    for k, shard in enumerate(shards, 1):
-        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        header, offset = {"__metadata__": {"format": "pt"}}, 0
-        for name, dims, dtype, _ in shard:
-            nbytes = int(np.prod(dims)) * size_of[dtype]
-            header[name] = {"dtype": dtype, "shape": list(dims), "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        text = json.dumps(header).encode()
-        text += b" " * (-len(text) % 8)
-        with open(os.path.join(folder, fname), "wb") as fh:
-            fh.write(len(text).to_bytes(8, "little") + text)
-            for name, dims, dtype, chunks in shard:
-                for chunk in chunks(rng):
-                    fh.write(chunk.tobytes())
-                weight_map[name] = fname
-        total += offset
-        say(f"GPTQ checkpoint shard {k}/{len(shards)} written ({total / 2**30:.1f} GiB, "
-            f"{time.perf_counter() - start:.0f} s)")
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w", encoding="utf-8") as fh:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
-    open(done, "w").close()
+    shape = _shape(shape_name, layers)
+    _start_checkpoint(folder, shape, "float16", {"quant_method": "gptq", "bits": bits, "group_size": group,
+                                                 "sym": True, "desc_act": False, "checkpoint_format": "gptq"})
+    _write_shards(folder, _gptq_tensors(shape, bits, group), seed, "GPTQ checkpoint")
     return folder
 
 
