@@ -298,7 +298,8 @@ def _quantization(cfg: ExportConfig, model_cfg: ModelConfig, profile, where):
     rank = tensor_parallel_config(model_cfg, tp) if tp > 1 else model_cfg
     heads = rank.num_attention_heads * rank.head_dim
     inputs = [model_cfg.hidden_size, heads, rank.intermediate_size] + (
-        [model_cfg.moe_intermediate_size] if model_cfg.num_experts else [])
+        [rank.moe_intermediate_size] if model_cfg.num_experts else []) + (
+        [model_cfg.shared_expert_intermediate_size] if model_cfg.shared_expert_intermediate_size else [])
     method, notes = resolve(cfg.quantize, cfg.group_size, where, inputs, cfg.checkpoint)
     tied = bool(model_cfg.tie_word_embeddings)
     tables = resolve_tables(cfg.quantize_tables, method, where, tied, model_cfg.hidden_size, cfg.dtype,
@@ -322,7 +323,8 @@ def _quantization(cfg: ExportConfig, model_cfg: ModelConfig, profile, where):
         raise ExportError(f"--device {profile.name} ({profile.hardware}): {method.label()}: its "
                           "WeightQuantBatchMatmul takes per-channel scales only; export --quantize int8 --group_size 0")
     if tp > 1:
-        for name in (n for n in where if is_linear(n) and n.endswith(("o_proj.weight", "down_proj.weight"))):
+        for name in (n for n in where if is_linear(n) and n.endswith(("o_proj.weight", "down_proj.weight"))
+                     and ".shared_expert." not in n):  # Qwen2-MoE's shared expert: every rank's, whole
             share = where[name].shape(name)[1] // tp
             if (method.group_size and share % method.group_size) or (method.bits == 4 and share % 2):
                 other = "--group_size 0" if method.source == "rtn" else "--quantize none for float weights"

@@ -317,8 +317,8 @@ def test_a_packed_moe_checkpoint_keeps_its_experts_integers(moe_checkpoints, tmp
 
 @pytest.mark.parametrize("name, bits", [("qwen3_moe", 8), ("qwen3_moe", 4), ("qwen2_moe", 4)])
 def test_a_quantized_moe_folder_rounds_each_expert_and_passes_check(moe_checkpoints, tmp_path, name, bits):
-    """--quantize int8 / int4: each expert quantized as a linear layer (round-to-nearest per group of its inputs,
-    W = (q + offset) * scale),
+    """--quantize int8 / int4: each expert (and Qwen2-MoE's shared expert) quantized as a linear layer
+    (round-to-nearest per group of its inputs, W = (q + offset) * scale),
     stacked; check passes (the experts run in the CPU kernel, which reads their integers); each expert's dequantized
     weights, read from the folder's stacks by numpy, are the checkpoint's within half a step of their group."""
     from export.checkpoints.safetensors import widen
@@ -345,6 +345,13 @@ def test_a_quantized_moe_folder_rounds_each_expert_and_passes_check(moe_checkpoi
                 w = widen(np.asarray(where[w_name].stored(w_name))).astype(np.float64)
                 step = np.repeat(scale[e][:, j * rows:(j + 1) * rows].astype(np.float64), k // groups, axis=0).T
                 assert np.all(np.abs(deq[e][j * rows:(j + 1) * rows] - w) <= step / 2 * (1 + 1e-5)), w_name
+    if name == "qwen2_moe":  # the shared expert quantized as a dense MLP; its gate, as the router, float
+        weights = _folder_weights(out, name)
+        p = "model.layers.0.mlp."
+        assert weights[p + "shared_expert.gate_proj.weight"].dtype == (np.uint8 if bits == 4 else np.int8)
+        assert p + "shared_expert.gate_proj.weight_scale" in weights
+        assert weights[p + "shared_expert_gate.weight"].dtype == np.float32
+        assert weights[p + "gate.weight"].dtype == np.float32
 
 
 @pytest.fixture(scope="module")

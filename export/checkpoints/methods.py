@@ -14,9 +14,10 @@ LINEAR_SUFFIXES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_a
                    "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 
 
-# a mixture of experts' experts, each its own linear layers in the checkpoint (Qwen's layout): quantized as the dense
-# layers are; the router (`mlp.gate`), Qwen2-MoE's shared expert and its gate stay float (export/network/moe.py)
-_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+# a mixture of experts' experts and Qwen2-MoE's shared expert, each its own linear layers in the checkpoint (Qwen's
+# layout): quantized as the dense layers are; the router (`mlp.gate`) and the shared expert's gate stay float
+# (export/network/moe.py)
+_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj\.weight$")
 
 
 def is_linear(name: str) -> bool:

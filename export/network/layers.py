@@ -391,7 +391,7 @@ class DecoderLayer(nn.Cell):
             # its weights stored as the folder's matrices are (bfloat16 on a 16-bit CPU folder), computed in float32
             method = k.linear(False)
             self.mlp = SparseMoeBlock(cfg, getattr(method, "weight_dtype", None) or dtype, k.decode_ops,
-                                      method if is_quantized(method) else None, dtype, tp)
+                                      method if is_quantized(method) else None, dtype, tp, k)
         else:
             self.mlp = MLP(cfg, dtype, k, tp)
         if k.decode_ops:  # the decode step: o_proj (and down_proj) each with the residual add, one kernel

@@ -11,6 +11,8 @@ the router and the shared expert as the checkpoint names them, the stacked exper
 memory (docs/architecture.md, "Mixture of experts")."""
 from __future__ import annotations
 
+import dataclasses
+
 import mindspore as ms
 from mindspore import nn, ops
 
@@ -31,19 +33,6 @@ class Dense32(nn.Cell):
 
     def construct(self, x):
         return self.matmul(x, ops.cast(self.weight, ms.float32))
-
-
-class SharedExpert(nn.Cell):
-    """Qwen2-MoE's shared expert: down(silu(gate(x)) * up(x)), in float32."""
-
-    def __init__(self, hidden: int, intermediate: int, dtype) -> None:
-        super().__init__()
-        self.gate_proj = Dense32(hidden, intermediate, dtype)
-        self.up_proj = Dense32(hidden, intermediate, dtype)
-        self.down_proj = Dense32(intermediate, hidden, dtype)
-
-    def construct(self, x):
-        return self.down_proj(ew_mul(ew_silu(self.gate_proj(x)), self.up_proj(x)))
 
 
 class Experts(nn.Cell):
@@ -111,10 +100,11 @@ class SparseMoeBlock(nn.Cell):
     """`dtype`: the float weights' storage dtype (the folder's matrices'); the block computes in float32. `kernels`:
     the experts through the CPU kernels (KernelExperts), else every expert by BatchMatMul (Experts). `quant`: the
     layers' QuantMatmul in a quantized folder (the experts quantized as it stores a layer, their scales in
-    `scale_dtype`; kernels only); the router and the shared expert stay float."""
+    `scale_dtype`, the compute dtype; kernels only); the router stays float. `form`: the network's Form, of which
+    Qwen2-MoE's shared expert is built (a dense MLP, quantized with the linear layers)."""
 
     def __init__(self, cfg: ModelConfig, dtype, kernels: bool = False, quant=None, scale_dtype=None,
-                 tp: bool = False) -> None:
+                 tp: bool = False, form=None) -> None:
         super().__init__()
         # tensor parallel: `cfg` is one rank's share (every expert's share of its columns); the experts' partial sums
         # are summed by AllReduce, the router and the shared expert (every rank's, whole) computed alike on each
@@ -132,8 +122,12 @@ class SparseMoeBlock(nn.Cell):
             self.layout_residual = ms.Tensor(np.array([cfg.num_experts_per_tok, int(cfg.norm_topk_prob), 1],
                                                       np.int32))
         shared = cfg.shared_expert_intermediate_size
-        if shared:
-            self.shared_expert = SharedExpert(cfg.hidden_size, shared, dtype)
+        if shared:  # a dense MLP of the network's form (`form`: its Form; quantized as its linear layers are), every
+            # rank's whole under tensor parallelism; its gate float32, as the router
+            from export.network.layers import MLP
+
+            self.shared_expert = MLP(dataclasses.replace(cfg, intermediate_size=shared, mlp_bias=False),
+                                     scale_dtype or dtype, form)
             self.shared_expert_gate = Dense32(cfg.hidden_size, 1, dtype)
         else:
             self.shared_expert = self.shared_expert_gate = None
