@@ -23,44 +23,6 @@
 namespace msllm {
 namespace {
 
-// Several matrices against the same x in one pool dispatch: the GEMV tasks of all of them.
-struct MultiGemvJob : Job {
-  static constexpr int MAX = 3;
-  RowsFn fn;
-  const float* x;
-  int64_t rows, in, n = 0;
-  const void* w[MAX];
-  const float* b[MAX];
-  int64_t out[MAX], step[MAX];
-  float* y[MAX];
-  int64_t first_task[MAX + 1] = {0};
-
-  void add(const void* wm, const float* bm, int64_t o, float* ym, int64_t st = 0) {
-    w[n] = wm, b[n] = bm, out[n] = o, y[n] = ym, step[n] = st > 0 ? st : task_rows(o);
-    first_task[n + 1] = first_task[n] + (o + step[n] - 1) / step[n];
-    ++n;
-  }
-
-  Shares shares;
-
-  void work() override {
-    shares.claim([&](int64_t t) {
-      int m = 0;
-      while (t >= first_task[m + 1]) ++m;
-      const int64_t o0 = (t - first_task[m]) * step[m];
-      fn(x, rows, w[m], b[m], in, y[m], out[m], o0, std::min(out[m], o0 + step[m]));
-    });
-  }
-
-  void run_all() {
-    int64_t outs = 0;
-    for (int m = 0; m < n; ++m) outs += out[m];
-    const bool parallel = outs >= MIN_PARALLEL_ROWS;
-    shares.split(first_task[n], parallel ? threads_to_use() : 1);
-    run(this, parallel);
-  }
-};
-
 // A weight as a fused op is given it: `raw` of a float type, or `quant` (the rows kernels get data())
 struct WeightArg {
   WType type = W_NONE;
@@ -157,9 +119,8 @@ void project_qkv_rope(const float* x, int64_t rows, int64_t in, const WeightArg*
       for (int m = 0; m < 3; ++m) prepared[m] = ws[m].quant;
       prepare_each(x, rows, prepared, 3, px);
     }
-    MultiGemvJob job;
-    job.fn = rows_kernel(wt);
-    job.x = x, job.rows = rows, job.in = in;
+    PartsJob job;
+    job.fn = rows_kernel(wt), job.in = in;
     const void* w[3];
     for (int m = 0; m < 3; ++m) w[m] = wt == W_QUANT ? &prepared[m] : ws[m].data();
     thread_local std::vector<uint16_t> xb;  // bfloat16 weights in the AVX512-BF16 form: x rounded once for the three
@@ -169,7 +130,7 @@ void project_qkv_rope(const float* x, int64_t rows, int64_t in, const WeightArg*
       for (int m = 0; m < 3; ++m) ops[m] = {ws[m].data(), xb.data()}, w[m] = &ops[m];
     }
     for (int m = 0; m < 3; ++m)
-      job.add(w[m], bs[m], ws[m].out, ys[m], wt == W_QUANT ? quant_task_rows(prepared[m]) : 0);
+      job.add(x, rows, w[m], bs[m], ys[m], ws[m].out, wt == W_QUANT ? quant_task_rows(prepared[m]) : 0);
     job.run_all();
   } else {
     for (int m = 0; m < 3; ++m) matmul(x, rows, ws[m].data(), wt, bs[m], in, ws[m].out, ys[m]);
@@ -446,43 +407,33 @@ namespace msllm {
 // decode_qkv's, value_cache the next), decode_qkv's nq inputs, lengths [N], rows [N], tables [R, M] (the attention's),
 // decode_tail's nt inputs (Wo.., x, ln_w, eps, Wg.., Wu.., Wd..), then y [N, E]. The same tensors as the three ops
 // take, in their order; q and the attention's output live in per-thread buffers between them.
+int decode_attend(void** params, int* ndims, int64_t** shapes, const char** dtypes, int nq, int kc, float** attn,
+                  int64_t* attn_shape) {
+  const int q0 = 1, a0 = 1 + nq;
+  if (ndims[q0] != 2 || ndims[q0 + 3] < 1) return 3;
+  const int64_t n = shapes[q0][0], width = shapes[q0 + 3][0];  // x [N, E]; q [N, H*D] (Wq's outputs)
+  thread_local std::vector<float> qbuf, abuf;
+  if (int64_t(qbuf.size()) < n * width) qbuf.resize(n * width), abuf.resize(n * width);
+  attn_shape[0] = n, attn_shape[1] = width;
+  SubCall call(params, ndims, shapes, dtypes);
+  if (const int rc = call.take(q0, q0 + nq).scratch(qbuf.data(), attn_shape).run(decode_qkv)) return rc;
+  call.scratch(qbuf.data(), attn_shape).take(q0 + kc, q0 + kc + 2).take(a0, a0 + 3).scratch(abuf.data(), attn_shape);
+  if (const int rc = call.run(decode_attention)) return rc;
+  *attn = abuf.data();
+  return 0;
+}
+
 int decode_layer(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam < 8 || ndims[0] != 1 || shapes[0][0] != 3 || std::strcmp(dtypes[0], "int32") != 0) return 1;
   const int32_t* layout = static_cast<const int32_t*>(params[0]);
   const int nq = layout[0], nt = layout[1], kc = layout[2];
   if (nq < 4 || nt < 1 || kc < 1 || kc + 1 >= nq || 1 + nq + 3 + nt + 1 != nparam) return 1;
-  const int q0 = 1, a0 = 1 + nq, t0 = a0 + 3;
-  if (ndims[q0] != 2 || ndims[q0 + 3] < 1) return 3;
-  const int64_t n = shapes[q0][0], width = shapes[q0 + 3][0];  // x [N, E]; q [N, H*D] (Wq's outputs)
-  thread_local std::vector<float> qbuf, abuf;
-  if (int64_t(qbuf.size()) < n * width) qbuf.resize(n * width), abuf.resize(n * width);
-  int64_t qshape[2] = {n, width};
-  // each sub-op's tensors, as MindSpore would hand them (kept per thread: no allocation a call)
-  thread_local std::vector<void*> p;
-  thread_local std::vector<int> nd;
-  thread_local std::vector<int64_t*> sh;
-  thread_local std::vector<const char*> dt;
-  auto reset = [&] { p.clear(), nd.clear(), sh.clear(), dt.clear(); };
-  reset();
-  auto take = [&](int i) {
-    p.push_back(params[i]), nd.push_back(ndims[i]), sh.push_back(shapes[i]), dt.push_back(dtypes[i]);
-  };
-  auto scratch = [&](float* buf) { p.push_back(buf), nd.push_back(2), sh.push_back(qshape), dt.push_back("float32"); };
-  for (int i = q0; i < q0 + nq; ++i) take(i);
-  scratch(qbuf.data());
-  int rc = decode_qkv(int(p.size()), p.data(), nd.data(), sh.data(), dt.data());
-  if (rc) return rc;
-  reset();
-  scratch(qbuf.data());
-  take(q0 + kc), take(q0 + kc + 1), take(a0), take(a0 + 1), take(a0 + 2);
-  scratch(abuf.data());
-  rc = decode_attention(int(p.size()), p.data(), nd.data(), sh.data(), dt.data());
-  if (rc) return rc;
-  reset();
-  scratch(abuf.data());
-  for (int i = t0; i < t0 + nt; ++i) take(i);
-  take(nparam - 1);
-  return decode_tail(int(p.size()), p.data(), nd.data(), sh.data(), dt.data());
+  const int t0 = 1 + nq + 3;
+  float* attn = nullptr;
+  int64_t ashape[2];
+  if (const int rc = decode_attend(params, ndims, shapes, dtypes, nq, kc, &attn, ashape)) return rc;
+  return SubCall(params, ndims, shapes, dtypes).scratch(attn, ashape).take(t0, t0 + nt).take(nparam - 1)
+      .run(decode_tail);
 }
 
 }  // namespace msllm

@@ -7,10 +7,10 @@
 // Tensors: layout int32 [3] (k, norm_topk_prob, residual); with residual h [N, H], ln_w [H], eps [1] (the op computes
 // h + MoE(RMSNorm(h)): the layer after its attention), else x [N, H] (MoE(x)); the router [E, H] (float32, float16
 // or bfloat16); gate_up, down; optionally valid_length [B] int32 (the full graph: x holds B prompts of N / B rows and
-// only each one's first valid_length are computed, the padding rows' y h or 0); y [N, H] float32. gate_up is [E, 2I, H] (each expert's gate rows, then its up rows)
-// and down [E, H, I], each one float tensor (float32, float16 or bfloat16) or a quantized one's q (int8 [E, n, k] /
-// uint8 [E, n, k / 2], int4 as matmul_quant.h has it), scale [E, G, n][, offset [E, G, n]] float32. Errors as
-// registry.cc's.
+// only each one's first valid_length are computed, the padding rows' y h or 0); y [N, H] float32. gate_up is
+// [E, 2I, H] (each expert's gate rows, then its up rows) and down [E, H, I], each one float tensor (float32, float16
+// or bfloat16) or a quantized one's q (int8 [E, n, k] / uint8 [E, n, k / 2], int4 as matmul_quant.h has it),
+// scale [E, G, n][, offset [E, G, n]] float32. Errors as registry.cc's.
 //
 // The router's logits are float32 products of x as given (the rows kernel of its dtype, never the AVX512-BF16 form,
 // which would round x and move the routing). The experts' matmuls: where every chosen expert has a few rows (the
@@ -84,47 +84,17 @@ int read_stacked(void** params, int* ndims, int64_t** shapes, const char** dtype
 }
 
 // The rows of x each expert reads in the rows kernels' range (the decode step, a few rows a piece): one pool
-// dispatch runs every chosen expert's matrix (tasks of outputs of every expert, each thread a contiguous share), where
-// matmul() per expert would dispatch twice per expert (16 a layer at 8 experts a token). The same rows kernels as
-// matmul()'s for these rows, so the same sums.
+// dispatch runs every chosen expert's matrix (pool.h PartsJob), where matmul() per expert would dispatch twice per
+// expert (16 a layer at 8 experts a token). The same rows kernels as matmul()'s for these rows, so the same sums.
 bool rows_form(WType wt, int64_t most_rows) {
   const int64_t limit = wt == W_QUANT ? QUANT_ROWS_MAX : wt == W_BF16 ? BF16_MIN_ROWS - 1 : GEMV_MAX_ROWS;
   return most_rows <= limit;
 }
 
-struct ExpertsJob : Job {
-  RowsFn fn = nullptr;
-  int64_t in = 0;
-  struct Part {
-    const float* x;
-    int64_t rows;
-    const void* w;
-    float* y;
-    int64_t out, step;
-  };
-  std::vector<Part> parts;
-  std::vector<int64_t> first_task{0};
-  Shares shares;
-
-  void add(const Part& p) {
-    parts.push_back(p);
-    first_task.push_back(first_task.back() + (p.out + p.step - 1) / p.step);
-  }
-
-  void work() override {
-    shares.claim([&](int64_t t) {
-      const size_t m = size_t(std::upper_bound(first_task.begin(), first_task.end(), t) - first_task.begin()) - 1;
-      const Part& p = parts[m];
-      const int64_t o0 = (t - first_task[m]) * p.step;
-      fn(p.x, p.rows, p.w, nullptr, in, p.y, p.out, o0, std::min(p.out, o0 + p.step));
-    });
-  }
-};
-
 // dst [P, s.n] = src [P, s.k] . W_e^T for each expert e on its rows [first[e], first[e + 1]) of src
 void expert_products(const Stacked& s, const std::vector<int64_t>& first, const float* src, float* dst) {
   const int64_t experts = int64_t(first.size()) - 1;
-  int64_t most = 0, outputs = 0;
+  int64_t most = 0;
   for (int64_t e = 0; e < experts; ++e) most = std::max(most, first[e + 1] - first[e]);
   QuantWeight holder;
   if (!rows_form(s.type, most)) {  // the prompt's rows: matmul() per expert (its GEMM)
@@ -134,7 +104,7 @@ void expert_products(const Stacked& s, const std::vector<int64_t>& first, const 
     }
     return;
   }
-  ExpertsJob job;
+  PartsJob job;
   job.fn = rows_kernel(s.type), job.in = s.k;
   std::vector<QuantWeight> quant;  // a quantized expert's weight, its x prepared (px)
   std::vector<PreparedX> px;
@@ -153,12 +123,9 @@ void expert_products(const Stacked& s, const std::vector<int64_t>& first, const 
       w = &quant.back();
       step = quant_task_rows(quant.back());
     }
-    job.add({x, m, w, dst + first[e] * s.n, s.n, step});
-    outputs += s.n;
+    job.add(x, m, w, nullptr, dst + first[e] * s.n, s.n, step);
   }
-  const bool parallel = outputs >= MIN_PARALLEL_ROWS;
-  job.shares.split(job.first_task.back(), parallel ? threads_to_use() : 1);
-  run(&job, parallel);
+  job.run_all();
 }
 
 // logits [rows, experts] = x . router^T in float32 (the rows kernel of the router's dtype: its weights widened, x as
@@ -332,48 +299,18 @@ int decode_moe_layer(int nparam, void** params, int* ndims, int64_t** shapes, co
   const int32_t* layout = static_cast<const int32_t*>(params[0]);
   const int nq = layout[0], no = layout[1], kc = layout[2], nm = layout[3];
   if (nq < 4 || no < 1 || no > 3 || kc < 1 || kc + 1 >= nq || nm < 5 || 1 + nq + 3 + no + nm + 1 != nparam) return 1;
-  const int q0 = 1, a0 = 1 + nq, o0 = a0 + 3, m0 = o0 + no;
-  if (ndims[q0] != 2 || ndims[q0 + 3] < 1) return 3;
-  const int64_t n = shapes[q0][0], hidden = shapes[q0][1], width = shapes[q0 + 3][0];  // x [N, E]; q [N, H*D]
-  thread_local std::vector<float> qbuf, abuf, hbuf;
-  if (int64_t(qbuf.size()) < n * width) qbuf.resize(n * width), abuf.resize(n * width);
+  const int q0 = 1, o0 = 1 + nq + 3, m0 = o0 + no;
+  float* attn = nullptr;
+  int64_t ashape[2];
+  if (const int rc = decode_attend(params, ndims, shapes, dtypes, nq, kc, &attn, ashape)) return rc;
+  const int64_t n = shapes[q0][0], hidden = shapes[q0][1];  // x [N, E]
+  thread_local std::vector<float> hbuf;
   if (int64_t(hbuf.size()) < n * hidden) hbuf.resize(n * hidden);
-  int64_t qshape[2] = {n, width}, hshape[2] = {n, hidden};
-  thread_local std::vector<void*> p;  // each sub-op's tensors, as MindSpore would hand them
-  thread_local std::vector<int> nd;
-  thread_local std::vector<int64_t*> sh;
-  thread_local std::vector<const char*> dt;
-  auto reset = [&] { p.clear(), nd.clear(), sh.clear(), dt.clear(); };
-  auto take = [&](int i) {
-    p.push_back(params[i]), nd.push_back(ndims[i]), sh.push_back(shapes[i]), dt.push_back(dtypes[i]);
-  };
-  auto scratch = [&](float* buf, int64_t* shape) {
-    p.push_back(buf), nd.push_back(2), sh.push_back(shape), dt.push_back("float32");
-  };
-  reset();
-  for (int i = q0; i < q0 + nq; ++i) take(i);
-  scratch(qbuf.data(), qshape);
-  int rc = decode_qkv(int(p.size()), p.data(), nd.data(), sh.data(), dt.data());
-  if (rc) return rc;
-  reset();
-  scratch(qbuf.data(), qshape);
-  take(q0 + kc), take(q0 + kc + 1), take(a0), take(a0 + 1), take(a0 + 2);
-  scratch(abuf.data(), qshape);
-  rc = decode_attention(int(p.size()), p.data(), nd.data(), sh.data(), dt.data());
-  if (rc) return rc;
-  reset();  // h = x + attn . Wo^T
-  scratch(abuf.data(), qshape);
-  for (int i = o0; i < o0 + no; ++i) take(i);
-  take(q0);
-  scratch(hbuf.data(), hshape);
-  rc = gemv_add(int(p.size()), p.data(), nd.data(), sh.data(), dt.data());
-  if (rc) return rc;
-  reset();  // y = h + MoE(RMSNorm(h))
-  take(m0);
-  scratch(hbuf.data(), hshape);
-  for (int i = m0 + 1; i < m0 + nm; ++i) take(i);
-  take(nparam - 1);
-  return moe(int(p.size()), p.data(), nd.data(), sh.data(), dt.data());
+  int64_t hshape[2] = {n, hidden};
+  SubCall call(params, ndims, shapes, dtypes);  // h = x + attn . Wo^T, then y = h + MoE(RMSNorm(h))
+  if (const int rc = call.scratch(attn, ashape).take(o0, o0 + no).take(q0).scratch(hbuf.data(), hshape).run(gemv_add))
+    return rc;
+  return call.take(m0).scratch(hbuf.data(), hshape).take(m0 + 1, m0 + nm).take(nparam - 1).run(moe);
 }
 
 }  // namespace msllm

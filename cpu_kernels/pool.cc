@@ -111,4 +111,28 @@ void run(Job* job, bool parallel) {
   g_pool->run(job);
 }
 
+void PartsJob::add(const float* x, int64_t rows, const void* w, const float* b, float* y, int64_t out,
+                   int64_t step) {
+  step = step > 0 ? step : task_rows(out);
+  parts.push_back({x, rows, w, b, y, out, step});
+  first_task.push_back(first_task.back() + (out + step - 1) / step);
+}
+
+void PartsJob::work() {
+  shares.claim([&](int64_t t) {
+    const size_t m = size_t(std::upper_bound(first_task.begin(), first_task.end(), t) - first_task.begin()) - 1;
+    const Part& p = parts[m];
+    const int64_t o0 = (t - first_task[m]) * p.step;
+    fn(p.x, p.rows, p.w, p.b, in, p.y, p.out, o0, std::min(p.out, o0 + p.step));
+  });
+}
+
+void PartsJob::run_all() {
+  int64_t outs = 0;
+  for (const Part& p : parts) outs += p.out;
+  const bool parallel = outs >= MIN_PARALLEL_ROWS;
+  shares.split(first_task.back(), parallel ? threads_to_use() : 1);
+  run(this, parallel);
+}
+
 }  // namespace msllm

@@ -59,6 +59,31 @@ struct Shares {
 // the pool too; returns when all are done.
 void run(Job* job, bool parallel);
 
+// Several matrices' rows kernels in one pool dispatch: part m is y_m [rows_m, out_m] = x_m [rows_m, in] . W_m^T
+// (+ b_m), in tasks of step_m outputs (default task_rows), each thread a contiguous share of all the parts' tasks
+// in order. The decode step's q/k/v (one x, three weights: decode_ops.cc) and a mixture of experts' chosen experts
+// (each its own rows: moe.cc) run through it.
+struct PartsJob : Job {
+  RowsFn fn = nullptr;
+  int64_t in = 0;
+  struct Part {
+    const float* x;
+    int64_t rows;
+    const void* w;
+    const float* b;
+    float* y;
+    int64_t out, step;
+  };
+  std::vector<Part> parts;
+  std::vector<int64_t> first_task{0};
+  Shares shares;
+
+  void add(const float* x, int64_t rows, const void* w, const float* b, float* y, int64_t out, int64_t step = 0);
+  void work() override;
+  // every part's tasks, over the pool where their outputs together reach MIN_PARALLEL_ROWS
+  void run_all();
+};
+
 // The threads the kernels use: what set_threads last gave, else the cores this process may use.
 int threads_to_use();
 

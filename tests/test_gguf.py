@@ -149,20 +149,28 @@ def llama_gguf(tmp_path_factory):
     return ckpt, path, write_gguf(ckpt, path)
 
 
-@pytest.mark.parametrize("family,kw", [("qwen2", {}), ("qwen3", dict(head_dim=32)), ("llama", {})])
-def test_round_trip_to_the_checkpoint(tmp_path, family, kw):
-    """checkpoint -> GGUF (as llama.cpp lays it out, F32) -> our HF folder: every tensor bit for bit (the llama q/k
-    permutation undone), the config's structure, and the same token ids as the checkpoint's own tokenizer."""
+def converted_bit_for_bit(ckpt: str, tmp_path) -> dict:
+    """`ckpt` written as llama.cpp's F32 GGUF (write_gguf) and read back into an HF folder by export's GGUF tool:
+    every tensor bit for bit, none missing or extra. Returns the folder's config."""
     from safetensors.numpy import load_file
-    from tokenizers import Tokenizer
 
-    ckpt = make_checkpoint(str(tmp_path / "ckpt"), family=family, seed=5, **kw)
     weights = write_gguf(ckpt, str(tmp_path / "m.gguf"))
     config = convert(str(tmp_path / "m.gguf"), str(tmp_path / "out"))
     back = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert set(back) == set(weights)
     for name, value in weights.items():
         assert np.array_equal(back[name], value.astype(np.float32)), name
+    return config
+
+
+@pytest.mark.parametrize("family,kw", [("qwen2", {}), ("qwen3", dict(head_dim=32)), ("llama", {})])
+def test_round_trip_to_the_checkpoint(tmp_path, family, kw):
+    """checkpoint -> GGUF (as llama.cpp lays it out, F32) -> our HF folder: every tensor bit for bit (the llama q/k
+    permutation undone), the config's structure, and the same token ids as the checkpoint's own tokenizer."""
+    from tokenizers import Tokenizer
+
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"), family=family, seed=5, **kw)
+    config = converted_bit_for_bit(ckpt, tmp_path)
     original = json.load(open(os.path.join(ckpt, "config.json")))
     for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "vocab_size", "tie_word_embeddings"):

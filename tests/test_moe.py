@@ -482,18 +482,11 @@ def test_a_gguf_moe_round_trips_to_the_checkpoint(moe_checkpoints, tmp_path, nam
     per-expert name, and the experts' config as HF's (norm_topk_prob as llama.cpp hard-codes it per architecture:
     these checkpoints were made so); the reference on the GGUF itself gives HF's logits of the checkpoint."""
     import torch
-    from safetensors.numpy import load_file
 
-    from export.checkpoints.gguf import convert
-    from tests.test_gguf import write_gguf
+    from tests.test_gguf import converted_bit_for_bit
 
     ckpt = moe_checkpoints[name]
-    weights = write_gguf(ckpt, str(tmp_path / "m.gguf"))
-    config = convert(str(tmp_path / "m.gguf"), str(tmp_path / "out"))
-    back = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert set(back) == set(weights)
-    for tensor, value in weights.items():
-        assert np.array_equal(back[tensor], value.astype(np.float32)), tensor
+    config = converted_bit_for_bit(ckpt, tmp_path)
     ours, original = ModelConfig.from_dict(config), ModelConfig.from_checkpoint(ckpt)
     for field in ("model_type", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                   "shared_expert_intermediate_size", "qkv_bias", "qk_norm"):

@@ -388,10 +388,7 @@ class DecoderLayer(nn.Cell):
         if sparse:  # a mixture of experts (export/network/moe.py): its own cell, none of the fused MLP kernels
             from export.network.moe import SparseMoeBlock
 
-            # its weights stored as the folder's matrices are (bfloat16 on a 16-bit CPU folder), computed in float32
-            method = k.linear(False)
-            self.mlp = SparseMoeBlock(cfg, getattr(method, "weight_dtype", None) or dtype, k.decode_ops,
-                                      method if is_quantized(method) else None, dtype, tp, k)
+            self.mlp = SparseMoeBlock(cfg, dtype, k, tp)
         else:
             self.mlp = MLP(cfg, dtype, k, tp)
         if k.decode_ops:  # the decode step: o_proj (and down_proj) each with the residual add, one kernel

@@ -1,8 +1,8 @@
-"""A mixture of experts' MLP (qwen3_moe, qwen2_moe) as MindSpore cells, the plain form: the router (a Linear of the
-layer's method), a float32 softmax, TopK, the chosen weights divided by their sum with norm_topk_prob, then every
+"""A mixture of experts' MLP (qwen3_moe, qwen2_moe) as MindSpore cells, the plain form: the router (float32 products
+of its stored weights), a float32 softmax, TopK, the chosen weights divided by their sum with norm_topk_prob, then every
 expert's SwiGLU on every row from the stacked weights (export/writers/stacked.py: `experts.gate_up_proj` [E, 2I, H],
 `experts.down_proj` [E, H, I]) by BatchMatMul, weighted by the routing ([N, E], zero for the experts not chosen) and
-summed; Qwen2-MoE's shared expert (an MLP) times sigmoid(shared_expert_gate(x)) added. Plain ops only, so it runs on
+summed; Qwen2-MoE's shared expert (a dense MLP of the network's form) times sigmoid(shared_expert_gate(x)) added. Plain ops only, so it runs on
 the CPU and under GE alike; it reads every expert's weights each call. A `--device cpu` folder with the kernel
 library takes the kernels' form instead: one op (cpu_kernels/moe.cc) routes in float32 as above and runs only the
 chosen experts, on the rows that chose them, reading nothing of the others (KernelExperts holds its weights); after
@@ -22,8 +22,8 @@ from export.network.matmul import lazy_parameter
 
 
 class Dense32(nn.Cell):
-    """y = x @ W^T in float32 from W as stored (float32 or bfloat16, widened exactly): the router, the shared expert
-    and its gate. Not the CPU kernels' methods, whose AVX512-BF16 form rounds x to bfloat16: the routing would then
+    """y = x @ W^T in float32 from W as stored (float32 or bfloat16, widened exactly): the router and the shared
+    expert's gate. Not the CPU kernels' methods, whose AVX512-BF16 form rounds x to bfloat16: the routing would then
     move with that rounding, which the reference does not model."""
 
     def __init__(self, in_features: int, out_features: int, dtype) -> None:
@@ -97,24 +97,30 @@ class KernelExperts(nn.Cell):
 
 
 class SparseMoeBlock(nn.Cell):
-    """`dtype`: the float weights' storage dtype (the folder's matrices'); the block computes in float32. `kernels`:
-    the experts through the CPU kernels (KernelExperts), else every expert by BatchMatMul (Experts). `quant`: the
-    layers' QuantMatmul in a quantized folder (the experts quantized as it stores a layer, their scales in
-    `scale_dtype`, the compute dtype; kernels only); the router stays float. `form`: the network's Form, of which
-    Qwen2-MoE's shared expert is built (a dense MLP, quantized with the linear layers)."""
+    """`dtype`: the network's compute dtype; the block computes in float32. `form`: the network's Form (export/network/
+    matmul.py), from which it takes the rest: the float matrices' storage dtype, the experts through the CPU kernels
+    (KernelExperts, form.decode_ops) or every expert by BatchMatMul (Experts), quantized experts where the linear
+    layers are quantized (their method's bits, group and symmetry, the scales in `dtype`; kernels only), and
+    Qwen2-MoE's shared expert (a dense MLP of the form). The router and the shared expert's gate stay float32."""
 
-    def __init__(self, cfg: ModelConfig, dtype, kernels: bool = False, quant=None, scale_dtype=None,
-                 tp: bool = False, form=None) -> None:
+    def __init__(self, cfg: ModelConfig, dtype, form, tp: bool = False) -> None:
         super().__init__()
+        from export.network.layers import MLP
+        from export.network.matmul import is_quantized
+
+        method = form.linear(False)  # one method for every linear layer of the network
+        quant = method if is_quantized(method) else None
+        storage = getattr(method, "weight_dtype", None) or dtype  # the float matrices' (bfloat16 on a 16-bit CPU folder)
+        kernels = form.decode_ops
         # tensor parallel: `cfg` is one rank's share (every expert's share of its columns); the experts' partial sums
         # are summed by AllReduce, the router and the shared expert (every rank's, whole) computed alike on each
         self.reduce = ops.AllReduce() if tp else None
         self.top_k, self.experts_n, self.norm = cfg.num_experts_per_tok, cfg.num_experts, cfg.norm_topk_prob
-        self.gate = Dense32(cfg.hidden_size, cfg.num_experts, dtype)
+        self.gate = Dense32(cfg.hidden_size, cfg.num_experts, storage)
         self.kernels = kernels
         if quant is not None and not kernels:
             raise ValueError("quantized experts run only in the CPU kernels (export/pipeline.py _moe_supported)")
-        self.experts = KernelExperts(cfg, dtype, quant, scale_dtype) if kernels else Experts(cfg, dtype)
+        self.experts = KernelExperts(cfg, storage, quant, dtype) if kernels else Experts(cfg, storage)
         if kernels:  # the MoE op's layout: k, norm_topk_prob, and whether it takes the residual form
             import numpy as np
 
@@ -122,13 +128,10 @@ class SparseMoeBlock(nn.Cell):
             self.layout_residual = ms.Tensor(np.array([cfg.num_experts_per_tok, int(cfg.norm_topk_prob), 1],
                                                       np.int32))
         shared = cfg.shared_expert_intermediate_size
-        if shared:  # a dense MLP of the network's form (`form`: its Form; quantized as its linear layers are), every
-            # rank's whole under tensor parallelism; its gate float32, as the router
-            from export.network.layers import MLP
-
-            self.shared_expert = MLP(dataclasses.replace(cfg, intermediate_size=shared, mlp_bias=False),
-                                     scale_dtype or dtype, form)
-            self.shared_expert_gate = Dense32(cfg.hidden_size, 1, dtype)
+        if shared:  # a dense MLP of the network's form (quantized as its linear layers are), every rank's whole
+            # under tensor parallelism; its gate float32, as the router
+            self.shared_expert = MLP(dataclasses.replace(cfg, intermediate_size=shared, mlp_bias=False), dtype, form)
+            self.shared_expert_gate = Dense32(cfg.hidden_size, 1, storage)
         else:
             self.shared_expert = self.shared_expert_gate = None
         self.one_hot = ops.OneHot()
