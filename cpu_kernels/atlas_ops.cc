@@ -1,7 +1,9 @@
 // CPU stand-ins for the Ascend fused operators of `--graph fused` folders, as MindSpore aot Custom ops.
 //
 // Why: a fused Atlas folder calls PromptFlashAttention, ReshapeAndCache, PagedAttention, RmsNorm, AddRmsNorm and
-// RotaryPositionEmbedding, which MindSpore's CPU build can shape-infer and export but has no kernels for.
+// RotaryPositionEmbedding (a mixture of experts also MoeGatingTopKSoftmax, MoeInitRoutingV2, GroupedMatmulV4 and
+// MoeTokenUnpermute, whose stand-ins' comments below say their tensors), which MindSpore's CPU build can shape-infer
+// and export but has no kernels for.
 // The `ms` backend replaces each such node, when it loads the graph, by a Custom op calling the function
 // here (lite_runtime/backends/standins.py), so `check` and `compare` run the folder's own graph wiring
 // (layouts, lengths, masks, GQA, scale, epsilon, cache) on any CPU. They prove the wiring, not Ascend's
@@ -340,6 +342,206 @@ int paged_attention(int nparam, void** params, int* ndims, int64_t** shapes, con
   return 0;
 }
 
+// ---- a mixture of experts' fused operators (export/network/moe.py FusedExperts) -------------------------------
+
+// MoeGatingTopKSoftmax: x [..., E] T, attrs [k] -> y [..., k] T, expert_idx [..., k] int32, row_idx [..., k] int32.
+// Per row: the softmax of x in float32, then its k largest, in descending order (equal probabilities: the lower
+// expert first, as torch.topk and the reference order them); row_idx[i][j] = j * rows + i (the row's j-th choice in
+// the column-major numbering MoeInitRouting reads). `finished` (a mask of rows to skip) is not implemented.
+int moe_gating_top_k_softmax(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 5) return 1;
+  const Dtype t = dtype_of(dtypes[0]);
+  if (t == BAD || std::strcmp(dtypes[1], "float32") || dtype_of(dtypes[2]) != t || std::strcmp(dtypes[3], "int32") ||
+      std::strcmp(dtypes[4], "int32"))
+    return 2;
+  if (ndims[0] < 2 || ndims[0] > 3 || ndims[2] != ndims[0] || ndims[3] != ndims[0] || ndims[4] != ndims[0]) return 3;
+  if (count(ndims[1], shapes[1]) != 1) return 4;
+  const int64_t experts = shapes[0][ndims[0] - 1], rows = count(ndims[0], shapes[0]) / std::max<int64_t>(experts, 1);
+  const int64_t k = int64_t(static_cast<const float*>(params[1])[0]);
+  if (k < 1 || k > experts) return 6;
+  for (int o = 2; o < 5; ++o) {
+    for (int i = 0; i + 1 < ndims[0]; ++i)
+      if (shapes[o][i] != shapes[0][i]) return 4;
+    if (shapes[o][ndims[0] - 1] != k) return 4;
+  }
+  int32_t* index = static_cast<int32_t*>(params[3]);
+  int32_t* row_idx = static_cast<int32_t*>(params[4]);
+  std::vector<float> p(experts);
+  std::vector<int64_t> order(experts);
+  for (int64_t i = 0; i < rows; ++i) {
+    float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+    for (int64_t e = 0; e < experts; ++e) top = std::max(top, p[e] = load(params[0], t, i * experts + e));
+    for (int64_t e = 0; e < experts; ++e) total += p[e] = std::exp(p[e] - top);
+    for (int64_t e = 0; e < experts; ++e) p[e] /= total, order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    for (int64_t j = 0; j < k; ++j) {
+      store(params[2], t, i * k + j, p[order[j]]);
+      index[i * k + j] = int32_t(order[j]);
+      row_idx[i * k + j] = int32_t(j * rows + i);
+    }
+  }
+  return 0;
+}
+
+// MoeInitRoutingV2, dropless (drop_pad_mode 0, active_num 0): x [N, H] T, expert_idx [N, k] int32, attrs
+// [active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
+// expert_tokens_before_capacity_flag] -> expanded_x [N * k, H] T, expanded_row_idx [N * k] int32,
+// expert_tokens_count_or_cumsum [E] int32, expert_tokens_before_capacity [E] int32. The N * k choices, numbered
+// i * k + j, sorted by expert, stably (an expert's choices in that order): expanded_x[p] is the row of the p-th,
+// expanded_row_idx[i * k + j] the p at which choice (i, j) went (MindSpore's example, drop/pad mode, shows that
+// direction); the counts (flag 2) or their running sums (flag 1) per expert; before_capacity (a drop/pad output)
+// zeros. An expert id outside [0, expert_num) is refused (4) before anything is written.
+int moe_init_routing_v2(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 7) return 1;
+  const Dtype t = dtype_of(dtypes[0]);
+  if (t == BAD || std::strcmp(dtypes[1], "int32") || std::strcmp(dtypes[2], "float32") || dtype_of(dtypes[3]) != t ||
+      std::strcmp(dtypes[4], "int32") || std::strcmp(dtypes[5], "int32") || std::strcmp(dtypes[6], "int32"))
+    return 2;
+  if (ndims[0] != 2 || ndims[1] != 2 || ndims[3] != 2 || ndims[4] != 1 || ndims[5] != 1 || ndims[6] != 1) return 3;
+  if (count(ndims[2], shapes[2]) != 6) return 4;
+  const float* attrs = static_cast<const float*>(params[2]);
+  const int64_t active = int64_t(attrs[0]), experts = int64_t(attrs[2]), drop_pad = int64_t(attrs[3]);
+  const int64_t flag = int64_t(attrs[4]);
+  if (active != 0 || drop_pad != 0 || flag < 0 || flag > 2) return 6;
+  const int64_t n = shapes[0][0], h = shapes[0][1], k = shapes[1][1];
+  if (shapes[1][0] != n || shapes[3][0] != n * k || shapes[3][1] != h || shapes[4][0] != n * k ||
+      shapes[5][0] != experts || shapes[6][0] != experts)
+    return 4;
+  const int32_t* chosen = static_cast<const int32_t*>(params[1]);
+  for (int64_t c = 0; c < n * k; ++c)
+    if (chosen[c] < 0 || chosen[c] >= experts) return 4;
+  std::vector<int64_t> order(n * k);
+  for (int64_t c = 0; c < n * k; ++c) order[c] = c;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return chosen[a] < chosen[b]; });
+  int32_t* where = static_cast<int32_t*>(params[4]);
+  const int64_t row_bytes = h * (t == F32 ? 4 : 2);
+  for (int64_t p = 0; p < n * k; ++p) {
+    std::memcpy(static_cast<uint8_t*>(params[3]) + p * row_bytes,
+                static_cast<const uint8_t*>(params[0]) + (order[p] / k) * row_bytes, row_bytes);
+    where[order[p]] = int32_t(p);
+  }
+  int32_t* tokens = static_cast<int32_t*>(params[5]);
+  std::fill(tokens, tokens + experts, 0);
+  for (int64_t c = 0; c < n * k; ++c) ++tokens[chosen[c]];
+  if (flag == 1)
+    for (int64_t e = 1; e < experts; ++e) tokens[e] += tokens[e - 1];
+  int32_t* before = static_cast<int32_t*>(params[6]);
+  std::fill(before, before + experts, 0);
+  return 0;
+}
+
+// GroupedMatmulV4, one tensor per list grouped along M (split_item 3, group_type 0): x [M, K] T, weight [E, K, N] (T,
+// or int8 / int4 for weight-only quantization), group_list [E] int64 (group_list_type 1: rows per group; 0: running
+// sums), optionally antiquant_scale [E, N] or [E, G, N] T with antiquant_offset of its shape (weight = (w + offset)
+// * scale, G groups of K / G inputs), attrs [split_item, group_type, group_list_type, act_type] -> y [M, N] T: group
+// e's rows (consecutive, in order) times weight e, float32 sums; rows past the last group are zeros. int4 weights are
+// [E, K, N / 2] uint8, two per byte along N, the lower nibble first (MindSpore's qint4x2), signed.
+int grouped_matmul_v4(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 5 && nparam != 6 && nparam != 7) return 1;
+  const bool quant = nparam > 5, offset = nparam == 7;
+  const int attrs_at = nparam - 2, y_at = nparam - 1;
+  const Dtype t = dtype_of(dtypes[0]);
+  const bool int8 = !std::strcmp(dtypes[1], "int8"), int4 = !std::strcmp(dtypes[1], "uint8");
+  if (t == BAD || dtype_of(dtypes[y_at]) != t || std::strcmp(dtypes[2], "int64") ||
+      std::strcmp(dtypes[attrs_at], "float32"))
+    return 2;
+  if (quant ? !(int8 || int4) || dtype_of(dtypes[3]) != t || (offset && dtype_of(dtypes[4]) != t)
+            : dtype_of(dtypes[1]) != t)
+    return 2;
+  if (ndims[0] != 2 || ndims[1] != 3 || ndims[2] != 1 || ndims[y_at] != 2) return 3;
+  const float* attrs = static_cast<const float*>(params[attrs_at]);
+  if (count(ndims[attrs_at], shapes[attrs_at]) != 4) return 4;
+  const int64_t list_type = int64_t(attrs[2]);
+  if (int64_t(attrs[0]) != 3 || int64_t(attrs[1]) != 0 || (list_type != 0 && list_type != 1) || int64_t(attrs[3]))
+    return 6;
+  const int64_t m = shapes[0][0], kk = shapes[0][1], experts = shapes[1][0];
+  const int64_t nn = shapes[1][2] * (int4 ? 2 : 1);
+  if (shapes[1][1] != kk || shapes[2][0] != experts || shapes[y_at][0] != m || shapes[y_at][1] != nn) return 4;
+  int64_t groups = 1;
+  if (quant) {
+    for (int j = 3; j < 3 + (offset ? 2 : 1); ++j) {
+      if (ndims[j] == 2 ? shapes[j][0] != experts || shapes[j][1] != nn
+                        : ndims[j] != 3 || shapes[j][0] != experts || shapes[j][2] != nn)
+        return 4;
+      if (offset && (ndims[4] != ndims[3] || (ndims[3] == 3 && shapes[4][1] != shapes[3][1]))) return 4;
+    }
+    groups = ndims[3] == 3 ? shapes[3][1] : 1;
+    if (groups < 1 || kk % groups) return 4;
+  }
+  const int64_t* list = static_cast<const int64_t*>(params[2]);
+  std::vector<int64_t> ends(experts);
+  for (int64_t e = 0, at = 0; e < experts; ++e) {  // each group's end row, checked before anything is written
+    at = list_type == 1 ? at + list[e] : list[e];
+    if (at < (e ? ends[e - 1] : 0) || at > m) return 4;
+    ends[e] = at;
+  }
+  const int64_t per_group = kk / groups;
+  parallel(m, [&](int64_t row) {
+    const int64_t e = std::upper_bound(ends.begin(), ends.end(), row) - ends.begin();  // the group holding `row`
+    std::vector<float> out(nn, 0.f);
+    if (e < experts) {
+      for (int64_t c = 0; c < kk; ++c) {
+        const float xv = load(params[0], t, row * kk + c);
+        for (int64_t o = 0; o < nn; ++o) {
+          float w;
+          if (!quant) {
+            w = load(params[1], t, (e * kk + c) * nn + o);
+          } else {
+            float q;
+            if (int8) {
+              q = float(static_cast<const int8_t*>(params[1])[(e * kk + c) * nn + o]);
+            } else {
+              const uint8_t byte = static_cast<const uint8_t*>(params[1])[(e * kk + c) * (nn / 2) + o / 2];
+              const int nib = (o % 2) ? byte >> 4 : byte & 15;
+              q = float(nib >= 8 ? nib - 16 : nib);
+            }
+            const int64_t s = (e * groups + c / per_group) * nn + o;
+            w = (q + (offset ? load(params[4], t, s) : 0.f)) * load(params[3], t, s);
+          }
+          out[o] += xv * w;
+        }
+      }
+    }
+    for (int64_t o = 0; o < nn; ++o) store(params[y_at], t, row * nn + o, out[o]);
+  });
+  return 0;
+}
+
+// MoeTokenUnpermute (padded_mode false): permuted_tokens [M, H] T, sorted_indices [M] int32, probs [N, k] (T or
+// float32; without it k = 1 and weights 1), attrs [padded_mode] -> out [N, H] T, N = M / k: out[i] = sum over j of
+// permuted_tokens[sorted_indices[i * k + j]] * probs[i][j], in float32 (sorted_indices as MoeInitRoutingV2's
+// expanded_row_idx gives it: where each choice's row went). As CANN's kernel does, a term whose index is outside
+// [0, M) or whose probability is exactly 0 is skipped (an index past the rows: a choice another expert-parallel rank
+// computes).
+int moe_token_unpermute(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 4 && nparam != 5) return 1;
+  const bool probs = nparam == 5;
+  const int attrs_at = nparam - 2, y_at = nparam - 1;
+  const Dtype t = dtype_of(dtypes[0]), pt = probs ? dtype_of(dtypes[2]) : F32;
+  if (t == BAD || pt == BAD || std::strcmp(dtypes[1], "int32") || std::strcmp(dtypes[attrs_at], "float32") ||
+      dtype_of(dtypes[y_at]) != t)
+    return 2;
+  if (ndims[0] != 2 || ndims[1] != 1 || (probs && ndims[2] != 2) || ndims[y_at] != 2) return 3;
+  if (count(ndims[attrs_at], shapes[attrs_at]) != 1) return 4;
+  if (static_cast<const float*>(params[attrs_at])[0] != 0.f) return 6;
+  const int64_t m = shapes[0][0], h = shapes[0][1];
+  const int64_t n = shapes[y_at][0], k = probs ? shapes[2][1] : 1;
+  if (shapes[1][0] != m || n * k != m || shapes[y_at][1] != h || (probs && shapes[2][0] != n)) return 4;
+  const int32_t* index = static_cast<const int32_t*>(params[1]);
+  parallel(n, [&](int64_t i) {
+    std::vector<float> out(h, 0.f);
+    for (int64_t j = 0; j < k; ++j) {
+      const float w = probs ? load(params[2], pt, i * k + j) : 1.f;
+      const int64_t src = index[i * k + j];
+      if (src < 0 || src >= m || w == 0.f) continue;
+      for (int64_t c = 0; c < h; ++c) out[c] += load(params[0], t, src * h + c) * w;
+    }
+    for (int64_t c = 0; c < h; ++c) store(params[y_at], t, i * h + c, out[c]);
+  });
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -371,6 +573,26 @@ int MsliteLlmAtlasAddRmsNorm(int nparam, void** params, int* ndims, int64_t** sh
 int MsliteLlmAtlasRotaryPositionEmbedding(int nparam, void** params, int* ndims, int64_t** shapes,
                                           const char** dtypes, void*, void*) {
   return rotary_position_embedding(nparam, params, ndims, shapes, dtypes);
+}
+
+int MsliteLlmAtlasMoeGatingTopKSoftmax(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                                       void*, void*) {
+  return moe_gating_top_k_softmax(nparam, params, ndims, shapes, dtypes);
+}
+
+int MsliteLlmAtlasMoeInitRoutingV2(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                                   void*, void*) {
+  return moe_init_routing_v2(nparam, params, ndims, shapes, dtypes);
+}
+
+int MsliteLlmAtlasGroupedMatmulV4(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
+                                  void*) {
+  return grouped_matmul_v4(nparam, params, ndims, shapes, dtypes);
+}
+
+int MsliteLlmAtlasMoeTokenUnpermute(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                                    void*, void*) {
+  return moe_token_unpermute(nparam, params, ndims, shapes, dtypes);
 }
 
 }  // extern "C"

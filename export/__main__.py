@@ -15,13 +15,14 @@ from export.errors import ExportError
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m export",
-        description="Export a Hugging Face Qwen2/Qwen2.5, Qwen3 or Llama checkpoint as a model folder: prefill, "
+        description="Export a Hugging Face Qwen2/Qwen2.5, Qwen3 or Llama checkpoint (or a Qwen3-MoE or Qwen2-MoE "
+                    "mixture of experts, qwen3_moe or qwen2_moe) as a model folder: prefill, "
                     "incremental and chunk MindIR graphs sharing one weights file and a KV cache, the GE config.ini "
                     "of the target device, the tokenizer, golden references, one yaml and a manifest with checksums.")
     p.add_argument("--checkpoint", required=True,
                    help="HF model folder (config.json, *.safetensors, tokenizer files), or a .gguf file of a llama, "
-                        "qwen2 or qwen3 model (config, tokenizer and chat template from its metadata; its tensors "
-                        "dequantized to --dtype)")
+                        "qwen2, qwen3, qwen3moe or qwen2moe model (config, tokenizer and chat template from its "
+                        "metadata; its tensors dequantized to --dtype)")
     p.add_argument("--output", required=True, help="model folder to write (refused if it exists, see --overwrite)")
     p.add_argument("--name", default=None, help="file name stem inside the folder (default: the folder's name)")
     p.add_argument("--seq_length", type=int, default=1024,

@@ -154,20 +154,28 @@ def prepare(cfg: ExportConfig) -> tuple:
     return model_cfg, profile
 
 
-def _moe_supported(cfg: ExportConfig, model_cfg: ModelConfig, quantized: bool = False) -> None:
-    """A mixture of experts exports, so far, as a CPU folder (issue 46; export/network/moe.py), of one rank or
-    tensor parallel (every rank each expert's share of its columns): float weights in either form, quantized experts
-    only in the CPU kernels' (`quantized`: the folder quantizes, or keeps a quantized checkpoint's layers, GPTQ's or
-    a GGUF's, as they are). Anything else is refused by the option to change, before anything is written."""
-    if not model_cfg.num_experts:
+def _moe_supported(cfg: ExportConfig, model_cfg: ModelConfig, quant=None) -> None:
+    """A mixture of experts exports for every device, of one rank or tensor parallel (every rank each expert's share
+    of its columns): float experts in every form (export/network/moe.py: the CPU kernels' op, Ascend's fused MoE ops,
+    or the plain ops); quantized experts in the CPU kernels' form, and in the fused form per channel, as
+    GroupedMatmulV4's antiquant takes int8 (docs/architecture.md, "Mixture of experts"). `quant`: the folder's
+    QuantMethod once resolved (--quantize, or a GPTQ/GGUF checkpoint's layers kept as they are); before, what
+    --quantize asks. Anything else is refused by the option to change, before anything is written."""
+    if not model_cfg.num_experts or (quant is None and cfg.quantize in (None, "none")):
         return
-    if cfg.device != "cpu":
-        raise ExportError(f"{cfg.checkpoint}: model_type {model_cfg.model_type!r} is a mixture-of-experts model, "
-                          "whose graphs this version builds only with --device cpu")
-    if (quantized or cfg.quantize not in (None, "none")) and not cfg.use_cpu_kernels():
-        raise ExportError(f"{cfg.checkpoint}: model_type {model_cfg.model_type!r} is a mixture-of-experts model, "
-                          "whose quantized experts run only in the CPU kernels, which this export does not use; "
-                          "export with them (the default where the library is built) or with --quantize none")
+    what = f"{cfg.checkpoint}: model_type {model_cfg.model_type!r} is a mixture-of-experts model, whose quantized experts"
+    if cfg.device == "cpu":
+        if not cfg.use_cpu_kernels():
+            raise ExportError(f"{what} run only in the CPU kernels, which this export does not use; export with them "
+                              "(the default where the library is built) or with --quantize none")
+    elif cfg.graph == "plain":
+        raise ExportError(f"{what} run on Atlas only in the fused form (GroupedMatmulV4's antiquant), which this "
+                          "export does not take; export for an A2/A3 profile in float16 or bfloat16 without --graph "
+                          "plain, or with --quantize none for float experts")
+    elif quant is not None and quant.group_size:
+        raise ExportError(f"{what} run on Atlas through GroupedMatmulV4, whose antiquant takes int8 per channel only "
+                          f"(int4 in groups only without offsets), and this folder's are {quant.label()}: export "
+                          "with --group_size 0 (per channel), or with --quantize none for float experts")
 
 
 def resolve(cfg: ExportConfig, model_cfg: ModelConfig) -> ExportConfig:
@@ -220,7 +228,7 @@ def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str]
     cfg = resolve(cfg, model_cfg)
     where = open_checkpoint(cfg.checkpoint)
     quant, tables, quant_notes = _quantization(cfg, model_cfg, profile, where)
-    _moe_supported(cfg, model_cfg, quant is not None or tables is not None)
+    _moe_supported(cfg, model_cfg, quant)
     for note in quant_notes:
         log.warning("%s", note) if note.startswith("group size") else log.info("%s", note)
     output = os.path.abspath(cfg.output)
@@ -360,12 +368,12 @@ def _plan(cfg: ExportConfig, model_cfg: ModelConfig, where, quant=None, tables=N
     if model_cfg.num_experts:  # the graphs read each layer's experts stacked, each expert's folder tensors
         from export.writers.stacked import stack_experts  # (export/writers/stacked.py)
 
-        where = stack_experts(model_cfg, where, params, cfg.tp_size)
+        where = stack_experts(model_cfg, where, params, cfg.tp_size, transposed=cfg.graph == "fused")
     tp, shards = cfg.tp_size, network.vocab_shards
     splits = {}
     if tp > 1:
         for name in params:
-            axis = split_axis(name, vocab_parallel=shards > 1)
+            axis = split_axis(name, vocab_parallel=shards > 1, transposed_experts=cfg.graph == "fused")
             # a per-channel scale of a row-parallel layer is every rank's: [1, O] whole
             if axis is not None and name in where and where[name].shape(name)[axis] == params[name][0][axis]:
                 axis = None
@@ -437,7 +445,8 @@ def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_prog
     with _bar(show_progress, total=total, desc="golden", unit="step") as bar:
         doc = golden.compute(model_cfg, cfg.checkpoint, sizes, cfg.seq_length, cfg.batch_size, progress=bar.update,
                              matrices_in=cfg.dtype if cfg.half_weights_on_cpu else "float32",
-                             quant=None if quant is None else (_quant_record(quant), FolderMeaning(tmp, layouts)),
+                             quant=None if quant is None else (_quant_record(quant),
+                                                               FolderMeaning(tmp, layouts, cfg.graph == "fused")),
                              lanes=golden.lanes_for(None if quant is None else quant[0].bits,
                                                     cfg.dtype if cfg.half_weights_on_cpu else "float32",
                                                     cfg.device == "cpu" and cfg.use_cpu_kernels()),

@@ -10,9 +10,10 @@ from lite_runtime.errors import InferError
 
 
 class DecoderInputs:
-    """The graphs of `python -m export` for every family it exports (qwen2, qwen3, llama): `input_ids`,
-    `valid_length`, and the paged KV cache's `block_tables` and `slot_mapping` (positions are derived in-graph; rope
-    scaling is baked into the graphs' tables). The runner (lite_runtime/engine/runner.py) computes the tables and slots.
+    """The graphs of `python -m export` for every family it exports (qwen2, qwen3, llama, qwen3_moe, qwen2_moe):
+    `input_ids`, `valid_length`, and the paged KV cache's `block_tables` and `slot_mapping` (positions are derived
+    in-graph; rope scaling is baked into the graphs' tables). The runner (lite_runtime/engine/runner.py) computes the
+    tables and slots.
 
     prefill: input_ids [B, S] right-padded with pad_token_id, valid_length [B] = prompt lengths, block_tables [B, M],
              slot_mapping [B*S] (each token's slot: block * block_size + position in it; -1 for padding).

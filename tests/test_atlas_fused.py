@@ -24,7 +24,8 @@ RNG = np.random.default_rng(7)
 def _call(function: str, arrays):
     """Call a stand-in as MindSpore's aot runtime does: (nparam, params, ndims, shapes, dtypes). Returns its code."""
     lib = ctypes.CDLL(cpu_kernels.library_path())
-    names = {np.float16: "float16", np.float32: "float32", np.int64: "int64", np.int32: "int32", np.bool_: "bool"}
+    names = {np.float16: "float16", np.float32: "float32", np.int64: "int64", np.int32: "int32", np.bool_: "bool",
+             np.int8: "int8", np.uint8: "uint8"}
     n = len(arrays)
     params = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
     ndims = (ctypes.c_int * n)(*[a.ndim for a in arrays])
@@ -154,6 +155,136 @@ def test_norm_and_rotary_standins_against_numpy():
     rotated = np.concatenate([-xf[..., 8:], xf[..., :8]], -1)
     np.testing.assert_allclose(out.astype(np.float32), xf * cos.astype(np.float32) + rotated * sin.astype(np.float32),
                                rtol=2e-3, atol=2e-3)
+
+
+# ---- a mixture of experts' fused ops (export/network/moe.py FusedExperts) -----------------------------------------
+
+def test_moe_gating_top_k_softmax_standin_against_numpy():
+    """A float32 softmax over each row's experts, then its k largest in descending order, equal probabilities to the
+    lower expert (torch.topk's order and the reference's); row_idx[i][j] = j * N + i, CANN's numbering; a k past the
+    experts is refused (6)."""
+    n, e, k = 5, 8, 3
+    x = RNG.standard_normal((n, e)).astype(np.float32)
+    x[1, [6, 2, 5]] = x[1].max() + 1  # three equal largest: 2, 5, 6 in that order
+    y, idx, row = np.zeros((n, k), np.float32), np.zeros((n, k), np.int32), np.zeros((n, k), np.int32)
+    assert _call("MsliteLlmAtlasMoeGatingTopKSoftmax", [x, np.array([k], np.float32), y, idx, row]) == 0
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(idx, want)
+    assert idx[1].tolist() == [2, 5, 6]
+    np.testing.assert_allclose(y, np.take_along_axis(p, want, -1), rtol=1e-6)
+    np.testing.assert_array_equal(row, np.arange(n * k).reshape(k, n).T)
+    assert _call("MsliteLlmAtlasMoeGatingTopKSoftmax", [x, np.array([e + 1], np.float32), y, idx, row]) == 6
+
+
+def test_moe_init_routing_v2_standin_sorts_the_choices_by_expert_stably():
+    """Dropless: choice (i, j), numbered i * k + j, stably sorted by expert; expanded_x[p] is the row of the p-th,
+    expanded_row_idx[i * k + j] where choice (i, j) went (the direction MindSpore's drop/pad example shows); counts
+    per expert (flag 2) or their running sums (flag 1); an expert id past expert_num refused (4), nothing written;
+    drop/pad mode refused (6)."""
+    n, k, h, e = 4, 2, 3, 5
+    x = RNG.standard_normal((n, h)).astype(np.float16)
+    chosen = np.array([[3, 0], [0, 3], [4, 0], [3, 1]], np.int32)
+
+    def run(chosen, flag=2, drop_pad=0):
+        outs = [np.zeros((n * k, h), np.float16), np.zeros(n * k, np.int32), np.zeros(e, np.int32),
+                np.full(e, 7, np.int32)]
+        attrs = np.array([0, 0, e, drop_pad, flag, 1], np.float32)
+        return _call("MsliteLlmAtlasMoeInitRoutingV2", [x, chosen, attrs] + outs), outs
+
+    code, (expanded, where, counts, before) = run(chosen)
+    assert code == 0
+    order = np.argsort(chosen.reshape(-1), kind="stable")
+    assert order.tolist() == [1, 2, 5, 7, 0, 3, 6, 4]
+    np.testing.assert_array_equal(expanded, x[order // k])
+    np.testing.assert_array_equal(where[order], np.arange(n * k))
+    np.testing.assert_array_equal(counts, np.bincount(chosen.reshape(-1), minlength=e))
+    assert not before.any()
+    code, (_, _, sums, _) = run(chosen, flag=1)
+    assert code == 0 and sums.tolist() == np.cumsum(counts).tolist()
+    bad = chosen.copy()
+    bad[2, 1] = e
+    code, (expanded, *_) = run(bad)
+    assert code == 4 and not expanded.any()
+    assert run(chosen, drop_pad=1)[0] == 6
+
+
+def _int4_along_n(q: np.ndarray) -> np.ndarray:
+    """int4 values [..., N] two per byte along N, the lower nibble first (MindSpore's qint4x2)."""
+    u = (q.astype(np.int16) & 15).astype(np.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+@pytest.mark.parametrize("weights", ["float16", "int8_offset", "int4_groups"])
+def test_grouped_matmul_v4_standin_against_numpy(weights):
+    """Each expert's rows (consecutive, counts or running sums; an expert with none) times its [K, N] matrix: float16,
+    int8 per channel with an offset, int4 per group of K ((w + offset) * scale, CANN's antiquant); rows past the
+    groups are zeros; a group list past the rows is refused (4) before anything is written."""
+    m, kk, nn, e = 7, 32, 6, 4
+    counts = np.array([2, 0, 4, 1], np.int64)
+    x = RNG.standard_normal((m, kk)).astype(np.float16)
+    if weights == "float16":
+        w = (RNG.standard_normal((e, kk, nn)) * 0.2).astype(np.float16)
+        tensors, dense = [w], w.astype(np.float32)
+    elif weights == "int8_offset":
+        q = RNG.integers(-128, 128, (e, kk, nn)).astype(np.int8)
+        scale = (RNG.random((e, nn)) * 0.01 + 0.001).astype(np.float16)
+        offset = RNG.standard_normal((e, nn)).astype(np.float16)
+        tensors = [q, scale, offset]
+        dense = (q + offset.astype(np.float32)[:, None]) * scale.astype(np.float32)[:, None]
+    else:
+        q = RNG.integers(-8, 8, (e, kk, nn))
+        scale = (RNG.random((e, 4, nn)) * 0.05 + 0.01).astype(np.float16)
+        tensors = [_int4_along_n(q), scale]
+        dense = q * np.repeat(scale.astype(np.float32), kk // 4, axis=1)
+
+    def run(group_list, list_type=1):
+        y = np.full((m, nn), np.nan, np.float16)
+        w, *quant = tensors
+        code = _call("MsliteLlmAtlasGroupedMatmulV4", [x, w, group_list] + quant
+                     + [np.array([3, 0, list_type, 0], np.float32), y])
+        return code, y
+
+    code, y = run(counts)
+    assert code == 0
+    expert = np.repeat(np.arange(e), counts)
+    want = np.stack([x[r].astype(np.float32) @ dense[expert[r]] for r in range(m)])
+    np.testing.assert_allclose(y.astype(np.float32), want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+    code, y_sums = run(np.cumsum(counts), list_type=0)
+    assert code == 0 and np.array_equal(y_sums, y)
+    fewer = np.array([2, 0, 2, 1], np.int64)
+    code, y = run(fewer)
+    assert code == 0 and not y[5:].any() and np.array_equal(y[:2], run(counts)[1][:2])
+    code, y = run(np.array([2, 0, 4, 2], np.int64))
+    assert code == 4 and np.isnan(y).all()
+
+
+def test_moe_token_unpermute_standin_weighs_each_rows_choices():
+    """out[i] = sum over j of permuted_tokens[sorted_indices[i * k + j]] * probs[i][j], float32 sums; as CANN's
+    kernel, a term whose index is past the rows or whose probability is exactly 0 is skipped (a NaN row there does
+    not reach the output); padded_mode is refused (6)."""
+    n, k, h = 3, 2, 4
+    tokens = RNG.standard_normal((n * k, h)).astype(np.float16)
+    index = RNG.permutation(n * k).astype(np.int32)
+    probs = RNG.random((n, k)).astype(np.float32)
+    probs[0, 1] = 0
+    tokens[index[1]] = np.nan
+    index[2] = n * k  # row 1's first choice: past the rows
+
+    def run(attrs=(0,)):
+        out = np.zeros((n, h), np.float16)
+        return _call("MsliteLlmAtlasMoeTokenUnpermute", [tokens, index, probs, np.array(attrs, np.float32), out]), out
+
+    code, out = run()
+    assert code == 0
+    want = np.zeros((n, h), np.float32)
+    for i in range(n):
+        for j in range(k):
+            if index[i * k + j] < n * k and probs[i, j]:
+                want[i] += tokens[index[i * k + j]].astype(np.float32) * probs[i, j]
+    np.testing.assert_allclose(out.astype(np.float32), want, rtol=2e-3, atol=2e-3)
+    assert run((1,))[0] == 6
 
 
 def test_the_layout_enum_is_mindspores():

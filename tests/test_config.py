@@ -39,9 +39,10 @@ def test_head_dim_and_missing_kv_heads_default_to_hf_rules():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"model_type": "gemma"}, "config.json: model_type 'gemma' is not supported; supported: qwen2, qwen3, llama"),
-    ({"model_type": "mixtral"}, "config.json: model_type 'mixtral' is a mixture-of-experts model, which is not "
-                                "supported; export a dense checkpoint (qwen2, qwen3, llama)"),
+    ({"model_type": "gemma"}, "config.json: model_type 'gemma' is not supported; supported: qwen2, qwen3, llama, "
+                              "qwen3_moe, qwen2_moe"),
+    ({"model_type": "mixtral"}, "config.json: model_type 'mixtral' is a mixture-of-experts model of another design, "
+                                "which is not supported; supported: qwen2, qwen3, llama, qwen3_moe, qwen2_moe"),
     ({"model_type": "qwen3_moe"}, "config.json: missing field num_experts (a mixture-of-experts config needs it)"),
     ({**MOE, "num_experts_per_tok": 9}, "config.json: num_experts_per_tok (9) is greater than num_experts (8); a "
                                         "token cannot pick more experts than there are"),

@@ -290,9 +290,10 @@ def test_export_help_names_every_family():
     from export.families import FAMILIES
 
     help_text = build_parser().format_help().lower()
-    assert set(FAMILIES) == {"qwen2", "qwen3", "llama"}
+    assert set(FAMILIES) == {"qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"}
     assert all(family in help_text for family in FAMILIES)
-    assert "Qwen2/Qwen2.5, Qwen3 or Llama checkpoint" in build_parser().description
+    assert ("Qwen2/Qwen2.5, Qwen3 or Llama checkpoint (or a Qwen3-MoE or Qwen2-MoE mixture of experts, qwen3_moe or "
+            "qwen2_moe)") in build_parser().description
 
 
 def test_default_prompt_buckets_follow_the_device_rule(tmp_path, checkpoints, capsys):
@@ -413,7 +414,8 @@ def test_bad_inputs(tmp_path, ckpt_copy, capsys):
         "atlas_300i_duo, cpu")
 
     _edit_config(ckpt_copy, model_type="glm")
-    assert err() == f"error: {cfg_path}: model_type 'glm' is not supported; supported: qwen2, qwen3, llama"
+    assert err() == (f"error: {cfg_path}: model_type 'glm' is not supported; supported: qwen2, qwen3, llama, "
+                     "qwen3_moe, qwen2_moe")
     _edit_config(ckpt_copy, model_type="llama")  # Qwen2's q/k/v biases are not a Llama's: nothing is dropped quietly
     assert err() == ("error: checkpoint tensors do not match config.json (unexpected 6: model.layers.0.self_attn.k_proj"
                      ".bias, model.layers.0.self_attn.q_proj.bias, model.layers.0.self_attn.v_proj.bias, model.layers.1."

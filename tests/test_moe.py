@@ -200,13 +200,28 @@ def test_a_missing_expert_or_a_wrong_router_is_refused_by_name(moe_checkpoints, 
                               "[3, 64], config.json implies [4, 64]; check that the weights belong to this config")
 
 
-def test_export_refuses_what_the_moe_graphs_do_not_build_yet(moe_checkpoints, tmp_path, capsys):
-    """MoE folders export for the CPU; an Atlas device: one line naming the option, nothing on disk."""
+@pytest.mark.parametrize("args, why", [
+    (["--quantize", "int4"], "run on Atlas through GroupedMatmulV4, whose antiquant takes int8 per channel only (int4 "
+                             "in groups only without offsets), and this folder's are int4 (groups of 32, with offsets, "
+                             "from rtn): export with --group_size 0 (per channel), or with --quantize none for float "
+                             "experts"),
+    (["--quantize", "int8", "--graph", "plain"], "run on Atlas only in the fused form (GroupedMatmulV4's antiquant), "
+                                                 "which this export does not take; export for an A2/A3 profile in "
+                                                 "float16 or bfloat16 without --graph plain, or with --quantize none "
+                                                 "for float experts"),
+    (["--quantize", "int8", "--device", "atlas_300i_duo"], "run on Atlas only in the fused form (GroupedMatmulV4's "
+                                                           "antiquant), which this export does not take; export for an "
+                                                           "A2/A3 profile in float16 or bfloat16 without --graph "
+                                                           "plain, or with --quantize none for float experts"),
+], ids=["int4_groups", "graph_plain", "310p"])
+def test_export_refuses_what_the_moe_graphs_do_not_build_yet(moe_checkpoints, tmp_path, capsys, args, why):
+    """Quantized experts where GroupedMatmulV4's antiquant cannot take them (groups, the plain form): one line naming
+    the option, nothing on disk."""
     path = moe_checkpoints["qwen3_moe"]
-    code = main(["-q", "--checkpoint", path, "--output", str(tmp_path / "out"), "--device", "atlas_800i_a2"])
+    code = main(["-q", "--checkpoint", path, "--output", str(tmp_path / "out"), "--device", "atlas_800i_a2",
+                 "--seq_length", "32"] + args)
     assert (code, capsys.readouterr().err.strip()) == (
-        2, f"error: {path}: model_type 'qwen3_moe' is a mixture-of-experts model, whose graphs this version builds "
-           "only with --device cpu")
+        2, f"error: {path}: model_type 'qwen3_moe' is a mixture-of-experts model, whose quantized experts {why}")
     assert os.listdir(tmp_path) == []
 
 

@@ -22,22 +22,19 @@ from typing import Dict
 from export.errors import ExportError
 from export.families import llama, qwen2, qwen2_moe, qwen3, qwen3_moe
 
-FAMILIES: Dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (qwen2, qwen3, llama)}
-# mixture-of-experts families (issue 46): read from every checkpoint form, and exported so far only as float CPU
-# folders of one rank in the plain MoE form (export/pipeline.py _moe_supported), so not listed as supported yet
-MOE_FAMILIES: Dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (qwen3_moe, qwen2_moe)}
+# the dense families, then the mixtures of experts (export/network/moe.py; export/pipeline.py _moe_supported says
+# which of their folders export)
+FAMILIES: Dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (qwen2, qwen3, llama, qwen3_moe, qwen2_moe)}
 
-# model_types people try that are not dense decoders of these families: refused by name, with what to do
+# model_types people try that are mixtures of experts of other designs (routing, attention): refused by name
 MIXTURE_OF_EXPERTS = ("mixtral", "deepseek_v2", "deepseek_v3", "llama4", "qwen3_next")
 
 
 def get(model_type, source: str = "config.json") -> ModuleType:
     if model_type in FAMILIES:
         return FAMILIES[model_type]
-    if model_type in MOE_FAMILIES:
-        return MOE_FAMILIES[model_type]
     known = ", ".join(FAMILIES)
     if model_type in MIXTURE_OF_EXPERTS:
-        raise ExportError(f"{source}: model_type {model_type!r} is a mixture-of-experts model, which is not "
-                          f"supported; export a dense checkpoint ({known})")
+        raise ExportError(f"{source}: model_type {model_type!r} is a mixture-of-experts model of another design, "
+                          f"which is not supported; supported: {known}")
     raise ExportError(f"{source}: model_type {model_type!r} is not supported; supported: {known}")

@@ -72,8 +72,9 @@ class FusedDecoderLayer(DecoderLayer):
     """A decoder layer of the fused form. Same cells and parameters as DecoderLayer (no CPU kernels); the attention
     core, the cache writes, the norms and RoPE through the fused ops."""
 
-    def __init__(self, cfg: ModelConfig, cache: KVCache, dtype, tp: bool = False, k: "Form" = Form()) -> None:
-        super().__init__(cfg, cache, dtype, k._replace(decode_ops=False), tp)
+    def __init__(self, cfg: ModelConfig, cache: KVCache, dtype, tp: bool = False, k: "Form" = Form(),
+                 sparse: bool = False) -> None:
+        super().__init__(cfg, cache, dtype, k._replace(decode_ops=False), tp, sparse, fused=sparse)
         a = self.self_attn
         self.input_layernorm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

@@ -379,7 +379,7 @@ class Attention(nn.Cell):
 
 class DecoderLayer(nn.Cell):
     def __init__(self, cfg: ModelConfig, cache: KVCache, dtype, k: "Form", tp: bool = False,
-                 sparse: bool = False) -> None:
+                 sparse: bool = False, fused: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, k.decode_ops)
         self.self_attn = Attention(cfg, cache, dtype, k, tp)
@@ -388,7 +388,7 @@ class DecoderLayer(nn.Cell):
         if sparse:  # a mixture of experts (export/network/moe.py): its own cell, none of the fused MLP kernels
             from export.network.moe import SparseMoeBlock
 
-            self.mlp = SparseMoeBlock(cfg, dtype, k, tp)
+            self.mlp = SparseMoeBlock(cfg, dtype, k, tp, fused)  # fused: Ascend's MoE ops (FusedDecoderLayer)
         else:
             self.mlp = MLP(cfg, dtype, k, tp)
         if k.decode_ops:  # the decode step: o_proj (and down_proj) each with the residual add, one kernel

@@ -36,7 +36,7 @@ class DecoderModel(nn.Cell):
         if not fused:
             layers = [DecoderLayer(cfg, cache, dtype, k, tp, cfg.sparse(i)) for i in range(cfg.num_hidden_layers)]
         else:
-            layers = [FusedDecoderLayer(cfg, cache, dtype, tp, k) for _ in range(cfg.num_hidden_layers)]
+            layers = [FusedDecoderLayer(cfg, cache, dtype, tp, k, cfg.sparse(i)) for i in range(cfg.num_hidden_layers)]
         self.layers = nn.CellList(layers)
         if fused:
             self.norm = AtlasRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

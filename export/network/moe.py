@@ -55,6 +55,76 @@ class Experts(nn.Cell):
         return self.sum(ew_mul(out, weights), 0)
 
 
+class FusedExperts(nn.Cell):
+    """The Atlas fused form (`--graph fused`), as vllm-mindspore's dropless tensor-parallel MoE calls Ascend's ops:
+    MoeGatingTopKSoftmax (a float32 softmax of the router's float32 logits and its top k), the chosen weights
+    divided by their sum with norm_topk_prob, MoeInitRoutingV2 (the rows copied out sorted by expert, the count per
+    expert, and where each choice went), GroupedMatmulV4 (each expert's rows times its matrix, the gate and up
+    projections as one, then the down projection), the SwiGLU between, and MoeTokenUnpermute (each row's k results
+    weighted and summed). Only the chosen experts' matrices are multiplied; the matrices are GroupedMatmul's [E, K, N]
+    (`gate_up_proj` [E, H, 2I]: each expert's gate columns, then its up columns; `down_proj` [E, I, H]: the
+    transposes of the plain form's, export/writers/stacked.py). The experts compute in the folder's dtype (float16 or
+    bfloat16, as GroupedMatmul takes them); the routing in float32. Quantized experts (`quant`, the linear layers'
+    QuantMatmul: per channel, as GroupedMatmulV4's antiquant takes int8) are GroupedMatmul's antiquant: q int8
+    [E, K, N] or int4 [E, K, N / 2] (qint4x2: two per byte along N), antiquant_scale (and _offset, asymmetric) the
+    folder's [E, 1, N] reshaped to [E, N]: y = x @ ((q + offset) * scale). On the CPU the `ms` backend runs these ops
+    as stand-ins (lite_runtime/backends/standins.py): `check` there proves the wiring, on the device the kernels."""
+
+    def __init__(self, cfg: ModelConfig, dtype, quant=None) -> None:
+        super().__init__()
+        from mindspore.ops.auto_generate import (GroupedMatmulV4, MoeGatingTopKSoftmax, MoeInitRoutingV2,
+                                                 MoeTokenUnpermute)
+
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.e, self.i, self.k, self.norm = e, i, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.dtype = dtype
+        self.gate_up_proj, self.gate_up_proj_scale, self.gate_up_proj_offset = self._storage(
+            e, h, 2 * i, dtype, quant, "gate_up_proj")
+        self.down_proj, self.down_proj_scale, self.down_proj_offset = self._storage(e, i, h, dtype, quant, "down_proj")
+        self.top_k_softmax = MoeGatingTopKSoftmax()
+        self.init_routing = MoeInitRoutingV2()
+        self.grouped_matmul = GroupedMatmulV4()
+        self.unpermute = MoeTokenUnpermute()
+        self.sum_keep = ops.ReduceSum(keep_dims=True)
+
+    @staticmethod
+    def _storage(e: int, k: int, n: int, dtype, quant, name: str):
+        """[E, K, N] float, or a quantized one's q and its per-channel scale (and offset) [E, 1, N]."""
+        if quant is None:
+            return lazy_parameter((e, k, n), dtype, name), None, None
+        if quant.group_size:
+            raise ValueError("the fused form's quantized experts are per channel (export/pipeline.py _moe_supported)")
+        q = lazy_parameter((e, k, n // 2), ms.qint4x2, name) if quant.bits == 4 else lazy_parameter(
+            (e, k, n), ms.int8, name)
+        scale = lazy_parameter((e, 1, n), dtype, name + "_scale")
+        offset = None if quant.symmetric else lazy_parameter((e, 1, n), dtype, name + "_offset")
+        return q, scale, offset
+
+    def _grouped(self, x, weight, counts, scale=None, offset=None):
+        """x [M, K] rows grouped by expert, counts [E] int64 -> [M, N]; split_item 3, group_type 0 (M),
+        group_list_type 1 (counts); a quantized weight's antiquant scale (and offset) [E, N]."""
+        if scale is None:
+            return self.grouped_matmul([x], [weight], None, None, None, None, None, None, counts, None, None, None,
+                                       3, 0, 1, 0, None)[0]
+        scales = [scale.reshape(scale.shape[0], scale.shape[2])]
+        offsets = None if offset is None else [offset.reshape(offset.shape[0], offset.shape[2])]
+        return self.grouped_matmul([x], [weight], None, None, None, scales, offsets, None, counts, None, None, None,
+                                   3, 0, 1, 0, None)[0]
+
+    def construct(self, x, logits):  # x [N, H] the compute dtype, logits [N, E] float32 -> [N, H] the compute dtype
+        top, chosen, _ = self.top_k_softmax(logits, None, self.k)  # [N, k] float32, int32
+        if self.norm:
+            top = top / ops.broadcast_to(self.sum_keep(top, -1), top.shape)
+        # dropless: active_num 0, expert_capacity 0, drop_pad_mode 0; the count per expert (flag 2)
+        rows, where, counts, _ = self.init_routing(x, chosen, 0, 0, self.e, 0, 2, False)
+        counts = ops.cast(counts, ms.int64)
+        gate, up = ops.split(self._grouped(rows, self.gate_up_proj, counts, self.gate_up_proj_scale,
+                                           self.gate_up_proj_offset), self.i, axis=-1)
+        out = self._grouped(ew_mul(ew_silu(gate), up), self.down_proj, counts, self.down_proj_scale,
+                            self.down_proj_offset)
+        return self.unpermute(out, where, ops.cast(top, self.dtype), False, None)
+
+
 class KernelExperts(nn.Cell):
     """The stacked experts as the CPU kernels' MoE op reads them (cpu_kernels.MOE: the router, the routing and each
     row's chosen experts, weighted and summed; an expert no row chose is not read). Float weights are the same
@@ -103,7 +173,7 @@ class SparseMoeBlock(nn.Cell):
     layers are quantized (their method's bits, group and symmetry, the scales in `dtype`; kernels only), and
     Qwen2-MoE's shared expert (a dense MLP of the form). The router and the shared expert's gate stay float32."""
 
-    def __init__(self, cfg: ModelConfig, dtype, form, tp: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, dtype, form, tp: bool = False, fused: bool = False) -> None:
         super().__init__()
         from export.network.layers import MLP
         from export.network.matmul import is_quantized
@@ -112,15 +182,20 @@ class SparseMoeBlock(nn.Cell):
         quant = method if is_quantized(method) else None
         storage = getattr(method, "weight_dtype", None) or dtype  # the float matrices' (bfloat16 on a 16-bit CPU folder)
         kernels = form.decode_ops
+        self.dtype, self.fused = dtype, fused
         # tensor parallel: `cfg` is one rank's share (every expert's share of its columns); the experts' partial sums
         # are summed by AllReduce, the router and the shared expert (every rank's, whole) computed alike on each
         self.reduce = ops.AllReduce() if tp else None
         self.top_k, self.experts_n, self.norm = cfg.num_experts_per_tok, cfg.num_experts, cfg.norm_topk_prob
         self.gate = Dense32(cfg.hidden_size, cfg.num_experts, storage)
         self.kernels = kernels
-        if quant is not None and not kernels:
-            raise ValueError("quantized experts run only in the CPU kernels (export/pipeline.py _moe_supported)")
-        self.experts = KernelExperts(cfg, storage, quant, dtype) if kernels else Experts(cfg, storage)
+        if quant is not None and not (kernels or fused):
+            raise ValueError("quantized experts run in the CPU kernels or the fused form (export/pipeline.py "
+                             "_moe_supported)")
+        if fused:
+            self.experts = FusedExperts(cfg, storage, quant)
+        else:
+            self.experts = KernelExperts(cfg, storage, quant, dtype) if kernels else Experts(cfg, storage)
         if kernels:  # the MoE op's layout: k, norm_topk_prob, and whether it takes the residual form
             import numpy as np
 
@@ -138,24 +213,27 @@ class SparseMoeBlock(nn.Cell):
         self.sum, self.sum_keep = ops.ReduceSum(), ops.ReduceSum(keep_dims=True)
         self.on, self.off = ms.Tensor(1.0, ms.float32), ms.Tensor(0.0, ms.float32)
 
-    def construct(self, x, valid_length=None):  # [N, H] -> [N, H]
-        x = ops.cast(x, ms.float32)
-        if self.kernels:  # the router, the routing and the chosen experts in one op (the full graph: each prompt's
-            # rows only, valid_length)
-            y = self.experts.op(*((self.layout, x, self.gate.weight) + self.experts.weights()
+    def construct(self, x, valid_length=None):  # [N, H] -> [N, H], the compute dtype (x's)
+        x32 = ops.cast(x, ms.float32)
+        if self.fused:  # Ascend's routing and grouped-matmul ops (FusedExperts), in the compute dtype
+            y = self.experts(x, self.gate(x32))
+        elif self.kernels:  # the router, the routing and the chosen experts in one op (the full graph: each
+            # prompt's rows only, valid_length)
+            y = self.experts.op(*((self.layout, x32, self.gate.weight) + self.experts.weights()
                                   + (() if valid_length is None else (valid_length,))))
         else:
-            probs = ops.softmax(self.gate(x), -1)  # [N, E]
+            probs = ops.softmax(self.gate(x32), -1)  # [N, E]
             top, index = ops.topk(probs, self.top_k)  # [N, k], descending
             if self.norm:
                 top = top / ops.broadcast_to(self.sum_keep(top, -1), top.shape)
             chosen = self.one_hot(index, self.experts_n, self.on, self.off)  # [N, k, E]
             routing = self.sum(ew_mul(chosen, ops.broadcast_to(ops.expand_dims(top, -1), chosen.shape)), 1)
-            y = self.experts(x, routing)
+            y = self.experts(x32, routing)
+        y = ops.cast(y, self.dtype)
         if self.reduce is not None:
             y = self.reduce(y)
-        if self.shared_expert is not None:
-            g = ops.sigmoid(self.shared_expert_gate(x))  # [N, 1]
+        if self.shared_expert is not None:  # the dense MLP in the compute dtype, its gate float32
+            g = ops.cast(ops.sigmoid(self.shared_expert_gate(x32)), self.dtype)  # [N, 1]
             s = self.shared_expert(x)
             y = ew_add(y, ew_mul(s, ops.broadcast_to(g, s.shape)))
         return y

@@ -444,9 +444,10 @@ class FolderMeaning:
     Nothing the check relies on is lost by reading back: a split or a packing the graphs do not expect still makes
     their logits differ from these, and the rounding itself is the one the writer ran (`Quantized.quantized`)."""
 
-    def __init__(self, folder: str, layouts: List[Any]) -> None:
+    def __init__(self, folder: str, layouts: List[Any], transposed_experts: bool = False) -> None:
         self.path = folder
         self.layouts = layouts
+        self.transposed_experts = transposed_experts  # the fused form's [E, K, N] stacks (export/writers/stacked.py)
         self._maps = [np.memmap(os.path.join(folder, layout.location), np.uint8, mode="r") for layout in layouts]
         entries = layouts[0].entries
         quantized = [n[:-len(SCALE)] for n in entries if n.endswith(SCALE) and n[:-len(SCALE)] in entries]
@@ -490,8 +491,13 @@ class FolderMeaning:
         parts, split = self._parts(stack + suffix)
         along = 0 if suffix == "" else 1  # gate_up's outputs: q's rows, the scales' columns
         pieces = []
+        packed = self.layouts[0].entries[stack].dtype in ("uint8", "qint4x2")
         for part in parts:
             block = np.asarray(part[e])
+            if self.transposed_experts and suffix == "":  # [k, n] back to the [n, k] below
+                from export.writers.stacked import transpose_block
+
+                block = transpose_block(block, packed)
             if halves == 2:  # this rank's gate or up half of its outputs
                 n = block.shape[along] // 2
                 block = block[(slice(None),) * along + (slice(half * n, (half + 1) * n),)]

@@ -319,10 +319,13 @@ _STACKED_AXIS = {"mlp.experts.gate_up_proj": 1, "mlp.experts.down_proj": 2, "mlp
                  "mlp.experts.down_proj_offset": 1}
 
 
-def split_axis(name: str, vocab_parallel: bool = False) -> Optional[int]:
+def split_axis(name: str, vocab_parallel: bool = False, transposed_experts: bool = False) -> Optional[int]:
+    """The axis of `name` the tensor-parallel ranks share, or None (every rank's whole). `transposed_experts`: the
+    Atlas fused form's stacked experts, [E, K, N] (export/writers/stacked.py)."""
     stacked = next((axis for end, axis in _STACKED_AXIS.items() if name.endswith(end)), None)
-    if stacked is not None:
-        return stacked
+    if stacked is not None:  # the fused form transposes the matrices (q too), not their scales [E, G, N]
+        turned = transposed_experts and not name.endswith(("_scale", "_offset"))
+        return 3 - stacked if turned else stacked
     for suffix in ("_scale", "_offset"):  # a quantized layer's [G, O]: the outputs are its columns, the groups its rows
         if name.endswith(suffix):
             base = split_axis(name[:-len(suffix)], vocab_parallel)

@@ -1,16 +1,19 @@
 """The `ms` backend's CPU stand-ins for Ascend's fused operators: a parsed MindIR's fused-op nodes rewritten, before
 the graph is loaded, into aot Custom ops calling cpu_kernels/atlas_ops.cc.
 
-A `--graph fused` folder (export/network/atlas_layers.py) calls PromptFlashAttention, PagedAttention, ReshapeAndCache, RmsNorm,
-AddRmsNorm and RotaryPositionEmbedding (and WeightQuantBatchMatmul when quantized). MindSpore's CPU build infers their shapes, so the graphs export, but it has no kernels
-for them. Each node is replaced in place: same data inputs, same output (the node's recorded shape, which is what a
-loaded Custom op's abstract comes from), the op's scalar arguments (scale, sparse_mode, epsilon, ...) passed as a
-float32 constant, and the arguments a stand-in does not implement refused with one line naming the op and value.
-Everything else in the graph is untouched: the stand-ins prove the folder's own wiring, not Ascend's kernels.
+A `--graph fused` folder (export/network/atlas_layers.py) calls PromptFlashAttention, PagedAttention, ReshapeAndCache,
+RmsNorm, AddRmsNorm and RotaryPositionEmbedding (and WeightQuantBatchMatmul when quantized; a mixture of experts
+MoeGatingTopKSoftmax, MoeInitRoutingV2, GroupedMatmulV4 and MoeTokenUnpermute, export/network/moe.py). MindSpore's CPU
+build infers their shapes, so the graphs export, but it has no kernels for them. Each node is replaced in place: same
+data inputs, same output (the node's recorded shape, which is what a loaded Custom op's abstract comes from), the op's
+scalar arguments (scale, sparse_mode, epsilon, ...) passed as a float32 constant, and the arguments a stand-in does not
+implement refused with one line naming the op and value. Everything else in the graph is untouched: the stand-ins prove
+the folder's own wiring, not Ascend's kernels.
 
 Node inputs by position follow MindSpore 2.10's op definitions (mindspore/ops/auto_generate/gen_ops_prim.py:
-PromptFlashAttention.__call__, ReshapeAndCache, PagedAttention, RmsNorm, AddRmsNorm, RotaryPositionEmbedding), in
-which the constructor's arguments follow the tensors. Importable without MindSpore (it edits the proto only).
+PromptFlashAttention.__call__, ReshapeAndCache, PagedAttention, RmsNorm, AddRmsNorm, RotaryPositionEmbedding,
+MoeGatingTopKSoftmax, ...), in which the constructor's arguments follow the tensors. Importable without MindSpore (it
+edits the proto only).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ class Standin:
     arity: int = 0  # inputs of the node in MindSpore 2.10's definition
     optional: Tuple[int, ...] = ()  # tensors that may be None: passed after `tensors` when set, left out when not
     writes: bool = False  # writes a Parameter input in place (ReshapeAndCache): no attrs, marked side_effect_mem
+    listed: bool = False  # its one output is a list (GroupedMatmulV4's TensorList): the Custom op returns a tuple
 
 
 _STANDINS: Dict[str, Standin] = {
@@ -68,6 +72,29 @@ _STANDINS.update({
         "MsliteLlmAtlasPagedAttention", (0, 1, 2, 3, 4), (10, 11, 12), nones=(5, 6, 7, 8, 9),
         checks=((13, "kv_cache_quant_mode", lambda v: v == 0), (14, "mask_mode", lambda v: v == 0),
                 (15, "mla_v_dim", lambda v: v == 0)), arity=16),
+})
+_STANDINS.update({
+    # a mixture of experts' fused form (export/network/moe.py FusedExperts), dropless, as vllm-mindspore calls them:
+    # x, finished | k -> y, expert_idx, row_idx
+    "MoeGatingTopKSoftmax": Standin("MsliteLlmAtlasMoeGatingTopKSoftmax", (0,), (2,), nones=(1,), outputs=3, arity=3),
+    # x, expert_idx | active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag,
+    # expert_tokens_before_capacity_flag -> expanded_x, expanded_row_idx, expert_tokens_count_or_cumsum, before_capacity
+    "MoeInitRoutingV2": Standin(
+        "MsliteLlmAtlasMoeInitRoutingV2", (0, 1), (2, 3, 4, 5, 6, 7),
+        checks=((2, "active_num", lambda v: v == 0), (5, "drop_pad_mode", lambda v: v == 0)), outputs=4, arity=8),
+    # x, weight (one-tensor lists), bias, scale, offset | antiquant_scale, antiquant_offset (weight-only quantized) |
+    # pre_token_scale, group_list, activation_input, activation_quant_scale, activation_quant_offset | split_item,
+    # group_type, group_list_type, act_type, output_dtype -> [y]
+    "GroupedMatmulV4": Standin(
+        "MsliteLlmAtlasGroupedMatmulV4", (0, 1, 8), (12, 13, 14, 15), nones=(2, 3, 4, 7, 9, 10, 11, 16),
+        checks=((12, "split_item", lambda v: v == 3), (13, "group_type", lambda v: v == 0),
+                (14, "group_list_type", lambda v: v in (0, 1)), (15, "act_type", lambda v: v == 0)),
+        arity=17, optional=(5, 6), listed=True),
+    # MoeTokenUnpermute as MindSpore 2.10 writes it in a graph: permuted_tokens, sorted_indices | probs | padded_mode,
+    # restore_shape
+    "InnerMoeTokenUnpermute": Standin(
+        "MsliteLlmAtlasMoeTokenUnpermute", (0, 1), (3,), nones=(4,), checks=((3, "padded_mode", lambda v: not v),),
+        arity=5, optional=(2,)),
 })
 FUSED_OPS = tuple(_STANDINS)
 
@@ -143,15 +170,16 @@ def substitute(model, local_func: Callable[[str], str], where: str) -> Dict[str,
             attrs = _constant(model, f"{node.name}:standin_attrs", scalars)
             added.append(attrs)
             extra = [attrs.output[0]]
-        prim = _custom_primitive(model, local_func(spec.function), spec.outputs > 1, len(model.primitives),
-                                 spec.writes)
+        prim = _custom_primitive(model, local_func(spec.function), spec.outputs > 1 or spec.listed,
+                                 len(model.primitives), spec.writes)
         del node.input[:]
         node.input.extend(tensors + extra)
         node.op_type = "REF::" + prim.name
-        done[op] = done.get(op, 0) + 1
+        shown = op[len("Inner"):] if op.startswith("Inner") else op  # InnerMoeTokenUnpermute: MoeTokenUnpermute
+        done[shown] = done.get(shown, 0) + 1
     if done:
         _rebuild(model, added)
-    if done.get("WeightQuantBatchMatmul"):
+    if done.get("WeightQuantBatchMatmul") or done.get("GroupedMatmulV4"):
         _int4_as_bytes(model)
     return done
 
