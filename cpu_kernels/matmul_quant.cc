@@ -919,18 +919,19 @@ MSLLM_AVX512_VNNI void qtiles_vnni(const QuantWeight& w, int64_t m0, const float
   each_tile<C>(o0, o1, [&](const int64_t* n, int cols) { qtile_vnni<R, C, INT4, EXACT>(w, m0, n, cols, b, y, ldy); });
 }
 
-// accumulators in the 32 zmm registers: 2 by 4, 3 and 4 by 3 (R x C x 2 + R + 1). One row of x (the decode step at
-// batch 1) takes 2 weight rows a tile, not the 8 its registers hold: each weight row is a stream of reads, and 8 of
-// them per thread read the int8 head (151936 x 2048) at 0.68-0.83 of a 2-thread read of the same bytes, 2 at 1.06-1.12
-// and 1 at 1.12-1.14 (the AVX2 form's 6: 0.63-0.82, 2: 1.00-1.16; docs/performance-log.md 44); 2 keeps some reuse of
-// x's loads for matrices that sit in the cache.
+// accumulators in the 32 zmm registers: 3 and 4 rows of x by 3 weight rows (R x C x 2 + R + 1). One or two rows of x
+// (the decode step of one or two sequences) take 2 weight rows a tile, not the 8 or 4 the registers hold: each weight
+// row is a stream of reads, and 8 of them per thread read the int8 head (151936 x 2048) at 0.68-0.83 of a 2-thread
+// read of the same bytes, 2 at 1.06-1.12 and 1 at 1.12-1.14 (the AVX2 form's 6: 0.63-0.82, 2: 1.00-1.16); at two rows
+// of x 4 streams read at 0.89-0.92, 2 at 1.01-1.06; at three and four the arithmetic binds, and 2 is no better
+// (docs/performance-log.md 44). 2 keeps some reuse of x's loads for matrices that sit in the cache.
 template <bool INT4, bool EXACT>
 MSLLM_AVX512_VNNI void qrows_vnni_t(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy,
                                     int64_t o0, int64_t o1) {
   for (int64_t m = 0; m < rows; m += 4) {
     switch (std::min<int64_t>(4, rows - m)) {
       case 1: qtiles_vnni<1, 2, INT4, EXACT>(w, m, b, y, ldy, o0, o1); break;
-      case 2: qtiles_vnni<2, 4, INT4, EXACT>(w, m, b, y, ldy, o0, o1); break;
+      case 2: qtiles_vnni<2, 2, INT4, EXACT>(w, m, b, y, ldy, o0, o1); break;
       case 3: qtiles_vnni<3, 3, INT4, EXACT>(w, m, b, y, ldy, o0, o1); break;
       default: qtiles_vnni<4, 3, INT4, EXACT>(w, m, b, y, ldy, o0, o1); break;
     }
