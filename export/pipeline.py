@@ -163,7 +163,8 @@ def _moe_supported(cfg: ExportConfig, model_cfg: ModelConfig, quant=None) -> Non
     --quantize asks. Anything else is refused by the option to change, before anything is written."""
     if not model_cfg.num_experts or (quant is None and cfg.quantize in (None, "none")):
         return
-    what = f"{cfg.checkpoint}: model_type {model_cfg.model_type!r} is a mixture-of-experts model, whose quantized experts"
+    what = (f"{cfg.checkpoint}: model_type {model_cfg.model_type!r} is a mixture-of-experts model, whose quantized "
+            "experts")
     if cfg.device == "cpu":
         if not cfg.use_cpu_kernels():
             raise ExportError(f"{what} run only in the CPU kernels, which this export does not use; export with them "

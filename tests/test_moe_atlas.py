@@ -26,9 +26,10 @@ def decisive_routers(path: str) -> None:
     """Rewrites each router of a random checkpoint as coefficients times one direction per layer (a permutation of
     -(E-1)/2 .. (E-1)/2 times a unit vector): a token's router logits are its projection on that vector times those
     coefficients, adjacent ones one projection apart, so the gap between the last chosen expert and the first one not
-    is 2 / (E - 1) of the largest logit's magnitude (0.29 at 8 experts), far from the near tie a float16 folder's check stops judging at (2x its 1e-2 limit). Which
-    experts a token picks follows the sign of its projection: the top or the bottom k. With random routers most steps
-    of a float16 replay are near ties, and a miswired graph would pass as "reported, not failed"."""
+    is 2 / (E - 1) of the largest logit's magnitude (0.29 at 8 experts), far from the near tie a float16 folder's check
+    stops judging at (2x its 1e-2 limit). Which experts a token picks follows the sign of its projection: the top or
+    the bottom k. With random routers most steps of a float16 replay are near ties, and a miswired graph would pass as
+    "reported, not failed"."""
     from safetensors.numpy import load_file, save_file
 
     rng = np.random.default_rng(0)
