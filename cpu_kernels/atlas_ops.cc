@@ -460,12 +460,11 @@ int grouped_matmul_v4(int nparam, void** params, int* ndims, int64_t** shapes, c
   if (shapes[1][1] != kk || shapes[2][0] != experts || shapes[y_at][0] != m || shapes[y_at][1] != nn) return 4;
   int64_t groups = 1;
   if (quant) {
-    for (int j = 3; j < 3 + (offset ? 2 : 1); ++j) {
+    for (int j = 3; j < 3 + (offset ? 2 : 1); ++j)
       if (ndims[j] == 2 ? shapes[j][0] != experts || shapes[j][1] != nn
                         : ndims[j] != 3 || shapes[j][0] != experts || shapes[j][2] != nn)
         return 4;
-      if (offset && (ndims[4] != ndims[3] || (ndims[3] == 3 && shapes[4][1] != shapes[3][1]))) return 4;
-    }
+    if (offset && (ndims[4] != ndims[3] || (ndims[3] == 3 && shapes[4][1] != shapes[3][1]))) return 4;
     groups = ndims[3] == 3 ? shapes[3][1] : 1;
     if (groups < 1 || kk % groups) return 4;
   }

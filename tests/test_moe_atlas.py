@@ -19,6 +19,7 @@ from export.checkpoints import open_checkpoint
 from export.checkpoints.random_checkpoint import make_checkpoint
 from export.config import ModelConfig
 from export.network.layers import ew_mul, ew_silu
+from test_atlas_fused import _export  # the fused tests' small Atlas export: float16, batch 2, blocks of 16
 from test_moe import CASES, _folder_weights, _rank_weights, _stack
 
 
@@ -57,17 +58,6 @@ def decisive_checkpoints(tmp_path_factory):
     return out
 
 
-def _atlas_export(checkpoint: str, out: str, **kw) -> str:
-    from export.config import ExportConfig
-    from export.pipeline import run_export
-
-    settings = dict(seq_length=32, batch_size=2, dtype="float16", device="atlas_800i_a2", prefill_buckets=(8,),
-                    block_size=16)
-    settings.update(kw)
-    run_export(ExportConfig(checkpoint=checkpoint, output=out, name=os.path.basename(out), **settings))
-    return out
-
-
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "qwen3_moe_step2"])
 def test_an_atlas_moe_folder_runs_ascends_moe_ops_and_passes_check(decisive_checkpoints, tmp_path, name):
     """--device atlas_800i_a2, float16: the fused form by default, its sparse layers through MoeGatingTopKSoftmax,
@@ -77,7 +67,7 @@ def test_an_atlas_moe_folder_runs_ascends_moe_ops_and_passes_check(decisive_chec
     from export.checkpoints.safetensors import stored_as
     from lite_runtime.check import run_check
 
-    folder = _atlas_export(decisive_checkpoints[name], str(tmp_path / "atlas"))
+    folder = _export(decisive_checkpoints[name], str(tmp_path / "atlas"))
     report = run_check(folder, "ms")
     assert report.passed, report.verdict()
     assert report.graph == "fused" and MOE_OPS <= set(report.standins), report.standins
@@ -99,7 +89,7 @@ def test_an_atlas_moe_folder_of_the_plain_form_passes_check(decisive_checkpoints
     Qwen2-MoE's shared expert in float16, nothing substituted."""
     from lite_runtime.check import run_check
 
-    folder = _atlas_export(decisive_checkpoints["qwen2_moe"], str(tmp_path / "duo"), device="atlas_300i_duo")
+    folder = _export(decisive_checkpoints["qwen2_moe"], str(tmp_path / "duo"), device="atlas_300i_duo")
     report = run_check(folder, "ms")
     assert report.passed, report.verdict()
     assert report.graph == "plain" and not report.standins
@@ -123,7 +113,7 @@ def test_a_miswired_fused_moe_fails_check(decisive_checkpoints, tmp_path, monkey
     from lite_runtime.check import run_check
 
     monkeypatch.setattr(moe.FusedExperts, "construct", _unpermute_by_row_idx)
-    report = run_check(_atlas_export(decisive_checkpoints["qwen3_moe"], str(tmp_path / "bad")), "ms")
+    report = run_check(_export(decisive_checkpoints["qwen3_moe"], str(tmp_path / "bad")), "ms")
     assert not report.passed
     assert "greedy tokens diverge" in report.verdict()
 
@@ -138,7 +128,7 @@ def test_a_fused_moe_folder_split_over_two_ranks_passes_check_under_msrun(decisi
     from test_tensor_parallel import check_under_msrun
 
     path = decisive_checkpoints["qwen2_moe"]
-    folder = _atlas_export(path, str(tmp_path / "tpmoe"), prefill_buckets=(16,), tp_size=2, quantize=quantize,
+    folder = _export(path, str(tmp_path / "tpmoe"), prefill_buckets=(16,), tp_size=2, quantize=quantize,
                            group_size=0 if quantize != "none" else None)
     where = open_checkpoint(path)
     share = ModelConfig.from_checkpoint(path).moe_intermediate_size // 2
@@ -163,11 +153,11 @@ def test_a_quantized_atlas_moe_folder_runs_grouped_matmuls_antiquant(decisive_ch
     (q [E, K, N], int4 two per byte along N; scales [E, 1, N] reshaped to [E, N]); check passes against the folder's
     integers with every step judged, and each expert's integers are the CPU folder's of the same rounding,
     transposed."""
-    from export.writers.stacked import transpose_block
+    from export.network.quantize import transpose_block
     from lite_runtime.check import run_check
 
     path = decisive_checkpoints[name]
-    folder = _atlas_export(path, str(tmp_path / "q"), quantize=f"int{bits}", group_size=0)
+    folder = _export(path, str(tmp_path / "q"), quantize=f"int{bits}", group_size=0)
     report = run_check(folder, "ms")
     assert report.passed, report.verdict()
     assert MOE_OPS <= set(report.standins) and all(r.routing_tie is None for r in report.rows)

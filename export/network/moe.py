@@ -103,10 +103,7 @@ class FusedExperts(nn.Cell):
     def _grouped(self, x, weight, counts, scale=None, offset=None):
         """x [M, K] rows grouped by expert, counts [E] int64 -> [M, N]; split_item 3, group_type 0 (M),
         group_list_type 1 (counts); a quantized weight's antiquant scale (and offset) [E, N]."""
-        if scale is None:
-            return self.grouped_matmul([x], [weight], None, None, None, None, None, None, counts, None, None, None,
-                                       3, 0, 1, 0, None)[0]
-        scales = [scale.reshape(scale.shape[0], scale.shape[2])]
+        scales = None if scale is None else [scale.reshape(scale.shape[0], scale.shape[2])]
         offsets = None if offset is None else [offset.reshape(offset.shape[0], offset.shape[2])]
         return self.grouped_matmul([x], [weight], None, None, None, scales, offsets, None, counts, None, None, None,
                                    3, 0, 1, 0, None)[0]

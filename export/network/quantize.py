@@ -264,6 +264,14 @@ def unpack_int4(packed: np.ndarray) -> np.ndarray:
     return q
 
 
+def transpose_block(block: np.ndarray, packed: bool = False) -> np.ndarray:
+    """One expert's [n, k] matrix as [k, n] (the Atlas fused form's stacks, export/writers/stacked.py), or back; int4
+    (`packed`: two per byte along the last axis, pack_int4) unpacked, transposed and packed along the new last axis."""
+    if packed:
+        return pack_int4(np.ascontiguousarray(unpack_int4(block).T))
+    return np.ascontiguousarray(block.T)
+
+
 def choose_group(requested: Optional[int], bits: int, inputs: List[int]) -> Tuple[int, Optional[str]]:
     """The group size every layer's input size (each rank's, under tensor parallelism) is a multiple of, and a note
     when it is not the one asked for: the requested (or default) size if it divides them all, else the largest power
@@ -495,8 +503,6 @@ class FolderMeaning:
         for part in parts:
             block = np.asarray(part[e])
             if self.transposed_experts and suffix == "":  # [k, n] back to the [n, k] below
-                from export.writers.stacked import transpose_block
-
                 block = transpose_block(block, packed)
             if halves == 2:  # this rank's gate or up half of its outputs
                 n = block.shape[along] // 2

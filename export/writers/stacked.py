@@ -19,6 +19,8 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
+from export.network.quantize import transpose_block
+
 # a stack: (shape, per expert the names concatenated, the axis they are concatenated along)
 Stack = Tuple[Tuple[int, ...], List[List[str]], int]
 
@@ -69,16 +71,6 @@ class _Rows:
         if isinstance(index, slice):
             return functools.partial(self._stack, index)
         return self._expert(index)
-
-
-def transpose_block(block: np.ndarray, packed: bool = False) -> np.ndarray:
-    """One expert's [n, k] matrix as [k, n] (the fused form's), or back; int4 (`packed`: two per byte along the last
-    axis, export/network/quantize.py pack_int4) unpacked, transposed and packed along the new last axis."""
-    if packed:
-        from export.network.quantize import pack_int4, unpack_int4
-
-        return pack_int4(np.ascontiguousarray(unpack_int4(block).T))
-    return np.ascontiguousarray(block.T)
 
 
 class StackedExperts:
@@ -145,16 +137,17 @@ def stack_experts(cfg, where: Dict[str, object], params: Dict[str, Tuple[Tuple[i
                 block = list(first[0])
                 block[axis] = sum(s[axis] for s in first)
                 shape = (cfg.num_experts, *block)
-                if not suffix and dtype in ("uint8", "qint4x2"):
+                pack = 2 if not suffix and dtype in ("uint8", "qint4x2") else 1  # int4 q: two values a byte
+                if pack == 2:
                     packed.append(name)
                 # a share's size along each per-expert axis, in values: the stack's (n, k) against one rank's
-                full = (block[0], block[1] * (2 if name in packed else 1))
+                full = (block[0], block[1] * pack)
                 rank = params[name][0][1:]
                 if transposed and not suffix:  # the network's [E, K, N(/2)]
-                    shape = (shape[0], full[1], full[0] // (2 if name in packed else 1))
-                    rank = (rank[1] * (2 if name in packed else 1), rank[0])
-                elif name in packed:
-                    rank = (rank[0], rank[1] * 2)
+                    shape = (shape[0], full[1], full[0] // pack)
+                    rank = (rank[1] * pack, rank[0])
+                else:
+                    rank = (rank[0], rank[1] * pack)
                 stacks[name] = (shape, experts, axis)
                 itemsize[name] = 1 if dtype in ("int8", "uint8", "qint4x2") else 2 if dtype in (
                     "float16", "bfloat16") else 4

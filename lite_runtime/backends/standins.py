@@ -177,9 +177,8 @@ def substitute(model, local_func: Callable[[str], str], where: str) -> Dict[str,
         node.op_type = "REF::" + prim.name
         shown = op[len("Inner"):] if op.startswith("Inner") else op  # InnerMoeTokenUnpermute: MoeTokenUnpermute
         done[shown] = done.get(shown, 0) + 1
-    if done:
+    if done:  # the int4 weights a stand-in reads (WeightQuantBatchMatmul's, GroupedMatmulV4's) as the bytes they are
         _rebuild(model, added)
-    if done.get("WeightQuantBatchMatmul") or done.get("GroupedMatmulV4"):
         _int4_as_bytes(model)
     return done
 
