@@ -117,8 +117,9 @@ def test_routing_is_softmax_top_k_in_float32(moe_checkpoints):
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
 def test_routing_margins_are_hfs_router_gaps(moe_checkpoints, name):
     """Each token's routing margin (the reference's, per new token, over the sparse layers) is, from HF's own router
-    logits (output_router_logits), the gap between the k-th and the (k+1)-th largest logit over the largest |logit|,
-    the smallest over the layers."""
+    (its input h caught by a hook, its logits by output_router_logits), the gap between the k-th and the (k+1)-th
+    largest logit over the larger of the largest |logit| and ||w_a - w_b|| ||h|| / sqrt(H) (a and b those two
+    experts), the smallest over the layers."""
     import torch
 
     path = moe_checkpoints[name]
@@ -129,14 +130,26 @@ def test_routing_margins_are_hfs_router_gaps(moe_checkpoints, name):
         mine = ref.routing_margins
     finally:
         ref.close()
+    model = hf_model(path)
+    inputs, hooks = [], []
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "gate") and not hasattr(layer.mlp, "gate_proj"):  # a sparse block's router
+            gate = layer.mlp.gate
+            hooks.append(gate.register_forward_hook(lambda m, a, out: inputs.append((a[0], m.weight))))
     with torch.no_grad():
-        out = hf_model(path)(torch.tensor([PROMPTS[0]]), output_router_logits=True)
+        out = model(torch.tensor([PROMPTS[0]]), output_router_logits=True)
+    for hook in hooks:
+        hook.remove()
     k = cfg.num_experts_per_tok
     gaps = []
-    for logits in out.router_logits:  # one [T, E] per sparse layer
-        top = np.sort(logits.double().numpy(), axis=-1)[:, ::-1]
-        gaps.append((top[:, k - 1] - top[:, k]) / np.abs(top).max(axis=-1))
-    assert len(gaps) == sum(cfg.sparse(i) for i in range(cfg.num_hidden_layers))
+    assert len(inputs) == len(out.router_logits) == sum(cfg.sparse(i) for i in range(cfg.num_hidden_layers))
+    for logits, (h, w) in zip(out.router_logits, inputs):  # one [T, E] per sparse layer
+        logits, h, w = (t.detach().double().numpy() for t in (logits, h.reshape(-1, h.shape[-1]), w))
+        order = np.argsort(-logits, axis=-1, kind="stable")
+        a, b = order[:, k - 1], order[:, k]
+        rows = np.arange(len(logits))
+        spread = np.linalg.norm(w[a] - w[b], axis=-1) * np.linalg.norm(h, axis=-1) / np.sqrt(h.shape[-1])
+        gaps.append((logits[rows, a] - logits[rows, b]) / np.maximum(np.abs(logits).max(axis=-1), spread))
     assert np.allclose(mine, np.min(gaps, axis=0), rtol=1e-4, atol=1e-6)
 
 

@@ -23,25 +23,35 @@ from test_atlas_fused import _export  # the fused tests' small Atlas export: flo
 from test_moe import CASES, _folder_weights, _rank_weights, _stack
 
 
-def decisive_routers(path: str) -> None:
-    """Rewrites each router of a random checkpoint as coefficients times one direction per layer (a permutation of
-    -(E-1)/2 .. (E-1)/2 times a unit vector): a token's router logits are its projection on that vector times those
-    coefficients, adjacent ones one projection apart, so the gap between the last chosen expert and the first one not
-    is 2 / (E - 1) of the largest logit's magnitude (0.29 at 8 experts), far from the near tie a float16 folder's check
-    stops judging at (2x its 1e-2 limit). Which experts a token picks follows the sign of its projection: the top or
-    the bottom k. With random routers most steps of a float16 replay are near ties, and a miswired graph would pass as
-    "reported, not failed"."""
+def decisive_routers(path: str, offset: float = 30.0) -> None:
+    """Rewrites a random checkpoint (untied head) so that every routing is decisive. Each router becomes coefficients
+    times one unit vector u shared by the layers (a permutation of -(E-1)/2 .. (E-1)/2 per layer), and each token's
+    embedding row gains +-offset * u (a sign per token): a token's router logits are its projection on u times those
+    coefficients, and that projection keeps its sign and stays far from 0 through the layers (the random layers add
+    about unit-sized parts to each coordinate of the residual stream). A token picks the top k experts or the bottom
+    k by that sign, the gap between the last chosen and the first one not chosen is one projection, 2 / (E - 1) of
+    the largest logit's magnitude, and the reference's routing margin (export/writers/reference.py
+    NumpyDecoder.routing: also relative to ||w_a - w_b|| ||h|| / sqrt(H), the gap's size for an h of no particular
+    direction) is far from the near tie a float16 folder's check stops judging at (2x its 1e-2 limit). With random
+    routers most steps of a float16 replay are near ties, and a miswired graph would pass as "reported, not
+    failed"."""
     from safetensors.numpy import load_file, save_file
 
     rng = np.random.default_rng(0)
-    for f in glob.glob(os.path.join(path, "*.safetensors")):
+    u = None
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         tensors = load_file(f)
         for name, w in tensors.items():
+            if name.endswith(".mlp.gate.weight") or name == "model.embed_tokens.weight":
+                if u is None:
+                    u = rng.standard_normal(w.shape[1])
+                    u /= np.linalg.norm(u)
             if name.endswith(".mlp.gate.weight"):
-                e, h = w.shape
-                u = rng.standard_normal(h)
-                coef = rng.permutation(np.arange(e) - (e - 1) / 2)
-                tensors[name] = (coef[:, None] * (u / np.linalg.norm(u))[None]).astype(w.dtype)
+                coef = rng.permutation(np.arange(w.shape[0]) - (w.shape[0] - 1) / 2)
+                tensors[name] = (coef[:, None] * u[None]).astype(w.dtype)
+            elif name == "model.embed_tokens.weight":
+                sign = rng.choice([-1.0, 1.0], size=w.shape[0])
+                tensors[name] = (w + offset * sign[:, None] * u[None]).astype(w.dtype)
         save_file(tensors, f, metadata={"format": "pt"})
 
 
@@ -53,7 +63,7 @@ def decisive_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_decisive")
     out = {}
     for name in ("qwen3_moe", "qwen2_moe", "qwen3_moe_step2"):
-        out[name] = make_checkpoint(str(root / name), seed=7, **CASES[name])
+        out[name] = make_checkpoint(str(root / name), seed=7, tie_word_embeddings=False, **CASES[name])
         decisive_routers(out[name])
     return out
 

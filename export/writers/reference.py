@@ -373,10 +373,14 @@ class NumpyDecoder:
         router's logits), the chosen experts [T, k] in descending probability, their weights [T, k] (divided by their
         sum with norm_topk_prob)). Equal probabilities go to the lower expert index (a stable sort).
 
-        Each token's routing margin, the router logits' gap between the last chosen expert and the first one not
-        chosen relative to their largest magnitude, lowers `routing_margins` (forward's, per new token): a device
-        whose logits are off by that much relative may choose another expert there (lite_runtime/golden.py
-        RowResult.judge)."""
+        Each token's routing margin, the router logits' gap between the last chosen expert a and the first one not
+        chosen b relative to the logits' scale, lowers `routing_margins` (forward's, per new token): a device whose
+        logits are off by that much relative may choose another expert there (lite_runtime/golden.py
+        RowResult.judge). The scale is the largest |logit|, but never less than ||w_a - w_b|| ||h|| / sqrt(H), the
+        size the gap (w_a - w_b) . h has for an h of no particular direction: a device's h is off by a small part of
+        ||h|| in no particular direction, and that moves the gap by that part of this size however small the logits
+        are. A token whose logits nearly cancel (h almost orthogonal to the router rows) is a near tie by this
+        measure; relative to its largest |logit| alone it could look decisive (docs/checking.md)."""
         logits = self._linear(h, p + "gate")
         probs = _softmax(logits)  # float32 in, float32 out
         k = self.cfg.num_experts_per_tok
@@ -385,8 +389,12 @@ class NumpyDecoder:
         margins = self.routing_margins
         if margins is not None and len(margins) == len(logits) and k < probs.shape[1]:
             edge = np.take_along_axis(logits, order[:, k - 1:k + 1], axis=-1).astype(np.float64)  # [T, 2]
-            gap = (edge[:, 0] - edge[:, 1]) / np.maximum(np.abs(logits).max(axis=-1), 1e-30)
-            np.minimum(margins, gap, out=margins)
+            router = self.where[p + "gate.weight"].stored(p + "gate.weight")  # [X, H]: small, widened whole
+            w = self.matmul._widen(_rows(router, 0, router.shape[0]), np.empty(router.shape, np.float32))
+            pair = w[order[:, k - 1]].astype(np.float64) - w[order[:, k]]  # [T, H]: w_a - w_b per token
+            spread = np.linalg.norm(pair, axis=-1) * np.linalg.norm(h.astype(np.float64), axis=-1) / np.sqrt(h.shape[1])
+            scale = np.maximum(np.maximum(np.abs(logits).max(axis=-1), spread), 1e-30)
+            np.minimum(margins, (edge[:, 0] - edge[:, 1]) / scale, out=margins)
         weights = np.take_along_axis(probs, chosen, axis=-1)
         if self.cfg.norm_topk_prob:
             weights = weights / np.sum(weights, axis=-1, keepdims=True)
