@@ -649,6 +649,39 @@ void each_band(const QuantWeight& w, int64_t rows, const float* b, float* y, int
   if (o1 > n16) tail(std::max(o0, n16), o1);
 }
 
+// How many bands one row of x reads at once (qbands_r16_vnni_row, qbands_r16_avx2_row: one stream of weights each): 4
+// on Intel's CPUs, 2 on others (the AVX2 form at most 2); MSLITE_LLM_CPU_KERNELS_INT4_STREAMS (1 to 4, read at load)
+// sets it, for tests and benchmarks
+int row_streams() {
+  static const int streams = [] {
+    const char* env = std::getenv("MSLITE_LLM_CPU_KERNELS_INT4_STREAMS");
+    const int n = env != nullptr ? std::atoi(env) : 0;
+    return n >= 1 && n <= 4 ? n : __builtin_cpu_is("intel") ? 4 : 2;
+  }();
+  return streams;
+}
+
+// Outputs [o0, o1) of a banded weight for one row of x: the whole bands inside in `streams` runs of consecutive
+// bands, band j of every run computed together by bands(os, count) (os: the bands' first outputs), the partial bands
+// at the edges and the rows past the bands by edges(t0, t1). False (nothing done) with fewer than two whole bands.
+template <class Bands, class Edges>
+bool each_band_streams(const QuantWeight& w, int64_t o0, int64_t o1, int streams, Bands&& bands, Edges&& edges) {
+  const int64_t first = (o0 + 15) / 16 * 16, last = std::min(o1, w.n - w.n % 16) / 16 * 16;
+  const int64_t whole = last > first ? (last - first) / 16 : 0;
+  if (whole < 2 || streams < 2) return false;
+  const int64_t run = (whole + streams - 1) / streams;  // bands per stream
+  for (int64_t j = 0; j < run; ++j) {
+    int64_t os[4];
+    int count = 0;
+    for (int s = 0; s < streams && s < 4; ++s)
+      if (s * run + j < whole) os[count++] = first + (s * run + j) * 16;
+    bands(os, count);
+  }
+  if (first > o0) edges(o0, first);
+  if (o1 > last) edges(last, o1);
+  return true;
+}
+
 // The AVX2 form (vpmaddubsw): per block of 32 inputs, run j's 64 bytes are two ymm, rows 0-7 and 8-15 of the band,
 // lane r 4 bytes of one weight row; their nibbles (q + 8 in 0..15, as qtile8_avx2's: the byte xor 0x88, then and and
 // shift) against 4 of x's bytes broadcast, in pairs into int16 lanes (vpmaddubsw), the block's 8 such products per lane
@@ -716,6 +749,64 @@ MSLLM_AVX2 void qband_r16_avx2(const QuantWeight& w, int64_t m0, int64_t o, cons
   }
 }
 
+// One row of x against B (1 or 2: the accumulators of more spill out of the 16 ymm) whole bands at once, each as
+// qband_r16_avx2<1> computes it: B streams of weights per thread, as qbands_r16_vnni_row (below) and for the same
+// reason (on the Intel Xeon of that measurement, its AVX2 form: docs/performance-log.md 45)
+template <int B>
+MSLLM_AVX2 void qbands_r16_avx2_row(const QuantWeight& w, int64_t m, const int64_t* os, const float* b, float* y,
+                                    int64_t ldy) {
+  const PreparedX& x = *w.x;
+  const int64_t per = w.group / QBLOCK, blocks = w.k / QBLOCK;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(char(0x88)), ones = _mm256_set1_epi16(1);
+  const uint8_t* band[B];
+#pragma GCC unroll 2
+  for (int i = 0; i < B; ++i) band[i] = static_cast<const uint8_t*>(w.q) + os[i] * (w.k / 2);
+  const int8_t* xb = x.xb.data() + m * 2 * w.k;
+  const float* bs = block_scales(x, m);
+  __m256 total[B][2];
+#pragma GCC unroll 2
+  for (int i = 0; i < B; ++i) total[i][0] = total[i][1] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    __m256i sum[B][2];
+#pragma GCC unroll 2
+    for (int i = 0; i < B; ++i) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const int8_t* even = xb + (blk >> 1) * 128 + (blk & 1) * 16 + 4 * j;  // as qband_r16_avx2's
+      int32_t e4, o4;
+      std::memcpy(&e4, even, 4);
+      std::memcpy(&o4, even + 64, 4);
+      const __m256i e = _mm256_set1_epi32(e4), od = _mm256_set1_epi32(o4);
+#pragma GCC unroll 2
+      for (int i = 0; i < B; ++i)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i raw = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(band[i] + blk * 256 + j * 64 + h * 32)), flip);
+          const __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+          sum[i][h] = _mm256_add_epi16(sum[i][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, e),
+                                                                   _mm256_maddubs_epi16(hi, od)));
+        }
+    }
+    const __m256 xs = _mm256_set1_ps(bs[blk]);
+#pragma GCC unroll 2
+    for (int i = 0; i < B; ++i) {
+      const float* ws = w.scale + (blk / per) * w.n + os[i];
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h)
+        total[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[i][h], ones)),
+                                      _mm256_mul_ps(xs, _mm256_loadu_ps(ws + 8 * h)), total[i][h]);
+    }
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < B; ++i)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256 bias = b != nullptr ? _mm256_loadu_ps(b + os[i] + 8 * h) : _mm256_setzero_ps();
+      _mm256_storeu_ps(y + m * ldy + os[i] + 8 * h, _mm256_add_ps(total[i][h], bias));
+    }
+}
+
 MSLLM_AVX2 void qband_rows_r16_avx2(const QuantWeight& w, int64_t rows, int64_t o, const float* bo, float* yo,
                                     int64_t ldy) {
   for (int64_t m = 0; m < rows; m += 2) {
@@ -752,10 +843,21 @@ MSLLM_AVX2 void qrows_avx2(const float*, int64_t rows, const void* wv, const flo
   const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
   if (!w.x->int16 || (w.r16 && !w.x->int8)) return qrows_float(w, rows, b, y, ldy, o0, o1);
   if (w.r16) {
-    each_band(
-        w, rows, b, y, ldy, o0, o1,
-        [&](int64_t m, int64_t o, const float* bo, float* yo, int64_t ld) { qband_rows_r16_avx2(w, m, o, bo, yo, ld); },
-        [&](int64_t t0, int64_t t1) { qrows8_avx2(w, rows, b, y, ldy, t0, t1); });
+    const auto banded = [&](int64_t t0, int64_t t1) {
+      each_band(
+          w, rows, b, y, ldy, t0, t1,
+          [&](int64_t m, int64_t o, const float* bo, float* yo, int64_t ld) {
+            qband_rows_r16_avx2(w, m, o, bo, yo, ld);
+          },
+          [&](int64_t t2, int64_t t3) { qrows8_avx2(w, rows, b, y, ldy, t2, t3); });
+    };
+    const auto streamed = [&](const int64_t* os, int count) {
+      if (count == 2)
+        qbands_r16_avx2_row<2>(w, 0, os, b, y, ldy);
+      else
+        qbands_r16_avx2_row<1>(w, 0, os, b, y, ldy);
+    };
+    if (rows != 1 || !each_band_streams(w, o0, o1, std::min(row_streams(), 2), streamed, banded)) banded(o0, o1);
   } else if (w.x->int8) {
     qrows8_avx2(w, rows, b, y, ldy, o0, o1);
   } else if (w.x->exact) {
@@ -1102,6 +1204,63 @@ MSLLM_AVX512_VNNI void qband_r16_vnni(const QuantWeight& w, int64_t m0, int64_t 
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(yo + (m0 + r) * ldy, _mm512_add_ps(total[r], bias));
 }
 
+// One row of x against B whole bands at once (os[i]: band i's first output), each band's blocks as qband_r16_vnni<1>
+// computes them (the same integers, scales and order of sums): B sequential streams of weights per thread. Where the
+// arithmetic between loads holds one stream back (the hardware prefetcher runs only so far ahead of it), more streams
+// keep more of the reads in flight. Measured on an Intel Xeon (AVX-512 VNNI, AMX; 2 threads, out of cache, the 7B
+// shapes' int4 matrices, alternating in fresh processes): one row at 10-12 GB/s with one stream, 11-14 with two,
+// 13-16 with four, where a plain read does 17-20 (docs/performance-log.md 45). On the AMD EPYC (Zen 4) of the int8
+// tiles' measurement (qrows_vnni_t) 4 streams a thread read 10 % slower than 2 and 2 as fast as 1: so 4 streams on
+// Intel's CPUs, 2 elsewhere (row_streams, each_band_streams).
+template <int B>
+MSLLM_AVX512_VNNI void qbands_r16_vnni_row(const QuantWeight& w, int64_t m, const int64_t* os, const float* b,
+                                           float* y, int64_t ldy) {
+  const PreparedX& x = *w.x;
+  const int64_t groups = w.k / w.group, per = w.group / QBLOCK;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(0x08);
+  const uint8_t* band[B];
+#pragma GCC unroll 4
+  for (int i = 0; i < B; ++i) band[i] = static_cast<const uint8_t*>(w.q) + os[i] * (w.k / 2);
+  const int8_t* xb = x.xb.data() + m * 2 * w.k;
+  const float* bs = block_scales(x, m);
+  __m512 total[B];
+#pragma GCC unroll 4
+  for (int i = 0; i < B; ++i) total[i] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m512 acc[B];
+#pragma GCC unroll 4
+    for (int i = 0; i < B; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t blk = gi * per; blk < (gi + 1) * per; ++blk) {
+      const int8_t* even = xb + (blk >> 1) * 128 + (blk & 1) * 16;  // as qband_r16_vnni's
+      const __m512 scale = _mm512_set1_ps(bs[blk]);
+#pragma GCC unroll 4
+      for (int i = 0; i < B; ++i) {
+        const uint8_t* wp = band[i] + blk * 256;
+        __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          const __m512i raw = _mm512_loadu_si512(wp + j * 64);
+          int32_t e4, o4;
+          std::memcpy(&e4, even + 4 * j, 4);
+          std::memcpy(&o4, even + 64 + 4 * j, 4);
+          d0 = _mm512_dpbusd_epi32(d0, _mm512_ternarylogic_epi32(raw, nibble, eight, 0x6A), _mm512_set1_epi32(e4));
+          d1 = _mm512_dpbusd_epi32(d1, _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), nibble, eight, 0x6A),
+                                   _mm512_set1_epi32(o4));
+        }
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), scale, acc[i]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < B; ++i)
+      total[i] = _mm512_fmadd_ps(acc[i], _mm512_loadu_ps(w.scale + gi * w.n + os[i]), total[i]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < B; ++i) {
+    const __m512 bias = b != nullptr ? _mm512_loadu_ps(b + os[i]) : _mm512_setzero_ps();
+    _mm512_storeu_ps(y + m * ldy + os[i], _mm512_add_ps(total[i], bias));
+  }
+}
+
 MSLLM_AVX512_VNNI void qband_rows_r16_vnni(const QuantWeight& w, int64_t rows, int64_t o, const float* bo, float* yo,
                                            int64_t ldy) {
   for (int64_t m = 0; m < rows; m += 4) {
@@ -1119,10 +1278,23 @@ MSLLM_AVX512_VNNI void qrows_vnni(const float*, int64_t rows, const void* wv, co
   const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
   if (!w.x->int16 || (w.r16 && !w.x->int8)) return qrows_float(w, rows, b, y, ldy, o0, o1);
   if (w.r16) {
-    each_band(
-        w, rows, b, y, ldy, o0, o1,
-        [&](int64_t m, int64_t o, const float* bo, float* yo, int64_t ld) { qband_rows_r16_vnni(w, m, o, bo, yo, ld); },
-        [&](int64_t t0, int64_t t1) { qrows8_vnni(w, rows, b, y, ldy, t0, t1); });
+    const auto banded = [&](int64_t t0, int64_t t1) {
+      each_band(
+          w, rows, b, y, ldy, t0, t1,
+          [&](int64_t m, int64_t o, const float* bo, float* yo, int64_t ld) {
+            qband_rows_r16_vnni(w, m, o, bo, yo, ld);
+          },
+          [&](int64_t t2, int64_t t3) { qrows8_vnni(w, rows, b, y, ldy, t2, t3); });
+    };
+    const auto streamed = [&](const int64_t* os, int count) {
+      switch (count) {
+        case 4: qbands_r16_vnni_row<4>(w, 0, os, b, y, ldy); break;
+        case 3: qbands_r16_vnni_row<3>(w, 0, os, b, y, ldy); break;
+        case 2: qbands_r16_vnni_row<2>(w, 0, os, b, y, ldy); break;
+        default: qbands_r16_vnni_row<1>(w, 0, os, b, y, ldy); break;
+      }
+    };
+    if (rows != 1 || !each_band_streams(w, o0, o1, row_streams(), streamed, banded)) banded(o0, o1);
   } else if (w.x->int8) {
     qrows8_vnni(w, rows, b, y, ldy, o0, o1);
   } else if (w.x->exact) {

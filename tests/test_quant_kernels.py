@@ -500,6 +500,26 @@ def test_the_avx2_path_gives_the_same_answers():
     """)
 
 
+@pytest.mark.parametrize("streams", [1, 2, 3, 4])
+def test_int4_bands_of_one_row_in_any_number_of_streams(streams):
+    """One row of x against banded int4 on AVX-512 VNNI reads whole bands in several streams at once (4 on Intel's
+    CPUs, 2 on others; MSLITE_LLM_CPU_KERNELS_INT4_STREAMS forces each, in a new process): every count gives the
+    row-major op's answer as the one-stream form does (88 outputs: 5 bands and a tail, runs of unequal length)."""
+    if cpu_kernels.quant_form() != "avx512_vnni":
+        pytest.skip(f"the AVX-512 VNNI form does not run here ({cpu_kernels.quant_form()})")
+    os.environ["MSLITE_LLM_CPU_KERNELS_INT4_STREAMS"] = str(streams)
+    try:
+        run_on_path("native", """
+            import sys  # "native": the CPU's own path (not a name the library knows)
+            import cpu_kernels, test_quant_kernels as t
+            if cpu_kernels.quant_form() != "avx512_vnni":
+                sys.exit(f"form {cpu_kernels.quant_form()}")
+            t.test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer()
+        """)
+    finally:
+        del os.environ["MSLITE_LLM_CPU_KERNELS_INT4_STREAMS"]
+
+
 def test_the_quantized_decode_form_is_named_by_the_cpu():
     """cpu_kernels.quant_form(): avx512_vnni on an AVX-512 CPU with VNNI (BW, VL), avx2 on other x86 CPUs."""
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
@@ -563,7 +583,7 @@ def test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer():
                                                             cpu_kernels.quant_form() in ("avx512_vnni", "avx2"))
             for k, g in ((256, 64), (576, 64), (896, 128), (256, 32), (576, 576)):
                 for n, m, with_offset in ((1, 1, True), (7, 2, False), (16, 1, False), (33, 3, True), (40, 4, False),
-                                          (300, 1, True), (300, 5, False), (33, 16, True), (40, 17, False),
+                                          (88, 1, False), (300, 1, True), (300, 5, False), (33, 16, True), (40, 17, False),
                                           (300, 40, True)):
                     x, q, scale, offset = case(rng, 4, m, n, k, k // g, with_offset)
                     r = q.copy()
