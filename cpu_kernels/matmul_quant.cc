@@ -682,6 +682,16 @@ bool each_band_streams(const QuantWeight& w, int64_t o0, int64_t o1, int streams
   return true;
 }
 
+// Outputs [o0, o1) of a banded weight for `rows` rows of x, as each ISA's form computes them: one row in `streams`
+// streams (each_band_streams, streamed(os, count)) where it can, else band by band (each_band: band_rows(rows, o, bo,
+// yo, ldy)), the rows past the bands by row_major(t0, t1)
+template <class BandRows, class Streamed, class RowMajor>
+void run_bands(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy, int64_t o0, int64_t o1,
+               int streams, BandRows&& band_rows, Streamed&& streamed, RowMajor&& row_major) {
+  const auto banded = [&](int64_t t0, int64_t t1) { each_band(w, rows, b, y, ldy, t0, t1, band_rows, row_major); };
+  if (rows != 1 || !each_band_streams(w, o0, o1, streams, streamed, banded)) banded(o0, o1);
+}
+
 // The AVX2 form (vpmaddubsw): per block of 32 inputs, run j's 64 bytes are two ymm, rows 0-7 and 8-15 of the band,
 // lane r 4 bytes of one weight row; their nibbles (q + 8 in 0..15, as qtile8_avx2's: the byte xor 0x88, then and and
 // shift) against 4 of x's bytes broadcast, in pairs into int16 lanes (vpmaddubsw), the block's 8 such products per lane
@@ -843,21 +853,16 @@ MSLLM_AVX2 void qrows_avx2(const float*, int64_t rows, const void* wv, const flo
   const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
   if (!w.x->int16 || (w.r16 && !w.x->int8)) return qrows_float(w, rows, b, y, ldy, o0, o1);
   if (w.r16) {
-    const auto banded = [&](int64_t t0, int64_t t1) {
-      each_band(
-          w, rows, b, y, ldy, t0, t1,
-          [&](int64_t m, int64_t o, const float* bo, float* yo, int64_t ld) {
-            qband_rows_r16_avx2(w, m, o, bo, yo, ld);
-          },
-          [&](int64_t t2, int64_t t3) { qrows8_avx2(w, rows, b, y, ldy, t2, t3); });
-    };
-    const auto streamed = [&](const int64_t* os, int count) {
-      if (count == 2)
-        qbands_r16_avx2_row<2>(w, 0, os, b, y, ldy);
-      else
-        qbands_r16_avx2_row<1>(w, 0, os, b, y, ldy);
-    };
-    if (rows != 1 || !each_band_streams(w, o0, o1, std::min(row_streams(), 2), streamed, banded)) banded(o0, o1);
+    run_bands(
+        w, rows, b, y, ldy, o0, o1, std::min(row_streams(), 2),
+        [&](int64_t n, int64_t o, const float* bo, float* yo, int64_t ld) { qband_rows_r16_avx2(w, n, o, bo, yo, ld); },
+        [&](const int64_t* os, int count) {
+          if (count == 2)
+            qbands_r16_avx2_row<2>(w, 0, os, b, y, ldy);
+          else
+            qbands_r16_avx2_row<1>(w, 0, os, b, y, ldy);
+        },
+        [&](int64_t t0, int64_t t1) { qrows8_avx2(w, rows, b, y, ldy, t0, t1); });
   } else if (w.x->int8) {
     qrows8_avx2(w, rows, b, y, ldy, o0, o1);
   } else if (w.x->exact) {
@@ -1278,23 +1283,18 @@ MSLLM_AVX512_VNNI void qrows_vnni(const float*, int64_t rows, const void* wv, co
   const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
   if (!w.x->int16 || (w.r16 && !w.x->int8)) return qrows_float(w, rows, b, y, ldy, o0, o1);
   if (w.r16) {
-    const auto banded = [&](int64_t t0, int64_t t1) {
-      each_band(
-          w, rows, b, y, ldy, t0, t1,
-          [&](int64_t m, int64_t o, const float* bo, float* yo, int64_t ld) {
-            qband_rows_r16_vnni(w, m, o, bo, yo, ld);
-          },
-          [&](int64_t t2, int64_t t3) { qrows8_vnni(w, rows, b, y, ldy, t2, t3); });
-    };
-    const auto streamed = [&](const int64_t* os, int count) {
-      switch (count) {
-        case 4: qbands_r16_vnni_row<4>(w, 0, os, b, y, ldy); break;
-        case 3: qbands_r16_vnni_row<3>(w, 0, os, b, y, ldy); break;
-        case 2: qbands_r16_vnni_row<2>(w, 0, os, b, y, ldy); break;
-        default: qbands_r16_vnni_row<1>(w, 0, os, b, y, ldy); break;
-      }
-    };
-    if (rows != 1 || !each_band_streams(w, o0, o1, row_streams(), streamed, banded)) banded(o0, o1);
+    run_bands(
+        w, rows, b, y, ldy, o0, o1, row_streams(),
+        [&](int64_t n, int64_t o, const float* bo, float* yo, int64_t ld) { qband_rows_r16_vnni(w, n, o, bo, yo, ld); },
+        [&](const int64_t* os, int count) {
+          switch (count) {
+            case 4: qbands_r16_vnni_row<4>(w, 0, os, b, y, ldy); break;
+            case 3: qbands_r16_vnni_row<3>(w, 0, os, b, y, ldy); break;
+            case 2: qbands_r16_vnni_row<2>(w, 0, os, b, y, ldy); break;
+            default: qbands_r16_vnni_row<1>(w, 0, os, b, y, ldy); break;
+          }
+        },
+        [&](int64_t t0, int64_t t1) { qrows8_vnni(w, rows, b, y, ldy, t0, t1); });
   } else if (w.x->int8) {
     qrows8_vnni(w, rows, b, y, ldy, o0, o1);
   } else if (w.x->exact) {
