@@ -583,8 +583,8 @@ def test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer():
                                                             cpu_kernels.quant_form() in ("avx512_vnni", "avx2"))
             for k, g in ((256, 64), (576, 64), (896, 128), (256, 32), (576, 576)):
                 for n, m, with_offset in ((1, 1, True), (7, 2, False), (16, 1, False), (33, 3, True), (40, 4, False),
-                                          (88, 1, False), (300, 1, True), (300, 5, False), (33, 16, True), (40, 17, False),
-                                          (300, 40, True)):
+                                          (88, 1, False), (300, 1, True), (300, 5, False), (33, 16, True),
+                                          (40, 17, False), (300, 40, True)):
                     x, q, scale, offset = case(rng, 4, m, n, k, k // g, with_offset)
                     r = q.copy()
                     cpu_kernels.repack_int4_r16(r)
