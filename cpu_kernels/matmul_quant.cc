@@ -649,7 +649,15 @@ void each_band(const QuantWeight& w, int64_t rows, const float* b, float* y, int
   if (o1 > n16) tail(std::max(o0, n16), o1);
 }
 
-// How many bands one row of x reads at once (qbands_r16_vnni_row, qbands_r16_avx2_row: one stream of weights each): 4
+// x's inputs 4j..4j+3 of block blk's even ones and of its odd ones, as the int32s a band's lanes are broadcast
+// (PreparedX xb's int8 layout: per 64 inputs, 32 evens twice, then 32 odds twice)
+inline void x_quads(const int8_t* xb, int64_t blk, int j, int32_t* e4, int32_t* o4) {
+  const int8_t* even = xb + (blk >> 1) * 128 + (blk & 1) * 16 + 4 * j;
+  std::memcpy(e4, even, 4);
+  std::memcpy(o4, even + 64, 4);
+}
+
+// How many bands one row of x reads at once (qbands_r16_vnni<1, B>, qbands_r16_avx2_row: one stream of weights each): 4
 // on Intel's CPUs, 2 on others (the AVX2 form at most 2); MSLITE_LLM_CPU_KERNELS_INT4_STREAMS (1 to 4, read at load)
 // sets it, for tests and benchmarks
 int row_streams() {
@@ -724,10 +732,8 @@ MSLLM_AVX2 void qband_r16_avx2(const QuantWeight& w, int64_t m0, int64_t o, cons
       __m256i e[R], od[R];  // x's even and odd inputs 4j..4j+3 of the block (PreparedX xb's int8 layout), broadcast
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const int8_t* even = xb[r] + (blk >> 1) * 128 + (blk & 1) * 16 + 4 * j;
         int32_t e4, o4;
-        std::memcpy(&e4, even, 4);
-        std::memcpy(&o4, even + 64, 4);
+        x_quads(xb[r], blk, j, &e4, &o4);
         e[r] = _mm256_set1_epi32(e4), od[r] = _mm256_set1_epi32(o4);
       }
 #pragma GCC unroll 2
@@ -760,7 +766,7 @@ MSLLM_AVX2 void qband_r16_avx2(const QuantWeight& w, int64_t m0, int64_t o, cons
 }
 
 // One row of x against B (1 or 2: the accumulators of more spill out of the 16 ymm) whole bands at once, each as
-// qband_r16_avx2<1> computes it: B streams of weights per thread, as qbands_r16_vnni_row (below) and for the same
+// qband_r16_avx2<1> computes it: B streams of weights per thread, as qbands_r16_vnni (below) and for the same
 // reason (on the Intel Xeon of that measurement, its AVX2 form: docs/performance-log.md 45)
 template <int B>
 MSLLM_AVX2 void qbands_r16_avx2_row(const QuantWeight& w, int64_t m, const int64_t* os, const float* b, float* y,
@@ -782,10 +788,8 @@ MSLLM_AVX2 void qbands_r16_avx2_row(const QuantWeight& w, int64_t m, const int64
     for (int i = 0; i < B; ++i) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const int8_t* even = xb + (blk >> 1) * 128 + (blk & 1) * 16 + 4 * j;  // as qband_r16_avx2's
       int32_t e4, o4;
-      std::memcpy(&e4, even, 4);
-      std::memcpy(&o4, even + 64, 4);
+      x_quads(xb, blk, j, &e4, &o4);
       const __m256i e = _mm256_set1_epi32(e4), od = _mm256_set1_epi32(o4);
 #pragma GCC unroll 2
       for (int i = 0; i < B; ++i)
@@ -1152,128 +1156,92 @@ MSLLM_AVX512_VNNI void qrows8_vnni(const QuantWeight& w, int64_t rows, const flo
 // conversion and one FMA (times the block's x scale) per block serve 16 weight rows, where the row-major form spends
 // them per 4 lanes of one row; and a band is 16 rows' bytes in the order they are stored, one sequential stream for
 // the hardware prefetcher (no software prefetch). The same integers, scales and per-group order of sums as
-// qtile8_vnni; the float sums in another order. R rows of x (R <= 4) share the band's unpacked block.
+// qtile8_vnni; the float sums in another order.
 // (docs/performance-log.md 41, the 7B shapes, 2 threads, out of cache: 1 row 1.19-1.48x the row-major form, 4 rows
 // level, 16 rows 1.41-1.58x; the 7B int4 decode 1.48x.)
-// Band o's 16 outputs of rows [m0, m0 + R): yo[m * ldy + c] for output o + c (yo: where output o of row 0 goes), with
-// bo[c] added (bo null: none)
-template <int R>
-MSLLM_AVX512_VNNI void qband_r16_vnni(const QuantWeight& w, int64_t m0, int64_t o, const float* bo, float* yo,
-                                      int64_t ldy) {
-  const PreparedX& x = *w.x;
-  const int64_t groups = w.k / w.group, per = w.group / QBLOCK;
-  const uint8_t* band = static_cast<const uint8_t*>(w.q) + o * (w.k / 2);
-  const __m512i nibble = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(0x08);
-  const int8_t* xb[R];
-  const float* bs[R];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) xb[r] = x.xb.data() + (m0 + r) * 2 * w.k, bs[r] = block_scales(x, m0 + r);
-  __m512 total[R];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
-  for (int64_t gi = 0; gi < groups; ++gi) {
-    __m512 acc[R];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t blk = gi * per; blk < (gi + 1) * per; ++blk) {
-      const uint8_t* wp = band + blk * 256;
-      __m512i lo[4], hi[4];
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const __m512i raw = _mm512_loadu_si512(wp + j * 64);
-        lo[j] = _mm512_ternarylogic_epi32(raw, nibble, eight, 0x6A);  // (a & 0x0F) ^ 0x08, as qtile8_vnni's
-        hi[j] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), nibble, eight, 0x6A);
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        // block blk's 16 even inputs in x's int8 layout (PreparedX xb: per 64 inputs, 32 evens twice, 32 odds twice)
-        const int8_t* even = xb[r] + (blk >> 1) * 128 + (blk & 1) * 16;
-        __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
-          int32_t e4, o4;
-          std::memcpy(&e4, even + 4 * j, 4);
-          std::memcpy(&o4, even + 64 + 4 * j, 4);
-          d0 = _mm512_dpbusd_epi32(d0, lo[j], _mm512_set1_epi32(e4));
-          d1 = _mm512_dpbusd_epi32(d1, hi[j], _mm512_set1_epi32(o4));
-        }
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), _mm512_set1_ps(bs[r][blk]), acc[r]);
-      }
-    }
-    const __m512 s = _mm512_loadu_ps(w.scale + gi * w.n + o);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) total[r] = _mm512_fmadd_ps(acc[r], s, total[r]);
-  }
-  const __m512 bias = bo ? _mm512_loadu_ps(bo) : _mm512_setzero_ps();
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(yo + (m0 + r) * ldy, _mm512_add_ps(total[r], bias));
-}
-
-// One row of x against B whole bands at once (os[i]: band i's first output), each band's blocks as qband_r16_vnni<1>
-// computes them (the same integers, scales and order of sums): B sequential streams of weights per thread. Where the
-// arithmetic between loads holds one stream back (the hardware prefetcher runs only so far ahead of it), more streams
-// keep more of the reads in flight. Measured on an Intel Xeon (AVX-512 VNNI, AMX; 2 threads, out of cache, the 7B
-// shapes' int4 matrices, alternating in fresh processes): one row at 10-12 GB/s with one stream, 11-14 with two,
-// 13-16 with four, where a plain read does 17-20 (docs/performance-log.md 45). On the AMD EPYC (Zen 4) of the int8
-// tiles' measurement (qrows_vnni_t) 4 streams a thread read 10 % slower than 2 and 2 as fast as 1: so 4 streams on
-// Intel's CPUs, 2 elsewhere (row_streams, each_band_streams).
-template <int B>
-MSLLM_AVX512_VNNI void qbands_r16_vnni_row(const QuantWeight& w, int64_t m, const int64_t* os, const float* b,
-                                           float* y, int64_t ldy) {
+// Rows [m0, m0 + R) of x against B bands at once (band i: outputs os[i] .. os[i] + 15, written at yo[i][m * ldy + c],
+// yo[i]: where output os[i] of row 0 goes, with bo[i][c] added, bo[i] null: none). R rows share each band's unpacked
+// block; B bands are B sequential streams of weights per thread. Where the arithmetic between loads holds one stream
+// back (the hardware prefetcher runs only so far ahead of it), more streams keep more of the reads in flight. Measured
+// on an Intel Xeon (AVX-512 VNNI, AMX; 2 threads, out of cache, the 7B shapes' int4 matrices, alternating in fresh
+// processes): one row at 10-12 GB/s with one stream, 11-14 with two, 13-16 with four, where a plain read does 17-20
+// (docs/performance-log.md 45). On the AMD EPYC (Zen 4) of the int8 tiles' measurement (qrows_vnni_t) 4 streams a
+// thread read 10 % slower than 2 and 2 as fast as 1: so 4 streams on Intel's CPUs, 2 elsewhere (row_streams,
+// each_band_streams), for one row of x; more rows, one band at a time. Each band's sums are the same whatever B.
+template <int R, int B>
+MSLLM_AVX512_VNNI void qbands_r16_vnni(const QuantWeight& w, int64_t m0, const int64_t* os, const float* const* bo,
+                                       float* const* yo, int64_t ldy) {
   const PreparedX& x = *w.x;
   const int64_t groups = w.k / w.group, per = w.group / QBLOCK;
   const __m512i nibble = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(0x08);
   const uint8_t* band[B];
 #pragma GCC unroll 4
   for (int i = 0; i < B; ++i) band[i] = static_cast<const uint8_t*>(w.q) + os[i] * (w.k / 2);
-  const int8_t* xb = x.xb.data() + m * 2 * w.k;
-  const float* bs = block_scales(x, m);
-  __m512 total[B];
+  const int8_t* xb[R];
+  const float* bs[R];
 #pragma GCC unroll 4
-  for (int i = 0; i < B; ++i) total[i] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) xb[r] = x.xb.data() + (m0 + r) * 2 * w.k, bs[r] = block_scales(x, m0 + r);
+  __m512 total[R][B];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int i = 0; i < B; ++i) total[r][i] = _mm512_setzero_ps();
   for (int64_t gi = 0; gi < groups; ++gi) {
-    __m512 acc[B];
+    __m512 acc[R][B];
 #pragma GCC unroll 4
-    for (int i = 0; i < B; ++i) acc[i] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int i = 0; i < B; ++i) acc[r][i] = _mm512_setzero_ps();
     for (int64_t blk = gi * per; blk < (gi + 1) * per; ++blk) {
-      const int8_t* even = xb + (blk >> 1) * 128 + (blk & 1) * 16;  // as qband_r16_vnni's
-      const __m512 scale = _mm512_set1_ps(bs[blk]);
 #pragma GCC unroll 4
       for (int i = 0; i < B; ++i) {
         const uint8_t* wp = band[i] + blk * 256;
-        __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+        __m512i d0[R], d1[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) d0[r] = d1[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
           const __m512i raw = _mm512_loadu_si512(wp + j * 64);
-          int32_t e4, o4;
-          std::memcpy(&e4, even + 4 * j, 4);
-          std::memcpy(&o4, even + 64 + 4 * j, 4);
-          d0 = _mm512_dpbusd_epi32(d0, _mm512_ternarylogic_epi32(raw, nibble, eight, 0x6A), _mm512_set1_epi32(e4));
-          d1 = _mm512_dpbusd_epi32(d1, _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), nibble, eight, 0x6A),
-                                   _mm512_set1_epi32(o4));
+          const __m512i lo = _mm512_ternarylogic_epi32(raw, nibble, eight, 0x6A);
+          const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), nibble, eight, 0x6A);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            int32_t e4, o4;
+            x_quads(xb[r], blk, j, &e4, &o4);
+            d0[r] = _mm512_dpbusd_epi32(d0[r], lo, _mm512_set1_epi32(e4));
+            d1[r] = _mm512_dpbusd_epi32(d1[r], hi, _mm512_set1_epi32(o4));
+          }
         }
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), scale, acc[i]);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+          acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0[r], d1[r])), _mm512_set1_ps(bs[r][blk]),
+                                      acc[r][i]);
       }
     }
 #pragma GCC unroll 4
-    for (int i = 0; i < B; ++i)
-      total[i] = _mm512_fmadd_ps(acc[i], _mm512_loadu_ps(w.scale + gi * w.n + os[i]), total[i]);
+    for (int i = 0; i < B; ++i) {
+      const __m512 s = _mm512_loadu_ps(w.scale + gi * w.n + os[i]);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) total[r][i] = _mm512_fmadd_ps(acc[r][i], s, total[r][i]);
+    }
   }
 #pragma GCC unroll 4
   for (int i = 0; i < B; ++i) {
-    const __m512 bias = b != nullptr ? _mm512_loadu_ps(b + os[i]) : _mm512_setzero_ps();
-    _mm512_storeu_ps(y + m * ldy + os[i], _mm512_add_ps(total[i], bias));
+    const __m512 bias = bo[i] != nullptr ? _mm512_loadu_ps(bo[i]) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(yo[i] + (m0 + r) * ldy, _mm512_add_ps(total[r][i], bias));
   }
 }
 
+// One band (o) of every row of x, 4 rows at a time
 MSLLM_AVX512_VNNI void qband_rows_r16_vnni(const QuantWeight& w, int64_t rows, int64_t o, const float* bo, float* yo,
                                            int64_t ldy) {
   for (int64_t m = 0; m < rows; m += 4) {
     switch (std::min<int64_t>(4, rows - m)) {
-      case 1: qband_r16_vnni<1>(w, m, o, bo, yo, ldy); break;
-      case 2: qband_r16_vnni<2>(w, m, o, bo, yo, ldy); break;
-      case 3: qband_r16_vnni<3>(w, m, o, bo, yo, ldy); break;
-      default: qband_r16_vnni<4>(w, m, o, bo, yo, ldy); break;
+      case 1: qbands_r16_vnni<1, 1>(w, m, &o, &bo, &yo, ldy); break;
+      case 2: qbands_r16_vnni<2, 1>(w, m, &o, &bo, &yo, ldy); break;
+      case 3: qbands_r16_vnni<3, 1>(w, m, &o, &bo, &yo, ldy); break;
+      default: qbands_r16_vnni<4, 1>(w, m, &o, &bo, &yo, ldy); break;
     }
   }
 }
@@ -1287,11 +1255,14 @@ MSLLM_AVX512_VNNI void qrows_vnni(const float*, int64_t rows, const void* wv, co
         w, rows, b, y, ldy, o0, o1, row_streams(),
         [&](int64_t n, int64_t o, const float* bo, float* yo, int64_t ld) { qband_rows_r16_vnni(w, n, o, bo, yo, ld); },
         [&](const int64_t* os, int count) {
+          const float* bo[4];
+          float* yo[4];
+          for (int i = 0; i < count; ++i) bo[i] = b != nullptr ? b + os[i] : nullptr, yo[i] = y + os[i];
           switch (count) {
-            case 4: qbands_r16_vnni_row<4>(w, 0, os, b, y, ldy); break;
-            case 3: qbands_r16_vnni_row<3>(w, 0, os, b, y, ldy); break;
-            case 2: qbands_r16_vnni_row<2>(w, 0, os, b, y, ldy); break;
-            default: qbands_r16_vnni_row<1>(w, 0, os, b, y, ldy); break;
+            case 4: qbands_r16_vnni<1, 4>(w, 0, os, bo, yo, ldy); break;
+            case 3: qbands_r16_vnni<1, 3>(w, 0, os, bo, yo, ldy); break;
+            case 2: qbands_r16_vnni<1, 2>(w, 0, os, bo, yo, ldy); break;
+            default: qbands_r16_vnni<1, 1>(w, 0, os, bo, yo, ldy); break;
           }
         },
         [&](int64_t t0, int64_t t1) { qrows8_vnni(w, rows, b, y, ldy, t0, t1); });
