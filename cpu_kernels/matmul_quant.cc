@@ -657,9 +657,9 @@ inline void x_quads(const int8_t* xb, int64_t blk, int j, int32_t* e4, int32_t* 
   std::memcpy(o4, even + 64, 4);
 }
 
-// How many bands one row of x reads at once (qbands_r16_vnni<1, B>, qbands_r16_avx2_row: one stream of weights each): 4
-// on Intel's CPUs, 2 on others (the AVX2 form at most 2); MSLITE_LLM_CPU_KERNELS_INT4_STREAMS (1 to 4, read at load)
-// sets it, for tests and benchmarks
+// How many bands one row of x reads at once (qbands_r16_vnni<1, B>, qbands_r16_avx2<1, B>: one stream of weights
+// each): 4 on Intel's CPUs, 2 on others (the AVX2 form at most 2); MSLITE_LLM_CPU_KERNELS_INT4_STREAMS (1 to 4, read
+// at load) sets it, for tests and benchmarks
 int row_streams() {
   static const int streams = [] {
     const char* env = std::getenv("MSLITE_LLM_CPU_KERNELS_INT4_STREAMS");
@@ -709,88 +709,45 @@ void run_bands(const QuantWeight& w, int64_t rows, const float* b, float* y, int
 // software prefetch). R rows of x (R <= 2 a pass; 3 and 4 rows in two passes, the band's second read from cache).
 // (docs/performance-log.md 42, the 7B shapes, 2 threads, out of cache: 1 row 1.13-1.39x the row-major AVX2 form,
 // 2 and 4 rows level, 16 rows 1.27-1.36x; the 7B int4 decode on the AVX2 path 1.24-1.30x.)
-template <int R>
-MSLLM_AVX2 void qband_r16_avx2(const QuantWeight& w, int64_t m0, int64_t o, const float* bo, float* yo, int64_t ldy) {
-  const PreparedX& x = *w.x;
-  const int64_t per = w.group / QBLOCK, blocks = w.k / QBLOCK;
-  const uint8_t* band = static_cast<const uint8_t*>(w.q) + o * (w.k / 2);
-  const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(char(0x88)), ones = _mm256_set1_epi16(1);
-  const int8_t* xb[R];
-  const float* bs[R];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) xb[r] = x.xb.data() + (m0 + r) * 2 * w.k, bs[r] = block_scales(x, m0 + r);
-  __m256 total[R][2];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const uint8_t* wp = band + blk * 256;
-    __m256i sum[R][2];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      __m256i e[R], od[R];  // x's even and odd inputs 4j..4j+3 of the block (PreparedX xb's int8 layout), broadcast
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        int32_t e4, o4;
-        x_quads(xb[r], blk, j, &e4, &o4);
-        e[r] = _mm256_set1_epi32(e4), od[r] = _mm256_set1_epi32(o4);
-      }
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const __m256i raw =
-            _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + j * 64 + h * 32)), flip);
-        const __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r)
-          sum[r][h] = _mm256_add_epi16(sum[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, e[r]),
-                                                                   _mm256_maddubs_epi16(hi, od[r])));
-      }
-    }
-    const float* ws = w.scale + (blk / per) * w.n + o;
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      const __m256 s = _mm256_loadu_ps(ws + 8 * h);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
-        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][h], ones)),
-                                      _mm256_mul_ps(_mm256_set1_ps(bs[r][blk]), s), total[r][h]);
-    }
-  }
-#pragma GCC unroll 2
-  for (int h = 0; h < 2; ++h) {
-    const __m256 bias = bo ? _mm256_loadu_ps(bo + 8 * h) : _mm256_setzero_ps();
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(yo + (m0 + r) * ldy + 8 * h, _mm256_add_ps(total[r][h], bias));
-  }
-}
-
-// One row of x against B (1 or 2: the accumulators of more spill out of the 16 ymm) whole bands at once, each as
-// qband_r16_avx2<1> computes it: B streams of weights per thread, as qbands_r16_vnni (below) and for the same
-// reason (on the Intel Xeon of that measurement, its AVX2 form: docs/performance-log.md 45)
-template <int B>
-MSLLM_AVX2 void qbands_r16_avx2_row(const QuantWeight& w, int64_t m, const int64_t* os, const float* b, float* y,
-                                    int64_t ldy) {
+//
+// Rows [m0, m0 + R) of x against B bands at once (os, bo, yo as qbands_r16_vnni's, below), R x B <= 2: the
+// accumulators of more spill out of the 16 ymm. R rows share each band's unpacked block; B bands are B streams of
+// weights per thread, as qbands_r16_vnni's and for the same reason (on the Intel Xeon of that measurement, this form
+// too: docs/performance-log.md 45). Each band's sums are the same whatever R and B.
+template <int R, int B>
+MSLLM_AVX2 void qbands_r16_avx2(const QuantWeight& w, int64_t m0, const int64_t* os, const float* const* bo,
+                                float* const* yo, int64_t ldy) {
+  static_assert(R * B <= 2, "the accumulators of R x B > 2 spill out of the 16 ymm");
   const PreparedX& x = *w.x;
   const int64_t per = w.group / QBLOCK, blocks = w.k / QBLOCK;
   const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(char(0x88)), ones = _mm256_set1_epi16(1);
   const uint8_t* band[B];
 #pragma GCC unroll 2
   for (int i = 0; i < B; ++i) band[i] = static_cast<const uint8_t*>(w.q) + os[i] * (w.k / 2);
-  const int8_t* xb = x.xb.data() + m * 2 * w.k;
-  const float* bs = block_scales(x, m);
-  __m256 total[B][2];
+  const int8_t* xb[R];
+  const float* bs[R];
 #pragma GCC unroll 2
-  for (int i = 0; i < B; ++i) total[i][0] = total[i][1] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) xb[r] = x.xb.data() + (m0 + r) * 2 * w.k, bs[r] = block_scales(x, m0 + r);
+  __m256 total[R][B][2];
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int i = 0; i < B; ++i) total[r][i][0] = total[r][i][1] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    __m256i sum[B][2];
+    __m256i sum[R][B][2];
 #pragma GCC unroll 2
-    for (int i = 0; i < B; ++i) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int i = 0; i < B; ++i) sum[r][i][0] = sum[r][i][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      int32_t e4, o4;
-      x_quads(xb, blk, j, &e4, &o4);
-      const __m256i e = _mm256_set1_epi32(e4), od = _mm256_set1_epi32(o4);
+      __m256i e[R], od[R];  // x's even and odd inputs 4j..4j+3 of the block (PreparedX xb's int8 layout), broadcast
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        int32_t e4, o4;
+        x_quads(xb[r], blk, j, &e4, &o4);
+        e[r] = _mm256_set1_epi32(e4), od[r] = _mm256_set1_epi32(o4);
+      }
 #pragma GCC unroll 2
       for (int i = 0; i < B; ++i)
 #pragma GCC unroll 2
@@ -798,36 +755,43 @@ MSLLM_AVX2 void qbands_r16_avx2_row(const QuantWeight& w, int64_t m, const int64
           const __m256i raw = _mm256_xor_si256(
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(band[i] + blk * 256 + j * 64 + h * 32)), flip);
           const __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-          sum[i][h] = _mm256_add_epi16(sum[i][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, e),
-                                                                   _mm256_maddubs_epi16(hi, od)));
+#pragma GCC unroll 2
+          for (int r = 0; r < R; ++r)
+            sum[r][i][h] = _mm256_add_epi16(sum[r][i][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, e[r]),
+                                                                         _mm256_maddubs_epi16(hi, od[r])));
         }
     }
-    const __m256 xs = _mm256_set1_ps(bs[blk]);
 #pragma GCC unroll 2
     for (int i = 0; i < B; ++i) {
       const float* ws = w.scale + (blk / per) * w.n + os[i];
 #pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h)
-        total[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[i][h], ones)),
-                                      _mm256_mul_ps(xs, _mm256_loadu_ps(ws + 8 * h)), total[i][h]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = _mm256_loadu_ps(ws + 8 * h);
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r)
+          total[r][i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][i][h], ones)),
+                                           _mm256_mul_ps(_mm256_set1_ps(bs[r][blk]), s), total[r][i][h]);
+      }
     }
   }
 #pragma GCC unroll 2
   for (int i = 0; i < B; ++i)
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      const __m256 bias = b != nullptr ? _mm256_loadu_ps(b + os[i] + 8 * h) : _mm256_setzero_ps();
-      _mm256_storeu_ps(y + m * ldy + os[i] + 8 * h, _mm256_add_ps(total[i][h], bias));
+      const __m256 bias = bo[i] != nullptr ? _mm256_loadu_ps(bo[i] + 8 * h) : _mm256_setzero_ps();
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) _mm256_storeu_ps(yo[i] + (m0 + r) * ldy + 8 * h, _mm256_add_ps(total[r][i][h], bias));
     }
 }
 
+// One band (o) of every row of x, 2 rows at a time
 MSLLM_AVX2 void qband_rows_r16_avx2(const QuantWeight& w, int64_t rows, int64_t o, const float* bo, float* yo,
                                     int64_t ldy) {
   for (int64_t m = 0; m < rows; m += 2) {
     if (rows - m == 1)
-      qband_r16_avx2<1>(w, m, o, bo, yo, ldy);
+      qbands_r16_avx2<1, 1>(w, m, &o, &bo, &yo, ldy);
     else
-      qband_r16_avx2<2>(w, m, o, bo, yo, ldy);
+      qbands_r16_avx2<2, 1>(w, m, &o, &bo, &yo, ldy);
   }
 }
 
@@ -861,10 +825,13 @@ MSLLM_AVX2 void qrows_avx2(const float*, int64_t rows, const void* wv, const flo
         w, rows, b, y, ldy, o0, o1, std::min(row_streams(), 2),
         [&](int64_t n, int64_t o, const float* bo, float* yo, int64_t ld) { qband_rows_r16_avx2(w, n, o, bo, yo, ld); },
         [&](const int64_t* os, int count) {
+          const float* bo[2];
+          float* yo[2];
+          for (int i = 0; i < count; ++i) bo[i] = b != nullptr ? b + os[i] : nullptr, yo[i] = y + os[i];
           if (count == 2)
-            qbands_r16_avx2_row<2>(w, 0, os, b, y, ldy);
+            qbands_r16_avx2<1, 2>(w, 0, os, bo, yo, ldy);
           else
-            qbands_r16_avx2_row<1>(w, 0, os, b, y, ldy);
+            qbands_r16_avx2<1, 1>(w, 0, os, bo, yo, ldy);
         },
         [&](int64_t t0, int64_t t1) { qrows8_avx2(w, rows, b, y, ldy, t0, t1); });
   } else if (w.x->int8) {
