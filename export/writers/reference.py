@@ -389,9 +389,12 @@ class NumpyDecoder:
         margins = self.routing_margins
         if margins is not None and len(margins) == len(logits) and k < probs.shape[1]:
             edge = np.take_along_axis(logits, order[:, k - 1:k + 1], axis=-1).astype(np.float64)  # [T, 2]
-            router = self.where[p + "gate.weight"].stored(p + "gate.weight")  # [X, H]: small, widened whole
-            w = self.matmul._widen(_rows(router, 0, router.shape[0]), np.empty(router.shape, np.float32))
-            pair = w[order[:, k - 1]].astype(np.float64) - w[order[:, k]]  # [T, H]: w_a - w_b per token
+            router = self.where[p + "gate.weight"].stored(p + "gate.weight")  # [X, H]
+            need = np.unique(order[:, k - 1:k + 1])  # the rows a and b of some token: 2 at a decode step, not X
+            w = np.stack([self.matmul._widen(_rows(router, n, n + 1), np.empty((1, h.shape[1]), np.float32))[0]
+                          for n in need.tolist()])
+            a, b = np.searchsorted(need, order[:, k - 1]), np.searchsorted(need, order[:, k])
+            pair = w[a].astype(np.float64) - w[b]  # [T, H]: w_a - w_b per token
             spread = np.linalg.norm(pair, axis=-1) * np.linalg.norm(h.astype(np.float64), axis=-1) / np.sqrt(h.shape[1])
             scale = np.maximum(np.maximum(np.abs(logits).max(axis=-1), spread), 1e-30)
             np.minimum(margins, (edge[:, 0] - edge[:, 1]) / scale, out=margins)
