@@ -7,7 +7,8 @@ The stages, in order (each reported in the summary with its time):
 3. compile: the network, built without weights (the same for every rank), each graph compiled into a proto
    without data (export/writers/graphs.py);
 4. weights: every rank's weights file written once, streamed from the checkpoint (export/writers/weights_file.py);
-5. files: the graph files pointing into it, tokenizer, config.ini, yaml and manifest (lite_runtime's contract).
+5. files: the graph files pointing into it, tokenizer, config.ini, yaml and manifest (lite_runtime's contract);
+   the weights files flushed to the disk and dropped from the page cache (weights_file.release_cache).
 Memory is set by the largest chunk in flight and MindSpore's own footprint, not by the model; the disk holds
 the folder and nothing else.
 """
@@ -32,6 +33,7 @@ from export.devices import (default_buckets, default_chunks, default_scores, def
                             usage_lines)
 from export.errors import ExportError
 from export.writers import checkpoint_files
+from export.writers.weights_file import release_cache
 from lite_runtime.memory import anon_bytes
 
 log = logging.getLogger(__name__)
@@ -264,6 +266,7 @@ def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str]
             early = None
         _timed(stages, "files", on_stage, _write_folder_files, cfg, model_cfg, profile, tmp, graphs, layouts, hashed,
                network.kernels, network.vocab_shards > 1, (quant, tables))
+        release_cache(tmp, layouts)  # on disk, and read back in huge pages by the first load
         _replace(tmp, output)
     except OSError as exc:
         _cancel(early)

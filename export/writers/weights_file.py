@@ -319,6 +319,23 @@ _STACKED_AXIS = {"mlp.experts.gate_up_proj": 1, "mlp.experts.down_proj": 2, "mlp
                  "mlp.experts.down_proj_offset": 1}
 
 
+def release_cache(folder: str, layouts: List[Layout]) -> None:
+    """Each rank's weights file flushed to the disk (fdatasync: the folder is whole on disk before the export says it
+    is done) and its pages dropped from the page cache (POSIX_FADV_DONTNEED). The pages this export wrote are cached
+    in small folios; read again by the first load, through a mapping that asks for huge pages, they come back as 2
+    MiB folios, mapped huge where the kernel can (lite_runtime/backends/ms.py _ask_huge_pages: the decode step's
+    weight reads are faster in huge pages). The first load reads the weights from the disk, as after a reboot."""
+    for layout in layouts:
+        path = os.path.join(folder, layout.location)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def split_axis(name: str, vocab_parallel: bool = False, transposed_experts: bool = False) -> Optional[int]:
     """The axis of `name` the tensor-parallel ranks share, or None (every rank's whole). `transposed_experts`: the
     Atlas fused form's stacked experts, [E, K, N] (export/writers/stacked.py)."""
