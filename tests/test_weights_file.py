@@ -258,3 +258,116 @@ def test_a_full_disk_while_writing_the_weights_names_the_file(tmp_path, checkpoi
     assert _os_error_line(caught.value, str(tmp_path), "/out/m") == (
         "/out/m/w_variables/data_0: No space left on device; the disk is full: free space there or pass an "
         "--output on a larger file system (nothing was kept)")
+
+
+# --- the page cache: the export leaves its weights on disk, the load maps them asking for huge pages ------------
+
+def _resident_pages(path: str) -> int:
+    """Pages of `path` in the page cache (mincore(2) over a fresh read-only mapping, which touches none)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        region = mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ)
+        try:
+            pages = -(-size // mmap.PAGESIZE)
+            vec = (ctypes.c_ubyte * pages)()
+            view = np.frombuffer(region, np.uint8)
+            assert libc.mincore(view.ctypes.data, size, vec) == 0, os.strerror(ctypes.get_errno())
+            del view
+            return sum(v & 1 for v in vec)
+        finally:
+            region.close()
+
+
+def _filesystem(path: str) -> str:
+    """The type of the filesystem `path` is on (/proc/mounts' longest matching mount point)."""
+    real, best = os.path.realpath(path), ("", "")
+    with open("/proc/mounts") as fh:
+        for line in fh:
+            point, kind = line.split()[1:3]
+            if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > len(best[0]):
+                best = (point, kind)
+    return best[1]
+
+
+def _mappings():
+    """This process's mappings: (start, end, path or "", VmFlags) per /proc/self/smaps entry."""
+    out, head = [], None
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            words = line.split()
+            if words and "-" in words[0] and ":" not in words[0]:  # "start-end perms offset dev inode [path]"
+                lo, hi = (int(v, 16) for v in words[0].split("-"))
+                head = (lo, hi, words[5] if len(words) > 5 else "")
+            elif line.startswith("VmFlags:") and head is not None:
+                out.append(head + (words[1:],))
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore, /proc/self/smaps: Linux")
+@pytest.mark.parametrize("huge_pages", ["default", "0"])
+def test_the_export_leaves_its_weights_on_disk_and_the_load_puts_the_kernels_weights_in_huge_pages(
+        tmp_path, checkpoints, monkeypatch, huge_pages):
+    """The finished folder's weights file is flushed and out of the page cache (weights_file.release_cache). Loaded,
+    every weight our CPU kernels read (lite_runtime/backends/ms.py _kernel_weights: here every one but the KV caches)
+    is a copy of the file's bytes in private memory advised huge (_into_huge_pages; VmFlags `hg` where the kernel has
+    transparent huge pages: this folder's weights, each smaller than two huge pages, never count as a huge mapping,
+    _mapped_huge), and the file's mapping is advised huge too; with MSLITE_LLM_HUGE_PAGES=0 they are the mapping's
+    pages. Either way check replays the golden record."""
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+    from lite_runtime import pipeline
+    from lite_runtime.backends.ms import _kernel_weights, _parameter_arrays, _read_mindir
+    from lite_runtime.check import run_check
+    from lite_runtime.folder import is_kv_cache
+
+    if huge_pages != "default":
+        monkeypatch.setenv("MSLITE_LLM_HUGE_PAGES", huge_pages)
+    out = tmp_path / "cpu"
+    run_export(ExportConfig(checkpoint=checkpoints["gqa_tied"], output=str(out), name="cpu", seq_length=16,
+                            batch_size=1, dtype="float32", device="cpu", prefill_buckets=()))
+    data = os.path.realpath(out / "cpu_variables" / "data_0")
+    if _filesystem(data) not in ("tmpfs", "ramfs"):  # there the page cache is the file: nothing to drop
+        assert _resident_pages(data) == 0
+    pipe = pipeline("text_generation", model=str(out), backend="ms", warm_up="none")
+    pipe.generate([[1, 2, 3]], max_new_tokens=2)
+    graph = str(out / "cpu_inc_graph.mindir")
+    model = _read_mindir(graph)
+    ours = _kernel_weights(model)
+    names = {p.name.rsplit(":", 1)[-1] for p in model.graph.parameter}
+    assert ours and ours == {n for n in names if not is_kv_cache(n)}
+    stored = _parameter_arrays(model, graph)
+    maps = _mappings()
+    thp = os.path.isdir("/sys/kernel/mm/transparent_hugepage")
+    for name in sorted(ours):
+        param = pipe.backend._owned[name]
+        assert np.array_equal(param.asnumpy(), stored[name]), name
+        where = next((m for m in maps if m[0] <= param.data_ptr() < m[1]), None)
+        assert where is not None, name
+        assert where[2] == ("" if huge_pages == "default" else data), (name, where[2])
+        assert not thp or "hg" in where[3], (name, where[3])
+    del pipe, stored
+    report = run_check(str(out), backend="ms")
+    assert report.passed, report.table()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps: Linux")
+def test_the_huge_page_arena_is_zeroed_private_memory_at_a_huge_page_asking_for_huge_pages():
+    """lite_runtime/backends/ms.py _huge_arena, the home of the weights our kernels read: exactly the bytes asked, at
+    a 2 MiB boundary, zero, writable, private (not shared memory, which takes no transparent huge pages), and advised
+    huge (VmFlags `hg`) where the kernel has transparent huge pages."""
+    from lite_runtime.backends.ms import HUGE_PAGE, _huge_arena
+
+    arena = _huge_arena(3 * HUGE_PAGE + 5)
+    assert arena.shape == (3 * HUGE_PAGE + 5,) and arena.dtype == np.uint8
+    assert arena.ctypes.data % HUGE_PAGE == 0 and not arena.any()
+    arena[::4096] = 7
+    assert int(arena.sum()) == 7 * len(range(0, arena.size, 4096))
+    flags = next((f for lo, hi, _, f in _mappings() if lo <= arena.ctypes.data < hi), None)
+    assert flags is not None and "sh" not in flags, flags
+    if os.path.isdir("/sys/kernel/mm/transparent_hugepage"):
+        assert "hg" in flags, flags

@@ -5,13 +5,18 @@ Graphs are read, loaded and compiled on first use (MsBackend). Weights and KV ca
   cleared), so mindspore.load reads no weights; its KV caches' first dimension is set to the pool's
   blocks (the runner's choice at load: lite_runtime/engine/kv_pool.py);
 - the first graph loaded has its Parameters set from the weights file itself, memory-mapped
-  copy-on-write: the weights are the page cache's pages, never copied; the KV caches are zero pages,
-  memory only once a block is written;
+  copy-on-write and asked for huge pages (`_ask_huge_pages`); the KV caches are zero pages, memory only once a block
+  is written;
+- the weights our CPU kernels read (`_kernel_weights`), which a decode step streams whole, are in 2 MiB pages
+  (`_into_huge_pages`: from 4 KiB pages the step pays a TLB miss per page): the mapping's own pages where the page
+  cache maps them huge (a filesystem with large folios, the file read cold: the export drops it from the cache),
+  else a copy at load in a private huge-page arena (`_huge_arena`), the mapping's pages let go; everything else stays
+  the page cache's pages, never copied (MSLITE_LLM_HUGE_PAGES=0: all of it, as before);
 - every later graph's Parameters are pointed at the first one's with `set_data`, which shares
   the storage: all graphs read and write the same cache, and nothing is handed over.
 - where the CPU kernels' banded int4 form runs (AVX-512 VNNI, AVX2), the int4 matrices only our quantized ops read are
-  repacked in place at the first load into bands of 16 rows (`_int4_bands`, cpu_kernels.repack_int4_r16; those pages
-  become private copies, written once) and the ops reading them renamed to their R16 twins
+  repacked at the first load into bands of 16 rows (`_int4_bands`, cpu_kernels.repack_int4_r16), written once into
+  the arena, and the ops reading them renamed to their R16 twins
   (docs/architecture.md, "int4 in bands of 16 rows"); the folder on disk is unchanged.
 (`mindspore.load` with the data and `GraphCell(params_init=...)` would each hold another copy.)
 
@@ -27,6 +32,7 @@ import dataclasses
 import gc
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Tuple
 
 import numpy as np
@@ -137,12 +143,172 @@ def _parameter_arrays(model, path: str) -> Dict[str, np.ndarray]:
                 except (OSError, ValueError) as exc:
                     raise InferError(f"{location}: cannot map the weights file of {path} ({exc}); "
                                      "re-copy the model folder") from None
+                _ask_huge_pages(maps[location]._mmap)
             if ext.length != nbytes or ext.offset + nbytes > maps[location].size:
                 raise InferError(f"{location}: parameter {name} ({nbytes} bytes at offset {ext.offset}) is not in "
                                  "the weights file; re-copy the model folder")
             data = maps[location][ext.offset:ext.offset + nbytes].view(dtype)
         arrays[name] = data.reshape(shape)
     return arrays
+
+
+HUGE_PAGE = 2 << 20  # x86-64's and aarch64's (4 KiB base pages) transparent huge page
+
+
+def _ask_huge_pages(region) -> None:
+    """madvise(MADV_HUGEPAGE) on an mmap object, before its pages are touched: the kernel then maps it in 2 MiB pages
+    where it can (transparent huge pages, "madvise" mode, every distribution's default or "always"). A decode step
+    reads every weight once, a TLB miss per 4 KiB page with small pages: with huge pages the CPU kernels read faster
+    (docs/performance-log.md 46: the int8 head 1.3x, int4 bands 1.05-1.1x on an Intel Xeon). For the weights file's
+    mapping the page cache must hold the file in 2 MiB folios (Linux >= 6.x on a filesystem with large folios: ext4,
+    xfs, tmpfs); the readahead of a madvised mapping makes them, pages cached before in small folios stay small.
+    Nothing changes where the kernel cannot (no THP, other filesystems, Python without MADV_HUGEPAGE)."""
+    import mmap
+
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None and region is not None:
+        try:
+            region.madvise(advice)
+        except OSError:  # a kernel without transparent huge pages: small pages, as before
+            pass
+
+
+def _huge_arena(nbytes: int) -> np.ndarray:
+    """nbytes (uint8) of private anonymous memory at a 2 MiB boundary, asked to be huge pages (_ask_huge_pages): the
+    home of the weights our kernels read (_into_huge_pages). Pages are zero until written."""
+    import mmap
+
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # not MAP_SHARED: shmem, no huge pages
+    _ask_huge_pages(region)
+    whole = np.frombuffer(region, np.uint8)
+    start = (-whole.ctypes.data) % HUGE_PAGE
+    return whole[start:start + nbytes]
+
+
+def _into_huge_pages(arrays: Dict[str, np.ndarray], names, bands) -> None:
+    """The weights `names` (those our CPU kernels read: _kernel_weights) in huge pages. A decode step streams them
+    whole: from 4 KiB pages it pays a TLB miss per page (a walk of two page tables in a VM), from 2 MiB pages a
+    512th of them (docs/performance-log.md 46: an Intel Xeon VM, the 0.5B int8 step 1.1x, its int8 head 1.3x).
+    - Where the weights file's mapping already is in huge pages (_mapped_huge: the page cache holds the file in 2 MiB
+      folios: a filesystem with large folios, xfs or ext4 from Linux 6.16, the file read after the export dropped
+      it: export/writers/weights_file.py release_cache), they stay there: page cache, shared, nothing copied.
+    - Elsewhere (older kernels; ext4 before 6.16; a folder copied, whose cache holds the copy's small folios) they are
+      copied into one private arena (_huge_arena), each at a 4 KiB boundary, and the mapping's pages let go
+      (_unmap_pages): a copy at load (0.35-0.7 s a GB here) for a faster step; the weights are then this process's own
+      memory.
+    `bands` (int4 weights repacked into bands of 16 rows, cpu_kernels.repack_int4_r16: a private copy either way) go
+    to the arena always. MSLITE_LLM_HUGE_PAGES=0 copies nothing (bands repacked in place, into the mapping's private
+    4 KiB copies, as before); =1 copies whatever the mapping is."""
+    import cpu_kernels
+
+    mode = os.environ.get("MSLITE_LLM_HUGE_PAGES")
+    if mode == "0":
+        for name in sorted(bands):
+            cpu_kernels.repack_int4_r16(arrays[name])  # in the copy-on-write mapping: these pages become private
+        return
+    names = sorted(n for n in names if n in arrays)
+    if mode != "1" and _mapped_huge([arrays[n] for n in names if n not in bands]):
+        names = sorted(n for n in names if n in bands)
+    at, offsets = 0, []
+    for name in names:
+        offsets.append(at)
+        at += -(-arrays[name].nbytes // 4096) * 4096
+    if not names:
+        return
+    arena = _huge_arena(at)
+    pieces = []  # (destination, source) bytes, 16 MiB at most: the copy (and its page faults) on every core
+    for name, offset in zip(names, offsets):
+        source = arrays[name].reshape(-1).view(np.uint8)
+        for a in range(0, source.nbytes, 16 << 20):
+            b = min(a + (16 << 20), source.nbytes)
+            pieces.append((arena[offset + a:offset + b], source[a:b]))
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, 8))) as pool:
+        list(pool.map(lambda piece: np.copyto(*piece), pieces))
+    for name, offset in zip(names, offsets):
+        source = arrays[name]
+        copy = arena[offset:offset + source.nbytes].view(source.dtype).reshape(source.shape)
+        if name in bands:
+            cpu_kernels.repack_int4_r16(copy)
+        arrays[name] = copy
+        _unmap_pages(source)
+
+
+def _mapped_huge(views, samples: int = 16) -> bool:
+    """Whether the mapping under these views (of the weights file's mapping, asked for huge pages) maps in 2 MiB
+    pages: one byte touched at a 2 MiB-aligned spot of each of the `samples` largest views, then this process's page
+    table read (/proc/self/smaps: FilePmdMapped of the mapping). True where at least 3 spots in 4 are huge (readahead
+    builds its folios up in size: a file read cold is ~95 % in 2 MiB ones here); False where fewer are, nothing is
+    large enough, or /proc says nothing (not Linux)."""
+    views = sorted((v for v in views if getattr(v, "_mmap", None) is not None and v.nbytes >= 2 * HUGE_PAGE),
+                   key=lambda v: -v.nbytes)[:samples]
+    if not views:
+        return False
+    spots = []
+    for view in views:
+        flat = view.reshape(-1).view(np.uint8)
+        start = (-flat.ctypes.data) % HUGE_PAGE
+        int(flat[start])  # the fault maps the page cache's folio there: huge if it is a 2 MiB one
+        spots.append(flat.ctypes.data + start)
+    try:
+        with open("/proc/self/smaps") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return False
+    pmd, inside = 0, False
+    for line in lines:
+        words = line.split()
+        if words and "-" in words[0] and ":" not in words[0]:
+            lo, hi = (int(v, 16) for v in words[0].split("-"))
+            inside = any(lo <= a < hi for a in spots)
+        elif inside and line.startswith("FilePmdMapped:"):
+            pmd += int(words[1]) * 1024
+    return pmd * 4 >= len(spots) * HUGE_PAGE * 3
+
+
+def _unmap_pages(view: np.ndarray) -> None:
+    """The whole pages under `view` (a view of the weights file's copy-on-write mapping, copied: never read again)
+    dropped from this process (madvise MADV_DONTNEED; a later read would map the file's bytes again). They stay in
+    the page cache, reclaimable, and are not counted in this process's RSS beside their copy. (Where the cache holds
+    2 MiB folios, a read of a neighbour still mapped maps its whole folio again.)"""
+    import mmap
+
+    region = getattr(view, "_mmap", None)
+    if region is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = view.ctypes.data - np.frombuffer(region, np.uint8, count=1).ctypes.data
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, (start + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        region.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def _kernel_weights(model) -> set:
+    """The parameters (names without their graph's prefix) a node calling our CPU kernels (cpu_kernels) reads, through
+    Load and Depend: the matrices and vectors a step streams. Not the KV caches (those stay the runtime's zero pages)
+    nor what only MindSpore's own ops read (an untied embedding's Gather touches a few rows a step: mapped, only
+    those pages are ever read)."""
+    import cpu_kernels
+
+    from lite_runtime.folder import is_kv_cache
+
+    ours = set()
+    for prim in model.primitives:
+        for attr in prim.attribute:
+            if attr.name == "func_name" and cpu_kernels.names_our_library(attr.s.decode("utf-8", "replace")):
+                ours.add(prim.name)
+    kind = {p.name: p.op_type for p in model.primitives}
+    alias = {}
+    for node in model.graph.node:
+        if kind.get(node.op_type.rpartition("::")[2], node.op_type) in ("Load", "Depend") and node.input:
+            for out in node.output:
+                alias[out] = node.input[0]
+    resolve = lambda name: resolve(alias[name]) if name in alias else name
+    params = {p.name for p in model.graph.parameter}
+    reads = set()
+    for node in model.graph.node:
+        if node.op_type.rpartition("::")[2] in ours:
+            reads.update(n for n in map(resolve, node.input) if n in params)
+    return {n.rsplit(":", 1)[-1] for n in reads if not is_kv_cache(n.rsplit(":", 1)[-1])}
 
 
 def _relocate_kernels(model, path: str) -> None:
@@ -429,11 +595,9 @@ class MsBackend:
         del self._parsed[key]
         _size_caches(model, self._num_blocks)
         arrays = _parameter_arrays(model, path) if not self._owned else None  # read before the data is cleared
-        if arrays is not None and self._bands:
-            import cpu_kernels
-
-            for name in sorted(self._bands):  # in place in the copy-on-write mapping: these pages become private
-                cpu_kernels.repack_int4_r16(arrays[name])
+        if arrays is not None:  # what our kernels read in any graph of the folder (a prefill's last norm may not be)
+            kernel = _kernel_weights(model).union(*(_kernel_weights(self._parse(k)) for k in self._paths if k != key))
+            _into_huge_pages(arrays, kernel | self._bands, self._bands)
         _relocate_kernels(model, path)
         _use_bands(model, self._bands)
         _substitute_standins(model, path, self.standins)
