@@ -18,6 +18,7 @@ order); each tensor's bytes are the same.
 from __future__ import annotations
 
 import collections
+import errno
 import functools
 import hashlib
 import os
@@ -329,9 +330,16 @@ def release_cache(folder: str, layouts: List[Layout]) -> None:
         path = os.path.join(folder, layout.location)
         fd = os.open(path, os.O_RDONLY)
         try:
-            os.fdatasync(fd)
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:  # a filesystem that cannot sync (EINVAL, ENOTSUP): its own rules hold; EIO stands
+                if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+                    raise
             if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                except OSError:  # advice only
+                    pass
         finally:
             os.close(fd)
 

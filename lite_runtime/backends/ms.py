@@ -159,10 +159,10 @@ def _ask_huge_pages(region) -> None:
     """madvise(MADV_HUGEPAGE) on an mmap object, before its pages are touched: the kernel then maps it in 2 MiB pages
     where it can (transparent huge pages, "madvise" mode, every distribution's default or "always"). A decode step
     reads every weight once, a TLB miss per 4 KiB page with small pages: with huge pages the CPU kernels read faster
-    (docs/performance-log.md 46: the int8 head 1.3x, int4 bands 1.05-1.1x on an Intel Xeon). For the weights file's
-    mapping the page cache must hold the file in 2 MiB folios (Linux >= 6.x on a filesystem with large folios: ext4,
-    xfs, tmpfs); the readahead of a madvised mapping makes them, pages cached before in small folios stay small.
-    Nothing changes where the kernel cannot (no THP, other filesystems, Python without MADV_HUGEPAGE)."""
+    (docs/performance-log.md 46: the int8 head 1.3x on an Intel Xeon VM). For the weights file's mapping the page
+    cache must hold the file in 2 MiB folios (a filesystem with large folios: xfs, ext4 from Linux 6.16): a cold
+    read makes them (older 6.x kernels map them huge only in a mapping so advised), pages cached before in small
+    folios stay small. Nothing changes where the kernel cannot (no THP, Python without MADV_HUGEPAGE)."""
     import mmap
 
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
