@@ -1,7 +1,8 @@
 """What a run on this machine's CPU needs in memory, against what the machine has: refused up front, never an OOM kill.
 
-The `ms` backend maps a folder's weights file (page cache, given back at will), so a float32 or a
-CPU 16-bit-weights folder adds little anonymous memory. A float16 folder (the Atlas default) is
+The `ms` backend maps a folder's weights file (page cache, given back at will); a folder whose graphs call the CPU
+kernels has the weights they read copied into huge pages at load (weights_copy_bytes: anonymous memory of about the
+weights' size, where it fits). A float16 folder (the Atlas default) is
 different: MindSpore's CPU float16 MatMul keeps a float32 copy of every weight it multiplies.
 Measured on the Qwen2-0.5B shape (0.93 GiB of float16 weights, 4 graphs): `check` peaked at 3.22
 GiB of anonymous memory, 4.95 GiB at batch 2 (7 graphs), against 1.68 GiB for the float32 CPU
@@ -89,6 +90,21 @@ def ms_backend_needs(folder, rank: int = 0) -> int:
              if int(g.get("rank", 0)) == rank and g.get("variables")}
     weights = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
     return 2 * weights + FLOAT16_OVERHEAD
+
+
+def weights_copy_bytes(folder, rank: int = 0, have: Optional[int] = None) -> int:
+    """Bytes the `ms` backend copies at load into huge pages (lite_runtime/backends/ms.py _into_huge_pages): the
+    rank's weights file, an upper bound of the weights our CPU kernels read, for a folder whose graphs call them
+    (manifest infer `cpu_kernels`); 0 where it copies nothing: MSLITE_LLM_HUGE_PAGES=0, no CPU kernels, or too little
+    memory (`have`, default available_bytes(): the copy and 1 GiB must fit, else the weights stay mapped, as page
+    cache). The KV pool's default is sized after it (lite_runtime/engine/runner.py)."""
+    if os.environ.get("MSLITE_LLM_HUGE_PAGES") == "0" or not folder.infer.get("cpu_kernels"):
+        return 0
+    files = {os.path.join(folder.path, g["variables"]) for g in folder.manifest.get("graphs", [])
+             if int(g.get("rank", 0)) == rank and g.get("variables")}
+    weights = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+    have = available_bytes() if have is None else have
+    return weights if have is None or weights + GIB <= have else 0
 
 
 def gib(n: float) -> str:

@@ -315,15 +315,16 @@ def test_the_export_leaves_its_weights_on_disk_and_the_load_puts_the_kernels_wei
     """The finished folder's weights file is flushed and out of the page cache (weights_file.release_cache). Loaded,
     every weight our CPU kernels read (lite_runtime/backends/ms.py _kernel_weights: here every one but the KV caches)
     is a copy of the file's bytes in private memory advised huge (_into_huge_pages; VmFlags `hg` where the kernel has
-    transparent huge pages: this folder's weights, each smaller than two huge pages, never count as a huge mapping,
-    _mapped_huge), and the file's mapping is advised huge too; with MSLITE_LLM_HUGE_PAGES=0 they are the mapping's
-    pages. Either way check replays the golden record."""
+    transparent huge pages), the file's mapping advised huge too, and the copy counted against the memory available
+    (lite_runtime/memory.py weights_copy_bytes: the file's size where it and 1 GiB fit, else nothing); with
+    MSLITE_LLM_HUGE_PAGES=0 they are the mapping's pages. Either way check replays the golden record."""
     from export.config import ExportConfig
     from export.pipeline import run_export
     from lite_runtime import pipeline
     from lite_runtime.backends.ms import _kernel_weights, _parameter_arrays, _read_mindir
     from lite_runtime.check import run_check
     from lite_runtime.folder import is_kv_cache
+    from lite_runtime.memory import weights_copy_bytes
 
     if huge_pages != "default":
         monkeypatch.setenv("MSLITE_LLM_HUGE_PAGES", huge_pages)
@@ -335,6 +336,9 @@ def test_the_export_leaves_its_weights_on_disk_and_the_load_puts_the_kernels_wei
         assert _resident_pages(data) == 0
     pipe = pipeline("text_generation", model=str(out), backend="ms", warm_up="none")
     pipe.generate([[1, 2, 3]], max_new_tokens=2)
+    size, gib = os.path.getsize(data), 1 << 30
+    assert weights_copy_bytes(pipe.config.folder, 0, have=size + gib) == (size if huge_pages == "default" else 0)
+    assert weights_copy_bytes(pipe.config.folder, 0, have=size + gib - 1) == 0
     graph = str(out / "cpu_inc_graph.mindir")
     model = _read_mindir(graph)
     ours = _kernel_weights(model)

@@ -7,11 +7,11 @@ Graphs are read, loaded and compiled on first use (MsBackend). Weights and KV ca
 - the first graph loaded has its Parameters set from the weights file itself, memory-mapped
   copy-on-write and asked for huge pages (`_ask_huge_pages`); the KV caches are zero pages, memory only once a block
   is written;
-- the weights our CPU kernels read (`_kernel_weights`), which a decode step streams whole, are in 2 MiB pages
-  (`_into_huge_pages`: from 4 KiB pages the step pays a TLB miss per page): the mapping's own pages where the page
-  cache maps them huge (a filesystem with large folios, the file read cold: the export drops it from the cache),
-  else a copy at load in a private huge-page arena (`_huge_arena`), the mapping's pages let go; everything else stays
-  the page cache's pages, never copied (MSLITE_LLM_HUGE_PAGES=0: all of it, as before);
+- the weights our CPU kernels read (`_kernel_weights`), which a decode step streams whole, are copied at load into a
+  private arena of 2 MiB pages (`_into_huge_pages`, `_huge_arena`: from 4 KiB pages the step pays a TLB miss per
+  page), the mapping's pages under them let go, where that memory is there (lite_runtime/memory.py
+  weights_copy_bytes); everything else stays the page cache's pages, never copied (MSLITE_LLM_HUGE_PAGES=0: all of
+  it, as before);
 - every later graph's Parameters are pointed at the first one's with `set_data`, which shares
   the storage: all graphs read and write the same cache, and nothing is handed over.
 - where the CPU kernels' banded int4 form runs (AVX-512 VNNI, AVX2), the int4 matrices only our quantized ops read are
@@ -186,29 +186,25 @@ def _huge_arena(nbytes: int) -> np.ndarray:
 
 
 def _into_huge_pages(arrays: Dict[str, np.ndarray], names, bands) -> None:
-    """The weights `names` (those our CPU kernels read: _kernel_weights) in huge pages. A decode step streams them
-    whole: from 4 KiB pages it pays a TLB miss per page (a walk of two page tables in a VM), from 2 MiB pages a
-    512th of them (docs/performance-log.md 46: an Intel Xeon VM, the 0.5B int8 step 1.1x, its int8 head 1.3x).
-    - Where the weights file's mapping already is in huge pages (_mapped_huge: the page cache holds the file in 2 MiB
-      folios: a filesystem with large folios, xfs or ext4 from Linux 6.16, the file read after the export dropped
-      it: export/writers/weights_file.py release_cache), they stay there: page cache, shared, nothing copied.
-    - Elsewhere (older kernels; ext4 before 6.16; a folder copied, whose cache holds the copy's small folios) they are
-      copied into one private arena (_huge_arena), each at a 4 KiB boundary, and the mapping's pages let go
-      (_unmap_pages): a copy at load (0.35-0.7 s a GB here) for a faster step; the weights are then this process's own
-      memory.
-    `bands` (int4 weights repacked into bands of 16 rows, cpu_kernels.repack_int4_r16: a private copy either way) go
-    to the arena always. MSLITE_LLM_HUGE_PAGES=0 copies nothing (bands repacked in place, into the mapping's private
-    4 KiB copies, as before); =1 copies whatever the mapping is."""
+    """The weights `names` (those our CPU kernels read: _kernel_weights, and the int4 `bands`) copied from the weights
+    file's mapping into one private arena of huge pages (_huge_arena), on every core, each at a 4 KiB boundary;
+    arrays[name] then points there, `bands` are repacked there into bands of 16 rows (cpu_kernels.repack_int4_r16),
+    and the mapping's pages they came from are let go (_unmap_pages). A decode step streams these weights whole: from
+    4 KiB pages it pays a TLB miss per page (two page-table walks in a VM), from 2 MiB pages a 512th of them
+    (docs/performance-log.md 46, an Intel Xeon VM: the 0.5B step 1.12x int4, 1.16x int8, 1.16x bf16). Copied
+    whatever the page cache holds: the file's own mapping in 2 MiB folios (a file read cold on Linux 6.18, ext4)
+    read a bf16 folder's layers at 0.6x the arena's pace there, for a reason not found. Cost: the copy at load
+    (0.35-0.7 s a GB here), and those weights are this process's own memory, not page cache another process shares;
+    the KV pool is sized after them, and where they do not fit only the bands are copied (lite_runtime/memory.py
+    weights_copy_bytes). MSLITE_LLM_HUGE_PAGES=0 copies nothing (bands repacked in place, into the mapping's private
+    4 KiB copies, as before)."""
     import cpu_kernels
 
-    mode = os.environ.get("MSLITE_LLM_HUGE_PAGES")
-    if mode == "0":
+    if os.environ.get("MSLITE_LLM_HUGE_PAGES") == "0":
         for name in sorted(bands):
             cpu_kernels.repack_int4_r16(arrays[name])  # in the copy-on-write mapping: these pages become private
         return
     names = sorted(n for n in names if n in arrays)
-    if mode != "1" and _mapped_huge([arrays[n] for n in names if n not in bands]):
-        names = sorted(n for n in names if n in bands)
     at, offsets = 0, []
     for name in names:
         offsets.append(at)
@@ -232,38 +228,6 @@ def _into_huge_pages(arrays: Dict[str, np.ndarray], names, bands) -> None:
             cpu_kernels.repack_int4_r16(copy)
         arrays[name] = copy
         _unmap_pages(source)
-
-
-def _mapped_huge(views, samples: int = 16) -> bool:
-    """Whether the mapping under these views (of the weights file's mapping, asked for huge pages) maps in 2 MiB
-    pages: one byte touched at a 2 MiB-aligned spot of each of the `samples` largest views, then this process's page
-    table read (/proc/self/smaps: FilePmdMapped of the mapping). True where at least 3 spots in 4 are huge (readahead
-    builds its folios up in size: a file read cold is ~95 % in 2 MiB ones here); False where fewer are, nothing is
-    large enough, or /proc says nothing (not Linux)."""
-    views = sorted((v for v in views if getattr(v, "_mmap", None) is not None and v.nbytes >= 2 * HUGE_PAGE),
-                   key=lambda v: -v.nbytes)[:samples]
-    if not views:
-        return False
-    spots = []
-    for view in views:
-        flat = view.reshape(-1).view(np.uint8)
-        start = (-flat.ctypes.data) % HUGE_PAGE
-        int(flat[start])  # the fault maps the page cache's folio there: huge if it is a 2 MiB one
-        spots.append(flat.ctypes.data + start)
-    try:
-        with open("/proc/self/smaps") as fh:
-            lines = fh.read().splitlines()
-    except OSError:
-        return False
-    pmd, inside = 0, False
-    for line in lines:
-        words = line.split()
-        if words and "-" in words[0] and ":" not in words[0]:
-            lo, hi = (int(v, 16) for v in words[0].split("-"))
-            inside = any(lo <= a < hi for a in spots)
-        elif inside and line.startswith("FilePmdMapped:"):
-            pmd += int(words[1]) * 1024
-    return pmd * 4 >= len(spots) * HUGE_PAGE * 3
 
 
 def _unmap_pages(view: np.ndarray) -> None:
@@ -562,6 +526,11 @@ class MsBackend:
             from lite_runtime.memory import refuse_if_too_big
 
             refuse_if_too_big(config.folder, int(config.rank_id) if self._tp else 0)
+        # copy the CPU kernels' weights into huge pages at load where that memory is there (_into_huge_pages)
+        from lite_runtime.memory import weights_copy_bytes
+
+        self._copy_weights = config.folder is None or weights_copy_bytes(
+            config.folder, int(config.rank_id) if self._tp else 0) > 0
         self._paths = config.graph_paths()
         self._num_blocks = int(config.num_blocks)  # the KV pool's blocks (the runner's plan: lite_runtime/engine/kv_pool.py)
         self._parsed = {}  # key -> parsed proto, read for its specs and not loaded yet
@@ -597,7 +566,7 @@ class MsBackend:
         arrays = _parameter_arrays(model, path) if not self._owned else None  # read before the data is cleared
         if arrays is not None:  # what our kernels read in any graph of the folder (a prefill's last norm may not be)
             kernel = _kernel_weights(model).union(*(_kernel_weights(self._parse(k)) for k in self._paths if k != key))
-            _into_huge_pages(arrays, kernel | self._bands, self._bands)
+            _into_huge_pages(arrays, kernel | self._bands if self._copy_weights else self._bands, self._bands)
         _relocate_kernels(model, path)
         _use_bands(model, self._bands)
         _substitute_standins(model, path, self.standins)

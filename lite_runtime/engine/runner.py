@@ -389,11 +389,11 @@ def _identity(folder) -> bytes:
 def _free_after_weights(config) -> Optional[int]:
     """Memory free for the KV pool (lite_runtime/engine/kv_pool.py): on Atlas (the mslite backend) the device's, less this
     rank's weights (pyACL); on the CPU what is available, less what the ms backend still needs for the weights (a
-    float16 folder's float32 copies; mapped weights are page cache). None where unknown, and for a tensor-parallel
+    float16 folder's float32 copies; the CPU kernels' weights copied into huge pages; mapped weights are page cache). None where unknown, and for a tensor-parallel
     folder: every rank must run the very same pool (the same block tables on every rank), which free memory measured
     per process would not give; its default is then fixed (--num_blocks sizes it)."""
     from lite_runtime.backends import mslite_importable
-    from lite_runtime.memory import available_bytes, ms_backend_needs
+    from lite_runtime.memory import available_bytes, ms_backend_needs, weights_copy_bytes
 
     if config.folder.tp_size > 1:
         return None
@@ -407,4 +407,4 @@ def _free_after_weights(config) -> Optional[int]:
     have = available_bytes()
     if have is None:
         return None
-    return max(0, have - ms_backend_needs(config.folder, 0))
+    return max(0, have - ms_backend_needs(config.folder, 0) - weights_copy_bytes(config.folder, 0, have))
