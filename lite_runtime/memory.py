@@ -96,15 +96,24 @@ def weights_copy_bytes(folder, rank: int = 0, have: Optional[int] = None) -> int
     """Bytes the `ms` backend copies at load into huge pages (lite_runtime/backends/ms.py _into_huge_pages): the
     rank's weights file, an upper bound of the weights our CPU kernels read, for a folder whose graphs call them
     (manifest infer `cpu_kernels`); 0 where it copies nothing: MSLITE_LLM_HUGE_PAGES=0, no CPU kernels, or too little
-    memory (`have`, default available_bytes(): the copy and 1 GiB must fit, else the weights stay mapped, as page
-    cache). The KV pool's default is sized after it (lite_runtime/engine/runner.py)."""
+    memory (`have`, default available_bytes() when first asked in this process, the answer kept: the copy and 1 GiB
+    must fit, else the weights stay mapped, as page cache). The KV pool's default is sized after it
+    (lite_runtime/engine/runner.py), and the load copies as it said (lite_runtime/backends/ms.py)."""
     if os.environ.get("MSLITE_LLM_HUGE_PAGES") == "0" or not folder.infer.get("cpu_kernels"):
         return 0
     files = {os.path.join(folder.path, g["variables"]) for g in folder.manifest.get("graphs", [])
              if int(g.get("rank", 0)) == rank and g.get("variables")}
     weights = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
-    have = available_bytes() if have is None else have
-    return weights if have is None or weights + GIB <= have else 0
+    if have is not None:
+        return weights if weights + GIB <= have else 0
+    key = (os.path.realpath(folder.path), rank)  # one answer a process: the pool's plan and the load agree
+    if key not in _COPY_DECISIONS:
+        have = available_bytes()
+        _COPY_DECISIONS[key] = weights if have is None or weights + GIB <= have else 0
+    return _COPY_DECISIONS[key]
+
+
+_COPY_DECISIONS: dict = {}  # (folder, rank) -> weights_copy_bytes' first answer without `have`
 
 
 def gib(n: float) -> str:

@@ -407,4 +407,4 @@ def _free_after_weights(config) -> Optional[int]:
     have = available_bytes()
     if have is None:
         return None
-    return max(0, have - ms_backend_needs(config.folder, 0) - weights_copy_bytes(config.folder, 0, have))
+    return max(0, have - ms_backend_needs(config.folder, 0) - weights_copy_bytes(config.folder, 0))
