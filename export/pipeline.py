@@ -266,7 +266,7 @@ def _run_export(cfg: ExportConfig, show_progress: bool, on_stage: Callable[[str]
             early = None
         _timed(stages, "files", on_stage, _write_folder_files, cfg, model_cfg, profile, tmp, graphs, layouts, hashed,
                network.kernels, network.vocab_shards > 1, (quant, tables))
-        release_cache(tmp, layouts)  # on disk, and read back in huge pages by the first load
+        release_cache(tmp, layouts)  # on disk before the folder is in place, and out of the page cache
         _replace(tmp, output)
     except OSError as exc:
         _cancel(early)

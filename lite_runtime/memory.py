@@ -86,10 +86,14 @@ def ms_backend_needs(folder, rank: int = 0) -> int:
     compute = folder.infer.get("compute_dtype") or folder.infer.get("dtype")
     if compute != "float16":
         return 0
+    return 2 * _weights_file_bytes(folder, rank) + FLOAT16_OVERHEAD
+
+
+def _weights_file_bytes(folder, rank: int) -> int:
+    """The size of the rank's weights file(s), as the manifest names them."""
     files = {os.path.join(folder.path, g["variables"]) for g in folder.manifest.get("graphs", [])
              if int(g.get("rank", 0)) == rank and g.get("variables")}
-    weights = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
-    return 2 * weights + FLOAT16_OVERHEAD
+    return sum(os.path.getsize(f) for f in files if os.path.isfile(f))
 
 
 def weights_copy_bytes(folder, rank: int = 0, have: Optional[int] = None) -> int:
@@ -101,9 +105,7 @@ def weights_copy_bytes(folder, rank: int = 0, have: Optional[int] = None) -> int
     (lite_runtime/engine/runner.py), and the load copies as it said (lite_runtime/backends/ms.py)."""
     if os.environ.get("MSLITE_LLM_HUGE_PAGES") == "0" or not folder.infer.get("cpu_kernels"):
         return 0
-    files = {os.path.join(folder.path, g["variables"]) for g in folder.manifest.get("graphs", [])
-             if int(g.get("rank", 0)) == rank and g.get("variables")}
-    weights = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+    weights = _weights_file_bytes(folder, rank)
     if have is not None:
         return weights if weights + GIB <= have else 0
     key = (os.path.realpath(folder.path), rank)  # one answer a process: the pool's plan and the load agree

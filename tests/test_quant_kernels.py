@@ -502,7 +502,7 @@ def test_the_avx2_path_gives_the_same_answers():
 
 @pytest.mark.parametrize("form,streams", [("avx512_vnni", 1), ("avx512_vnni", 2), ("avx512_vnni", 3),
                                           ("avx512_vnni", 4), ("avx2", 1), ("avx2", 2)])
-def test_int4_bands_of_one_row_in_any_number_of_streams(form, streams):
+def test_int4_bands_of_one_row_in_any_number_of_streams(form, streams, monkeypatch):
     """One row of x against banded int4 reads whole bands in several streams at once (4 on Intel's CPUs, 2 on others,
     the AVX2 form at most 2; MSLITE_LLM_CPU_KERNELS_INT4_STREAMS forces each, in a new process on each form's path):
     every count gives the row-major op's answer as the one-stream form does (88 outputs: 5 bands and a tail, runs of
@@ -511,17 +511,14 @@ def test_int4_bands_of_one_row_in_any_number_of_streams(form, streams):
         pytest.skip(f"the AVX-512 VNNI form does not run here ({cpu_kernels.quant_form()})")
     if form == "avx2" and cpu_kernels.isa() not in ("avx2", "avx512"):
         pytest.skip(f"not an x86 machine with AVX2 (path {cpu_kernels.isa()})")
-    os.environ["MSLITE_LLM_CPU_KERNELS_INT4_STREAMS"] = str(streams)
-    try:
-        run_on_path("native" if form == "avx512_vnni" else "avx2", f"""
-            import sys  # "native": the CPU's own path (not a name the library knows)
-            import cpu_kernels, test_quant_kernels as t
-            if cpu_kernels.quant_form() != "{form}":
-                sys.exit(f"form {{cpu_kernels.quant_form()}}")
-            t.test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer()
-        """)
-    finally:
-        del os.environ["MSLITE_LLM_CPU_KERNELS_INT4_STREAMS"]
+    monkeypatch.setenv("MSLITE_LLM_CPU_KERNELS_INT4_STREAMS", str(streams))
+    run_on_path("native" if form == "avx512_vnni" else "avx2", f"""
+        import sys  # "native": the CPU's own path (not a name the library knows)
+        import cpu_kernels, test_quant_kernels as t
+        if cpu_kernels.quant_form() != "{form}":
+            sys.exit(f"form {{cpu_kernels.quant_form()}}")
+        t.test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer()
+    """)
 
 
 def test_the_quantized_decode_form_is_named_by_the_cpu():

@@ -322,10 +322,9 @@ _STACKED_AXIS = {"mlp.experts.gate_up_proj": 1, "mlp.experts.down_proj": 2, "mlp
 
 def release_cache(folder: str, layouts: List[Layout]) -> None:
     """Each rank's weights file flushed to the disk (fdatasync: the folder is whole on disk before the export says it
-    is done) and its pages dropped from the page cache (POSIX_FADV_DONTNEED). The pages this export wrote are cached
-    in small folios; read again by the first load, through a mapping that asks for huge pages, they come back as 2
-    MiB folios, mapped huge where the kernel can (lite_runtime/backends/ms.py _ask_huge_pages: the decode step's
-    weight reads are faster in huge pages). The first load reads the weights from the disk, as after a reboot."""
+    is done) and its pages dropped from the page cache (POSIX_FADV_DONTNEED): the CPU load copies the weights its
+    kernels read into huge pages (lite_runtime/backends/ms.py _into_huge_pages), and the pages this export wrote
+    need not sit in the cache beside that copy. The first load reads the weights from the disk, as after a reboot."""
     for layout in layouts:
         path = os.path.join(folder, layout.location)
         fd = os.open(path, os.O_RDONLY)

@@ -185,7 +185,7 @@ def _huge_arena(nbytes: int) -> np.ndarray:
     return whole[start:start + nbytes]
 
 
-def _into_huge_pages(arrays: Dict[str, np.ndarray], names, bands) -> None:
+def _into_huge_pages(arrays: Dict[str, np.ndarray], names, bands, threads: int) -> None:
     """The weights `names` (those our CPU kernels read: _kernel_weights, and the int4 `bands`) copied from the weights
     file's mapping into one private arena of huge pages (_huge_arena), on every core, each at a 4 KiB boundary;
     arrays[name] then points there, `bands` are repacked there into bands of 16 rows (cpu_kernels.repack_int4_r16),
@@ -218,8 +218,7 @@ def _into_huge_pages(arrays: Dict[str, np.ndarray], names, bands) -> None:
         for a in range(0, source.nbytes, 16 << 20):
             b = min(a + (16 << 20), source.nbytes)
             pieces.append((arena[offset + a:offset + b], source[a:b]))
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, 8))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, 8))) as pool:  # the backend's threads (cpu_threads)
         list(pool.map(lambda piece: np.copyto(*piece), pieces))
     for name, offset in zip(names, offsets):
         source = arrays[name]
@@ -251,26 +250,13 @@ def _kernel_weights(model) -> set:
     Load and Depend: the matrices and vectors a step streams. Not the KV caches (those stay the runtime's zero pages)
     nor what only MindSpore's own ops read (an untied embedding's Gather touches a few rows a step: mapped, only
     those pages are ever read)."""
-    import cpu_kernels
-
     from lite_runtime.folder import is_kv_cache
 
-    ours = set()
-    for prim in model.primitives:
-        for attr in prim.attribute:
-            if attr.name == "func_name" and cpu_kernels.names_our_library(attr.s.decode("utf-8", "replace")):
-                ours.add(prim.name)
-    kind = {p.name: p.op_type for p in model.primitives}
-    alias = {}
-    for node in model.graph.node:
-        if kind.get(node.op_type.rpartition("::")[2], node.op_type) in ("Load", "Depend") and node.input:
-            for out in node.output:
-                alias[out] = node.input[0]
-    resolve = lambda name: resolve(alias[name]) if name in alias else name
+    funcs, _, resolve = _our_calls(model)
     params = {p.name for p in model.graph.parameter}
     reads = set()
     for node in model.graph.node:
-        if node.op_type.rpartition("::")[2] in ours:
+        if node.op_type.rpartition("::")[2] in funcs:
             reads.update(n for n in map(resolve, node.input) if n in params)
     return {n.rsplit(":", 1)[-1] for n in reads if not is_kv_cache(n.rsplit(":", 1)[-1])}
 
@@ -301,14 +287,13 @@ def _int4_params(model) -> set:
     return {p.name for p in model.graph.parameter if p.data_type == uint8 and len(p.dims) in (2, 3)}
 
 
-def _quant_op_inputs(model):
-    """Per Custom primitive of a parsed MindIR that calls one of our ops: (its function, and per node the int4
-    weights it reads, each as (parameter, the scale parameter after it)); and the int4 parameters any other node
-    reads (_int4_params)."""
+def _our_calls(model):
+    """Of a parsed MindIR: ({Custom primitive calling one of our ops: its function's name}, op_of(node): a node's
+    operator, resolve(name): a node input back through Load and Depend to what they pass on). A graph that writes the
+    KV cache reads its parameters through Load (and Depend passes its first input on): those outputs are the parameter
+    itself."""
     import cpu_kernels
 
-    params = {p.name: p for p in model.graph.parameter}
-    int4 = _int4_params(model)
     funcs = {}
     for prim in model.primitives:
         for attr in prim.attribute:
@@ -318,14 +303,22 @@ def _quant_op_inputs(model):
                     funcs[prim.name] = func.rpartition(":")[2]
     kind = {p.name: p.op_type for p in model.primitives}
     op_of = lambda node: kind.get(node.op_type.rpartition("::")[2], node.op_type)
-    # a graph that writes the KV cache reads its parameters through Load (and Depend passes its first input on):
-    # those outputs are the parameter itself
     alias = {}
     for node in model.graph.node:
         if op_of(node) in ("Load", "Depend") and node.input:
             for out in node.output:
                 alias[out] = node.input[0]
     resolve = lambda name: resolve(alias[name]) if name in alias else name
+    return funcs, op_of, resolve
+
+
+def _quant_op_inputs(model):
+    """Per Custom primitive of a parsed MindIR that calls one of our ops: (its function, and per node the int4
+    weights it reads, each as (parameter, the scale parameter after it)); and the int4 parameters any other node
+    reads (_int4_params)."""
+    params = {p.name: p for p in model.graph.parameter}
+    int4 = _int4_params(model)
+    funcs, op_of, resolve = _our_calls(model)
     consumers = {}
     for node in model.graph.node:
         for name in node.input:
@@ -517,6 +510,7 @@ class MsBackend:
         import cpu_kernels
 
         cpu_kernels.set_threads(threads)
+        self._threads = threads
         self._ms, self._nn = ms, nn
         self._tp = config.tp_size > 1
         if self._tp:  # a tensor-parallel folder: this process runs its rank's graphs (every rank steps together)
@@ -564,9 +558,12 @@ class MsBackend:
         del self._parsed[key]
         _size_caches(model, self._num_blocks)
         arrays = _parameter_arrays(model, path) if not self._owned else None  # read before the data is cleared
-        if arrays is not None:  # what our kernels read in any graph of the folder (a prefill's last norm may not be)
-            kernel = _kernel_weights(model).union(*(_kernel_weights(self._parse(k)) for k in self._paths if k != key))
-            _into_huge_pages(arrays, kernel | self._bands if self._copy_weights else self._bands, self._bands)
+        if arrays is not None:
+            copied = set(self._bands)
+            if self._copy_weights:  # what our kernels read in any graph (a prefill's last norm may not be)
+                copied |= _kernel_weights(model).union(*(_kernel_weights(self._parse(k)) for k in self._paths
+                                                         if k != key))
+            _into_huge_pages(arrays, copied, self._bands, self._threads)
         _relocate_kernels(model, path)
         _use_bands(model, self._bands)
         _substitute_standins(model, path, self.standins)

@@ -389,9 +389,10 @@ def _identity(folder) -> bytes:
 def _free_after_weights(config) -> Optional[int]:
     """Memory free for the KV pool (lite_runtime/engine/kv_pool.py): on Atlas (the mslite backend) the device's, less this
     rank's weights (pyACL); on the CPU what is available, less what the ms backend still needs for the weights (a
-    float16 folder's float32 copies; the CPU kernels' weights copied into huge pages; mapped weights are page cache). None where unknown, and for a tensor-parallel
-    folder: every rank must run the very same pool (the same block tables on every rank), which free memory measured
-    per process would not give; its default is then fixed (--num_blocks sizes it)."""
+    float16 folder's float32 copies; the CPU kernels' weights copied into huge pages; mapped weights are page cache).
+    None where unknown, and for a tensor-parallel folder: every rank must run the very same pool (the same block
+    tables on every rank), which free memory measured per process would not give; its default is then fixed
+    (--num_blocks sizes it)."""
     from lite_runtime.backends import mslite_importable
     from lite_runtime.memory import available_bytes, ms_backend_needs, weights_copy_bytes
 
