@@ -64,9 +64,10 @@ ATLAS_WEIGHT_QUANT_BATCH_MATMUL = "MsliteLlmAtlasWeightQuantBatchMatmul"  # Weig
 QUANTIZED_OPS = {QKV_ROPE: "MsliteLlmQuantQkvRope", GEMV_ADD: "MsliteLlmQuantGemvAdd",
                  DECODE_QKV: "MsliteLlmQuantPagedDecodeQkv", NORM_SWIGLU: "MsliteLlmQuantNormSwiGlu",
                  DECODE_TAIL: "MsliteLlmQuantDecodeTail", DECODE_LAYER: "MsliteLlmQuantPagedDecodeLayer"}
-# The ops that read quantized weights, under a second name for int4 weights in bands of 16 rows (matmul_quant.h
-# repack_int4_r16): the runtime renames an op so at load after repacking every int4 weight it reads (int4_bands in
-# lite_runtime/backends/ms.py; docs/architecture.md, "int4 in bands of 16 rows"). Never written in a folder.
+# The ops that read quantized weights, under a second name for weights in bands of 16 rows (matmul_quant.h
+# repack_int4_r16, repack_int8_r16): the runtime renames an op so at load after repacking every quantized weight it
+# reads (_repacked_weights in lite_runtime/backends/ms.py; docs/architecture.md, "int4 in bands of 16 rows"). Never
+# written in a folder.
 R16_OPS = {f: f + "R16" for f in (QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
                                   *QUANTIZED_OPS.values(), MOE, DECODE_MOE_LAYER)}
 FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
@@ -224,6 +225,32 @@ def repack_int4_r16(q) -> None:
         if lib.MsliteLlmRepackInt4R16(ctypes.c_void_p(matrix.ctypes.data), ctypes.c_int64(matrix.shape[0]),
                                       ctypes.c_int64(2 * matrix.shape[1])):
             raise ValueError(f"int4 weights of {2 * q.shape[-1]} inputs are not whole blocks of 32: not repacked")
+
+
+def int8_r16_runs(k: int, group: int) -> bool:
+    """Whether int8 weights of k inputs in groups of `group` take the banded form (int8 in bands of 16 rows, biased,
+    against x in int8: the AVX-512 VNNI form, K and the group whole 64s) on this machine in the activations mode now in
+    force: what the runtime repacks for (elsewhere a banded int8 weight would only be read through the float32 form)."""
+    lib = _library()
+    return lib is not None and bool(lib.MsliteLlmInt8R16Runs(ctypes.c_int64(int(k)), ctypes.c_int64(int(group))))
+
+
+def repack_int8_r16(q) -> None:
+    """int8 weights q (numpy int8 [N, K], or a mixture of experts' stack [E, N, K]: each expert's matrix alone;
+    C-contiguous and writable) biased and repacked in place into bands of 16 rows (matmul_quant.h repack_int8_r16),
+    what the R16 ops read. Raises ValueError for an array it cannot take."""
+    import numpy as np
+
+    lib = _library()
+    if lib is None:
+        raise FileNotFoundError(f"the mslite-llm CPU kernel library is not built in {_HERE}; {BUILD_HINT}")
+    if q.dtype != np.int8 or q.ndim not in (2, 3) or not q.flags.c_contiguous or not q.flags.writeable:
+        raise ValueError(f"int8 weights to repack must be a writable C-contiguous int8 [N, K] or [E, N, K] array, not "
+                         f"{q.dtype} {q.shape}")
+    for matrix in (q,) if q.ndim == 2 else q:
+        if lib.MsliteLlmRepackInt8R16(ctypes.c_void_p(matrix.ctypes.data), ctypes.c_int64(matrix.shape[0]),
+                                      ctypes.c_int64(matrix.shape[1])):
+            raise ValueError(f"int8 weights of {q.shape[-1]} inputs are not whole blocks of 32: not repacked")
 
 
 # cpu_kernels/matmul16.h: the rows of x for which bfloat16 weights take the AVX512-BF16 form

@@ -56,6 +56,7 @@
 namespace msllm {
 namespace {
 
+constexpr int64_t QBLOCK = 32;  // the decode form's block of inputs: x's own scale each (below)
 constexpr int64_t NT = 16;   // outputs per tile (a multiple of the dot products' 4 and 8)
 constexpr int64_t KC = 256;  // inputs per dequantized block (even: an int4 block starts on a byte); NT x KC floats: L1
 constexpr int64_t MB = 48;   // rows of x per task (a multiple of 3); MB x KC floats of x: L2
@@ -69,7 +70,7 @@ struct Problem {
   int64_t m, k, n;
   const void* q;  // int8 [n, k] or, int4, uint8 [n, k / 2]
   bool int4;
-  bool r16 = false;  // int4 in bands of 16 rows (repack_int4_r16)
+  bool r16 = false;  // in bands of 16 rows (repack_int4_r16, repack_int8_r16)
   const float* scale;   // [k / group, n]
   const float* offset;  // [k / group, n], or null: 0
   int64_t group;
@@ -86,16 +87,16 @@ void unpack_int4(const uint8_t* src, int64_t bytes, int8_t* dst) {
   }
 }
 
-// int4 in bands of 16 rows (matmul_quant.h repack_int4_r16): where row `row`'s bytes [byte0, byte0 + len) are, as
-// stored: in place for a row-major row (or a row past the bands), else gathered into buf (4 bytes at a time when whole)
-const uint8_t* int4_row_bytes(const void* q, bool r16, int64_t n, int64_t k, int64_t row, int64_t byte0, int64_t len,
-                              uint8_t* buf) {
+// Weights in bands of 16 rows (matmul_quant.h repack_int4_r16, repack_int8_r16: a block of `block` bytes a row, 16
+// rows' blocks in 4-byte runs): where row `row`'s bytes [byte0, byte0 + len) are, as stored (rows of kb bytes): in
+// place for a row-major row (or a row past the bands), else gathered into buf (4 bytes at a time when whole)
+const uint8_t* band_row_bytes(const void* q, bool r16, int64_t n, int64_t kb, int64_t block, int64_t row,
+                              int64_t byte0, int64_t len, uint8_t* buf) {
   const uint8_t* base = static_cast<const uint8_t*>(q);
-  const int64_t kb = k / 2;
   if (!r16 || row >= n - n % 16) return base + row * kb + byte0;
   const uint8_t* band = base + (row - row % 16) * kb + (row % 16) * 4;
   for (int64_t p = byte0; p < byte0 + len;) {
-    const uint8_t* at = band + (p / 16) * 256 + ((p % 16) / 4) * 64 + p % 4;
+    const uint8_t* at = band + (p / block) * (16 * block) + ((p % block) / 4) * 64 + p % 4;
     if (p % 4 == 0 && p + 4 <= byte0 + len) {
       std::memcpy(buf + (p - byte0), at, 4);
       p += 4;
@@ -104,6 +105,23 @@ const uint8_t* int4_row_bytes(const void* q, bool r16, int64_t n, int64_t k, int
       ++p;
     }
   }
+  return buf;
+}
+
+// int4: the bytes of row `row` (k inputs) as stored, banded or not
+const uint8_t* int4_row_bytes(const void* q, bool r16, int64_t n, int64_t k, int64_t row, int64_t byte0, int64_t len,
+                              uint8_t* buf) {
+  return band_row_bytes(q, r16, n, k / 2, QBLOCK / 2, row, byte0, len, buf);
+}
+
+// int8: row `row`'s q [i0, i0 + len) (len <= KC) as the integers they are: in place for a row-major weight, else
+// gathered from its band and unbiased (repack_int8_r16) into buf
+const int8_t* int8_row(const void* q, bool r16, int64_t n, int64_t k, int64_t row, int64_t i0, int64_t len,
+                       int8_t* buf) {
+  if (!r16) return static_cast<const int8_t*>(q) + row * k + i0;
+  alignas(64) uint8_t bytes[KC];
+  const uint8_t* src = band_row_bytes(q, true, n, k, QBLOCK, row, i0, len, bytes);
+  for (int64_t i = 0; i < len; ++i) buf[i] = int8_t(src[i] ^ 0x80);
   return buf;
 }
 
@@ -308,7 +326,6 @@ MSLLM_AVX2 void dots_avx2(const float* x, int64_t ldx, int64_t rows, const float
 // constant. The same integers and scales on every path; only the float sums' order differs.
 // Usable when groups and K are whole blocks; otherwise (odd shapes) a plain float32 form runs.
 
-constexpr int64_t QBLOCK = 32;
 constexpr float LOW_STEP = 1.f / 65534.f;  // ACTIVATIONS_EXACT: the low part's step, in steps of the high part
 
 int default_activations() {
@@ -328,6 +345,14 @@ bool int8_fits(const QuantWeight& w) {
   return w.int4 && w.k % QSTEP == 0 && (w.group % QSTEP == 0 || w.group == QBLOCK);
 }
 
+// the x-in-int8 form of banded int8 weights (qbands8_r16_vnni, and qtile8w_vnni for the rows past the bands): K and
+// the group whole steps of 64
+bool int8w_fits(const QuantWeight& w) { return !w.int4 && w.k % QSTEP == 0 && w.group % QSTEP == 0; }
+// whether x is prepared for w in that form: int8 banded (and biased), fitting, x in int8 in force
+bool takes_int8w(const QuantWeight& w) {
+  return w.r16 && int8w_fits(w) && quant_activations() == ACTIVATIONS_INT8;
+}
+
 // row r's int16 parts (exact: its low parts follow them, k int16 further on)
 const int16_t* prepared_row(const PreparedX& p, int64_t r) { return p.xq.data() + r * (p.exact ? 2 : 1) * p.k; }
 const float* block_scales(const PreparedX& p, int64_t r) {
@@ -336,20 +361,25 @@ const float* block_scales(const PreparedX& p, int64_t r) {
 // per row: G sums of x over each group, then (int4) G sums of x as rounded (the block scales times the int16 sums)
 const float* group_sums(const PreparedX& p, int64_t r) { return block_scales(p, r) + p.k / QBLOCK; }
 
+// What the kernels' integers carry beyond q: 8 for int4 (they read a nibble as q + 8), 128 for banded int8 in the
+// x-in-int8 form (it reads the biased bytes as they are, q + 128), else 0.
+inline float weight_bias(const QuantWeight& w) { return w.int4 ? 8.f : w.x->int8w ? 128.f : 0.f; }
+
 // y[m, o] += the constants of output o's groups, for rows m < rows and outputs [o0, o1): per group g,
-// scale[g, o] * (offset[g, o] * x's sum over the group, less 8 times the sum of x as rounded for int4: the kernels'
+// scale[g, o] * (offset[g, o] * x's sum over the group, less weight_bias times the sum of x as rounded: the kernels'
 // x . (q + 8) less that is x as rounded . q exactly, so x's rounding meets q, not q + 8, whose larger magnitude doubled
 // the error on SmolLM2). Apart from the dot products, a pass along each group's contiguous scales and offsets (a
 // scalar sum per weight row and group inside the tiles cost int4 a fifth of its speed).
 inline void add_group_constants(const QuantWeight& w, int64_t rows, float* y, int64_t ldy, int64_t o0, int64_t o1) {
-  if (w.offset == nullptr && !w.int4) return;
+  const float bias = weight_bias(w);
+  if (w.offset == nullptr && bias == 0.f) return;
   const int64_t groups = w.k / w.group;
   for (int64_t m = 0; m < rows; ++m) {
     const float* sums = group_sums(*w.x, m);
     float* ym = y + m * ldy;
     for (int64_t g = 0; g < groups; ++g) {
       const float* s = w.scale + g * w.n;
-      const float exact = sums[g], rounded8 = w.int4 ? 8.f * sums[groups + g] : 0.f;
+      const float exact = sums[g], rounded8 = bias * sums[groups + g];
       if (w.offset != nullptr) {
         const float* off = w.offset + g * w.n;
         for (int64_t o = o0; o < o1; ++o) ym[o] += s[o] * (off[o] * exact - rounded8);
@@ -1117,6 +1147,174 @@ MSLLM_AVX512_VNNI void qrows8_vnni(const QuantWeight& w, int64_t rows, const flo
   }
 }
 
+// ---- int8 against x in int8 (ACTIVATIONS_INT8), banded and biased (repack_int8_r16) -----------------------------
+// x rounded to int8 per block of 32 as llama.cpp's Q8_0 rounds it, and the weights' bytes biased (q + 128, unsigned)
+// so that vpdpbusd multiplies them by x's signed bytes as they are and adds each four into an int32 lane, exactly. The
+// group's constant takes 128 x the sum of x as rounded off (add_group_constants), so x's rounding meets q, not q + 128.
+// Why bands: per block of 32 inputs a row-major form converts and scales each (row of x, weight row)'s sum, which
+// bound it (one row of x: level with the int16 form; 9 to 16 rows 1.05-1.26x it, where without those two instructions
+// it ran 1.8-2.0x: docs/performance-log.md 47); in a band a lane is a weight row, so one conversion and one FMA per
+// block serve 16 weight rows, as the int4 bands' (qbands_r16_vnni).
+//
+// The rows past the bands (n % 16, row-major, biased): a weight row's 64 bytes (two blocks) in one zmm against x's
+// 64 bytes in input order: lanes 0-7 block 2s's sum, 8-15 block 2s + 1's, each scaled by its block's x scale
+// (PreparedX xs).
+template <int R, int C>
+MSLLM_AVX512_VNNI void qtile8w_vnni(const QuantWeight& w, int64_t m0, const int64_t* n, int cols, const float* b,
+                                    float* y, int64_t ldy) {
+  const PreparedX& x = *w.x;
+  const int64_t groups = w.k / w.group, per = w.group / QSTEP;
+  const char* base = static_cast<const char*>(w.q);
+  const char* next = base + (n[C - 1] + 1 + (PREFETCH_TILES - 1) * C) * w.k;  // may run past W: a hint only
+  const char* row[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) row[c] = base + n[c] * w.k;
+  const int8_t* xb[R];
+  const float* xs[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) xb[r] = x.xb.data() + (m0 + r) * w.k, xs[r] = x.xs.data() + (m0 + r) * (w.k / 4);
+  __m512 total[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m512 acc[R][C];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t s = gi * per; s < (gi + 1) * per; ++s) {
+      const char* ahead = next + s * C * QSTEP;
+#pragma GCC unroll 8
+      for (int64_t off = 0; off < C * QSTEP; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+      __m512i xv[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_si512(xb[r] + s * QSTEP);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const __m512i v = _mm512_loadu_si512(row[c] + s * QSTEP);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v, xv[r])),
+                                      _mm512_loadu_ps(xs[r] + s * 16), acc[r][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m512 sc = _mm512_set1_ps(w.scale[gi * w.n + n[c]]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) total[r][c] = _mm512_fmadd_ps(acc[r][c], sc, total[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < cols; ++c) y[(m0 + r) * ldy + n[c]] = _mm512_reduce_add_ps(total[r][c]) + (b ? b[n[c]] : 0.f);
+}
+
+// 1 and 2 rows of x by 2 weight rows (two streams a thread, as qrows_vnni_t's for the same reason), 3 and 4 by 3
+MSLLM_AVX512_VNNI void qrows8w_vnni(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy,
+                                    int64_t o0, int64_t o1) {
+  for (int64_t m = 0; m < rows; m += 4) {
+    const int64_t r = std::min<int64_t>(4, rows - m);
+    if (r <= 2)
+      each_tile<2>(o0, o1, [&](const int64_t* n, int cols) {
+        if (r == 1)
+          qtile8w_vnni<1, 2>(w, m, n, cols, b, y, ldy);
+        else
+          qtile8w_vnni<2, 2>(w, m, n, cols, b, y, ldy);
+      });
+    else
+      each_tile<3>(o0, o1, [&](const int64_t* n, int cols) {
+        if (r == 3)
+          qtile8w_vnni<3, 3>(w, m, n, cols, b, y, ldy);
+        else
+          qtile8w_vnni<4, 3>(w, m, n, cols, b, y, ldy);
+      });
+  }
+}
+
+// Banded int8 (repack_int8_r16) against x in int8, rows [m0, m0 + R) of x against B bands at once (os, bo, yo as
+// qbands_r16_vnni's, below): per block of 32 inputs the band's 512 bytes in eight zmm whose lane r holds 4 bytes of
+// weight row r (q + 128), each against 4 of x's bytes broadcast to every lane, by vpdpbusd; each int32 lane sums its
+// row's 32 products (at most 32 x 255 x 127: exact), in two accumulators (even and odd runs: half the chain of
+// dependent vpdpbusd), then one conversion and one FMA (times the block's x scale) per block for 16 weight rows. The
+// same integers and scales as qtile8w_vnni; the float sums in another order.
+template <int R, int B>
+MSLLM_AVX512_VNNI void qbands8_r16_vnni(const QuantWeight& w, int64_t m0, const int64_t* os, const float* const* bo,
+                                        float* const* yo, int64_t ldy) {
+  const PreparedX& x = *w.x;
+  const int64_t groups = w.k / w.group, per = w.group / QBLOCK;
+  const uint8_t* band[B];
+#pragma GCC unroll 4
+  for (int i = 0; i < B; ++i) band[i] = static_cast<const uint8_t*>(w.q) + os[i] * w.k;
+  const int8_t* xb[R];
+  const float* bs[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) xb[r] = x.xb.data() + (m0 + r) * w.k, bs[r] = block_scales(x, m0 + r);
+  __m512 total[R][B];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int i = 0; i < B; ++i) total[r][i] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m512 acc[R][B];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int i = 0; i < B; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t blk = gi * per; blk < (gi + 1) * per; ++blk) {
+#pragma GCC unroll 4
+      for (int i = 0; i < B; ++i) {
+        const uint8_t* wp = band[i] + blk * (16 * QBLOCK);
+        __m512i d0[R], d1[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) d0[r] = d1[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j += 2) {
+          const __m512i v0 = _mm512_loadu_si512(wp + j * 64), v1 = _mm512_loadu_si512(wp + (j + 1) * 64);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            int32_t q0, q1;
+            std::memcpy(&q0, xb[r] + blk * QBLOCK + 4 * j, 4);
+            std::memcpy(&q1, xb[r] + blk * QBLOCK + 4 * j + 4, 4);
+            d0[r] = _mm512_dpbusd_epi32(d0[r], v0, _mm512_set1_epi32(q0));
+            d1[r] = _mm512_dpbusd_epi32(d1[r], v1, _mm512_set1_epi32(q1));
+          }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+          acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0[r], d1[r])), _mm512_set1_ps(bs[r][blk]),
+                                      acc[r][i]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < B; ++i) {
+      const __m512 s = _mm512_loadu_ps(w.scale + gi * w.n + os[i]);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) total[r][i] = _mm512_fmadd_ps(acc[r][i], s, total[r][i]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < B; ++i) {
+    const __m512 bias = bo[i] != nullptr ? _mm512_loadu_ps(bo[i]) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(yo[i] + (m0 + r) * ldy, _mm512_add_ps(total[r][i], bias));
+  }
+}
+
+// One band (o) of every row of x, 4 rows at a time
+MSLLM_AVX512_VNNI void qband8_rows_r16_vnni(const QuantWeight& w, int64_t rows, int64_t o, const float* bo, float* yo,
+                                            int64_t ldy) {
+  for (int64_t m = 0; m < rows; m += 4) {
+    switch (std::min<int64_t>(4, rows - m)) {
+      case 1: qbands8_r16_vnni<1, 1>(w, m, &o, &bo, &yo, ldy); break;
+      case 2: qbands8_r16_vnni<2, 1>(w, m, &o, &bo, &yo, ldy); break;
+      case 3: qbands8_r16_vnni<3, 1>(w, m, &o, &bo, &yo, ldy); break;
+      default: qbands8_r16_vnni<4, 1>(w, m, &o, &bo, &yo, ldy); break;
+    }
+  }
+}
+
 // int4 in bands of 16 rows (repack_int4_r16) against x in int8: per block of 32 inputs, the band's 256 bytes in four
 // zmm whose lane r holds 4 bytes of weight row r; their nibbles (as qtile8_vnni's, q + 8) against 4 of x's bytes
 // broadcast to every lane, by vpdpbusd: each int32 lane sums one row's products over the whole block, so one
@@ -1216,8 +1414,24 @@ MSLLM_AVX512_VNNI void qband_rows_r16_vnni(const QuantWeight& w, int64_t rows, i
 MSLLM_AVX512_VNNI void qrows_vnni(const float*, int64_t rows, const void* wv, const float* b, int64_t, float* y,
                                   int64_t ldy, int64_t o0, int64_t o1) {
   const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
-  if (!w.x->int16 || (w.r16 && !w.x->int8)) return qrows_float(w, rows, b, y, ldy, o0, o1);
-  if (w.r16) {
+  if (!w.x->int16 || (w.r16 && !w.x->int8 && !w.x->int8w)) return qrows_float(w, rows, b, y, ldy, o0, o1);
+  if (w.r16 && !w.int4) {
+    run_bands(
+        w, rows, b, y, ldy, o0, o1, row_streams(),
+        [&](int64_t n, int64_t o, const float* bo, float* yo, int64_t ld) { qband8_rows_r16_vnni(w, n, o, bo, yo, ld); },
+        [&](const int64_t* os, int count) {
+          const float* bo[4];
+          float* yo[4];
+          for (int i = 0; i < count; ++i) bo[i] = b != nullptr ? b + os[i] : nullptr, yo[i] = y + os[i];
+          switch (count) {
+            case 4: qbands8_r16_vnni<1, 4>(w, 0, os, bo, yo, ldy); break;
+            case 3: qbands8_r16_vnni<1, 3>(w, 0, os, bo, yo, ldy); break;
+            case 2: qbands8_r16_vnni<1, 2>(w, 0, os, bo, yo, ldy); break;
+            default: qbands8_r16_vnni<1, 1>(w, 0, os, bo, yo, ldy); break;
+          }
+        },
+        [&](int64_t t0, int64_t t1) { qrows8w_vnni(w, rows, b, y, ldy, t0, t1); });
+  } else if (w.r16) {
     run_bands(
         w, rows, b, y, ldy, o0, o1, row_streams(),
         [&](int64_t n, int64_t o, const float* bo, float* yo, int64_t ld) { qband_rows_r16_vnni(w, n, o, bo, yo, ld); },
@@ -1375,7 +1589,7 @@ void run_task(const Problem& p, int64_t n0, int64_t n1, int64_t m0, int64_t m1, 
         unpack_int4(int4_row_bytes(p.q, p.r16, p.n, p.k, n, kb / 2, kc / 2, packed), kc / 2, qbuf);
         src = qbuf;
       } else {
-        src = static_cast<const int8_t*>(p.q) + n * p.k + kb;
+        src = int8_row(p.q, p.r16, p.n, p.k, n, kb, kc, qbuf);
       }
       float* dst = wbuf + c * KC;
       g_kernels.dequant(src, kb, kc, p.group, p.scale + n, p.offset ? p.offset + n : nullptr, p.n, dst);
@@ -1486,18 +1700,39 @@ bool r16_runs(int64_t k, int64_t group) {
          quant_activations() == ACTIVATIONS_INT8 && int16_fits(w) && int8_fits(w);
 }
 
-bool repack_int4_r16(uint8_t* q, int64_t n, int64_t k) {
-  if (n < 0 || k <= 0 || k % QBLOCK) return false;
-  const int64_t kb = k / 2, blocks = k / QBLOCK;
+// rows [0, n - n % 16) of q (rows of kb bytes, blocks of `block` bytes, a multiple of 4) into bands of 16 rows, in
+// place: per band and block, block / 4 runs of 64 bytes, run j bytes 4j..4j+3 of each of the 16 rows
+void repack_bands(uint8_t* q, int64_t n, int64_t kb, int64_t block) {
+  const int64_t blocks = kb / block;
   std::vector<uint8_t> band(size_t(16 * kb));
   for (int64_t o = 0; o + 16 <= n; o += 16) {
     uint8_t* dst = q + o * kb;
     std::memcpy(band.data(), dst, band.size());
     for (int64_t blk = 0; blk < blocks; ++blk)
-      for (int j = 0; j < 4; ++j)
+      for (int64_t j = 0; j < block / 4; ++j)
         for (int r = 0; r < 16; ++r)
-          std::memcpy(dst + blk * 256 + j * 64 + r * 4, band.data() + r * kb + blk * 16 + j * 4, 4);
+          std::memcpy(dst + blk * 16 * block + j * 64 + r * 4, band.data() + r * kb + blk * block + j * 4, 4);
   }
+}
+
+bool repack_int4_r16(uint8_t* q, int64_t n, int64_t k) {
+  if (n < 0 || k <= 0 || k % QBLOCK) return false;
+  repack_bands(q, n, k / 2, QBLOCK / 2);
+  return true;
+}
+
+bool int8_r16_runs(int64_t k, int64_t group) {
+  QuantWeight w;
+  w.k = k, w.group = group;
+  return k > 0 && group > 0 && k % group == 0 && !std::strcmp(quant_form(), "avx512_vnni") &&
+         quant_activations() == ACTIVATIONS_INT8 && int8w_fits(w);
+}
+
+bool repack_int8_r16(int8_t* q, int64_t n, int64_t k) {
+  if (n < 0 || k <= 0 || k % QBLOCK) return false;
+  uint8_t* bytes = reinterpret_cast<uint8_t*>(q);
+  for (int64_t i = 0; i < n * k; ++i) bytes[i] ^= 0x80;
+  repack_bands(bytes, n, k, QBLOCK);
   return true;
 }
 
@@ -1524,7 +1759,7 @@ int read_quant_weight(void** params, int* ndims, int64_t** shapes, const char** 
   if (groups < 1 || shapes[i + 1][1] != w->n || w->k % groups) return 4;
   if (offset && (shapes[i + 2][0] != groups || shapes[i + 2][1] != w->n)) return 4;
   w->group = w->k / groups;
-  w->r16 = w->int4 && g_r16_calls > 0;  // an R16 op's int4 weights are banded (the runtime made them so)
+  w->r16 = g_r16_calls > 0;  // an R16 op's int4 and int8 weights are banded (the runtime made them so)
   if (w->r16 && w->k % QBLOCK) return 4;
   w->q = params[i];
   w->scale = static_cast<const float*>(params[i + 1]);
@@ -1537,7 +1772,7 @@ void prepare_each(const float* x, int64_t rows, QuantWeight* ws, int n, Prepared
   for (int i = 0; i < n; ++i) {
     int same = 0;  // the first weight before this one with its layout (px[j] prepared only for such firsts)
     while (same < i && !(px[same].x != nullptr && px[same].k == ws[i].k && px[same].group == ws[i].group &&
-                         px[same].int4 == ws[i].int4))
+                         px[same].int4 == ws[i].int4 && px[same].int8w == takes_int8w(ws[i])))
       ++same;
     if (same == i) prepare(x, rows, ws[i], &px[i]);
     ws[i].x = &px[same];
@@ -1549,13 +1784,15 @@ void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out)
   out->int16 = int16_fits(w);
   out->exact = quant_activations() == ACTIVATIONS_EXACT;
   out->int8 = out->int16 && quant_activations() == ACTIVATIONS_INT8 && int8_fits(w);
+  out->int8w = takes_int8w(w);
   if (!out->int16) return;
   const int64_t k = w.k, blocks = k / QBLOCK, groups = k / w.group, half = k / 2;
   const bool exact = out->exact;
-  const float top_q = out->int8 ? 127.f : 32767.f;  // the largest integer of x's blocks
+  const float top_q = out->int8 || out->int8w ? 127.f : 32767.f;  // the largest integer of x's blocks
   out->xq.resize(size_t(rows * (exact ? 2 : 1) * k));
   out->scales.resize(size_t(rows * (blocks + 2 * groups)));
   if (out->int8) out->xb.resize(size_t(rows * 2 * k)), out->xs.resize(size_t(rows * (k / 4)));
+  if (out->int8w) out->xb.resize(size_t(rows * k)), out->xs.resize(size_t(rows * (k / 4)));
   for (int64_t m = 0; m < rows; ++m) {
     const float* xr = x + m * k;
     int16_t* q = out->xq.data() + m * (exact ? 2 : 1) * k;
@@ -1605,6 +1842,13 @@ void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out)
         for (int l = 0; l < 16; ++l) xs[s * 16 + l] = bs[2 * s + ((l / 4) & 1)];
       }
     }
+    if (out->int8w) {  // qtile8w_vnni's: the integers in input order, each step's two block scales over 8 lanes each
+      int8_t* xb = out->xb.data() + m * k;
+      float* xs = out->xs.data() + m * (k / 4);
+      for (int64_t i = 0; i < k; ++i) xb[i] = int8_t(q[i]);
+      for (int64_t s = 0; s < k / QSTEP; ++s)
+        for (int l = 0; l < 16; ++l) xs[s * 16 + l] = bs[2 * s + l / 8];
+    }
   }
 }
 
@@ -1616,7 +1860,7 @@ void dequantize_rows(const QuantWeight& w, int64_t n0, int64_t rows, int64_t k0,
     const int64_t n = n0 + r;
     for (int64_t i = 0; i < kc; i += KC) {  // int4: unpacked KC inputs at a time
       const int64_t len = std::min(KC, kc - i);
-      const int8_t* src = static_cast<const int8_t*>(w.q) + n * w.k + k0 + i;
+      const int8_t* src = w.int4 ? nullptr : int8_row(w.q, w.r16, w.n, w.k, n, k0 + i, len, qbuf);
       if (w.int4) {
         alignas(64) uint8_t packed[KC / 2];
         unpack_int4(int4_row_bytes(w.q, w.r16, w.n, w.k, n, (k0 + i) / 2, len / 2, packed), len / 2, qbuf);

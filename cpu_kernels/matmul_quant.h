@@ -16,7 +16,8 @@ struct PreparedX;
 struct QuantWeight {
   const void* q = nullptr;
   bool int4 = false;
-  bool r16 = false;  // int4 in bands of 16 rows (repack_int4_r16): read by an R16 op (registry.cc), set by read_quant_weight
+  bool r16 = false;  // in bands of 16 rows (repack_int4_r16; int8: repack_int8_r16, biased too): read by an R16 op
+                     // (registry.cc), set by read_quant_weight
   const float* scale = nullptr;
   const float* offset = nullptr;  // null: 0
   int64_t n = 0, k = 0, group = 0;
@@ -31,6 +32,9 @@ struct PreparedX {
   bool int8 = false;                  // x rounded to int8 per block of 32 (int4 weights, ACTIVATIONS_INT8): xq holds
                                       // the int8 integers too (the plain C++ and NEON forms read them), xb and xs
                                       // the same as the x86 forms read them
+  bool int8w = false;                 // x rounded to int8 per block of 32 for banded int8 weights (ACTIVATIONS_INT8):
+                                      // xb [rows, k] in input order, xs [rows, k / 64, 16] lanes 0-7 block 2s's scale,
+                                      // 8-15 block 2s + 1's (xq holds the integers too)
   bool exact = false;                 // x split into two int16 parts (ACTIVATIONS_EXACT): each row's k low parts follow
                                       // its k high ones
   std::vector<int16_t> xq;            // [rows, k]: int8 weights in input order; int4, the even inputs, then the odd
@@ -55,6 +59,16 @@ int read_quant_weight(void** params, int* ndims, int64_t** shapes, const char** 
 // as they were (row-major, where they already are). A permutation of the bytes within each band, in place.
 // Requires k a multiple of 32 (else returns false, nothing changed).
 bool repack_int4_r16(uint8_t* q, int64_t n, int64_t k);
+// int8 weights likewise (docs/architecture.md, "int8 in bands of 16 rows"): every byte biased, q ^ 0x80 (q + 128 as an
+// unsigned byte, which vpdpbusd multiplies by x's signed int8 as it is), and rows [0, n16) in bands of 16: in a band,
+// each block of 32 inputs (a row's bytes 32b..32b+31) is 512 bytes, 8 runs of 64: run j holds bytes 4j..4j+3 of each
+// of the band's 16 rows in row order. The rows from n16 on stay row-major (biased). Requires k a multiple of 32 (else
+// returns false, nothing changed).
+bool repack_int8_r16(int8_t* q, int64_t n, int64_t k);
+// Whether an int8 weight of k inputs in groups of `group` takes the banded form (x in int8) on this machine in the
+// activations mode now in force: the AVX-512 VNNI form, K and the group whole 64s. Every other form reads a banded
+// int8 weight through its float32 form, so the runtime repacks none there.
+bool int8_r16_runs(int64_t k, int64_t group);
 // Whether an int4 weight of k inputs in groups of `group` takes the banded form on this machine in the activations
 // mode now in force (the AVX-512 VNNI and the AVX2 forms with x in int8): what the runtime repacks for.
 bool r16_runs(int64_t k, int64_t group);

@@ -191,9 +191,10 @@ int MsliteLlmPagedDecodeMoeLayer(int nparam, void** params, int* ndims, int64_t*
   return timed(OP_DECODE_LAYER, [&] { return decode_moe_layer(nparam, params, ndims, shapes, dtypes); });
 }
 
-// The quantized ops once more, for int4 weights in bands of 16 rows (matmul_quant.h repack_int4_r16): names the
-// runtime gives a graph's ops at load after it repacked every int4 weight they read (lite_runtime/backends/ms.py,
-// cpu_kernels.int4_bands); never in a folder as exported. The same bodies, the int4 weights read as banded.
+// The quantized ops once more, for weights in bands of 16 rows (matmul_quant.h repack_int4_r16, repack_int8_r16):
+// names the runtime gives a graph's ops at load after it repacked every quantized weight they read
+// (lite_runtime/backends/ms.py _repacked_weights); never in a folder as exported. The same bodies, the weights read as
+// banded.
 #define MSLLM_R16(name)                                                                                            \
   int name##R16(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* s, void* e) { \
     R16Call banded;                                                                                              \
@@ -220,6 +221,15 @@ int MsliteLlmRepackInt4R16(void* q, int64_t n, int64_t k) {
 
 // 1 when int4 weights of k inputs in groups of `group` take the banded form here, in the activations mode now in force
 int MsliteLlmInt4R16Runs(int64_t k, int64_t group) { return r16_runs(k, group) ? 1 : 0; }
+
+// Repacks int8 q [n, k] in place into bands of 16 rows, biased (matmul_quant.h repack_int8_r16): 0, or 4 when k is
+// not a multiple of 32 (nothing changed)
+int MsliteLlmRepackInt8R16(void* q, int64_t n, int64_t k) {
+  return repack_int8_r16(static_cast<int8_t*>(q), n, k) ? 0 : 4;
+}
+
+// 1 when int8 weights of k inputs in groups of `group` take the banded form here, in the activations mode now in force
+int MsliteLlmInt8R16Runs(int64_t k, int64_t group) { return int8_r16_runs(k, group) ? 1 : 0; }
 
 int MsliteLlmAtlasWeightQuantBatchMatmul(int nparam, void** params, int* ndims, int64_t** shapes,
                                          const char** dtypes, void*, void*) {

@@ -285,14 +285,23 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
         unreplayed = ("activations: replayed with x exact only; this machine serves the folder's steps of several "
                       "rows in the AVX512-BF16 form (x rounded to bfloat16), which was not replayed: golden.json "
                       "predates its limit; re-export the folder with python -m export to check that form")
-    elif mode == "int16" and (folder.quantization or {}).get("bits") == 4 and _kernels(generator.backend_name):
-        unreplayed = ("activations: the fast replay ran x in int16, the form golden.json's limit covers; this "
-                      "installation serves the int4 matmuls with x in int8 (MSLITE_LLM_QUANT_ACTIVATIONS=int16 serves "
-                      "them as replayed): golden.json predates the int8 form's limit; re-export the folder with "
+    elif mode == "int16" and _serves_int8(folder, generator.backend_name):
+        bits = folder.quantization["bits"]
+        unreplayed = (f"activations: the fast replay ran x in int16, the form golden.json's limit covers; this "
+                      f"installation serves the int{bits} matmuls with x in int8 (MSLITE_LLM_QUANT_ACTIVATIONS=int16 "
+                      "serves them as replayed): golden.json predates the int8 form's limit; re-export the folder with "
                       "python -m export to check that form")
     return Report(name=folder.name, backend=generator.backend_name, dtype=config.compute_dtype, tolerance=tolerance,
                   reference=reference.source, rows=rows, info=info, graph=folder.graph_form, standins=standins,
                   fast=None if mode is None else limits[mode], fast_mode=mode or "int16", unreplayed=unreplayed)
+
+
+def _serves_int8(folder, backend: str) -> bool:
+    """Whether this installation serves the folder's quantized matmuls with x in int8 in the default activations
+    mode: int4 on every form, int8 on AVX-512 VNNI (its bands)."""
+    kernels = _kernels(backend)
+    bits = (folder.quantization or {}).get("bits")
+    return kernels is not None and (bits == 4 or (bits == 8 and kernels.quant_form() == "avx512_vnni"))
 
 
 def _kernels(backend: str):
@@ -334,7 +343,8 @@ FAST_SUFFIX = {"int16": "@int16", "int8": "@int8", "bf16": "@bf16"}  # the graph
 FAST_KERNEL_MODE = {"int16": "int16", "int8": "int8", "bf16": "int8"}
 # per fast mode: (what ran with x exact, how x is rounded as the folder serves)
 FAST_WORDS = {"int16": ("quantized matmuls", "x rounded to int16 per block of 32"),
-              "int8": ("quantized matmuls", "x rounded to int8 per block of 32 at the int4 matmuls (int16 at others)"),
+              "int8": ("quantized matmuls", "x rounded to int8 per block of 32 where the form takes it so (int4 "
+                                            "weights; int8 ones in bands, on AVX-512 VNNI; int16 at others)"),
               "bf16": ("bfloat16 matmuls", "x rounded to bfloat16 in the matmuls of several rows (AVX512-BF16; "
                                            "float32's form where the CPU lacks it)")}
 

@@ -497,6 +497,7 @@ def test_the_avx2_path_gives_the_same_answers():
         t.exact_activation_cases()
         t.int8_activation_cases()
         t.test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer()
+        t.test_int8_in_bands_of_16_rows_is_the_int8_weights_answer()
     """)
 
 
@@ -519,6 +520,65 @@ def test_int4_bands_of_one_row_in_any_number_of_streams(form, streams, monkeypat
             sys.exit(f"form {{cpu_kernels.quant_form()}}")
         t.test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer()
     """)
+
+
+def banded8(q: np.ndarray) -> np.ndarray:
+    """int8 q [N, K] as repack_int8_r16 lays it out (cpu_kernels/matmul_quant.h), built here from the rule: every byte
+    biased (q ^ 0x80); per band of 16 rows and block b of 32 inputs, 512 bytes, 8 runs of 64, run j bytes 4j..4j+3 of
+    each of the 16 rows in row order; the rows past the bands row-major. Returned as uint8."""
+    n, k = q.shape
+    n16 = n - n % 16
+    out = q.view(np.uint8) ^ np.uint8(0x80)
+    bands = out[:n16].reshape(n16 // 16, 16, k // 32, 8, 4)  # band, row, block, run, byte
+    out[:n16] = bands.transpose(0, 2, 3, 1, 4).reshape(n16, k)  # band, block, run, row, byte
+    return out
+
+
+def test_int8_in_bands_of_16_rows_is_the_int8_weights_answer():
+    """The R16 ops read int8 weights repacked in place by MsliteLlmRepackInt8R16 (biased, in bands of 16 rows: the
+    layout rule `banded8`), N with and without a partial band (1, 7, 16, 33, 40, 88, 300: tasks over both threads, one
+    row of x in several streams), 1 to 40 rows of x (the decode form, the GEMM past 16), groups of 64 to per channel,
+    with and without offsets. Where the banded form runs (int8_r16_runs: the AVX-512 VNNI form, x in int8, K and the
+    group whole 64s): x rounded to int8 per block of 32 (rounded_to_int8_blocks) times q * scale, plus the offsets
+    times x's exact sums, to float32's rounding of the sums (2e-6 of their magnitude): the form's only rounding is x's,
+    by its documented rule, as llama.cpp's Q8_0 rounds it. Otherwise (the int16 and exact modes, another form, past 16
+    rows) the R16 ops compute the float32 product (1e-5 of the magnitude from float64's). K of 48 (not whole blocks):
+    not repacked, and an R16 op refuses it (error 4)."""
+    rng = np.random.default_rng(18)
+    try:
+        for mode in ("int8", "int16", "exact"):
+            assert cpu_kernels.set_quant_activations(mode) == mode
+            assert cpu_kernels.int8_r16_runs(896, 128) == (mode == "int8" and cpu_kernels.quant_form() == "avx512_vnni")
+            assert not cpu_kernels.int8_r16_runs(896, 32) and not cpu_kernels.int8_r16_runs(96, 96)
+            for k, g in ((256, 64), (576, 576), (896, 128), (576, 64), (128, 128)):
+                for n, m, with_offset in ((1, 1, True), (7, 2, False), (16, 1, False), (33, 3, True), (40, 4, False),
+                                          (88, 1, False), (300, 1, True), (300, 5, False), (33, 9, False),
+                                          (33, 16, True), (40, 17, False), (300, 40, True)):
+                    x, q, scale, offset = case(rng, 8, m, n, k, k // g, with_offset)
+                    r = q.copy()
+                    cpu_kernels.repack_int8_r16(r)
+                    assert np.array_equal(r.view(np.uint8), banded8(q)), (k, n)
+                    args = (scale,) + ((offset,) if with_offset else ())
+                    function = QMO if with_offset else QM
+                    yb = np.full((m, n), np.nan, np.float32)
+                    assert call_kernel(cpu_kernels.R16_OPS[function], x, r, *args, yb) == 0
+                    w = dequantize(q, scale, offset)
+                    size = np.abs(x).astype(np.float64) @ np.abs(w).T
+                    where = (mode, k, g, n, m, with_offset)
+                    if m <= 16 and cpu_kernels.int8_r16_runs(k, g):
+                        wq = dequantize(q, scale)
+                        ref = rounded_to_int8_blocks(x) @ wq.T
+                        if with_offset:
+                            ref += x.astype(np.float64) @ (w - wq).T
+                        assert np.all(np.abs(yb - ref) <= 2e-6 * size), where + (float(np.abs(yb - ref).max()),)
+                    else:
+                        assert np.all(np.abs(yb - x.astype(np.float64) @ w.T) <= 1e-5 * size), where
+        x, q, scale, _ = case(rng, 8, 2, 16, 48, 1, False)
+        with pytest.raises(ValueError, match="int8 weights of 48 inputs are not whole blocks of 32: not repacked"):
+            cpu_kernels.repack_int8_r16(q.copy())
+        assert call_kernel(cpu_kernels.R16_OPS[QM], x, q, scale, np.zeros((2, 16), np.float32)) == 4
+    finally:
+        cpu_kernels.set_quant_activations(None)
 
 
 def test_the_quantized_decode_form_is_named_by_the_cpu():

@@ -211,13 +211,14 @@ class _Clock:
 
 def lanes_for(bits: Optional[int], matrices_in: str, cpu_kernels: bool) -> Tuple[str, ...]:
     """The lanes of a folder's golden steps (`bits`: a quantized folder's, else None): a CPU-kernel folder whose
-    matmuls have a fast form that rounds x gets that form's lane and "reorder" ("int8": int4 weights, whose decode
-    form takes x in int8; "int16": int8 weights; "bf16": matrices stored in bfloat16, the AVX512-BF16 form); any
-    other folder none (its limits are its dtype's constants)."""
+    matmuls have a fast form that rounds x gets that form's lane and "reorder" ("int8": int4 and int8 weights, whose
+    decode form takes x in int8 (int8 weights since 2026-11-30: their bands, on AVX-512 VNNI); "bf16": matrices stored
+    in bfloat16, the AVX512-BF16 form); any other folder none (its limits are its dtype's constants). ("int16", an
+    int8 folder's lane before, is what such a folder's golden.json still holds.)"""
     if not cpu_kernels:
         return ()
     if bits is not None:
-        return ("int8" if bits == 4 else "int16", "reorder")
+        return ("int8", "reorder")
     if matrices_in == "bfloat16":
         return ("bf16", "reorder")
     return ()
@@ -227,7 +228,7 @@ class ArithmeticLanes:
     """Each decode step of the golden references again in two lanes beside every row, from the same history (each
     lane its own cache from the prompt on, fed the row's tokens), in the same matmul calls (export/writers/reference.py
     BlockedMatmul `lanes`, the widened weights shared): the fast form's, x rounded as the CPU kernels round it ("int16"
-    at every quantized matmul, "int8" at an int4 folder's (int8 where the kernels take it so, else int16), or "bf16"
+    at every quantized matmul, "int8" at a quantized folder's (int8 where the kernels may take it so, else int16), or "bf16"
     at every matmul of bfloat16 matrices); "reorder", every product in another
     float32 order (export/writers/reference.py BlockedMatmul: row by row, each in two halves). How far
     each lane's top-k logits land from the row's, over every step, is what this folder's arithmetic does to its

@@ -186,10 +186,10 @@ def _huge_arena(nbytes: int) -> np.ndarray:
 
 
 def _into_huge_pages(arrays: Dict[str, np.ndarray], names, bands, threads: int) -> None:
-    """The weights `names` (those our CPU kernels read: _kernel_weights, and the int4 `bands`) copied from the weights
-    file's mapping into one private arena of huge pages (_huge_arena), on every core, each at a 4 KiB boundary;
-    arrays[name] then points there, `bands` are repacked there into bands of 16 rows (cpu_kernels.repack_int4_r16),
-    and the mapping's pages they came from are let go (_unmap_pages). A decode step streams these weights whole: from
+    """The weights `names` (those our CPU kernels read: _kernel_weights, and the `bands`) copied from the weights file's
+    mapping into one private arena of huge pages (_huge_arena), on every core, each at a 4 KiB boundary; arrays[name]
+    then points there, `bands` are repacked there into bands of 16 rows (_repack), and the mapping's pages they came
+    from are let go (_unmap_pages). A decode step streams these weights whole: from
     4 KiB pages it pays a TLB miss per page (two page-table walks in a VM), from 2 MiB pages a 512th of them
     (docs/performance-log.md 46, an Intel Xeon VM: the 0.5B step 1.12x int4, 1.16x int8, 1.16x bf16). Copied
     whatever the page cache holds: the file's own mapping in 2 MiB folios (a file read cold on Linux 6.18, ext4)
@@ -198,11 +198,9 @@ def _into_huge_pages(arrays: Dict[str, np.ndarray], names, bands, threads: int) 
     the KV pool is sized after them, and where they do not fit only the bands are copied (lite_runtime/memory.py
     weights_copy_bytes). MSLITE_LLM_HUGE_PAGES=0 copies nothing (bands repacked in place, into the mapping's private
     4 KiB copies, as before)."""
-    import cpu_kernels
-
     if os.environ.get("MSLITE_LLM_HUGE_PAGES") == "0":
         for name in sorted(bands):
-            cpu_kernels.repack_int4_r16(arrays[name])  # in the copy-on-write mapping: these pages become private
+            _repack(arrays[name])  # in the copy-on-write mapping: these pages become private
         return
     names = sorted(n for n in names if n in arrays)
     at, offsets = 0, []
@@ -224,9 +222,17 @@ def _into_huge_pages(arrays: Dict[str, np.ndarray], names, bands, threads: int) 
         source = arrays[name]
         copy = arena[offset:offset + source.nbytes].view(source.dtype).reshape(source.shape)
         if name in bands:
-            cpu_kernels.repack_int4_r16(copy)
+            _repack(copy)
         arrays[name] = copy
         _unmap_pages(source)
+
+
+def _repack(q: np.ndarray) -> None:
+    """q (a weight of `_repacked_weights`) into bands of 16 rows in place: int4 (uint8) by cpu_kernels.repack_int4_r16,
+    int8 by cpu_kernels.repack_int8_r16."""
+    import cpu_kernels
+
+    (cpu_kernels.repack_int4_r16 if q.dtype == np.uint8 else cpu_kernels.repack_int8_r16)(q)
 
 
 def _unmap_pages(view: np.ndarray) -> None:
@@ -278,13 +284,19 @@ def _relocate_kernels(model, path: str) -> None:
                          "version, or re-export it with this one")
 
 
-def _int4_params(model) -> set:
+def _int4_params(model, int8: bool = False) -> set:
     """The int4 weights of a parsed MindIR: its uint8 parameters of rank 2 (cpu_kernels' q [N, K / 2]) and 3 (a
-    mixture of experts' stacked q [E, N, K / 2])."""
+    mixture of experts' stacked q [E, N, K / 2]); with `int8`, its int8 weights too (int8 parameters of rank 2, q
+    [N, K], and 3, not a KV cache)."""
     from mindspore.train import mind_ir_pb2
 
-    uint8 = mind_ir_pb2.TensorProto.DataType.Value("UINT8")
-    return {p.name for p in model.graph.parameter if p.data_type == uint8 and len(p.dims) in (2, 3)}
+    from lite_runtime.folder import is_kv_cache
+
+    types = {mind_ir_pb2.TensorProto.DataType.Value("UINT8")}
+    if int8:
+        types.add(mind_ir_pb2.TensorProto.DataType.Value("INT8"))
+    return {p.name for p in model.graph.parameter if p.data_type in types and len(p.dims) in (2, 3)
+            and not is_kv_cache(p.name.rsplit(":", 1)[-1])}
 
 
 def _our_calls(model):
@@ -312,12 +324,12 @@ def _our_calls(model):
     return funcs, op_of, resolve
 
 
-def _quant_op_inputs(model):
+def _quant_op_inputs(model, int8: bool = False):
     """Per Custom primitive of a parsed MindIR that calls one of our ops: (its function, and per node the int4
     weights it reads, each as (parameter, the scale parameter after it)); and the int4 parameters any other node
-    reads (_int4_params)."""
+    reads (_int4_params); with `int8`, the int8 weights likewise."""
     params = {p.name: p for p in model.graph.parameter}
-    int4 = _int4_params(model)
+    int4 = _int4_params(model, int8)
     funcs, op_of, resolve = _our_calls(model)
     consumers = {}
     for node in model.graph.node:
@@ -341,23 +353,29 @@ def _quant_op_inputs(model):
     return ops, others, params
 
 
-def _int4_bands(models) -> set:
-    """The int4 weights (parameter names without their graph's prefix) the runtime repacks into bands of 16 rows
-    (cpu_kernels.repack_int4_r16), over every graph of the folder (`models`, an iterable: not read where the banded
-    form does not run at all): those only our quantized ops read (R16_OPS), with a scale after them whose groups take
-    the banded form here (cpu_kernels.int4_r16_runs: AVX-512 VNNI or AVX2, x in int8), and whose every op reads no other int4 weight (an op reads all its int4 weights banded, or none). Everything else
-    stays as stored (a tied int4 embedding the Gather reads, an odd K, another CPU or mode).
-    MSLITE_LLM_INT4_BANDS=0 keeps every weight as stored (the row-major forms: an A/B, or a suspicion).
+def _repacked_weights(models, int8: bool) -> set:
+    """The quantized weights (parameter names without their graph's prefix) the runtime repacks at load into bands of
+    16 rows (int4: cpu_kernels.repack_int4_r16; int8, biased too: cpu_kernels.repack_int8_r16), over every graph of the
+    folder (`models`, an iterable: not read where nothing is repacked). Those only our quantized ops read (R16_OPS),
+    whose every op reads its quantized weights all banded or none (an R16 name reads them all so), with a scale after
+    them whose groups take the banded form here: int4 where cpu_kernels.int4_r16_runs (AVX-512 VNNI or AVX2, x in
+    int8), int8 with `int8` (the caller copies the weights: repacked in the copy, not in the file's pages) where
+    cpu_kernels.int8_r16_runs (AVX-512 VNNI, x in int8; docs/architecture.md "int8 in bands of 16 rows"). Everything
+    else stays as stored (a tied embedding the Gather reads, an odd K, another CPU or mode). MSLITE_LLM_INT4_BANDS=0
+    keeps every int4 weight as stored, MSLITE_LLM_INT8_BANDS=0 every int8 one (the row-major forms: an A/B, or a
+    suspicion).
     """
     import cpu_kernels
 
-    if os.environ.get("MSLITE_LLM_INT4_BANDS") == "0" or not cpu_kernels.int4_r16_runs(64, 64):
-        return set()  # (K 64 in groups of 64 fits the form: false only where the CPU or the mode has none)
+    int4 = os.environ.get("MSLITE_LLM_INT4_BANDS") != "0" and cpu_kernels.int4_r16_runs(64, 64)
+    int8 = int8 and os.environ.get("MSLITE_LLM_INT8_BANDS") != "0" and cpu_kernels.int8_r16_runs(64, 64)
+    if not int4 and not int8:  # (K 64 in groups of 64 fits both forms: false only where the CPU or mode has none)
+        return set()
 
     short = lambda name: name.rsplit(":", 1)[-1]
     fits, blocked, op_sets = {}, set(), []
     for model in models:
-        ops, others, params = _quant_op_inputs(model)
+        ops, others, params = _quant_op_inputs(model, int8=True)  # an R16 op reads every int8 weight as banded
         blocked.update(short(n) for n in others)
         for function, nodes in ops.values():
             names = {short(n) for reads in nodes for n, _ in reads}
@@ -367,12 +385,15 @@ def _int4_bands(models) -> set:
                 continue
             for reads in nodes:
                 for name, scale in reads:
-                    q, sp = params[name], params.get(scale)  # q [(E,) N, K / 2], its scale [(E,) G, N]
-                    k = 2 * int(q.dims[-1])
+                    q, sp = params[name], params.get(scale)  # q [(E,) N, K (int4: K / 2)], its scale [(E,) G, N]
+                    four = q.data_type == q.UINT8
+                    k = (2 if four else 1) * int(q.dims[-1])
                     ok = (sp is not None and len(sp.dims) == len(q.dims) and list(sp.dims[:-2]) == list(q.dims[:-2])
                           and int(sp.dims[-2]) > 0 and int(sp.dims[-1]) == int(q.dims[-2])
-                          and k % int(sp.dims[-2]) == 0 and cpu_kernels.int4_r16_runs(k, k // int(sp.dims[-2])))
-                    fits[short(name)] = fits.get(short(name), True) and ok
+                          and k % int(sp.dims[-2]) == 0
+                          and (int4 and cpu_kernels.int4_r16_runs(k, k // int(sp.dims[-2])) if four else
+                               int8 and cpu_kernels.int8_r16_runs(k, k // int(sp.dims[-2]))))
+                    fits[short(name)] = fits.get(short(name), True) and bool(ok)
     bands = {name for name, ok in fits.items() if ok and name not in blocked}
     changed = True
     while changed:  # an op with some weights banded and some not: none of them
@@ -385,13 +406,13 @@ def _int4_bands(models) -> set:
 
 
 def _use_bands(model, bands: set) -> int:
-    """Point each of our quantized ops that reads banded int4 weights at its R16 name (cpu_kernels.R16_OPS); returns
-    how many primitives."""
+    """Point each of our quantized ops whose quantized weights are all in `bands` (_repacked_weights) at its R16 name
+    (cpu_kernels.R16_OPS); returns how many primitives."""
     import cpu_kernels
 
     if not bands:
         return 0
-    ops, _, _ = _quant_op_inputs(model)
+    ops, _, _ = _quant_op_inputs(model, int8=True)
     renamed = 0
     for prim in model.primitives:
         if prim.name not in ops:
@@ -533,7 +554,7 @@ class MsBackend:
         self._compiled = set()
         self._owned = {}  # parameter name -> the Parameter every graph shares (weights and KV cache)
         self._owner = ""  # the graph whose parameters the others share
-        self._bands = set()  # int4 weights repacked into bands of 16 rows at load (_int4_bands)
+        self._bands = set()  # int4 and int8 weights repacked into bands of 16 rows at load (_repacked_weights)
         self._tensor = ms.Tensor
         self.standins: Dict[str, int] = {}  # fused op -> nodes replaced by CPU stand-ins, over the graphs loaded
         if cpu_kernels.library_path() is None:  # say so at load, not at the first decode step
@@ -552,9 +573,9 @@ class MsBackend:
             return cell
         path = self._paths[key]
         model = self._parse(key)
-        if not self._owned and _int4_params(model):  # the first graph of an int4 folder: which int4 weights every
-            # graph of the folder can read in bands (the others parsed only where the banded form runs)
-            self._bands = _int4_bands(self._parse(k) for k in self._paths)
+        if not self._owned and _int4_params(model, int8=True):  # the first graph of a quantized folder: which
+            # weights every graph of the folder can read repacked (the others parsed only where a form needs it)
+            self._bands = _repacked_weights((self._parse(k) for k in self._paths), self._copy_weights)
         del self._parsed[key]
         _size_caches(model, self._num_blocks)
         arrays = _parameter_arrays(model, path) if not self._owned else None  # read before the data is cleared
