@@ -204,7 +204,8 @@ def quant_form() -> Optional[str]:
 
 def int4_r16_runs(k: int, group: int) -> bool:
     """Whether int4 weights of k inputs in groups of `group` take the banded form (int4 in bands of 16 rows, the AVX-512
-    VNNI and the AVX2 forms with x in int8) on this machine in the activations mode now in force: what the runtime repacks for."""
+    VNNI and the AVX2 forms with x in int8) on this machine in the default activations mode (what serves, whatever mode
+    check has switched to for a replay): what the runtime repacks for."""
     lib = _library()
     return lib is not None and bool(lib.MsliteLlmInt4R16Runs(ctypes.c_int64(int(k)), ctypes.c_int64(int(group))))
 
@@ -229,8 +230,8 @@ def repack_int4_r16(q) -> None:
 
 def int8_r16_runs(k: int, group: int) -> bool:
     """Whether int8 weights of k inputs in groups of `group` take the banded form (int8 in bands of 16 rows, biased,
-    against x in int8: the AVX-512 VNNI form, K and the group whole 64s) on this machine in the activations mode now in
-    force: what the runtime repacks for (elsewhere a banded int8 weight would only be read through the float32 form)."""
+    against x in int8: the AVX-512 VNNI form, K and the group whole 64s) on this machine in the default activations
+    mode: what the runtime repacks for (elsewhere a banded int8 weight would only be read through the float32 form)."""
     lib = _library()
     return lib is not None and bool(lib.MsliteLlmInt8R16Runs(ctypes.c_int64(int(k)), ctypes.c_int64(int(group))))
 

@@ -1697,7 +1697,7 @@ bool r16_runs(int64_t k, int64_t group) {
   QuantWeight w;
   w.int4 = true, w.k = k, w.group = group;
   return k > 0 && group > 0 && k % group == 0 && (!std::strcmp(quant_form(), "avx512_vnni") || !std::strcmp(quant_form(), "avx2")) &&
-         quant_activations() == ACTIVATIONS_INT8 && int16_fits(w) && int8_fits(w);
+         default_activations() == ACTIVATIONS_INT8 && int16_fits(w) && int8_fits(w);
 }
 
 // rows [0, n - n % 16) of q (rows of kb bytes, blocks of `block` bytes, a multiple of 4) into bands of 16 rows, in
@@ -1725,7 +1725,7 @@ bool int8_r16_runs(int64_t k, int64_t group) {
   QuantWeight w;
   w.k = k, w.group = group;
   return k > 0 && group > 0 && k % group == 0 && !std::strcmp(quant_form(), "avx512_vnni") &&
-         quant_activations() == ACTIVATIONS_INT8 && int8w_fits(w);
+         default_activations() == ACTIVATIONS_INT8 && int8w_fits(w);
 }
 
 bool repack_int8_r16(int8_t* q, int64_t n, int64_t k) {

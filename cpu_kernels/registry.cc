@@ -219,7 +219,7 @@ int MsliteLlmRepackInt4R16(void* q, int64_t n, int64_t k) {
   return repack_int4_r16(static_cast<uint8_t*>(q), n, k) ? 0 : 4;
 }
 
-// 1 when int4 weights of k inputs in groups of `group` take the banded form here, in the activations mode now in force
+// 1 when int4 weights of k inputs in groups of `group` take the banded form here, in the default activations mode
 int MsliteLlmInt4R16Runs(int64_t k, int64_t group) { return r16_runs(k, group) ? 1 : 0; }
 
 // Repacks int8 q [n, k] in place into bands of 16 rows, biased (matmul_quant.h repack_int8_r16): 0, or 4 when k is
@@ -228,7 +228,7 @@ int MsliteLlmRepackInt8R16(void* q, int64_t n, int64_t k) {
   return repack_int8_r16(static_cast<int8_t*>(q), n, k) ? 0 : 4;
 }
 
-// 1 when int8 weights of k inputs in groups of `group` take the banded form here, in the activations mode now in force
+// 1 when int8 weights of k inputs in groups of `group` take the banded form here, in the default activations mode
 int MsliteLlmInt8R16Runs(int64_t k, int64_t group) { return int8_r16_runs(k, group) ? 1 : 0; }
 
 int MsliteLlmAtlasWeightQuantBatchMatmul(int nparam, void** params, int* ndims, int64_t** shapes,

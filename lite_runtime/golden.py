@@ -88,7 +88,7 @@ INT16_ACTIVATIONS = Tolerance("float32 with int16 activations", 1e-3)
 # `int8`. An int4 folder exported before them (limits `exact` and `int16`) replays its fast path in int16
 # (cpu_kernels' ACTIVATIONS_INT16), as it was checked, and is told that the int8 form was not replayed.
 #
-# An int8 CPU folder likewise (since 2026-11-30): on AVX-512 VNNI the runtime repacks its int8 matrices into bands of
+# An int8 CPU folder likewise (since 2026-11-29): on AVX-512 VNNI the runtime repacks its int8 matrices into bands of
 # 16 rows whose form takes x in int8 (cpu_kernels/matmul_quant.cc qbands8_r16_vnni), so its golden steps run the "int8"
 # lane too (x rounded to int8 at every quantized matmul whose inputs and group are whole 64s: the bands' rule; a
 # matmul the kernels keep in int16, as a tied embedding the Gather reads or any on another CPU, rounds x more finely

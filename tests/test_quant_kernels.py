@@ -548,7 +548,7 @@ def test_int8_in_bands_of_16_rows_is_the_int8_weights_answer():
     try:
         for mode in ("int8", "int16", "exact"):
             assert cpu_kernels.set_quant_activations(mode) == mode
-            assert cpu_kernels.int8_r16_runs(896, 128) == (mode == "int8" and cpu_kernels.quant_form() == "avx512_vnni")
+            assert cpu_kernels.int8_r16_runs(896, 128) == (cpu_kernels.quant_form() == "avx512_vnni")
             assert not cpu_kernels.int8_r16_runs(896, 32) and not cpu_kernels.int8_r16_runs(96, 96)
             for k, g in ((256, 64), (576, 576), (896, 128), (576, 64), (128, 128)):
                 for n, m, with_offset in ((1, 1, True), (7, 2, False), (16, 1, False), (33, 3, True), (40, 4, False),
@@ -565,7 +565,7 @@ def test_int8_in_bands_of_16_rows_is_the_int8_weights_answer():
                     w = dequantize(q, scale, offset)
                     size = np.abs(x).astype(np.float64) @ np.abs(w).T
                     where = (mode, k, g, n, m, with_offset)
-                    if m <= 16 and cpu_kernels.int8_r16_runs(k, g):
+                    if mode == "int8" and m <= 16 and cpu_kernels.int8_r16_runs(k, g):
                         wq = dequantize(q, scale)
                         ref = rounded_to_int8_blocks(x) @ wq.T
                         if with_offset:
@@ -632,7 +632,7 @@ def test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer():
     """The R16 ops read int4 weights repacked in place by MsliteLlmRepackInt4R16 into bands of 16 rows (the layout
     rule: `banded`), N with and without a partial band (1, 7, 16, 33, 40, 300: tasks over both threads), 1 to 40 rows
     of x (the decode form, and the GEMM past 16), groups of 32 to per channel, with and without offsets. In the
-    default mode where the banded form runs (int4_r16_runs: AVX-512 VNNI and AVX2) each output is the row-major op's to
+    default mode where the banded form runs (int4_r16_runs, whatever the mode in force: AVX-512 VNNI and AVX2) each output is the row-major op's to
     float32's reordering of the same sums (1e-6 of their magnitude); in the int16 and exact modes, and past 16 rows,
     the R16 ops compute the float32 product (1e-5 of the magnitude from float64's). K of 48 (not whole blocks): not
     repacked, and an R16 op refuses it (error 4)."""
@@ -640,8 +640,8 @@ def test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer():
     try:
         for mode in ("int8", "int16", "exact"):
             assert cpu_kernels.set_quant_activations(mode) == mode
-            assert cpu_kernels.int4_r16_runs(896, 128) == (mode == "int8" and
-                                                            cpu_kernels.quant_form() in ("avx512_vnni", "avx2"))
+            # what the runtime repacks for: the default mode's form, whatever mode is in force
+            assert cpu_kernels.int4_r16_runs(896, 128) == (cpu_kernels.quant_form() in ("avx512_vnni", "avx2"))
             for k, g in ((256, 64), (576, 64), (896, 128), (256, 32), (576, 576)):
                 for n, m, with_offset in ((1, 1, True), (7, 2, False), (16, 1, False), (33, 3, True), (40, 4, False),
                                           (88, 1, False), (300, 1, True), (300, 5, False), (33, 16, True),

@@ -233,18 +233,20 @@ def test_a_quantized_cpu_folder_is_what_its_checkpoint_rounds_to(tmp_path, capsy
             blocks.min(2), 0)) / 15)
         assert np.all(np.abs(values - w).reshape(blocks.shape) <= step[..., None] * 0.5 + 1e-6), name
     _check_and_compare(ckpt, folder, capsys)
-    _assert_banded(folder, bits, int8_head=family == "llama")
+    _assert_banded(folder, bits, tied=family != "llama")
     if family == "qwen2":
         _assert_agreement_is_hf(ckpt, folder, golden)
         _assert_refused_by_kernels_without_quantized_ops(folder, monkeypatch)
 
 
-def _assert_banded(folder: str, bits: int, int8_head: bool) -> None:
+def _assert_banded(folder: str, bits: int, tied: bool) -> None:
     """Where the banded form runs (cpu_kernels.int4_r16_runs: AVX-512 VNNI or AVX2, x in int8; int8_r16_runs: AVX-512
     VNNI, x in int8), loading a quantized folder repacks exactly its layer weights, which only our quantized ops read,
     into bands of 16 rows (the layouts' rules: test_quant_kernels.banded, banded8), and every decode step's op that
-    reads them calls its R16 name, and an untied int8 head (`int8_head`) is banded where the int8 form runs; an
-    embedding (the graph's Gather reads it: a tied int8 one too) stays as stored. Elsewhere nothing is repacked. Its greedy tokens are HF's either way (_check_and_compare ran on this machine's
+    reads them calls its R16 name, and the int8 head is banded where the int8 form runs: an untied one itself, a tied
+    one (the graph's Gather reads it too) as a second parameter of the same data that only the head's matmul reads
+    (`_split_shared_weights`, ms.KERNELS_COPY); the embedding the Gather reads stays as stored. Elsewhere nothing is
+    repacked. Its greedy tokens are HF's either way (_check_and_compare ran on this machine's
     form)."""
     import cpu_kernels
     from lite_runtime import pipeline
@@ -256,7 +258,10 @@ def _assert_banded(folder: str, bits: int, int8_head: bool) -> None:
     pipe.generate([[1, 2, 3]], max_new_tokens=2)
     backend = pipe.backend
     layers = {f"model.layers.{i}.{lin}.weight" for i in range(2) for lin in LINEARS}
-    head = {"lm_head.weight"} if int8_head and cpu_kernels.int8_r16_runs(64, 64) else set()
+    from lite_runtime.backends.ms import KERNELS_COPY
+
+    head_name = "model.embed_tokens.weight" + KERNELS_COPY if tied else "lm_head.weight"
+    head = {head_name} if cpu_kernels.int8_r16_runs(64, 64) else set()
     # hidden 64 (and intermediate 128), in groups of 32 or 64 or per channel: the banded form runs for all or none
     if not (cpu_kernels.int4_r16_runs(64, 32) if bits == 4 else cpu_kernels.int8_r16_runs(64, 64)):
         assert backend._bands == head
@@ -265,14 +270,16 @@ def _assert_banded(folder: str, bits: int, int8_head: bool) -> None:
     path = os.path.join(folder, "m_inc_graph.mindir")
     stored = _parameter_arrays(_read_mindir(path), path)
     for name in layers | head:
-        want = banded(stored[name]) if stored[name].dtype == np.uint8 else banded8(stored[name]).view(np.int8)
+        data = stored[name.removesuffix(KERNELS_COPY)]
+        want = banded(data) if data.dtype == np.uint8 else banded8(data).view(np.int8)
         assert np.array_equal(backend._owned[name].asnumpy(), want), name
     assert np.array_equal(backend._owned["model.embed_tokens.weight"].asnumpy(), stored["model.embed_tokens.weight"])
     calls = {a.s.decode().rpartition(":")[2] for p in graph_model(path).primitives for a in p.attribute
              if a.name == "func_name"}
     model = graph_model(path)
-    from lite_runtime.backends.ms import _use_bands
+    from lite_runtime.backends.ms import _split_shared_weights, _use_bands
 
+    assert _split_shared_weights(model) == (1 if tied else 0)
     assert _use_bands(model, backend._bands) >= 1  # the layers' decode op (one primitive the layers' nodes share)
     renamed = {a.s.decode().rpartition(":")[2] for p in model.primitives for a in p.attribute if a.name == "func_name"}
     layer_op = cpu_kernels.QUANTIZED_OPS[cpu_kernels.DECODE_LAYER]

@@ -212,7 +212,7 @@ class _Clock:
 def lanes_for(bits: Optional[int], matrices_in: str, cpu_kernels: bool) -> Tuple[str, ...]:
     """The lanes of a folder's golden steps (`bits`: a quantized folder's, else None): a CPU-kernel folder whose
     matmuls have a fast form that rounds x gets that form's lane and "reorder" ("int8": int4 and int8 weights, whose
-    decode form takes x in int8 (int8 weights since 2026-11-30: their bands, on AVX-512 VNNI); "bf16": matrices stored
+    decode form takes x in int8 (int8 weights since 2026-11-29: their bands, on AVX-512 VNNI); "bf16": matrices stored
     in bfloat16, the AVX512-BF16 form); any other folder none (its limits are its dtype's constants). ("int16", an
     int8 folder's lane before, is what such a folder's golden.json still holds.)"""
     if not cpu_kernels:

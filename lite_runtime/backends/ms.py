@@ -15,9 +15,10 @@ Graphs are read, loaded and compiled on first use (MsBackend). Weights and KV ca
 - every later graph's Parameters are pointed at the first one's with `set_data`, which shares
   the storage: all graphs read and write the same cache, and nothing is handed over.
 - where the CPU kernels' banded int4 form runs (AVX-512 VNNI, AVX2), the int4 matrices only our quantized ops read are
-  repacked at the first load into bands of 16 rows (`_int4_bands`, cpu_kernels.repack_int4_r16), written once into
-  the arena, and the ops reading them renamed to their R16 twins
-  (docs/architecture.md, "int4 in bands of 16 rows"); the folder on disk is unchanged.
+  repacked at the first load into bands of 16 rows (`_repacked_weights`, cpu_kernels.repack_int4_r16), written once
+  into the arena, and the ops reading them renamed to their R16 twins (docs/architecture.md, "int4 in bands of 16
+  rows"); where the banded int8 form runs (AVX-512 VNNI) and the weights are copied, the int8 ones likewise, biased
+  (cpu_kernels.repack_int8_r16; "int8 in bands of 16 rows"); the folder on disk is unchanged.
 (`mindspore.load` with the data and `GraphCell(params_init=...)` would each hold another copy.)
 
 Graphs of `--device cpu` folders may call our CPU kernels (cpu_kernels) as aot Custom ops by
@@ -405,6 +406,65 @@ def _repacked_weights(models, int8: bool) -> set:
     return bands
 
 
+# The name a shared weight's second parameter takes (_split_shared_weights): the parameter's own, then this
+KERNELS_COPY = ".kernels"
+
+
+def _split_shared_weights(model) -> int:
+    """A quantized weight that one of our R16 ops (cpu_kernels.R16_OPS) reads and another node reads too (a tied
+    embedding: the graph's Gather looks up a few rows, the head's matmul reads it whole) is split in a parsed MindIR:
+    our ops read a second parameter of the same data (its name + KERNELS_COPY, through a Load of its own where they read
+    the first through one), which the runtime may repack (_repacked_weights) and copies into huge pages
+    (_kernel_weights); the other nodes read the first, as stored in the file's mapping. Returns how many weights. The
+    folder is unchanged; every graph of it is split the same way, so the second parameter is shared across them like
+    the first (docs/architecture.md, "int8 in bands of 16 rows")."""
+    import cpu_kernels
+
+    ops, others, params = _quant_op_inputs(model, int8=True)
+    ours = {name for function, nodes in ops.values() if function in cpu_kernels.R16_OPS
+            for reads in nodes for name, _ in reads}
+    shared = sorted(ours & others)
+    if not shared:
+        return 0
+    funcs, op_of, _ = _our_calls(model)
+    loads = {node.output[0]: node for node in model.graph.node
+             if op_of(node) == "Load" and node.input and node.input[0] in shared}  # a Load's output -> the Load
+    twins = {}  # a Load's output -> its twin over the second parameter
+    split = set()
+    out = []
+    for node in model.graph.node:
+        if node.op_type.rpartition("::")[2] in funcs:
+            for j, name in enumerate(node.input):
+                if name in shared:
+                    node.input[j] = name + KERNELS_COPY
+                    split.add(name)
+                elif name in loads:
+                    if name not in twins:
+                        load = loads[name]
+                        twin = type(load)()
+                        twin.CopyFrom(load)
+                        twin.input[0] = load.input[0] + KERNELS_COPY
+                        twin.output[0] = load.output[0] + KERNELS_COPY
+                        twin.name = load.name + KERNELS_COPY
+                        twins[name] = twin
+                        out.append(twin)  # before its first reader
+                    node.input[j] = twins[name].output[0]
+                    split.add(loads[name].input[0])
+        out.append(node)
+    for name in sorted(split):
+        copy = model.graph.parameter.add()
+        copy.CopyFrom(params[name])
+        copy.name = name + KERNELS_COPY
+    kept = []  # copies: the messages leave the field they are in
+    for node in out:
+        fresh = type(node)()
+        fresh.CopyFrom(node)
+        kept.append(fresh)
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    return len(split)
+
+
 def _use_bands(model, bands: set) -> int:
     """Point each of our quantized ops whose quantized weights are all in `bands` (_repacked_weights) at its R16 name
     (cpu_kernels.R16_OPS); returns how many primitives."""
@@ -546,6 +606,10 @@ class MsBackend:
 
         self._copy_weights = config.folder is None or weights_copy_bytes(
             config.folder, int(config.rank_id) if self._tp else 0) > 0
+        # a tied embedding: our ops read a copy of their own, which can be banded (_split_shared_weights)
+        self._split_shared = self._copy_weights and cpu_kernels.library_path() is not None and \
+            os.environ.get("MSLITE_LLM_HUGE_PAGES") != "0" and (cpu_kernels.int8_r16_runs(64, 64) or
+                                                               cpu_kernels.int4_r16_runs(64, 64))
         self._paths = config.graph_paths()
         self._num_blocks = int(config.num_blocks)  # the KV pool's blocks (the runner's plan: lite_runtime/engine/kv_pool.py)
         self._parsed = {}  # key -> parsed proto, read for its specs and not loaded yet
@@ -564,6 +628,8 @@ class MsBackend:
         if key not in self.specs:
             model = _read_mindir(self._paths[key])
             self.specs[key] = mindir_specs(model)
+            if self._split_shared:
+                _split_shared_weights(model)
             self._parsed[key] = model
         return self._parsed.get(key)
 
