@@ -390,17 +390,9 @@ inline void add_group_constants(const QuantWeight& w, int64_t rows, float* y, in
   }
 }
 
-// The odd shapes' form (K or the group not whole blocks of 32): each weight row dequantized (dequantize_rows, the
-// buffered forms' float32 weights) and dotted with each row of x as given
-void qrows_float(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy, int64_t o0,
-                 int64_t o1) {
-  std::vector<float> row(size_t(w.k));
-  for (int64_t o = o0; o < o1; ++o) {
-    dequantize_rows(w, o, 1, 0, w.k, row.data(), w.k);
-    for (int64_t m = 0; m < rows; ++m)
-      y[m * ldy + o] = dot_generic(w.x->x + m * w.k, row.data(), w.k) + (b ? b[o] : 0.f);
-  }
-}
+// The float32 form (defined after the ISA's kernels, which it uses): odd shapes (K or the group not whole blocks of
+// 32), and banded weights in a mode their forms do not take (check's replays with x exact or in int16)
+void qrows_float(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy, int64_t o0, int64_t o1);
 
 // block blk's int32 dot product of weight row o with the prepared row xq (exact)
 inline int32_t block_dot(const QuantWeight& w, const int16_t* xq, int64_t o, int64_t blk) {
@@ -1411,10 +1403,85 @@ MSLLM_AVX512_VNNI void qband_rows_r16_vnni(const QuantWeight& w, int64_t rows, i
   }
 }
 
+// Banded int4 or int8 against x as given, in float32 (the modes whose x the banded forms' integers do not take:
+// check's replays with x exact, or in int16): per run of a block, each lane's 4 bytes (a weight row's 4 int8 inputs, or
+// 8 int4 ones) sign-extended in place by two shifts (int8 unbiased first), converted, and multiplied by x's value
+// broadcast; summed per group in float32, then times the group's scale, plus its offset times x's exact sum over the
+// group. float32's products of the stored integers, as the row-major exact form's (another order of sums); reading
+// the bands as they are, where dequantizing them into rows made check's replays a third slower end to end.
+template <int R, bool INT4>
+MSLLM_AVX512_VNNI void qband_float_vnni(const QuantWeight& w, int64_t m0, int64_t o, const float* bo, float* yo,
+                                        int64_t ldy) {
+  const PreparedX& x = *w.x;
+  const int64_t groups = w.k / w.group, per = w.group / QBLOCK;
+  constexpr int RUNS = INT4 ? 4 : 8, PER_RUN = INT4 ? 8 : 4, BITS = INT4 ? 4 : 8;
+  const uint8_t* band = static_cast<const uint8_t*>(w.q) + o * (INT4 ? w.k / 2 : w.k);
+  const float* xr[R];
+  const float* sums[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) xr[r] = x.x + (m0 + r) * w.k, sums[r] = group_sums(x, m0 + r);
+  __m512 total[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m512 acc[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t blk = gi * per; blk < (gi + 1) * per; ++blk) {
+      const uint8_t* wp = band + blk * (RUNS * 64);
+      for (int j = 0; j < RUNS; ++j) {
+        __m512i v = _mm512_loadu_si512(wp + j * 64);
+        if (!INT4) v = _mm512_xor_si512(v, _mm512_set1_epi8(char(0x80)));
+#pragma GCC unroll 8
+        for (int p = 0; p < PER_RUN; ++p) {
+          const __m512 f = _mm512_cvtepi32_ps(
+              _mm512_srai_epi32(_mm512_slli_epi32(v, 32 - BITS * (p + 1)), 32 - BITS));
+          const int64_t i = blk * QBLOCK + j * PER_RUN + p;  // int4: byte 4j + p / 2, its low nibble then its high
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(f, _mm512_set1_ps(xr[r][i]), acc[r]);
+        }
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(w.scale + gi * w.n + o);
+    const __m512 off = w.offset != nullptr ? _mm512_loadu_ps(w.offset + gi * w.n + o) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+      total[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(off, _mm512_set1_ps(sums[r][gi]), acc[r]), s, total[r]);
+  }
+  const __m512 bias = bo != nullptr ? _mm512_loadu_ps(bo) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(yo + (m0 + r) * ldy, _mm512_add_ps(total[r], bias));
+}
+
+template <bool INT4>
+MSLLM_AVX512_VNNI void qband_float_rows_vnni(const QuantWeight& w, int64_t rows, int64_t o, const float* bo, float* yo,
+                                             int64_t ldy) {
+  for (int64_t m = 0; m < rows; m += 4) {
+    switch (std::min<int64_t>(4, rows - m)) {
+      case 1: qband_float_vnni<1, INT4>(w, m, o, bo, yo, ldy); break;
+      case 2: qband_float_vnni<2, INT4>(w, m, o, bo, yo, ldy); break;
+      case 3: qband_float_vnni<3, INT4>(w, m, o, bo, yo, ldy); break;
+      default: qband_float_vnni<4, INT4>(w, m, o, bo, yo, ldy); break;
+    }
+  }
+}
+
 MSLLM_AVX512_VNNI void qrows_vnni(const float*, int64_t rows, const void* wv, const float* b, int64_t, float* y,
                                   int64_t ldy, int64_t o0, int64_t o1) {
   const QuantWeight& w = *static_cast<const QuantWeight*>(wv);
-  if (!w.x->int16 || (w.r16 && !w.x->int8 && !w.x->int8w)) return qrows_float(w, rows, b, y, ldy, o0, o1);
+  if (!w.x->int16) return qrows_float(w, rows, b, y, ldy, o0, o1);
+  if (w.r16 && !w.x->int8 && !w.x->int8w) {  // banded, x not in int8 (check's replays): float32 on the bands
+    const auto tail = [&](int64_t t0, int64_t t1) { qrows_float(w, rows, b, y, ldy, t0, t1); };
+    if (w.int4)
+      each_band(w, rows, b, y, ldy, o0, o1, [&](int64_t n, int64_t o, const float* bo, float* yo, int64_t ld) {
+        qband_float_rows_vnni<true>(w, n, o, bo, yo, ld);
+      }, tail);
+    else
+      each_band(w, rows, b, y, ldy, o0, o1, [&](int64_t n, int64_t o, const float* bo, float* yo, int64_t ld) {
+        qband_float_rows_vnni<false>(w, n, o, bo, yo, ld);
+      }, tail);
+    return;
+  }
   if (w.r16 && !w.int4) {
     run_bands(
         w, rows, b, y, ldy, o0, o1, row_streams(),
@@ -1569,6 +1636,27 @@ const Kernels g_kernels = pick_kernels();
 
 // the quantized decode form this machine runs: "avx512_vnni", "avx2", "neon" or "generic"
 const char* quant_form() { return g_kernels.form; }
+
+namespace {
+// Tiles of NT weight rows: each dequantized KC inputs at a time (dequantize_rows: the buffered forms' float32
+// weights, from any layout) and dotted with every row of x as given by the ISA's dots, as the buffered GEMM does.
+// (A row at a time with a plain dot made check's replays of a banded folder a third slower end to end.)
+void qrows_float(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy, int64_t o0, int64_t o1) {
+  alignas(64) float wbuf[NT * KC], panel[NT * KC];
+  for (int64_t n0 = o0; n0 < o1; n0 += NT) {
+    const int64_t cols = std::min(NT, o1 - n0);
+    std::fill(wbuf + cols * KC, wbuf + NT * KC, 0.f);
+    for (int64_t kb = 0; kb < w.k; kb += KC) {
+      const int64_t kc = std::min(KC, w.k - kb);
+      dequantize_rows(w, n0, cols, kb, kc, wbuf, KC);
+      g_kernels.dots(w.x->x + kb, w.k, rows, wbuf, kc, y + n0, ldy, cols, kb > 0, panel);
+    }
+    if (b != nullptr)
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t c = 0; c < cols; ++c) y[m * ldy + n0 + c] += b[n0 + c];
+  }
+}
+}  // namespace
 
 namespace {
 
