@@ -176,7 +176,7 @@ def test_a_cpu_export_keeps_a_16_bit_checkpoints_dtype_by_default(tmp_path, chec
 
 def test_speculative_auto_is_prompt_lookup_on_float32_and_bfloat16_cpu_folders(half_folders, serve_folder):
     """`--speculative auto` (lite_runtime/serve/cli.py lookup_pays): on where it was measured to pay, float32 and
-    bfloat16 CPU folders; off on float16 ones (not measured)."""
+    bfloat16 CPU folders; off on float16 ones (not measured). (int8 folders: test_quantize.py.)"""
     from lite_runtime import InferConfig
     from lite_runtime.serve.cli import lookup_pays
 
