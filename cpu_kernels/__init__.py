@@ -214,23 +214,12 @@ def repack_int4_r16(q) -> None:
     """int4 weights q (numpy uint8 [N, K / 2], or a mixture of experts' stack [E, N, K / 2]: each expert's matrix
     alone; C-contiguous and writable) repacked in place into bands of 16 rows (matmul_quant.h repack_int4_r16), what
     the R16 ops read. Raises ValueError for an array it cannot take."""
-    import numpy as np
-
-    lib = _library()
-    if lib is None:
-        raise FileNotFoundError(f"the mslite-llm CPU kernel library is not built in {_HERE}; {BUILD_HINT}")
-    if q.dtype != np.uint8 or q.ndim not in (2, 3) or not q.flags.c_contiguous or not q.flags.writeable:
-        raise ValueError(f"int4 weights to repack must be a writable C-contiguous uint8 [N, K / 2] or [E, N, K / 2] "
-                         f"array, not {q.dtype} {q.shape}")
-    for matrix in (q,) if q.ndim == 2 else q:
-        if lib.MsliteLlmRepackInt4R16(ctypes.c_void_p(matrix.ctypes.data), ctypes.c_int64(matrix.shape[0]),
-                                      ctypes.c_int64(2 * matrix.shape[1])):
-            raise ValueError(f"int4 weights of {2 * q.shape[-1]} inputs are not whole blocks of 32: not repacked")
+    _repack_bands(q, "uint8", 4)
 
 
 def int8_r16_runs(k: int, group: int) -> bool:
     """Whether int8 weights of k inputs in groups of `group` take the banded form (int8 in bands of 16 rows, biased,
-    against x in int8: the AVX-512 VNNI form, K and the group whole 64s) on this machine in the default activations
+    against x in int8: the AVX-512 VNNI form, K a multiple of 64, the group too or 32) on this machine in the default activations
     mode: what the runtime repacks for (elsewhere a banded int8 weight would only be read through the float32 form)."""
     lib = _library()
     return lib is not None and bool(lib.MsliteLlmInt8R16Runs(ctypes.c_int64(int(k)), ctypes.c_int64(int(group))))
@@ -240,18 +229,24 @@ def repack_int8_r16(q) -> None:
     """int8 weights q (numpy int8 [N, K], or a mixture of experts' stack [E, N, K]: each expert's matrix alone;
     C-contiguous and writable) biased and repacked in place into bands of 16 rows (matmul_quant.h repack_int8_r16),
     what the R16 ops read. Raises ValueError for an array it cannot take."""
-    import numpy as np
+    _repack_bands(q, "int8", 8)
 
+
+def _repack_bands(q, dtype: str, bits: int) -> None:
+    """repack_int4_r16 / repack_int8_r16: each matrix of q (`dtype`, [N, K * bits / 8] or [E, ...]) through the
+    library's MsliteLlmRepackInt{bits}R16."""
     lib = _library()
     if lib is None:
         raise FileNotFoundError(f"the mslite-llm CPU kernel library is not built in {_HERE}; {BUILD_HINT}")
-    if q.dtype != np.int8 or q.ndim not in (2, 3) or not q.flags.c_contiguous or not q.flags.writeable:
-        raise ValueError(f"int8 weights to repack must be a writable C-contiguous int8 [N, K] or [E, N, K] array, not "
+    shape = "[N, K / 2] or [E, N, K / 2]" if bits == 4 else "[N, K] or [E, N, K]"
+    if str(q.dtype) != dtype or q.ndim not in (2, 3) or not q.flags.c_contiguous or not q.flags.writeable:
+        raise ValueError(f"int{bits} weights to repack must be a writable C-contiguous {dtype} {shape} array, not "
                          f"{q.dtype} {q.shape}")
+    inputs = q.shape[-1] * 8 // bits
+    repack = getattr(lib, f"MsliteLlmRepackInt{bits}R16")
     for matrix in (q,) if q.ndim == 2 else q:
-        if lib.MsliteLlmRepackInt8R16(ctypes.c_void_p(matrix.ctypes.data), ctypes.c_int64(matrix.shape[0]),
-                                      ctypes.c_int64(matrix.shape[1])):
-            raise ValueError(f"int8 weights of {q.shape[-1]} inputs are not whole blocks of 32: not repacked")
+        if repack(ctypes.c_void_p(matrix.ctypes.data), ctypes.c_int64(matrix.shape[0]), ctypes.c_int64(inputs)):
+            raise ValueError(f"int{bits} weights of {inputs} inputs are not whole blocks of 32: not repacked")
 
 
 # cpu_kernels/matmul16.h: the rows of x for which bfloat16 weights take the AVX512-BF16 form

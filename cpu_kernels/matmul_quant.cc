@@ -345,9 +345,11 @@ bool int8_fits(const QuantWeight& w) {
   return w.int4 && w.k % QSTEP == 0 && (w.group % QSTEP == 0 || w.group == QBLOCK);
 }
 
-// the x-in-int8 form of banded int8 weights (qbands8_r16_vnni, and qtile8w_vnni for the rows past the bands): K and
-// the group whole steps of 64
-bool int8w_fits(const QuantWeight& w) { return !w.int4 && w.k % QSTEP == 0 && w.group % QSTEP == 0; }
+// the x-in-int8 form of banded int8 weights (qbands_r16_vnni, and qtile8w_vnni for the rows past the bands): K whole
+// steps of 64, the group too or 32 (llama.cpp's Q8_0 imported as it is: each block its own weight scale)
+bool int8w_fits(const QuantWeight& w) {
+  return !w.int4 && w.k % QSTEP == 0 && (w.group % QSTEP == 0 || w.group == QBLOCK);
+}
 // whether x is prepared for w in that form: int8 banded (and biased), fitting, x in int8 in force
 bool takes_int8w(const QuantWeight& w) {
   return w.r16 && int8w_fits(w) && quant_activations() == ACTIVATIONS_INT8;
@@ -1151,11 +1153,11 @@ MSLLM_AVX512_VNNI void qrows8_vnni(const QuantWeight& w, int64_t rows, const flo
 // The rows past the bands (n % 16, row-major, biased): a weight row's 64 bytes (two blocks) in one zmm against x's
 // 64 bytes in input order: lanes 0-7 block 2s's sum, 8-15 block 2s + 1's, each scaled by its block's x scale
 // (PreparedX xs).
-template <int R, int C>
+template <int R, int C, bool G32>
 MSLLM_AVX512_VNNI void qtile8w_vnni(const QuantWeight& w, int64_t m0, const int64_t* n, int cols, const float* b,
                                     float* y, int64_t ldy) {
   const PreparedX& x = *w.x;
-  const int64_t groups = w.k / w.group, per = w.group / QSTEP;
+  const int64_t groups = G32 ? 1 : w.k / w.group, per = G32 ? w.k / QSTEP : w.group / QSTEP;
   const char* base = static_cast<const char*>(w.q);
   const char* next = base + (n[C - 1] + 1 + (PREFETCH_TILES - 1) * C) * w.k;  // may run past W: a hint only
   const char* row[C];
@@ -1186,15 +1188,22 @@ MSLLM_AVX512_VNNI void qtile8w_vnni(const QuantWeight& w, int64_t m0, const int6
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
         const __m512i v = _mm512_loadu_si512(row[c] + s * QSTEP);
+        __m512 ws = _mm512_setzero_ps();  // G32: the step's two blocks' weight scales of row c, 8 lanes each
+        if (G32)
+          ws = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(w.scale[2 * s * w.n + n[c]])),
+                                                   _mm256_castps_pd(_mm256_set1_ps(w.scale[(2 * s + 1) * w.n + n[c]])),
+                                                   1));
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
+        for (int r = 0; r < R; ++r) {
+          const __m512 sx = _mm512_loadu_ps(xs[r] + s * 16);
           acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v, xv[r])),
-                                      _mm512_loadu_ps(xs[r] + s * 16), acc[r][c]);
+                                      G32 ? _mm512_mul_ps(sx, ws) : sx, acc[r][c]);
+        }
       }
     }
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m512 sc = _mm512_set1_ps(w.scale[gi * w.n + n[c]]);
+      const __m512 sc = G32 ? _mm512_set1_ps(1.f) : _mm512_set1_ps(w.scale[gi * w.n + n[c]]);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) total[r][c] = _mm512_fmadd_ps(acc[r][c], sc, total[r][c]);
     }
@@ -1208,102 +1217,21 @@ MSLLM_AVX512_VNNI void qrows8w_vnni(const QuantWeight& w, int64_t rows, const fl
                                     int64_t o0, int64_t o1) {
   for (int64_t m = 0; m < rows; m += 4) {
     const int64_t r = std::min<int64_t>(4, rows - m);
+    const bool g32 = w.group == QBLOCK;
     if (r <= 2)
       each_tile<2>(o0, o1, [&](const int64_t* n, int cols) {
         if (r == 1)
-          qtile8w_vnni<1, 2>(w, m, n, cols, b, y, ldy);
+          g32 ? qtile8w_vnni<1, 2, true>(w, m, n, cols, b, y, ldy) : qtile8w_vnni<1, 2, false>(w, m, n, cols, b, y, ldy);
         else
-          qtile8w_vnni<2, 2>(w, m, n, cols, b, y, ldy);
+          g32 ? qtile8w_vnni<2, 2, true>(w, m, n, cols, b, y, ldy) : qtile8w_vnni<2, 2, false>(w, m, n, cols, b, y, ldy);
       });
     else
       each_tile<3>(o0, o1, [&](const int64_t* n, int cols) {
         if (r == 3)
-          qtile8w_vnni<3, 3>(w, m, n, cols, b, y, ldy);
+          g32 ? qtile8w_vnni<3, 3, true>(w, m, n, cols, b, y, ldy) : qtile8w_vnni<3, 3, false>(w, m, n, cols, b, y, ldy);
         else
-          qtile8w_vnni<4, 3>(w, m, n, cols, b, y, ldy);
+          g32 ? qtile8w_vnni<4, 3, true>(w, m, n, cols, b, y, ldy) : qtile8w_vnni<4, 3, false>(w, m, n, cols, b, y, ldy);
       });
-  }
-}
-
-// Banded int8 (repack_int8_r16) against x in int8, rows [m0, m0 + R) of x against B bands at once (os, bo, yo as
-// qbands_r16_vnni's, below): per block of 32 inputs the band's 512 bytes in eight zmm whose lane r holds 4 bytes of
-// weight row r (q + 128), each against 4 of x's bytes broadcast to every lane, by vpdpbusd; each int32 lane sums its
-// row's 32 products (at most 32 x 255 x 127: exact), in two accumulators (even and odd runs: half the chain of
-// dependent vpdpbusd), then one conversion and one FMA (times the block's x scale) per block for 16 weight rows. The
-// same integers and scales as qtile8w_vnni; the float sums in another order.
-template <int R, int B>
-MSLLM_AVX512_VNNI void qbands8_r16_vnni(const QuantWeight& w, int64_t m0, const int64_t* os, const float* const* bo,
-                                        float* const* yo, int64_t ldy) {
-  const PreparedX& x = *w.x;
-  const int64_t groups = w.k / w.group, per = w.group / QBLOCK;
-  const uint8_t* band[B];
-#pragma GCC unroll 4
-  for (int i = 0; i < B; ++i) band[i] = static_cast<const uint8_t*>(w.q) + os[i] * w.k;
-  const int8_t* xb[R];
-  const float* bs[R];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) xb[r] = x.xb.data() + (m0 + r) * w.k, bs[r] = block_scales(x, m0 + r);
-  __m512 total[R][B];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int i = 0; i < B; ++i) total[r][i] = _mm512_setzero_ps();
-  for (int64_t gi = 0; gi < groups; ++gi) {
-    __m512 acc[R][B];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int i = 0; i < B; ++i) acc[r][i] = _mm512_setzero_ps();
-    for (int64_t blk = gi * per; blk < (gi + 1) * per; ++blk) {
-#pragma GCC unroll 4
-      for (int i = 0; i < B; ++i) {
-        const uint8_t* wp = band[i] + blk * (16 * QBLOCK);
-        __m512i d0[R], d1[R];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) d0[r] = d1[r] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; j += 2) {
-          const __m512i v0 = _mm512_loadu_si512(wp + j * 64), v1 = _mm512_loadu_si512(wp + (j + 1) * 64);
-#pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) {
-            int32_t q0, q1;
-            std::memcpy(&q0, xb[r] + blk * QBLOCK + 4 * j, 4);
-            std::memcpy(&q1, xb[r] + blk * QBLOCK + 4 * j + 4, 4);
-            d0[r] = _mm512_dpbusd_epi32(d0[r], v0, _mm512_set1_epi32(q0));
-            d1[r] = _mm512_dpbusd_epi32(d1[r], v1, _mm512_set1_epi32(q1));
-          }
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r)
-          acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0[r], d1[r])), _mm512_set1_ps(bs[r][blk]),
-                                      acc[r][i]);
-      }
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < B; ++i) {
-      const __m512 s = _mm512_loadu_ps(w.scale + gi * w.n + os[i]);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) total[r][i] = _mm512_fmadd_ps(acc[r][i], s, total[r][i]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < B; ++i) {
-    const __m512 bias = bo[i] != nullptr ? _mm512_loadu_ps(bo[i]) : _mm512_setzero_ps();
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(yo[i] + (m0 + r) * ldy, _mm512_add_ps(total[r][i], bias));
-  }
-}
-
-// One band (o) of every row of x, 4 rows at a time
-MSLLM_AVX512_VNNI void qband8_rows_r16_vnni(const QuantWeight& w, int64_t rows, int64_t o, const float* bo, float* yo,
-                                            int64_t ldy) {
-  for (int64_t m = 0; m < rows; m += 4) {
-    switch (std::min<int64_t>(4, rows - m)) {
-      case 1: qbands8_r16_vnni<1, 1>(w, m, &o, &bo, &yo, ldy); break;
-      case 2: qbands8_r16_vnni<2, 1>(w, m, &o, &bo, &yo, ldy); break;
-      case 3: qbands8_r16_vnni<3, 1>(w, m, &o, &bo, &yo, ldy); break;
-      default: qbands8_r16_vnni<4, 1>(w, m, &o, &bo, &yo, ldy); break;
-    }
   }
 }
 
@@ -1325,19 +1253,24 @@ MSLLM_AVX512_VNNI void qband8_rows_r16_vnni(const QuantWeight& w, int64_t rows, 
 // (docs/performance-log.md 45). On the AMD EPYC (Zen 4) of the int8 tiles' measurement (qrows_vnni_t) 4 streams a
 // thread read 10 % slower than 2 and 2 as fast as 1: so 4 streams on Intel's CPUs, 2 elsewhere (row_streams,
 // each_band_streams), for one row of x; more rows, one band at a time. Each band's sums are the same whatever B.
-template <int R, int B>
+// INT4 false: banded int8 (repack_int8_r16) against x in int8 in input order (PreparedX int8w): the band's 512 bytes
+// of a block in eight zmm, lane r 4 bytes of weight row r (q + 128), each against 4 of x's bytes broadcast (at most
+// 32 x 255 x 127 a lane a block: exact), the even runs and the odd ones in two accumulators as int4's low and high
+// nibbles; the same integers and scales as qtile8w_vnni (docs/performance-log.md 47).
+template <int R, int B, bool INT4 = true>
 MSLLM_AVX512_VNNI void qbands_r16_vnni(const QuantWeight& w, int64_t m0, const int64_t* os, const float* const* bo,
                                        float* const* yo, int64_t ldy) {
   const PreparedX& x = *w.x;
-  const int64_t groups = w.k / w.group, per = w.group / QBLOCK;
+  const int64_t groups = w.k / w.group, per = w.group / QBLOCK, row_bytes = INT4 ? w.k / 2 : w.k;
+  constexpr int64_t BLOCK_BYTES = INT4 ? 16 * QBLOCK / 2 : 16 * QBLOCK;
   const __m512i nibble = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(0x08);
   const uint8_t* band[B];
 #pragma GCC unroll 4
-  for (int i = 0; i < B; ++i) band[i] = static_cast<const uint8_t*>(w.q) + os[i] * (w.k / 2);
+  for (int i = 0; i < B; ++i) band[i] = static_cast<const uint8_t*>(w.q) + os[i] * row_bytes;
   const int8_t* xb[R];
   const float* bs[R];
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) xb[r] = x.xb.data() + (m0 + r) * 2 * w.k, bs[r] = block_scales(x, m0 + r);
+  for (int r = 0; r < R; ++r) xb[r] = x.xb.data() + (m0 + r) * (INT4 ? 2 : 1) * w.k, bs[r] = block_scales(x, m0 + r);
   __m512 total[R][B];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
@@ -1352,10 +1285,24 @@ MSLLM_AVX512_VNNI void qbands_r16_vnni(const QuantWeight& w, int64_t m0, const i
     for (int64_t blk = gi * per; blk < (gi + 1) * per; ++blk) {
 #pragma GCC unroll 4
       for (int i = 0; i < B; ++i) {
-        const uint8_t* wp = band[i] + blk * 256;
+        const uint8_t* wp = band[i] + blk * BLOCK_BYTES;
         __m512i d0[R], d1[R];
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) d0[r] = d1[r] = _mm512_setzero_si512();
+        if (!INT4) {
+#pragma GCC unroll 4
+          for (int j = 0; j < 8; j += 2) {
+            const __m512i v0 = _mm512_loadu_si512(wp + j * 64), v1 = _mm512_loadu_si512(wp + (j + 1) * 64);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+              int32_t q0, q1;
+              std::memcpy(&q0, xb[r] + blk * QBLOCK + 4 * j, 4);
+              std::memcpy(&q1, xb[r] + blk * QBLOCK + 4 * j + 4, 4);
+              d0[r] = _mm512_dpbusd_epi32(d0[r], v0, _mm512_set1_epi32(q0));
+              d1[r] = _mm512_dpbusd_epi32(d1[r], v1, _mm512_set1_epi32(q1));
+            }
+          }
+        } else
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
           const __m512i raw = _mm512_loadu_si512(wp + j * 64);
@@ -1391,16 +1338,45 @@ MSLLM_AVX512_VNNI void qbands_r16_vnni(const QuantWeight& w, int64_t m0, const i
 }
 
 // One band (o) of every row of x, 4 rows at a time
+template <bool INT4>
 MSLLM_AVX512_VNNI void qband_rows_r16_vnni(const QuantWeight& w, int64_t rows, int64_t o, const float* bo, float* yo,
                                            int64_t ldy) {
   for (int64_t m = 0; m < rows; m += 4) {
     switch (std::min<int64_t>(4, rows - m)) {
-      case 1: qbands_r16_vnni<1, 1>(w, m, &o, &bo, &yo, ldy); break;
-      case 2: qbands_r16_vnni<2, 1>(w, m, &o, &bo, &yo, ldy); break;
-      case 3: qbands_r16_vnni<3, 1>(w, m, &o, &bo, &yo, ldy); break;
-      default: qbands_r16_vnni<4, 1>(w, m, &o, &bo, &yo, ldy); break;
+      case 1: qbands_r16_vnni<1, 1, INT4>(w, m, &o, &bo, &yo, ldy); break;
+      case 2: qbands_r16_vnni<2, 1, INT4>(w, m, &o, &bo, &yo, ldy); break;
+      case 3: qbands_r16_vnni<3, 1, INT4>(w, m, &o, &bo, &yo, ldy); break;
+      default: qbands_r16_vnni<4, 1, INT4>(w, m, &o, &bo, &yo, ldy); break;
     }
   }
+}
+
+// A banded weight's outputs [o0, o1) against x in int8 (run_bands), the rows past the bands row-major
+template <bool INT4>
+MSLLM_AVX512_VNNI void bands_vnni(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy, int64_t o0,
+                                  int64_t o1) {
+  run_bands(
+      w, rows, b, y, ldy, o0, o1, row_streams(),
+      [&](int64_t n, int64_t o, const float* bo, float* yo, int64_t ld) {
+        qband_rows_r16_vnni<INT4>(w, n, o, bo, yo, ld);
+      },
+      [&](const int64_t* os, int count) {
+        const float* bo[4];
+        float* yo[4];
+        for (int i = 0; i < count; ++i) bo[i] = b != nullptr ? b + os[i] : nullptr, yo[i] = y + os[i];
+        switch (count) {
+          case 4: qbands_r16_vnni<1, 4, INT4>(w, 0, os, bo, yo, ldy); break;
+          case 3: qbands_r16_vnni<1, 3, INT4>(w, 0, os, bo, yo, ldy); break;
+          case 2: qbands_r16_vnni<1, 2, INT4>(w, 0, os, bo, yo, ldy); break;
+          default: qbands_r16_vnni<1, 1, INT4>(w, 0, os, bo, yo, ldy); break;
+        }
+      },
+      [&](int64_t t0, int64_t t1) {
+        if (INT4)
+          qrows8_vnni(w, rows, b, y, ldy, t0, t1);
+        else
+          qrows8w_vnni(w, rows, b, y, ldy, t0, t1);
+      });
 }
 
 // Banded int4 or int8 against x as given, in float32 (the modes whose x the banded forms' integers do not take:
@@ -1482,38 +1458,11 @@ MSLLM_AVX512_VNNI void qrows_vnni(const float*, int64_t rows, const void* wv, co
       }, tail);
     return;
   }
-  if (w.r16 && !w.int4) {
-    run_bands(
-        w, rows, b, y, ldy, o0, o1, row_streams(),
-        [&](int64_t n, int64_t o, const float* bo, float* yo, int64_t ld) { qband8_rows_r16_vnni(w, n, o, bo, yo, ld); },
-        [&](const int64_t* os, int count) {
-          const float* bo[4];
-          float* yo[4];
-          for (int i = 0; i < count; ++i) bo[i] = b != nullptr ? b + os[i] : nullptr, yo[i] = y + os[i];
-          switch (count) {
-            case 4: qbands8_r16_vnni<1, 4>(w, 0, os, bo, yo, ldy); break;
-            case 3: qbands8_r16_vnni<1, 3>(w, 0, os, bo, yo, ldy); break;
-            case 2: qbands8_r16_vnni<1, 2>(w, 0, os, bo, yo, ldy); break;
-            default: qbands8_r16_vnni<1, 1>(w, 0, os, bo, yo, ldy); break;
-          }
-        },
-        [&](int64_t t0, int64_t t1) { qrows8w_vnni(w, rows, b, y, ldy, t0, t1); });
-  } else if (w.r16) {
-    run_bands(
-        w, rows, b, y, ldy, o0, o1, row_streams(),
-        [&](int64_t n, int64_t o, const float* bo, float* yo, int64_t ld) { qband_rows_r16_vnni(w, n, o, bo, yo, ld); },
-        [&](const int64_t* os, int count) {
-          const float* bo[4];
-          float* yo[4];
-          for (int i = 0; i < count; ++i) bo[i] = b != nullptr ? b + os[i] : nullptr, yo[i] = y + os[i];
-          switch (count) {
-            case 4: qbands_r16_vnni<1, 4>(w, 0, os, bo, yo, ldy); break;
-            case 3: qbands_r16_vnni<1, 3>(w, 0, os, bo, yo, ldy); break;
-            case 2: qbands_r16_vnni<1, 2>(w, 0, os, bo, yo, ldy); break;
-            default: qbands_r16_vnni<1, 1>(w, 0, os, bo, yo, ldy); break;
-          }
-        },
-        [&](int64_t t0, int64_t t1) { qrows8_vnni(w, rows, b, y, ldy, t0, t1); });
+  if (w.r16) {
+    if (w.int4)
+      bands_vnni<true>(w, rows, b, y, ldy, o0, o1);
+    else
+      bands_vnni<false>(w, rows, b, y, ldy, o0, o1);
   } else if (w.x->int8) {
     qrows8_vnni(w, rows, b, y, ldy, o0, o1);
   } else if (w.x->exact) {

@@ -287,10 +287,10 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
                       "predates its limit; re-export the folder with python -m export to check that form")
     elif mode == "int16" and _serves_int8(folder, generator.backend_name):
         bits = folder.quantization["bits"]
-        unreplayed = (f"activations: the fast replay ran x in int16, the form golden.json's limit covers; this "
-                      f"installation serves the int{bits} matmuls with x in int8 (MSLITE_LLM_QUANT_ACTIVATIONS=int16 "
-                      "serves them as replayed): golden.json predates the int8 form's limit; re-export the folder with "
-                      "python -m export to check that form")
+        unreplayed = (f"activations: the fast replay ran x in int16 (matrices this installation bands, in float32), "
+                      f"what golden.json's limit covers; this installation serves the int{bits} matmuls with x in int8 "
+                      "(MSLITE_LLM_QUANT_ACTIVATIONS=int16 serves them as replayed): golden.json predates the int8 "
+                      "form's limit; re-export the folder with python -m export to check that form")
     return Report(name=folder.name, backend=generator.backend_name, dtype=config.compute_dtype, tolerance=tolerance,
                   reference=reference.source, rows=rows, info=info, graph=folder.graph_form, standins=standins,
                   fast=None if mode is None else limits[mode], fast_mode=mode or "int16", unreplayed=unreplayed)

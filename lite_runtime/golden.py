@@ -89,8 +89,9 @@ INT16_ACTIVATIONS = Tolerance("float32 with int16 activations", 1e-3)
 # (cpu_kernels' ACTIVATIONS_INT16), as it was checked, and is told that the int8 form was not replayed.
 #
 # An int8 CPU folder likewise (since 2026-11-29): on AVX-512 VNNI the runtime repacks its int8 matrices into bands of
-# 16 rows whose form takes x in int8 (cpu_kernels/matmul_quant.cc qbands8_r16_vnni), so its golden steps run the "int8"
-# lane too (x rounded to int8 at every quantized matmul whose inputs and group are whole 64s: the bands' rule; a
+# 16 rows whose form takes x in int8 (cpu_kernels/matmul_quant.cc qbands_r16_vnni), so its golden steps run the "int8"
+# lane too (x rounded to int8 at every quantized matmul whose inputs are whole 64s and group 32 or whole 64s: the
+# bands' rule; a
 # matmul the kernels keep in int16, as a tied embedding the Gather reads or any on another CPU, rounds x more finely
 # than that) and its limits are `exact` and `int8`. One exported before (limits `exact` and `int16`) is checked as an
 # int4 one exported before is.
@@ -102,7 +103,7 @@ FAST_MODES = ("int16", "int8", "bf16")  # the fast forms' activations, one per f
 _FAST_WHAT = {"int16": "with x rounded to int16 per block of 32 at every quantized matmul, as the CPU kernels' "
                        "decode form rounds it",
               "int8": "with x rounded to int8 per block of 32 at every quantized matmul whose inputs and group are "
-                      "whole 64s (and int4's groups of 32; to int16 at the other quantized ones), as the CPU kernels' "
+                      "whole 64s, and groups of 32 (to int16 at the other quantized ones), as the CPU kernels' "
                       "decode form rounds it",
               "bf16": "with x rounded to bfloat16 at every matmul, as the CPU kernels' AVX512-BF16 form rounds it"}
 

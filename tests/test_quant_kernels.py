@@ -537,9 +537,9 @@ def banded8(q: np.ndarray) -> np.ndarray:
 def test_int8_in_bands_of_16_rows_is_the_int8_weights_answer():
     """The R16 ops read int8 weights repacked in place by MsliteLlmRepackInt8R16 (biased, in bands of 16 rows: the
     layout rule `banded8`), N with and without a partial band (1, 7, 16, 33, 40, 88, 300: tasks over both threads, one
-    row of x in several streams), 1 to 40 rows of x (the decode form, the GEMM past 16), groups of 64 to per channel,
-    with and without offsets. Where the banded form runs (int8_r16_runs: the AVX-512 VNNI form, x in int8, K and the
-    group whole 64s): x rounded to int8 per block of 32 (rounded_to_int8_blocks) times q * scale, plus the offsets
+    row of x in several streams), 1 to 40 rows of x (the decode form, the GEMM past 16), groups of 32 (llama.cpp's Q8_0:
+    each block its own weight scale) to per channel, with and without offsets. Where the banded form runs
+    (int8_r16_runs: the AVX-512 VNNI form, x in int8, K a multiple of 64, the group too or 32): x rounded to int8 per block of 32 (rounded_to_int8_blocks) times q * scale, plus the offsets
     times x's exact sums, to float32's rounding of the sums (2e-6 of their magnitude): the form's only rounding is x's,
     by its documented rule, as llama.cpp's Q8_0 rounds it. Otherwise (the int16 and exact modes, another form, past 16
     rows) the R16 ops compute the float32 product (1e-5 of the magnitude from float64's). K of 48 (not whole blocks):
@@ -549,8 +549,9 @@ def test_int8_in_bands_of_16_rows_is_the_int8_weights_answer():
         for mode in ("int8", "int16", "exact"):
             assert cpu_kernels.set_quant_activations(mode) == mode
             assert cpu_kernels.int8_r16_runs(896, 128) == (cpu_kernels.quant_form() == "avx512_vnni")
-            assert not cpu_kernels.int8_r16_runs(896, 32) and not cpu_kernels.int8_r16_runs(96, 96)
-            for k, g in ((256, 64), (576, 576), (896, 128), (576, 64), (128, 128)):
+            assert cpu_kernels.int8_r16_runs(896, 32) == (cpu_kernels.quant_form() == "avx512_vnni")
+            assert not cpu_kernels.int8_r16_runs(96, 96) and not cpu_kernels.int8_r16_runs(896, 96)
+            for k, g in ((256, 64), (576, 576), (896, 128), (576, 64), (128, 128), (256, 32), (576, 32)):
                 for n, m, with_offset in ((1, 1, True), (7, 2, False), (16, 1, False), (33, 3, True), (40, 4, False),
                                           (88, 1, False), (300, 1, True), (300, 5, False), (33, 9, False),
                                           (33, 16, True), (40, 17, False), (300, 40, True)):

@@ -87,12 +87,11 @@ def rounded_to_int8_blocks(x: np.ndarray) -> np.ndarray:
 def int8_activations_fit(w) -> bool:
     """Whether the CPU kernels' default decode form may take x in int8 for the quantized layer `w` (FolderRows): int4
     weights whose inputs are a multiple of 64 and group 32 or a multiple of 64 (cpu_kernels/matmul_quant.cc int8_fits),
-    int8 weights whose inputs and group are multiples of 64 (int8w_fits: the banded int8 form, on AVX-512 VNNI where
-    the runtime banded them; elsewhere, and a tied embedding the Gather reads, int16, which rounds x more finely than
-    the limit allows for); other layers take int16."""
+    int8 weights likewise (int8w_fits: the banded int8 form, on AVX-512 VNNI where the runtime banded them; elsewhere
+    int16, which rounds x more finely than the limit allows for); other layers take int16."""
     width = w.shape[1]
     group = width // w.scale.shape[1]
-    return width % 64 == 0 and (group % 64 == 0 or (bool(w.packed) and group == 32))
+    return width % 64 == 0 and (group % 64 == 0 or group == 32)
 
 
 class BlockedMatmul:

@@ -455,13 +455,9 @@ def _split_shared_weights(model) -> int:
         copy = model.graph.parameter.add()
         copy.CopyFrom(params[name])
         copy.name = name + KERNELS_COPY
-    kept = []  # copies: the messages leave the field they are in
-    for node in out:
-        fresh = type(node)()
-        fresh.CopyFrom(node)
-        kept.append(fresh)
-    del model.graph.node[:]
-    model.graph.node.extend(kept)
+    from lite_runtime.backends.standins import set_nodes
+
+    set_nodes(model, out)
     return len(split)
 
 

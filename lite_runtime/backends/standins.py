@@ -261,6 +261,12 @@ def _rebuild(model, constants) -> None:
         if len(keep) == len(nodes):
             break
         nodes = keep
+    set_nodes(model, nodes)
+
+
+def set_nodes(model, nodes) -> None:
+    """A parsed MindIR's node list replaced by `nodes`, in that order (copies: a message cannot stay in the field it
+    leaves)."""
     copies = []
     for node in nodes:
         copied = type(node)()
