@@ -219,8 +219,9 @@ def repack_int4_r16(q) -> None:
 
 def int8_r16_runs(k: int, group: int) -> bool:
     """Whether int8 weights of k inputs in groups of `group` take the banded form (int8 in bands of 16 rows, biased,
-    against x in int8: the AVX-512 VNNI form, K a multiple of 64, the group too or 32) on this machine in the default activations
-    mode: what the runtime repacks for (elsewhere a banded int8 weight would only be read through the float32 form)."""
+    against x in int8: the AVX-512 VNNI form, K a multiple of 64, the group too or 32) on this machine in the default
+    activations mode: what the runtime repacks for (elsewhere a banded int8 weight would only be read through the
+    float32 form)."""
     lib = _library()
     return lib is not None and bool(lib.MsliteLlmInt8R16Runs(ctypes.c_int64(int(k)), ctypes.c_int64(int(group))))
 

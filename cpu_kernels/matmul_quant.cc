@@ -1212,26 +1212,35 @@ MSLLM_AVX512_VNNI void qtile8w_vnni(const QuantWeight& w, int64_t m0, const int6
     for (int c = 0; c < cols; ++c) y[(m0 + r) * ldy + n[c]] = _mm512_reduce_add_ps(total[r][c]) + (b ? b[n[c]] : 0.f);
 }
 
-// 1 and 2 rows of x by 2 weight rows (two streams a thread, as qrows_vnni_t's for the same reason), 3 and 4 by 3
+// rows [m, m + r) of x, r <= 4: 1 and 2 rows by 2 weight rows (two streams a thread, as qrows_vnni_t's for the same
+// reason), 3 and 4 by 3
+template <bool G32>
+MSLLM_AVX512_VNNI void qtiles8w_vnni(const QuantWeight& w, int64_t m, int64_t r, const float* b, float* y, int64_t ldy,
+                                     int64_t o0, int64_t o1) {
+  if (r <= 2)
+    each_tile<2>(o0, o1, [&](const int64_t* n, int cols) {
+      if (r == 1)
+        qtile8w_vnni<1, 2, G32>(w, m, n, cols, b, y, ldy);
+      else
+        qtile8w_vnni<2, 2, G32>(w, m, n, cols, b, y, ldy);
+    });
+  else
+    each_tile<3>(o0, o1, [&](const int64_t* n, int cols) {
+      if (r == 3)
+        qtile8w_vnni<3, 3, G32>(w, m, n, cols, b, y, ldy);
+      else
+        qtile8w_vnni<4, 3, G32>(w, m, n, cols, b, y, ldy);
+    });
+}
+
 MSLLM_AVX512_VNNI void qrows8w_vnni(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy,
                                     int64_t o0, int64_t o1) {
   for (int64_t m = 0; m < rows; m += 4) {
     const int64_t r = std::min<int64_t>(4, rows - m);
-    const bool g32 = w.group == QBLOCK;
-    if (r <= 2)
-      each_tile<2>(o0, o1, [&](const int64_t* n, int cols) {
-        if (r == 1)
-          g32 ? qtile8w_vnni<1, 2, true>(w, m, n, cols, b, y, ldy) : qtile8w_vnni<1, 2, false>(w, m, n, cols, b, y, ldy);
-        else
-          g32 ? qtile8w_vnni<2, 2, true>(w, m, n, cols, b, y, ldy) : qtile8w_vnni<2, 2, false>(w, m, n, cols, b, y, ldy);
-      });
+    if (w.group == QBLOCK)
+      qtiles8w_vnni<true>(w, m, r, b, y, ldy, o0, o1);
     else
-      each_tile<3>(o0, o1, [&](const int64_t* n, int cols) {
-        if (r == 3)
-          g32 ? qtile8w_vnni<3, 3, true>(w, m, n, cols, b, y, ldy) : qtile8w_vnni<3, 3, false>(w, m, n, cols, b, y, ldy);
-        else
-          g32 ? qtile8w_vnni<4, 3, true>(w, m, n, cols, b, y, ldy) : qtile8w_vnni<4, 3, false>(w, m, n, cols, b, y, ldy);
-      });
+      qtiles8w_vnni<false>(w, m, r, b, y, ldy, o0, o1);
   }
 }
 

@@ -67,11 +67,12 @@ bool repack_int4_r16(uint8_t* q, int64_t n, int64_t k);
 bool repack_int8_r16(int8_t* q, int64_t n, int64_t k);
 // Whether an int8 weight of k inputs in groups of `group` takes the banded form (x in int8) on this machine in the
 // default activations mode (what serves; check switches modes around its replays, and a banded weight in another mode
-// goes through the float32 form): the AVX-512 VNNI form, K a multiple of 64, the group too or 32. Every other form reads a banded
-// int8 weight through its float32 form, so the runtime repacks none there.
+// goes through the float32 form): the AVX-512 VNNI form, K a multiple of 64, the group too or 32. Every other form
+// reads a banded int8 weight through its float32 form, so the runtime repacks none there.
 bool int8_r16_runs(int64_t k, int64_t group);
 // Whether an int4 weight of k inputs in groups of `group` takes the banded form on this machine in the default
-// activations mode (the AVX-512 VNNI and the AVX2 forms with x in int8; as int8_r16_runs): what the runtime repacks for.
+// activations mode (the AVX-512 VNNI and the AVX2 forms with x in int8; as int8_r16_runs): what the runtime repacks
+// for.
 bool r16_runs(int64_t k, int64_t group);
 // While alive, read_quant_weight marks int4 weights as banded (the R16 ops of registry.cc); per thread.
 struct R16Call {

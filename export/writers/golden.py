@@ -228,7 +228,8 @@ class ArithmeticLanes:
     """Each decode step of the golden references again in two lanes beside every row, from the same history (each
     lane its own cache from the prompt on, fed the row's tokens), in the same matmul calls (export/writers/reference.py
     BlockedMatmul `lanes`, the widened weights shared): the fast form's, x rounded as the CPU kernels round it ("int16"
-    at every quantized matmul, "int8" at a quantized folder's (int8 where the kernels may take it so, else int16), or "bf16"
+    at every quantized matmul, "int8" at a quantized folder's (int8 where the kernels may take it so, else int16), or
+    "bf16"
     at every matmul of bfloat16 matrices); "reorder", every product in another
     float32 order (export/writers/reference.py BlockedMatmul: row by row, each in two halves). How far
     each lane's top-k logits land from the row's, over every step, is what this folder's arithmetic does to its
