@@ -2,6 +2,8 @@
 // as MsliteLlmDecodeAttention), its softmax and weighted sum of values in plain C++, AVX2 and AVX-512 side by side.
 // The scores are the float32 rows kernel of matmul16.cc, a block of the cache at a time (paged.h: a kv head's
 // positions of a block are one [BS, D] matrix), read in place: no copy of a sequence's context.
+#include <algorithm>
+
 #include "matmul16.h"
 #include "ops.h"
 #include "paged.h"
@@ -12,6 +14,8 @@ namespace {
 
 constexpr int64_t ATTENTION_BLOCK = 8;  // attention: consecutive queries of one cache row per task
                                         // (docs/architecture.md, "cpu_kernels/")
+constexpr int64_t ATTENTION_CHUNK = 512;  // positions a task of one query reads at most (rounded down to the cache's
+                                          // block size, at least one block): AttentionJob::split
 
 // ---- attention over the KV cache ----------------------------------------------------------------------------
 // Each task is a block of consecutive queries that read the same cache row (a prompt's tokens in the prefill and
@@ -103,14 +107,28 @@ MSLLM_AVX512 inline void exp_rows_avx512(float* s, int64_t n, float scale, float
 // its weights normalised in place; then the value rows are read a block at a time (in L1) for every query row, each
 // row's output in blocks of PV_BLOCK values over two positions at a time, in vector registers.
 constexpr int64_t PV_BLOCK = 32;
+
+// The start of the next block's rows into the cache while this one is read: a block (BS positions of one kv head,
+// 16 KB at BS 64 and d 64) is a short run in memory, and the hardware prefetchers stop at each 4 KB page, so a long
+// context's blocks were read at the pace of memory's latency. Two lines at the start of each of the block's pages
+// set the prefetchers going again (prefetching every line measured slower where GQA groups are wide, Qwen2-0.5B's 7
+// query heads a kv head): docs/performance-log.md 48.
+inline void prefetch_pages(const float* p, int64_t floats) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < floats * int64_t(sizeof(float)); off += 4096) {
+    __builtin_prefetch(c + off, 0, 3);
+    __builtin_prefetch(c + off + 64, 0, 3);
+  }
+}
+
 typedef void (*AttendRowsFn)(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
-                             const float* const* vblocks, int64_t bs, int64_t d, float* const* out);
+                             const float* const* vblocks, int64_t bs, int64_t d, float* const* out, float* stats);
 
 template <void (*ExpRows)(float*, int64_t, float, float)>
 __attribute__((always_inline)) inline void attend_rows_body(float* scores, int64_t rows, int64_t ld,
                                                             const int64_t* lengths, float scale,
                                                             const float* const* vblocks, int64_t bs, int64_t d,
-                                                            float* const* out) {
+                                                            float* const* out, float* stats) {
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * ld;
     const int64_t n = lengths[r];
@@ -128,14 +146,19 @@ __attribute__((always_inline)) inline void attend_rows_body(float* scores, int64
       for (int j = 0; j < 8; ++j) lanes[j] += s[p + j];
     float total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
     for (; p < n; ++p) total += s[p];
-    const float norm = total > 0.f ? 1.f / total : 0.f;
-    for (p = 0; p < n; ++p) s[p] *= norm;
+    if (stats != nullptr) {
+      stats[2 * r] = best * scale, stats[2 * r + 1] = total;
+    } else {
+      const float norm = total > 0.f ? 1.f / total : 0.f;
+      for (p = 0; p < n; ++p) s[p] *= norm;
+    }
     for (int64_t i = 0; i < d; ++i) out[r][i] = 0.f;
   }
   int64_t longest = 0;
   for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, lengths[r]);
   for (int64_t p0 = 0; p0 < longest; p0 += bs) {
     const float* v = vblocks[p0 / bs] - p0 * d;  // so that v + p * d is position p's row, p in this block
+    if (p0 + bs < longest) prefetch_pages(vblocks[p0 / bs + 1], std::min(bs, longest - p0 - bs) * d);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t p1 = std::min(lengths[r], p0 + bs);
       if (p1 <= p0) continue;
@@ -165,17 +188,17 @@ __attribute__((always_inline)) inline void attend_rows_body(float* scores, int64
 }
 
 void attend_rows_generic(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
-                         const float* const* vblocks, int64_t bs, int64_t d, float* const* out) {
-  attend_rows_body<exp_rows_generic>(scores, rows, ld, lengths, scale, vblocks, bs, d, out);
+                         const float* const* vblocks, int64_t bs, int64_t d, float* const* out, float* stats) {
+  attend_rows_body<exp_rows_generic>(scores, rows, ld, lengths, scale, vblocks, bs, d, out, stats);
 }
 #ifdef MSLLM_X86
 MSLLM_AVX2 void attend_rows_avx2(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
-    const float* const* vblocks, int64_t bs, int64_t d, float* const* out) {
-  attend_rows_body<exp_rows_avx2>(scores, rows, ld, lengths, scale, vblocks, bs, d, out);
+    const float* const* vblocks, int64_t bs, int64_t d, float* const* out, float* stats) {
+  attend_rows_body<exp_rows_avx2>(scores, rows, ld, lengths, scale, vblocks, bs, d, out, stats);
 }
 MSLLM_AVX512 void attend_rows_avx512(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
-    const float* const* vblocks, int64_t bs, int64_t d, float* const* out) {
-  attend_rows_body<exp_rows_avx512>(scores, rows, ld, lengths, scale, vblocks, bs, d, out);
+    const float* const* vblocks, int64_t bs, int64_t d, float* const* out, float* stats) {
+  attend_rows_body<exp_rows_avx512>(scores, rows, ld, lengths, scale, vblocks, bs, d, out, stats);
 }
 #endif
 
@@ -207,31 +230,59 @@ struct AttentionJob : Job {
   PagedCache cache;
   float* out;
   std::vector<int64_t> blocks;  // first query of each block of queries, then `batch`
+  // A block of one query (a decode step's row) that reads more than `chunk` positions is split along them: a task
+  // per kv head and chunk, whose unnormalised sums and softmax statistics (part, stats) the merge combines. Why: one
+  // query's kv heads are few (3 in SmolLM2, 2 in Qwen2-0.5B), so a decode step's long context was 2 or 3 tasks for
+  // the threads, and one task's pass over a long context one stream at memory's latency (docs/performance-log.md
+  // 48). Only such blocks: a step's query then runs the same arithmetic whatever the thread count or the other
+  // sequences of its step, and a long prompt's thousands of blocks keep no partial sums.
+  int64_t chunk = 0;
+  std::vector<int64_t> chunks, first_task, first_part;  // per block: its chunks (1: not split), tasks, partial rows
+  std::vector<float> part, stats;  // per split task: its rows' sums [rows, d]; their max * scale and sum of weights
+  Shares shares;  // each thread a contiguous share of the tasks (a kv head's chunks in order: one stream), pool.h
 
   int64_t length_of(int64_t b) const { return std::max<int64_t>(0, lengths[b]); }
+  int64_t tasks() const { return first_task.back(); }
 
-  // blocks of at most `most` consecutive queries of one sequence
+  // blocks of at most `most` consecutive queries of one sequence; a block of one query in chunks of `chunk` positions
+  // (a multiple of the cache's block size) where it reads more
   void split(int64_t most) {
     blocks.clear();
     for (int64_t b = 0; b < batch; ++b)
       if (blocks.empty() || b - blocks.back() >= most || rows[b] != rows[blocks.back()]) blocks.push_back(b);
     blocks.push_back(batch);
+    const int64_t nblocks = int64_t(blocks.size()) - 1, group = heads / cache.kv_heads;
+    chunks.assign(size_t(nblocks), 1);
+    first_task.assign(size_t(nblocks + 1), 0);
+    first_part.assign(size_t(nblocks + 1), 0);
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      int64_t longest = 0;
+      for (int64_t b = blocks[blk]; b < blocks[blk + 1]; ++b) longest = std::max(longest, length_of(b));
+      if (chunk > 0 && longest > chunk && blocks[blk + 1] - blocks[blk] == 1)
+        chunks[blk] = (longest + chunk - 1) / chunk;
+      first_task[blk + 1] = first_task[blk] + cache.kv_heads * chunks[blk];
+      const int64_t split_rows = chunks[blk] > 1 ? cache.kv_heads * chunks[blk] * group : 0;
+      first_part[blk + 1] = first_part[blk] + split_rows;
+    }
+    part.resize(size_t(first_part.back() * cache.d));
+    stats.resize(size_t(2 * first_part.back()));
   }
 
   void work() override {
     const int64_t d = cache.d, kv_heads = cache.kv_heads, bs = cache.block_size;
     const float scale = 1.0f / std::sqrt(float(d));
-    const int64_t group = heads / kv_heads, nblocks = int64_t(blocks.size()) - 1;
+    const int64_t group = heads / kv_heads;
     std::vector<float> qs, scores;
     std::vector<int64_t> lens;
     std::vector<float*> outs;
     std::vector<const float*> vblocks;
-    for (;;) {
-      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
-      if (t >= nblocks * kv_heads) return;
-      const int64_t blk = t / kv_heads, kvh = t % kv_heads, b0 = blocks[blk], b1 = blocks[blk + 1];
-      const int32_t* table = tables + int64_t(rows[b0]) * max_blocks;
+    shares.claim([&](int64_t t) {
+      const int64_t blk = std::upper_bound(first_task.begin(), first_task.end(), t) - first_task.begin() - 1;
+      const int64_t local = t - first_task[blk], kvh = local / chunks[blk], c = local % chunks[blk];
+      const int64_t b0 = blocks[blk], b1 = blocks[blk + 1], c0 = chunks[blk] > 1 ? c * chunk : 0;
+      const int32_t* table = tables + int64_t(rows[b0]) * max_blocks + c0 / bs;
       const int64_t nrows = (b1 - b0) * group;
+      float* const split_out = chunks[blk] > 1 ? part.data() + (first_part[blk] + local * nrows) * d : nullptr;
       qs.resize(size_t(nrows * d));
       lens.resize(size_t(nrows));
       outs.resize(size_t(nrows));
@@ -239,11 +290,14 @@ struct AttentionJob : Job {
       for (int64_t b = b0; b < b1; ++b) {  // the block's query heads of kv head kvh, a row each
         std::memcpy(qs.data() + (b - b0) * group * d, q + (b * heads + kvh * group) * d,
                     size_t(group * d) * sizeof(float));
+        int64_t len = length_of(b) - c0;  // this chunk's positions of query b
+        len = std::max<int64_t>(0, chunks[blk] > 1 ? std::min(len, chunk) : len);
         for (int64_t g = 0; g < group; ++g) {
-          lens[(b - b0) * group + g] = length_of(b);
-          outs[(b - b0) * group + g] = out + (b * heads + kvh * group + g) * d;
+          const int64_t i = (b - b0) * group + g;
+          lens[i] = len;
+          outs[i] = split_out != nullptr ? split_out + i * d : out + (b * heads + kvh * group + g) * d;
         }
-        longest = std::max(longest, length_of(b));
+        longest = std::max(longest, len);
       }
       scores.resize(size_t(std::max<int64_t>(nrows * longest, 1)));
       const int64_t used = (longest + bs - 1) / bs;
@@ -251,10 +305,47 @@ struct AttentionJob : Job {
       const RowsFn scores_of = rows_kernel(W_F32);
       for (int64_t j = 0; j < used; ++j) {  // each block's scores: its K rows as the weight rows, in place
         const int64_t n = std::min(bs, longest - j * bs);
+        if (j + 1 < used) prefetch_pages(k + cache.at(table[j + 1], kvh, 0), std::min(bs, longest - (j + 1) * bs) * d);
         scores_of(qs.data(), nrows, k + cache.at(table[j], kvh, 0), nullptr, d, scores.data() + j * bs, longest, 0, n);
         vblocks[j] = v + cache.at(table[j], kvh, 0);
       }
-      g_attend_rows(scores.data(), nrows, longest, lens.data(), scale, vblocks.data(), bs, d, outs.data());
+      for (int64_t i = 0; i < nrows && longest == 0; ++i)
+        for (int64_t e = 0; e < d; ++e) outs[i][e] = 0.f;
+      float* const st = split_out != nullptr ? stats.data() + 2 * (first_part[blk] + local * nrows) : nullptr;
+      if (longest == 0 && st != nullptr)
+        for (int64_t i = 0; i < nrows; ++i) st[2 * i] = -INFINITY, st[2 * i + 1] = 0.f;
+      if (longest > 0)
+        g_attend_rows(scores.data(), nrows, longest, lens.data(), scale, vblocks.data(), bs, d, outs.data(), st);
+    });
+  }
+
+  // the split blocks' chunks combined: out = sum_c e^(m_c - M) part_c / sum_c e^(m_c - M) l_c, M the largest m_c
+  void merge() {
+    const int64_t d = cache.d, kv_heads = cache.kv_heads, group = heads / kv_heads;
+    std::vector<float> acc(static_cast<size_t>(d));
+    for (int64_t blk = 0; blk + 1 < int64_t(blocks.size()); ++blk) {
+      const int64_t nch = chunks[blk];
+      if (nch == 1) continue;
+      const int64_t b0 = blocks[blk], nrows = (blocks[blk + 1] - b0) * group;
+      for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
+        for (int64_t i = 0; i < nrows; ++i) {
+          const int64_t base = first_part[blk] + kvh * nch * nrows + i;  // chunk c's row i: base + c * nrows
+          float top = -INFINITY;
+          for (int64_t c = 0; c < nch; ++c) top = std::max(top, stats[2 * (base + c * nrows)]);
+          float* o = out + ((b0 + i / group) * heads + kvh * group + i % group) * d;
+          std::fill(acc.begin(), acc.end(), 0.f);
+          float total = 0.f;
+          if (top > -INFINITY)
+            for (int64_t c = 0; c < nch; ++c) {
+              const int64_t r = base + c * nrows;
+              const float w = stats[2 * r] > -INFINITY ? std::exp(stats[2 * r] - top) : 0.f;
+              total += w * stats[2 * r + 1];
+              const float* pc = part.data() + r * d;
+              for (int64_t e = 0; e < d; ++e) acc[size_t(e)] += w * pc[e];
+            }
+          const float norm = total > 0.f ? 1.f / total : 0.f;
+          for (int64_t e = 0; e < d; ++e) o[e] = acc[size_t(e)] * norm;
+        }
     }
   }
 };
@@ -298,8 +389,12 @@ int decode_attention(int nparam, void** params, int* ndims, int64_t** shapes, co
   job.lengths = lengths, job.rows = rows, job.tables = tables;
   job.batch = queries, job.heads = shapes[0][1] / cache.d, job.max_blocks = max_blocks, job.cache = cache;
   job.out = static_cast<float*>(params[6]);
+  job.chunk = std::max<int64_t>(1, ATTENTION_CHUNK / cache.block_size) * cache.block_size;
   job.split(ATTENTION_BLOCK);
-  run(&job, queries * job.heads * longest * cache.d >= (int64_t(1) << 16));
+  const bool parallel = queries * job.heads * longest * cache.d >= (int64_t(1) << 16);
+  job.shares.split(job.tasks(), parallel ? threads_to_use() : 1);
+  run(&job, parallel);
+  job.merge();
   return 0;
 }
 

@@ -374,6 +374,33 @@ def test_attention_of_prompts_at_real_head_sizes(d, bs):
     check_attention(out, q, k, v, valid, rows)
 
 
+@pytest.mark.parametrize("bs", [64, 16, 512])
+def test_decode_attention_over_long_contexts_in_chunks(bs):
+    """A decode step's long contexts, split into chunks of positions whose softmax sums are merged (attention.cc
+    AttentionJob::split): SmolLM2's GQA 9:3 at head size 64; contexts one position either side of a chunk's edge, a
+    long one whose largest score is in its last chunk and one whose largest is in its first, a context of one
+    position, and an idle row (length 0: zeros); positions past each length are NaN (never read)."""
+    rng = np.random.default_rng(bs)
+    h, kh, d, s = 9, 3, 64, 1100
+    lengths = np.array([1100, 513, 512, 1, 0, 700], np.int32)
+    b = len(lengths)
+    k, v = (rng.standard_normal((b, kh, s, d), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((b, h * d), dtype=np.float32)
+    k[0, :, 1090] = 6.0 * q[0].reshape(h, d)[::h // kh]  # row 0: the spike in its last chunk
+    k[5, :, 3] = 6.0 * q[5].reshape(h, d)[::h // kh]  # row 5: in its first
+    for r, n in enumerate(lengths):
+        k[r, :, n:] = v[r, :, n:] = np.nan
+    kp, tables = paged(k, bs, rng)
+    vp = repage(v, tables, bs, kp.shape[0])
+    rows = np.arange(b, dtype=np.int32)
+    out = np.full_like(q, np.nan)
+    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, kp, vp, lengths, rows, tables, out,
+                       dtypes=ATTENTION_TYPES) == 0
+    live = lengths > 0
+    check_attention(out[live], q[live], k[live], v[live], lengths[live], np.arange(int(live.sum())))
+    assert np.array_equal(out[4], np.zeros_like(out[4]))
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemm_over_the_prompt_rows_only(bias):
     """The full graph's matmul: rows of n tokens, right-padded; each row's first valid_length tokens are computed
