@@ -1818,7 +1818,8 @@ void prepare_each(const float* x, int64_t rows, QuantWeight* ws, int n, Prepared
   for (int i = 0; i < n; ++i) {
     int same = 0;  // the first weight before this one with its layout (px[j] prepared only for such firsts)
     while (same < i && !(px[same].x != nullptr && px[same].k == ws[i].k && px[same].group == ws[i].group &&
-                         px[same].int4 == ws[i].int4 && px[same].int8w == takes_int8w(ws[i])))
+                         px[same].int4 == ws[i].int4 && px[same].int8w == takes_int8w(ws[i]) &&
+                         (px[same].sums || ws[i].offset == nullptr)))
       ++same;
     if (same == i) prepare(x, rows, ws[i], &px[i]);
     ws[i].x = &px[same];
@@ -1831,6 +1832,7 @@ void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out)
   out->exact = quant_activations() == ACTIVATIONS_EXACT;
   out->int8 = out->int16 && quant_activations() == ACTIVATIONS_INT8 && int8_fits(w);
   out->int8w = takes_int8w(w);
+  out->sums = w.offset != nullptr;
   if (!out->int16) return;
   const int64_t k = w.k, blocks = k / QBLOCK, groups = k / w.group, half = k / 2;
   const bool exact = out->exact;
@@ -1864,7 +1866,14 @@ void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out)
     }
     for (int64_t g = 0; g < groups; ++g) {
       double sum = 0.0, rounded = 0.0;
-      for (int64_t i = g * w.group; i < (g + 1) * w.group; ++i) sum += xr[i];
+      if (out->sums) {  // x's own sum over the group: only the offsets' term reads it (a serial chain of k adds)
+        double part[4] = {0.0, 0.0, 0.0, 0.0};
+        int64_t i = g * w.group;
+        for (; i + 4 <= (g + 1) * w.group; i += 4)
+          for (int j = 0; j < 4; ++j) part[j] += xr[i + j];
+        for (; i < (g + 1) * w.group; ++i) part[0] += xr[i];
+        sum = (part[0] + part[1]) + (part[2] + part[3]);
+      }
       for (int64_t blk = g * w.group / QBLOCK; blk < (g + 1) * w.group / QBLOCK; ++blk) {
         int64_t t = 0, tl = 0;
         for (int64_t i = blk * QBLOCK; i < (blk + 1) * QBLOCK; ++i) {

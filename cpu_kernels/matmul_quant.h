@@ -37,9 +37,10 @@ struct PreparedX {
                                       // 8-15 block 2s + 1's (xq holds the integers too)
   bool exact = false;                 // x split into two int16 parts (ACTIVATIONS_EXACT): each row's k low parts follow
                                       // its k high ones
+  bool sums = false;                  // x's sums per group were made (weights with offsets read them; else 0)
   std::vector<int16_t> xq;            // [rows, k]: int8 weights in input order; int4, the even inputs, then the odd
-  std::vector<float> scales;          // [rows, k / 32 + 2 k / group]: each block's scale, the sums of x per group, and
-                                      // of x as rounded per group
+  std::vector<float> scales;          // [rows, k / 32 + 2 k / group]: each block's scale, the sums of x per group
+                                      // (`sums`), and of x as rounded per group
   std::vector<int8_t> xb;             // int8: [rows, k / 64, 128] per 64 inputs (two blocks): their 32 even inputs
                                       // twice, then their 32 odd ones twice (a weight row's 32 bytes' low, high
                                       // nibbles; twice: two weight rows share a zmm)
