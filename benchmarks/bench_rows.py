@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -89,11 +90,25 @@ def ours(folder: str, counts: List[int], prompt: int, new: int, mode: str) -> Di
                                       f"{cpu_kernels.bf16_form()}, activations {cpu_kernels.quant_activations()}"}
 
 
+class Crashed(RuntimeError):
+    """llama.cpp's tool died by SIGSEGV."""
+
+
+def has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return " amx_int8" in fh.read()
+    except OSError:
+        return False
+
+
 def llama(binary: str, gguf: str, counts: List[int], prompt: int, new: int, threads: int) -> Dict[str, object]:
     ctx = max(counts) * (prompt + new) + 64
     cmd = [binary, "-m", gguf, "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt), "-ntg", str(new),
            "-npl", ",".join(map(str, counts)), "-t", str(threads), "--output-format", "jsonl"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode == -signal.SIGSEGV:
+        raise Crashed(f"{binary} crashed (SIGSEGV)")
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr[-2000:]}")
     out = {}
@@ -147,6 +162,9 @@ def main(argv=None) -> int:
     p.add_argument("--activations", default="", help="the quantized matmuls' x, one run of ours each: e.g. int8,int16 "
                    "(MSLITE_LLM_QUANT_ACTIVATIONS; default: the kernels' default, once)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--llama_isa", default="", help="llama.cpp's build (benchmarks/llama_cpp.py ISA_FLAGS): default "
+                   "native (avx2 with --isa avx2); native-noamx where its AMX path crashes, which a native run that "
+                   "dies by SIGSEGV on an AMX machine falls back to by itself")
     p.add_argument("--llama_dir", default="/tmp/ppl/llama_cpp_python-0.3.36/vendor/llama.cpp",
                    help="llama.cpp's source (benchmarks/llama_cpp.py source_dir finds or unpacks it)")
     p.add_argument("--out")
@@ -160,9 +178,24 @@ def main(argv=None) -> int:
     folders = dict(x.split("=", 1) for x in args.folder)
     ggufs = dict(x.split("=", 1) for x in args.gguf)
     # llama.cpp built for the same ISA where ours is held to AVX2 (its build-bench-avx2), else for this machine
-    binary = llama_cpp.build_tool(llama_cpp.source_dir(args.llama_dir) if not os.path.isdir(args.llama_dir)
-                                  else args.llama_dir, "llama-batched-bench", isa="avx2" if args.isa == "avx2" else
-                                  "native")
+    src = llama_cpp.source_dir(args.llama_dir) if not os.path.isdir(args.llama_dir) else args.llama_dir
+    llama_isa = args.llama_isa or ("avx2" if args.isa == "avx2" else "native")
+    binary = llama_cpp.build_tool(src, "llama-batched-bench", isa=llama_isa)
+    llama_note = ""
+
+    def llama_run(gguf: str) -> Dict[str, object]:
+        nonlocal binary, llama_isa, llama_note
+        try:
+            return llama(binary, gguf, counts, args.prompt, args.new, args.threads)
+        except Crashed as exc:
+            if llama_isa != "native" or not has_amx():
+                raise SystemExit(str(exc)) from None
+            # its AMX path dies on some machines (performance-log 48): the same source without AMX, said so
+            llama_note = "the native build crashed here (SIGSEGV, AMX path); figures from the build without AMX"
+            print(f"llama.cpp: {llama_note}", flush=True)
+            llama_isa = "native-noamx"
+            binary = llama_cpp.build_tool(src, "llama-batched-bench", isa=llama_isa)
+            return llama(binary, gguf, counts, args.prompt, args.new, args.threads)
     counts = [int(c) for c in args.counts.split(",")]
     # our runs per folder: (mode, the activations' name in the label, MSLITE_LLM_QUANT_ACTIVATIONS)
     ours_runs = [(mode, f" x{act}" if act else "", act) for mode in args.modes.split(",")
@@ -176,7 +209,7 @@ def main(argv=None) -> int:
                 print(f"round {r + 1}: ours {label} {mode}{suffix}: " + ", ".join(
                     f"{n}: {res['counts'][str(n)]['tok_s']:.1f}" for n in counts), flush=True)
             if label in ggufs:
-                res = llama(binary, ggufs[label], counts, args.prompt, args.new, args.threads)
+                res = llama_run(ggufs[label])
                 runs.setdefault(f"llama.cpp {label}", []).append(res)
                 print(f"round {r + 1}: llama.cpp {label}: " + ", ".join(
                     f"{n}: {res['counts'][str(n)]['tok_s']:.1f}" for n in counts), flush=True)
@@ -204,7 +237,8 @@ def main(argv=None) -> int:
             json.dump({"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
                        "cpus": os.cpu_count(), "kernel_path": _kernel_path(args.isa), "isa_forced": args.isa,
                        "prompt": args.prompt, "new": args.new, "rounds": args.rounds, "folders": folders,
-                       "ggufs": ggufs, "llama_cpp": binary, "runs": runs, "medians": medians, "ratios": ratios},
+                       "ggufs": ggufs, "llama_cpp": binary,
+                       "llama_cpp_isa": llama_isa, "llama_cpp_note": llama_note, "runs": runs, "medians": medians, "ratios": ratios},
                       fh, indent=1)
     return 0
 

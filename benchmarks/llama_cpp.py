@@ -150,6 +150,11 @@ def _build_with_progress(cmd: List[str], timeout: float, what: str = "llama-benc
 # AVX2 + FMA + F16C build (no AVX-512), to measure beside this project's AVX2 path on an AVX-512 machine
 ISA_FLAGS = {
     "native": ["-DGGML_NATIVE=ON"],
+    # this machine's ISA less AMX: the native build's AMX path crashed on the Intel Xeon VM of performance-log 48
+    # (SIGSEGV in ggml_backend_amx_mul_mat whenever a batch holds more than one token); GGML_AMX_* do not apply
+    # under GGML_NATIVE (-march=native turns AMX on), so the compiler's flags turn it off
+    "native-noamx": ["-DGGML_NATIVE=ON", "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+                     "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"],
     "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
              "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF",
              "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
