@@ -80,6 +80,32 @@ def _mindspore():
     return mindspore, nn
 
 
+def _launcher(cell):
+    """A compiled GraphCell's run without the Python GraphCell.__call__ spends on every call before it (the arguments'
+    key, the compile cache's lookup, the cell's attributes and jit config: ~0.1-0.2 ms, of a SmolLM2 decode step's
+    ~8; docs/performance-log.md 48): the graph executor called with the phase the compile recorded, as MindSpore's own
+    run does after those checks. The same graph, arguments and outputs. None where this MindSpore lacks the pieces
+    (its internals, 2.7-2.10), or with MSLITE_LLM_CELL_CALL=1: the cell is then called as before."""
+    if os.environ.get("MSLITE_LLM_CELL_CALL") == "1":
+        return None
+    try:
+        try:
+            from mindspore.graph.api import _cell_graph_executor, _convert_python_data
+        except ImportError:
+            from mindspore.common.api import _cell_graph_executor, _convert_python_data
+        executor = _cell_graph_executor._graph_executor
+        phase = cell.compile_phase
+        if not executor.has_compiled(phase):
+            return None
+    except (ImportError, AttributeError):
+        return None
+
+    def launch(args):
+        return _convert_python_data(executor(tuple(args), phase)).asnumpy()
+
+    return launch
+
+
 def _read_mindir(path: str):
     from mindspore.train import mind_ir_pb2
 
@@ -612,6 +638,7 @@ class MsBackend:
         self.specs = {}
         self.cells = {}
         self._compiled = set()
+        self._launchers = {}  # key -> the compiled graph's run (_launcher), after its first call
         self._owned = {}  # parameter name -> the Parameter every graph shares (weights and KV cache)
         self._owner = ""  # the graph whose parameters the others share
         self._bands = set()  # int4 and int8 weights repacked into bands of 16 rows at load (_repacked_weights)
@@ -704,7 +731,11 @@ class MsBackend:
         with MINDSPORE_LOCK:
             cell = self._cell(key)
             args = [self._tensor(a) for a in bind_inputs(key, [s.name for s in self.specs[key][0]], inputs)]
+            launch = self._launchers.get(key)
+            if launch is not None:
+                return launch(args)
             with contextlib.nullcontext() if key in self._compiled else _collector_paused():  # the first call compiles
                 out = cell(*args).asnumpy()
+            self._launchers[key] = _launcher(cell)
         self._compiled.add(key)
         return out
