@@ -82,8 +82,8 @@ def _mindspore():
 
 def _launcher(cell):
     """A compiled GraphCell's run without the Python GraphCell.__call__ spends on every call before it (the arguments'
-    key, the compile cache's lookup, the cell's attributes and jit config: ~0.1-0.2 ms, of a SmolLM2 decode step's
-    ~8; docs/performance-log.md 48): the graph executor called with the phase the compile recorded, as MindSpore's own
+    key, the compile cache's lookup, the cell's attributes and jit config: 0.3-0.5 ms of a SmolLM2 decode step's ~8;
+    docs/performance-log.md 48): the graph executor called with the phase the compile recorded, as MindSpore's own
     run does after those checks. The same graph, arguments and outputs. None where this MindSpore lacks the pieces
     (its internals, 2.7-2.10), or with MSLITE_LLM_CELL_CALL=1: the cell is then called as before."""
     if os.environ.get("MSLITE_LLM_CELL_CALL") == "1":
@@ -736,6 +736,7 @@ class MsBackend:
                 return launch(args)
             with contextlib.nullcontext() if key in self._compiled else _collector_paused():  # the first call compiles
                 out = cell(*args).asnumpy()
-            self._launchers[key] = _launcher(cell)
+            if key not in self._launchers:  # asked once: None (the cell's call) stays None
+                self._launchers[key] = _launcher(cell)
         self._compiled.add(key)
         return out
