@@ -226,6 +226,16 @@ def int8_r16_runs(k: int, group: int) -> bool:
     return lib is not None and bool(lib.MsliteLlmInt8R16Runs(ctypes.c_int64(int(k)), ctypes.c_int64(int(group))))
 
 
+def bands_here(bits: int) -> bool:
+    """Whether the runtime repacks int{bits} weights into bands on this machine at all: the form exists here (K 64 in
+    groups of 64 fits both forms' rules, so false only where the CPU or the default mode has none) and
+    MSLITE_LLM_INT{bits}_BANDS is not 0 (the row-major forms kept: an A/B, or a suspicion). Which weights are banded is
+    lite_runtime/backends/ms.py _repacked_weights'; `--speculative auto` reads this too (lite_runtime/serve/cli.py)."""
+    if os.environ.get(f"MSLITE_LLM_INT{bits}_BANDS") == "0":
+        return False
+    return int4_r16_runs(64, 64) if bits == 4 else int8_r16_runs(64, 64)
+
+
 def repack_int8_r16(q) -> None:
     """int8 weights q (numpy int8 [N, K], or a mixture of experts' stack [E, N, K]: each expert's matrix alone;
     C-contiguous and writable) biased and repacked in place into bands of 16 rows (matmul_quant.h repack_int8_r16),

@@ -394,9 +394,9 @@ def _repacked_weights(models, int8: bool) -> set:
     """
     import cpu_kernels
 
-    int4 = os.environ.get("MSLITE_LLM_INT4_BANDS") != "0" and cpu_kernels.int4_r16_runs(64, 64)
-    int8 = int8 and os.environ.get("MSLITE_LLM_INT8_BANDS") != "0" and cpu_kernels.int8_r16_runs(64, 64)
-    if not int4 and not int8:  # (K 64 in groups of 64 fits both forms: false only where the CPU or mode has none)
+    int4 = cpu_kernels.bands_here(4)
+    int8 = int8 and cpu_kernels.bands_here(8)
+    if not int4 and not int8:
         return set()
 
     short = lambda name: name.rsplit(":", 1)[-1]

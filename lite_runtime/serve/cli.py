@@ -120,21 +120,19 @@ def lookup_pays(config) -> bool:
     banded (cpu_kernels.int8_r16_runs: AVX-512 VNNI; fixing typos 1.52x on the server's path, free generation 0.95x;
     1.26x before the bands). Not on float16, int4, or int8 folders elsewhere (not measured since; 0.97x, 1.01x and
     1.28x before), nor on Atlas (not measured); `--speculative prompt_lookup` turns it on anywhere."""
-    import os
-
     folder = config.folder
     quantization = folder.quantization if folder is not None else None
     if config.target != "CPU" or config.dtype not in ("float32", "bfloat16"):
         return False
     if quantization is None:
         return True
-    if quantization.get("bits") != 8 or os.environ.get("MSLITE_LLM_INT8_BANDS") == "0":
+    if quantization.get("bits") != 8:
         return False
     try:
         import cpu_kernels
     except ImportError:
         return False
-    return cpu_kernels.int8_r16_runs(64, 64)
+    return cpu_kernels.bands_here(8)
 
 
 def draining_server(uvicorn, config, service, drain_timeout: float):
