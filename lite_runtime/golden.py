@@ -91,10 +91,9 @@ INT16_ACTIVATIONS = Tolerance("float32 with int16 activations", 1e-3)
 # An int8 CPU folder likewise (since 2026-11-29): on AVX-512 VNNI the runtime repacks its int8 matrices into bands of
 # 16 rows whose form takes x in int8 (cpu_kernels/matmul_quant.cc qbands_r16_vnni), so its golden steps run the "int8"
 # lane too (x rounded to int8 at every quantized matmul whose inputs are whole 64s and group 32 or whole 64s: the
-# bands' rule; a
-# matmul the kernels keep in int16, as a tied embedding the Gather reads or any on another CPU, rounds x more finely
-# than that) and its limits are `exact` and `int8`. One exported before (limits `exact` and `int16`) is checked as an
-# int4 one exported before is.
+# bands' rule; a matmul the kernels keep in int16, as a tied embedding the Gather reads or any on another CPU, rounds
+# x more finely than that) and its limits are `exact` and `int8`. One exported before (limits `exact` and `int16`) is
+# checked as an int4 one exported before is.
 LIMIT_FACTOR = 10.0
 LIMIT_FLOOR = 2.0 ** -20
 ACTIVATION_LABELS = {"exact": "float32 arithmetic (x exact)", "int16": "int16 activations",

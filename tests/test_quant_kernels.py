@@ -540,11 +540,11 @@ def test_int8_in_bands_of_16_rows_is_the_int8_weights_answer():
     row of x in several streams), 1 to 40 rows of x (the decode form, the GEMM past 16), groups of 32 (llama.cpp's Q8_0:
     each block its own weight scale) to per channel, with and without offsets. Where the banded form runs
     (int8_r16_runs: the AVX-512 VNNI form, x in int8, K a multiple of 64, the group too or 32): x rounded to int8 per
-    block of 32 (rounded_to_int8_blocks) times q * scale, plus the offsets
-    times x's exact sums, to float32's rounding of the sums (2e-6 of their magnitude): the form's only rounding is x's,
-    by its documented rule, as llama.cpp's Q8_0 rounds it. Otherwise (the int16 and exact modes, another form, past 16
-    rows) the R16 ops compute the float32 product (1e-5 of the magnitude from float64's). K of 48 (not whole blocks):
-    not repacked, and an R16 op refuses it (error 4)."""
+    block of 32 (rounded_to_int8_blocks) times q * scale, plus the offsets times x's exact sums, to float32's rounding
+    of the sums (2e-6 of their magnitude): the form's only rounding is x's, by its documented rule, as llama.cpp's Q8_0
+    rounds it. Otherwise (the int16 and exact modes, another form, past 16 rows) the R16 ops compute the float32 product
+    (1e-5 of the magnitude from float64's). K of 48 (not whole blocks): not repacked, and an R16 op refuses it
+    (error 4)."""
     rng = np.random.default_rng(18)
     try:
         for mode in ("int8", "int16", "exact"):
@@ -635,10 +635,9 @@ def test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer():
     rule: `banded`), N with and without a partial band (1, 7, 16, 33, 40, 300: tasks over both threads), 1 to 40 rows
     of x (the decode form, and the GEMM past 16), groups of 32 to per channel, with and without offsets. In the
     default mode where the banded form runs (int4_r16_runs, whatever the mode in force: AVX-512 VNNI and AVX2) each
-    output is the row-major op's to
-    float32's reordering of the same sums (1e-6 of their magnitude); in the int16 and exact modes, and past 16 rows,
-    the R16 ops compute the float32 product (1e-5 of the magnitude from float64's). K of 48 (not whole blocks): not
-    repacked, and an R16 op refuses it (error 4)."""
+    output is the row-major op's to float32's reordering of the same sums (1e-6 of their magnitude); in the int16 and
+    exact modes, and past 16 rows, the R16 ops compute the float32 product (1e-5 of the magnitude from float64's). K of
+    48 (not whole blocks): not repacked, and an R16 op refuses it (error 4)."""
     rng = np.random.default_rng(16)
     try:
         for mode in ("int8", "int16", "exact"):

@@ -229,13 +229,12 @@ class ArithmeticLanes:
     lane its own cache from the prompt on, fed the row's tokens), in the same matmul calls (export/writers/reference.py
     BlockedMatmul `lanes`, the widened weights shared): the fast form's, x rounded as the CPU kernels round it ("int16"
     at every quantized matmul, "int8" at a quantized folder's (int8 where the kernels may take it so, else int16), or
-    "bf16"
-    at every matmul of bfloat16 matrices); "reorder", every product in another
-    float32 order (export/writers/reference.py BlockedMatmul: row by row, each in two halves). How far
-    each lane's top-k logits land from the row's, over every step, is what this folder's arithmetic does to its
-    logits (`measured`): the check's limits follow from it (lite_runtime/golden.py derived_limits). Only the steps:
-    the prompt's prefill is shared (measured, the step's own products carry the lanes' distance: 1.4e-6 / 6.5e-5
-    for steps only against 1.4e-6 / 8.0e-5 with the prompt too, at hidden 1024)."""
+    "bf16" at every matmul of bfloat16 matrices); "reorder", every product in another float32 order
+    (export/writers/reference.py BlockedMatmul: row by row, each in two halves). How far each lane's top-k logits land
+    from the row's, over every step, is what this folder's arithmetic does to its logits (`measured`): the check's
+    limits follow from it (lite_runtime/golden.py derived_limits). Only the steps: the prompt's prefill is shared
+    (measured, the step's own products carry the lanes' distance: 1.4e-6 / 6.5e-5 for steps only against 1.4e-6 / 8.0e-5
+    with the prompt too, at hidden 1024)."""
 
     def __init__(self, net, kinds: Tuple[str, ...] = ("int16", "reorder")) -> None:
         self.net = net
