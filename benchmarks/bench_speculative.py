@@ -161,6 +161,8 @@ def worker_ours(job: Dict[str, Any]) -> Dict[str, Any]:
     return {"load_s": load_s, "ids": ids, "runs": runs, "score_sizes": pipe.runner.score_sizes,
             "draft_score_sizes": draft.runner.score_sizes, "seq_length": pipe.seq_length,
             "eos_token_id": list(pipe.defaults.eos_token_id or ()), "kernels_isa": cpu_kernels.isa(),
+            "kernels": f"{cpu_kernels.isa()}, quantized decode {cpu_kernels.quant_form()}, int8 rows by "
+                       f"{cpu_kernels.tiles()}, bfloat16 rows {cpu_kernels.bf16_form()}",
             "cpu_threads": pipe.config.cpu_threads}
 
 
@@ -438,7 +440,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "folder": folder, "draft_folder": draft_folder, "settings": {k: v for k, v in vars(args).items() if k != "worker"},
         "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
         "draft_k_max": ours["draft_score_sizes"][0] - 1 if ours["draft_score_sizes"] else None,
-        "target_score_sizes": ours["score_sizes"], "kernels_isa": ours["kernels_isa"], "ours_load_s": ours["load_s"],
+        "target_score_sizes": ours["score_sizes"], "kernels_isa": ours["kernels_isa"],
+        "kernels": ours.get("kernels"), "ours_load_s": ours["load_s"],
         "prompts": [{**q, "prompt_tokens": len(ours["ids"][q["name"]]),
                      "plain_text": tokenizer.decode(next(x["tokens"] for x in ours["runs"]
                                                          if x["prompt"] == q["name"] and x["mode"] == "plain"),

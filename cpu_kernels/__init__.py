@@ -202,6 +202,25 @@ def quant_form() -> Optional[str]:
     return lib.MsliteLlmQuantForm().decode()
 
 
+def tiles() -> Optional[str]:
+    """Whether AMX tiles multiply on this machine: "amx" (a CPU with AMX whose kernel grants the process the tile
+    state: banded int8 weights from 2 rows of x, tdpbsud, the same results as the vector form bit for bit; bfloat16
+    weights from BF16_MIN_ROWS rows, tdpbf16ps, x rounded to bfloat16 as the AVX512-BF16 form rounds it; the prompt's
+    rows too) or "none"; None when the library was not built. MSLITE_LLM_CPU_KERNELS_AMX=0 (read at load) holds it to
+    "none"; set_tiles switches it."""
+    lib = _library()
+    return None if lib is None else ("amx" if lib.MsliteLlmSetTiles(ctypes.c_int(-1)) else "none")
+
+
+def set_tiles(on: bool) -> Optional[str]:
+    """AMX tiles on (where this machine has them) or off, process-wide, for tests and benchmarks: returns tiles()
+    after the switch."""
+    lib = _library()
+    if lib is None:
+        return None
+    return "amx" if lib.MsliteLlmSetTiles(ctypes.c_int(1 if on else 0)) else "none"
+
+
 def int4_r16_runs(k: int, group: int) -> bool:
     """Whether int4 weights of k inputs in groups of `group` take the banded form (int4 in bands of 16 rows, the AVX-512
     VNNI and the AVX2 forms with x in int8) on this machine in the default activations mode (what serves, whatever mode

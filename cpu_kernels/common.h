@@ -30,6 +30,10 @@
 #include <cstring>
 #include <thread>
 #include <vector>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define MSLLM_X86 1
@@ -90,6 +94,53 @@ inline bool isa_extensions() {
   }();
   return allowed;
 }
+
+// ---- AMX tiles ---------------------------------------------------------------------------------
+// Whether this process may use AMX tiles (Intel's AMX-TILE: 8 tile registers of up to 16 rows of 64 bytes, and the
+// tile unit's dot products): the AVX-512 path with its extensions, a CPU with AMX-TILE, Linux granting the process the
+// tile state (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, asked once here; without it the first tile
+// instruction faults), and not MSLITE_LLM_CPU_KERNELS_AMX=0 (read at load). Each family also checks the dot product
+// it uses (AMX-INT8 for banded int8 weights, matmul_quant.cc; AMX-BF16 for bfloat16 ones, matmul16.cc); tiles_on() is
+// the one switch of both (set_tiles: tests and benchmarks compare the vector forms in one process).
+inline bool amx_granted() {
+  static const bool granted = [] {
+#if defined(MSLLM_X86) && defined(__linux__)
+    if (isa() != ISA_AVX512 || !isa_extensions()) return false;
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("amx-tile")) return false;
+    const char* env = std::getenv("MSLITE_LLM_CPU_KERNELS_AMX");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;  // Linux's asm/prctl.h, fpu/xstate.h
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return false;
+#endif
+  }();
+  return granted;
+}
+
+inline std::atomic<bool>& tiles_switch() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+inline bool tiles_on() { return amx_granted() && tiles_switch().load(std::memory_order_relaxed); }
+
+#ifdef MSLLM_X86
+// A tile configuration (palette 1): per tile its bytes a row and its rows. Loaded per call on the calling thread
+// (tile_configure: the configuration is the thread's, and another library on it may have loaded its own), released
+// after (tile_release: the tile state back to its initial one). By hand: GCC 12's _tile_loadconfig names only the
+// first 8 bytes of the configuration as read, so the stores of the rest may be dropped (the tiles then unconfigured:
+// SIGILL at the first tile instruction).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void tile_configure(const TileConfig& c) { __asm__ volatile("ldtilecfg %0" : : "m"(c) : "memory"); }
+inline void tile_release() { __asm__ volatile("tilerelease" : : : "memory"); }
+#endif
 
 inline const char* isa_name(Isa i) {
   switch (i) {

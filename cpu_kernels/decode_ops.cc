@@ -130,7 +130,8 @@ void project_qkv_rope(const float* x, int64_t rows, int64_t in, const WeightArg*
       for (int m = 0; m < 3; ++m) ops[m] = {ws[m].data(), xb.data()}, w[m] = &ops[m];
     }
     for (int m = 0; m < 3; ++m)
-      job.add(x, rows, w[m], bs[m], ys[m], ws[m].out, wt == W_QUANT ? quant_task_rows(prepared[m]) : 0);
+      job.add(x, rows, w[m], bs[m], ys[m], ws[m].out,
+              wt == W_QUANT ? quant_task_rows(prepared[m]) : bf16_task_rows(job.fn, ws[m].out));
     job.run_all();
   } else {
     for (int m = 0; m < 3; ++m) matmul(x, rows, ws[m].data(), wt, bs[m], in, ws[m].out, ys[m]);

@@ -678,13 +678,117 @@ bool cpu_has_bf16() {
 }
 
 const bool g_bf16_form = cpu_has_bf16();
+const bool g_bf16_tiles = g_bf16_form && amx_granted() && __builtin_cpu_supports("amx-bf16");
+
+// ---- bfloat16 weights by AMX tiles (tdpbf16ps) ------------------------------------------------------------------
+// Where AMX is granted (common.h amx_granted) and the CPU has AMX-BF16 beside AVX512_BF16, bfloat16 weights take the
+// tiles for every call of BF16_MIN_ROWS rows of x or more, the prompt's rows too (no upper bound: the GEMM on widened
+// weights past BF16_MAX_ROWS was bound by float32 FMAs): x rounded to bfloat16 as the vector form rounds it, products
+// summed in float32 (in the tile unit's order: another order of float32 sums than the vector form's). A is 16 weight
+// rows by 32 inputs as they are stored (row-major: no repacking), B 16 rows of x by 32 inputs as bfloat16 pairs (x's
+// tile layout, x_to_bf16_pairs), C [16 weight rows, 16 rows of x] float32 summed over all the inputs: one store and a
+// transposition per 16 x 16 outputs. 3 blocks of 16 weight rows share each B (tiles 0-2 A, 3 B, 4-6 C).
+// (docs/architecture.md "int8 (and bfloat16) by AMX tiles", docs/performance-log.md 49.)
+#define MSLLM_AMX_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c,amx-tile,amx-bf16")))
+
+// x [rows, in] rounded to bfloat16 into tiles of 16 rows (the last padded with zeros): per tile t and pair of inputs
+// i, the 16 rows' (x[m][2i], x[m][2i + 1]) in row order, as one uint32 each: B of inputs 32j..32j+31 is 16 such pair
+// rows of 64 bytes, contiguous. `in` even.
+MSLLM_AVX512_BF16 void x_to_bf16_pairs(const float* x, int64_t rows, int64_t in, uint16_t* out) {
+  const int64_t tiles = (rows + 15) / 16, half = in / 2;
+  std::vector<uint16_t> row(static_cast<size_t>(in));
+  uint32_t* pairs = reinterpret_cast<uint32_t*>(out);
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t m = 0; m < 16; ++m) {
+      uint32_t* dst = pairs + t * half * 16 + m;
+      if (t * 16 + m >= rows) {
+        for (int64_t i = 0; i < half; ++i) dst[i * 16] = 0;
+        continue;
+      }
+      x_to_bf16(x + (t * 16 + m) * in, in, row.data());
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(row.data());
+      for (int64_t i = 0; i < half; ++i) dst[i * 16] = src[i];
+    }
+}
+
+// C tile `c` (16 weight rows from o, 16 rows of x from 16t) into y, transposed, with the biases
+MSLLM_AVX512 inline void tile_out(const float* c, int64_t o, int64_t t, int64_t rows, const float* b, float* y,
+                                  int64_t ldy) {
+  const int64_t valid = std::min<int64_t>(16, rows - 16 * t);
+  for (int64_t m = 0; m < valid; ++m) {
+    float* ym = y + (16 * t + m) * ldy + o;
+    for (int n = 0; n < 16; ++n) ym[n] = c[n * 16 + m] + (b ? b[o + n] : 0.f);
+  }
+}
+
+template <int BLOCKS>
+MSLLM_AMX_BF16 void blocks_amx_bf16(const bf16* w, const uint16_t* xp, int64_t rows, int64_t in, const float* b,
+                                    float* y, int64_t ldy, int64_t o) {
+  const int64_t tiles = (rows + 15) / 16, stride = in * int64_t(sizeof(bf16));
+  alignas(64) float c[BLOCKS][256];
+  for (int64_t t = 0; t < tiles; ++t) {
+    _tile_zero(4);
+    if (BLOCKS > 1) _tile_zero(5);
+    if (BLOCKS > 2) _tile_zero(6);
+    const uint16_t* xt = xp + t * in * 16;
+    for (int64_t k = 0; k < in; k += 32) {
+      if (t == 0)  // the weights' first pass comes from memory: each row's line 4 steps ahead
+        for (int r = 0; r < 16 * BLOCKS; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (o + r) * in + k + 128), _MM_HINT_T0);
+      _tile_loadd(3, xt + k * 16, 64);
+      _tile_loadd(0, w + o * in + k, stride);
+      _tile_dpbf16ps(4, 0, 3);
+      if (BLOCKS > 1) {
+        _tile_loadd(1, w + (o + 16) * in + k, stride);
+        _tile_dpbf16ps(5, 1, 3);
+      }
+      if (BLOCKS > 2) {
+        _tile_loadd(2, w + (o + 32) * in + k, stride);
+        _tile_dpbf16ps(6, 2, 3);
+      }
+    }
+    _tile_stored(4, c[0], 64);
+    if (BLOCKS > 1) _tile_stored(5, c[BLOCKS > 1 ? 1 : 0], 64);
+    if (BLOCKS > 2) _tile_stored(6, c[BLOCKS > 2 ? 2 : 0], 64);
+    for (int i = 0; i < BLOCKS; ++i) tile_out(c[i], o + 16 * i, t, rows, b, y, ldy);
+  }
+}
+
+// The rows kernel of the tiles (bf16_prepare: `op` a Bf16Operand whose x is in x_to_bf16_pairs' layout): outputs
+// [o0, o1) in blocks of 48, then 16; the last few (o1 - o0 not a multiple of 16: a matrix's last outputs) one by one
+MSLLM_AMX_BF16 void rows_amx_bf16(const float*, int64_t rows, const void* op, const float* b, int64_t in, float* y,
+                                  int64_t ldy, int64_t o0, int64_t o1) {
+  const Bf16Operand& a = *static_cast<const Bf16Operand*>(op);
+  const bf16* w = static_cast<const bf16*>(a.w);
+  TileConfig cfg;
+  for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  tile_configure(cfg);
+  int64_t o = o0;
+  for (; o + 48 <= o1; o += 48) blocks_amx_bf16<3>(w, a.xb, rows, in, b, y, ldy, o);
+  for (; o + 16 <= o1; o += 16) blocks_amx_bf16<1>(w, a.xb, rows, in, b, y, ldy, o);
+  tile_release();
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(a.xb);
+  for (; o < o1; ++o)
+    for (int64_t m = 0; m < rows; ++m) {
+      const uint32_t* xm = pairs + (m / 16) * (in / 2) * 16 + m % 16;
+      float s = 0.f;
+      for (int64_t i = 0; i < in / 2; ++i) {
+        const uint32_t p = xm[i * 16];
+        s += to_f32(w[o * in + 2 * i]) * bits_to_float(p << 16) +
+             to_f32(w[o * in + 2 * i + 1]) * bits_to_float(p & 0xffff0000u);
+      }
+      y[m * ldy + o] = s + (b ? b[o] : 0.f);
+    }
+}
 
 // the AVX-512 rows kernel for bfloat16 weights, for a caller that hands it float32 x (matmul() and the q/k/v
-// dispatch prepare x once for all their tasks instead): this form where it runs, x rounded in each call
+// dispatch prepare x once for all their tasks instead): this form where it runs, x rounded in each call (not the
+// tiles: their x layout is made once per call of matmul(), their tasks whole blocks of 48 outputs)
 MSLLM_AVX512 void rows_avx512_bf16(const float* x, int64_t rows, const void* wv, const float* b, int64_t in,
                                    float* y, int64_t ldy, int64_t o0, int64_t o1) {
   thread_local std::vector<uint16_t> xb;
-  if (const RowsFn fn = bf16_prepare(x, rows, in, xb)) {
+  if (const RowsFn fn = bf16_prepare(x, rows, in, xb, false)) {
     const Bf16Operand a{wv, xb.data()};
     return fn(x, rows, &a, b, in, y, ldy, o0, o1);
   }
@@ -907,16 +1011,38 @@ RowsFn rows_kernel(WType wt) { return wt == W_QUANT ? quant_rows_kernel() : g_ke
 
 bool has_gemm(WType wt) { return wt == W_QUANT || g_kernels.gemm[wt] != nullptr; }
 
-RowsFn bf16_prepare(const float* x, int64_t rows, int64_t in, std::vector<uint16_t>& xb) {
+RowsFn bf16_prepare(const float* x, int64_t rows, int64_t in, std::vector<uint16_t>& xb, bool tiles) {
 #ifdef MSLLM_X86
+  if (tiles && rows >= BF16_MIN_ROWS && in % 32 == 0 && g_bf16_tiles && tiles_on() &&
+      quant_activations() != ACTIVATIONS_EXACT) {
+    xb.resize(size_t((rows + 15) / 16 * 16 * in));
+    x_to_bf16_pairs(x, rows, in, xb.data());
+    return rows_amx_bf16;
+  }
   if (rows >= BF16_MIN_ROWS && rows <= BF16_MAX_ROWS && g_bf16_form && quant_activations() != ACTIVATIONS_EXACT) {
     xb.resize(size_t(rows * in));
     x_to_bf16(x, rows * in, xb.data());
     return rows_dpbf16_prepared;
   }
 #endif
-  (void)x, (void)rows, (void)in, (void)xb;
+  (void)x, (void)rows, (void)in, (void)xb, (void)tiles;
   return nullptr;
+}
+
+bool bf16_tiles_here() {
+#ifdef MSLLM_X86
+  return g_bf16_tiles;
+#else
+  return false;
+#endif
+}
+
+int64_t bf16_task_rows(RowsFn fn, int64_t out) {
+#ifdef MSLLM_X86
+  if (fn == rows_amx_bf16) return (task_rows(out) + 47) / 48 * 48;  // whole blocks of 48 weight rows a task
+#endif
+  (void)fn, (void)out;
+  return 0;
 }
 
 const char* bf16_form() {
@@ -1003,7 +1129,7 @@ void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* 
   }
   if (wt == W_QUANT) {  // matmul_quant.cc's: its rows kernel reads x prepared, once per call (and per layout)
     const QuantWeight& wq = *static_cast<const QuantWeight*>(w);
-    if (rows > QUANT_ROWS_MAX && g_kernels.gemm_quant != nullptr)  // the prompt: the float GEMM on packed weights
+    if (!quant_rows_take(wq, rows) && g_kernels.gemm_quant != nullptr)  // the prompt: the float GEMM on packed weights
       return gemm_tasks(g_kernels.gemm_quant, x, rows, w, b, in, out, y);
     if (up == nullptr && residual == nullptr) return quant_matmul(x, rows, wq, b, y);
     QuantWeight ws[2] = {wq, up != nullptr ? *static_cast<const QuantWeight*>(up) : wq};
@@ -1013,11 +1139,12 @@ void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* 
                      quant_task_rows(ws[0]));
   }
   const GemmFn gemm = g_kernels.gemm[wt];
-  if (wt == W_BF16 && rows <= BF16_MAX_ROWS) {  // the AVX512-BF16 form where it runs: x rounded once for the call
+  if (wt == W_BF16) {  // the AVX512-BF16 form or the tiles where they run (bf16_prepare): x rounded once for the call
     thread_local std::vector<uint16_t> xb;
     if (const RowsFn fn = bf16_prepare(x, rows, in, xb)) {
       const Bf16Operand ops[2] = {{w, xb.data()}, {up, xb.data()}};
-      return gemv_rows(fn, x, rows, &ops[0], b, in, out, y, up != nullptr ? &ops[1] : nullptr, residual);
+      return gemv_rows(fn, x, rows, &ops[0], b, in, out, y, up != nullptr ? &ops[1] : nullptr, residual,
+                       bf16_task_rows(fn, out));
     }
   }
   if (rows <= GEMV_MAX_ROWS || gemm == nullptr) return gemv_rows(g_kernels.rows[wt], x, rows, w, b, in, out, y, up,

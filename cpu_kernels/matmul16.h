@@ -41,9 +41,16 @@ struct Bf16Operand {
 };
 
 // Where the AVX512-BF16 form runs for `rows` rows of x (bf16_form, BF16_MIN_ROWS to BF16_MAX_ROWS, activations not
-// held exact): x rounded to bfloat16 into `xb` once, and the rows kernel that takes Bf16Operands as its weights; else
-// nullptr. The one place that decides whether the form runs.
-RowsFn bf16_prepare(const float* x, int64_t rows, int64_t in, std::vector<uint16_t>& xb);
+// held exact), or AMX tiles (from BF16_MIN_ROWS, any number): x rounded to bfloat16 into `xb` once (the tiles: in
+// their layout), and the rows kernel that takes Bf16Operands as its weights; else nullptr. The one place that decides
+// whether the forms run.
+// `tiles` false: the vector form only (a caller whose tasks are not bf16_task_rows').
+RowsFn bf16_prepare(const float* x, int64_t rows, int64_t in, std::vector<uint16_t>& xb, bool tiles = true);
+
+// Whether bfloat16 weights may take AMX tiles on this machine (AMX-BF16 granted: matmul16.cc rows_amx_bf16; tiles_on()
+// the switch), and the outputs a task of bf16_prepare's rows kernel `fn` takes (0: the default, task_rows)
+bool bf16_tiles_here();
+int64_t bf16_task_rows(RowsFn fn, int64_t out);
 
 // Whether this machine's code path has a GEMM form for wt (else the rows form takes every M, as matmul() does).
 bool has_gemm(WType wt);

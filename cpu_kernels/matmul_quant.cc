@@ -15,6 +15,9 @@
 //   M <= QUANT_ROWS_MAX (16: the decode step, chunk rows, short prompts): "the decode form" below, x rounded per
 //     block of 32 (to int8 for int4 weights whose K is a multiple of 64 and group 32 or a multiple of 64, else to
 //     int16) and exact integer products, each weight read once per call.
+//   Banded int8 weights (x in int8) on a CPU with AMX: every call of 2 rows or more by AMX tiles (qbands_amx below,
+//     docs/architecture.md "int8 (and bfloat16) by AMX tiles"), the prompt's rows too, 16 a tile, x rounded as the
+//     steps round it.
 //   More rows (the prompt): on AVX2/AVX-512, matmul16.cc's float32 GEMM on weights dequantized as it packs them
 //     (dequantize_rows, 8 rows at a time); elsewhere, and for WeightQuantBatchMatmul's stand-in (which rounds each
 //     weight to its T), the buffered form: tasks are tiles of NT outputs by MB rows of x, per block of KC inputs the
@@ -30,6 +33,7 @@
 // ISA: the dequantization and the dot products have an AVX2+FMA form (target attributes; the AVX2 and AVX-512 paths
 // of common.h's isa() run it), the decode form also an AVX-512 VNNI one (vpdpwssd on int16 x, vpdpbusd on int4's
 // bytes against int8 x: the AVX-512 path on a CPU with AVX512_VNNI, BW and VL; quant_form() names the one that runs),
+// banded int8 weights also AMX tiles where the CPU and the kernel grant them (tdpbsud; common.h amx_granted),
 // a NEON one and a plain C++ one (which read int8 x as the int16 integers it is; elsewhere, or with
 // MSLITE_LLM_CPU_KERNELS_ISA=generic; =avx2 holds an AVX-512 machine to the AVX2 forms, =avx512 to the form of a CPU
 // without VNNI), read at load.
@@ -1373,10 +1377,168 @@ MSLLM_AVX512_VNNI void qband_rows_r16_vnni(const QuantWeight& w, int64_t rows, i
   }
 }
 
+bool cpu_has_vnni();
+
+// ---- banded int8 by AMX tiles (tdpbsud), rows of x from AMX_MIN_ROWS ------------------------------------------------
+// The same integers as qbands_r16_vnni's int8 form: per block of 32 inputs, every row's sum of x's int8 (PreparedX xb,
+// in input order) times the band's biased bytes (q + 128), exact in int32. A band's block is already a tile of B as
+// AMX lays one out (8 rows of 64 bytes: row j holds inputs 4j..4j+3 of the band's 16 weight rows, each 4 bytes), so
+// one tdpbsud (x signed, the bytes unsigned) computes a block for every row of x at once: C [rows, 16] int32, stored
+// and converted as the vector form converts its lanes. Where qbands_r16_vnni spends 8 vpdpbusd and 8 broadcasts per
+// row of x per block, so that 9 rows cost 2.1x one row (a verify of 8 tokens 2.1 decode steps), the tile unit does
+// the block's arithmetic; per row only the conversion and the FMA by the block's scale are left. The float sums in
+// the same order as qbands_r16_vnni's: the same results, bit for bit (tests/test_quant_kernels.py). The prompt's rows
+// (past QUANT_ROWS_MAX) take them too, 16 a tile (docs/architecture.md "int8 (and bfloat16) by AMX tiles",
+// performance-log.md 49).
+// Where AMX is granted (common.h amx_granted: the CPU, the kernel, MSLITE_LLM_CPU_KERNELS_AMX) and the CPU has
+// AMX-INT8; set_tiles switches it for tests and benchmarks.
+#define MSLLM_AMX \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
+
+// this machine's banded int8 weights may take the tiles: AMX granted (common.h), AMX-INT8, and the VNNI form they
+// replace
+const bool g_amx_here = amx_granted() && __builtin_cpu_supports("amx-int8") && cpu_has_vnni();
+constexpr int64_t AMX_MIN_ROWS = 2;  // one row reads the weights in streams (each_band_streams): bound by the bytes
+
+// whether banded int8 weights (in the x-in-int8 form) take the tiles for `rows` rows of x: from AMX_MIN_ROWS, any
+// number (past QUANT_ROWS_MAX, the prompt's rows: 16 a tile, x padded by prepare)
+bool amx_takes(const QuantWeight& w, int64_t rows) {
+  return rows >= AMX_MIN_ROWS && g_amx_here && tiles_on() && w.r16 && !w.int4 && w.x != nullptr && w.x->int8w;
+}
+
+// The tile configuration of `rows` rows of x: tiles 0, 1 C [rows, 16] int32; 2 A [rows, 32] int8 (a block of x);
+// 4, 5 B, a band's block (8 rows of 64 bytes)
+void amx_begin(int64_t rows) {
+  TileConfig c;
+  for (int t : {0, 1, 4, 5}) c.colsb[t] = 64, c.rows[t] = uint8_t(t < 2 ? rows : 8);
+  c.colsb[2] = 32, c.rows[2] = uint8_t(rows);
+  tile_configure(c);
+}
+
+// Rows R of x (all of them: R <= QUANT_ROWS_MAX) against `count` bands (1 to 4) at once (os, bo, yo as
+// qbands_r16_vnni's); the tiles configured for R rows (amx_begin). Per block, x's tile loaded once, then each band's
+// block in turn: products into a C tile, stored, and converted while the next band's block is in the tile unit (two
+// sets of tiles, so that a store's latency hides behind the next products). More bands, more streams of weights:
+// one band at a time left the tiles' loads waiting on memory (9 rows at 1.73x one row out of cache; the vector form's
+// one row reads in 4 streams for the same reason, each_band_streams).
+template <int R>
+MSLLM_AMX void qbands_amx(const QuantWeight& w, int64_t m0, int64_t valid, const int64_t* os, int count,
+                          const float* const* bo, float* const* yo, int64_t ldy) {
+  const PreparedX& x = *w.x;
+  const int64_t groups = w.k / w.group, per = w.group / QBLOCK;
+  const int8_t* xb = x.xb.data() + m0 * w.k;
+  const uint8_t* band[4];
+  for (int i = 0; i < count; ++i) band[i] = static_cast<const uint8_t*>(w.q) + os[i] * w.k;
+  const float* bs[R];
+  const float* sums[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) bs[r] = block_scales(x, m0 + r), sums[r] = group_sums(x, m0 + r);
+  const float bias = weight_bias(w);
+  alignas(64) int32_t c[2][R * 16];
+  __m512 total[4][R], acc[4][R];
+  for (int i = 0; i < count; ++i)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) total[i][r] = _mm512_setzero_ps();
+  // each band's stream prefetched 4 blocks ahead (2 KB): 9 rows out of cache 1.19x without (a band of 896 inputs)
+  constexpr int64_t ahead = 4 * 16 * QBLOCK;
+  const auto products = [&](int set, const uint8_t* wp) MSLLM_AMX {
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(wp + ahead + 64 * l), _MM_HINT_T0);
+    if (set == 0) {
+      _tile_zero(0);
+      _tile_loadd(4, wp, 64);
+      _tile_dpbsud(0, 2, 4);
+      _tile_stored(0, c[0], 64);
+    } else {
+      _tile_zero(1);
+      _tile_loadd(5, wp, 64);
+      _tile_dpbsud(1, 2, 5);
+      _tile_stored(1, c[1], 64);
+    }
+  };
+  const auto convert = [&](int set, int i, int64_t blk) MSLLM_AMX {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+      acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[set] + 16 * r)), _mm512_set1_ps(bs[r][blk]),
+                                  acc[i][r]);
+  };
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    for (int i = 0; i < count; ++i)
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+    int unit = 0, pending_i = -1;  // the unit (block, band) stored last, converted after the next one's products
+    int64_t pending_blk = 0;
+    for (int64_t blk = gi * per; blk < (gi + 1) * per; ++blk) {
+      _tile_loadd(2, xb + blk * QBLOCK, w.k);
+      for (int i = 0; i < count; ++i, ++unit) {
+        products(unit & 1, band[i] + blk * (16 * QBLOCK));
+        if (pending_i >= 0) convert((unit - 1) & 1, pending_i, pending_blk);
+        pending_i = i, pending_blk = blk;
+      }
+    }
+    convert((unit - 1) & 1, pending_i, pending_blk);
+    for (int i = 0; i < count; ++i) {
+      const int64_t o = os[i];
+      const __m512 s = _mm512_loadu_ps(w.scale + gi * w.n + o);
+      const __m512 off = w.offset != nullptr ? _mm512_loadu_ps(w.offset + gi * w.n + o) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        __m512 a = _mm512_sub_ps(acc[i][r], _mm512_set1_ps(bias * sums[r][groups + gi]));
+        if (w.offset != nullptr) a = _mm512_fmadd_ps(off, _mm512_set1_ps(sums[r][gi]), a);
+        total[i][r] = _mm512_fmadd_ps(a, s, total[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < count; ++i) {
+    const __m512 b = bo[i] != nullptr ? _mm512_loadu_ps(bo[i]) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+      if (r < valid) _mm512_storeu_ps(yo[i] + (m0 + r) * ldy, _mm512_add_ps(total[i][r], b));
+  }
+}
+
+MSLLM_AMX void qbands_tile_amx(const QuantWeight& w, int64_t tile_rows, int64_t m0, int64_t valid, const int64_t* os,
+                               int count, const float* const* bo, float* const* yo, int64_t ldy) {
+  switch (tile_rows) {
+#define MSLLM_AMX_ROWS(R) \
+  case R: return qbands_amx<R>(w, m0, valid, os, count, bo, yo, ldy);
+    MSLLM_AMX_ROWS(1) MSLLM_AMX_ROWS(2) MSLLM_AMX_ROWS(3) MSLLM_AMX_ROWS(4) MSLLM_AMX_ROWS(5) MSLLM_AMX_ROWS(6)
+    MSLLM_AMX_ROWS(7) MSLLM_AMX_ROWS(8) MSLLM_AMX_ROWS(9) MSLLM_AMX_ROWS(10) MSLLM_AMX_ROWS(11) MSLLM_AMX_ROWS(12)
+    MSLLM_AMX_ROWS(13) MSLLM_AMX_ROWS(14) MSLLM_AMX_ROWS(15) MSLLM_AMX_ROWS(16)
+#undef MSLLM_AMX_ROWS
+    default: break;
+  }
+}
+
+// Every row of x against `count` bands, the tiles configured for tile_rows (amx_begin): all the rows where they are
+// at most 16, else 16 at a time (x padded to whole tiles: prepare), the band's bytes read again from the cache
+MSLLM_AMX void qbands_rows_amx(const QuantWeight& w, int64_t rows, int64_t tile_rows, const int64_t* os, int count,
+                               const float* const* bo, float* const* yo, int64_t ldy) {
+  for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) qbands_tile_amx(w, tile_rows, m0, rows - m0, os, count, bo, yo, ldy);
+}
+
 // A banded weight's outputs [o0, o1) against x in int8 (run_bands), the rows past the bands row-major
 template <bool INT4>
 MSLLM_AVX512_VNNI void bands_vnni(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy, int64_t o0,
                                   int64_t o1) {
+  if (!INT4 && amx_takes(w, rows)) {
+    const int64_t tile_rows = std::min(rows, QUANT_ROWS_MAX);
+    amx_begin(tile_rows);
+    const auto tail = [&](int64_t t0, int64_t t1) { qrows8w_vnni(w, rows, b, y, ldy, t0, t1); };
+    const auto one = [&](int64_t n, int64_t o, const float* bo, float* yo, int64_t ld) {
+      qbands_rows_amx(w, n, tile_rows, &o, 1, &bo, &yo, ld);
+    };
+    const auto banded = [&](int64_t t0, int64_t t1) { each_band(w, rows, b, y, ldy, t0, t1, one, tail); };
+    const auto streamed = [&](const int64_t* os, int count) {
+      const float* bo[4];
+      float* yo[4];
+      for (int i = 0; i < count; ++i) bo[i] = b != nullptr ? b + os[i] : nullptr, yo[i] = y + os[i];
+      qbands_rows_amx(w, rows, tile_rows, os, count, bo, yo, ldy);
+    };
+    if (!each_band_streams(w, o0, o1, row_streams(), streamed, banded)) banded(o0, o1);
+    tile_release();
+    return;
+  }
   run_bands(
       w, rows, b, y, ldy, o0, o1, row_streams(),
       [&](int64_t n, int64_t o, const float* bo, float* yo, int64_t ld) {
@@ -1611,6 +1773,26 @@ const Kernels g_kernels = pick_kernels();
 // the quantized decode form this machine runs: "avx512_vnni", "avx2", "neon" or "generic"
 const char* quant_form() { return g_kernels.form; }
 
+// whether banded int8 weights take AMX tiles from AMX_MIN_ROWS rows of x (qband_amx): 1 on, 0 off; mode 0 or 1 sets
+// it (on only where this machine grants them), -1 asks
+bool quant_rows_take(const QuantWeight& w, int64_t rows) {
+  if (rows <= QUANT_ROWS_MAX) return true;
+#ifdef MSLLM_X86
+  return g_amx_here && tiles_on() && takes_int8w(w);
+#else
+  (void)w;
+  return false;
+#endif
+}
+
+bool int8_tiles_here() {
+#ifdef MSLLM_X86
+  return g_amx_here;
+#else
+  return false;
+#endif
+}
+
 namespace {
 // Tiles of NT weight rows: each dequantized KC inputs at a time (dequantize_rows: the buffered forms' float32
 // weights, from any layout) and dotted with every row of x as given by the ISA's dots, as the buffered GEMM does.
@@ -1842,6 +2024,69 @@ void prepare_each(const float* x, int64_t rows, QuantWeight* ws, int n, Prepared
   }
 }
 
+// One row of x rounded per block of 32 (prepare's loop, not exact): q (int16, at prepare's layout: int4 the even inputs
+// then the odd ones), bs[blk] the block's scale, t[blk] the sum of its integers. Returns false where this build has no
+// vector form (prepare's scalar loop then runs). The same operations per input as that loop (IEEE float32, one
+// division per block), so the same integers and scales; 8 inputs a vector. prepare ran scalar and on the caller's
+// thread alone: at 9 rows (a verify of 8) 35 % of an 896 x 896 matmul's call.
+#ifdef MSLLM_X86
+MSLLM_AVX2 void round_row_avx2(const float* xr, int64_t k, float top_q, bool int4, int16_t* q, float* bs, int64_t* t) {
+  const __m256 sign = _mm256_set1_ps(-0.f), inf = _mm256_set1_ps(INFINITY), magic = _mm256_set1_ps(12582912.f);
+  const int64_t half = k / 2;
+  for (int64_t blk = 0; blk < k / QBLOCK; ++blk) {
+    const float* xp = xr + blk * QBLOCK;
+    __m256 v[4], top = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(xp + 8 * j);
+      top = _mm256_max_ps(_mm256_andnot_ps(sign, v[j]), top);  // a NaN input leaves top (std::max(top, NaN) = top)
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const float tp = _mm_cvtss_f32(m4), inv = tp > 0.f ? top_q / tp : 0.f;
+    bs[blk] = tp / top_q;
+    const __m256 iv = _mm256_set1_ps(inv);
+    __m256i sum = _mm256_setzero_si256();
+    alignas(32) int32_t ints[QBLOCK];
+    for (int j = 0; j < 4; ++j) {
+      __m256 a = _mm256_mul_ps(v[j], iv);
+      a = _mm256_and_ps(a, _mm256_cmp_ps(_mm256_andnot_ps(sign, a), inf, _CMP_LT_OQ));  // not finite: 0
+      const __m256i n = _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(a, magic), magic));
+      sum = _mm256_add_epi32(sum, n);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(ints + 8 * j), n);
+    }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    t[blk] = _mm_cvtsi128_si32(s4);
+    if (int4) {
+      for (int i = 0; i < QBLOCK; i += 2) {
+        q[blk * (QBLOCK / 2) + i / 2] = int16_t(ints[i]);
+        q[half + blk * (QBLOCK / 2) + i / 2] = int16_t(ints[i + 1]);
+      }
+    } else {
+      for (int j = 0; j < 2; ++j) {
+        const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(ints + 16 * j));
+        const __m256i b = _mm256_load_si256(reinterpret_cast<const __m256i*>(ints + 16 * j + 8));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + blk * QBLOCK + 16 * j),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+      }
+    }
+  }
+}
+#endif
+
+bool round_row(const float* xr, int64_t k, float top_q, bool int4, int16_t* q, float* bs, int64_t* t) {
+#ifdef MSLLM_X86
+  if (isa() == ISA_AVX2 || isa() == ISA_AVX512) {
+    round_row_avx2(xr, k, top_q, int4, q, bs, t);
+    return true;
+  }
+#endif
+  (void)xr, (void)k, (void)top_q, (void)int4, (void)q, (void)bs, (void)t;
+  return false;
+}
+
 void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out) {
   out->x = x, out->rows = rows, out->k = w.k, out->group = w.group, out->int4 = w.int4;
   out->int16 = int16_fits(w);
@@ -1856,13 +2101,21 @@ void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out)
   out->xq.resize(size_t(rows * (exact ? 2 : 1) * k));
   out->scales.resize(size_t(rows * (blocks + 2 * groups)));
   if (out->int8) out->xb.resize(size_t(rows * 2 * k)), out->xs.resize(size_t(rows * (k / 4)));
-  if (out->int8w) out->xb.resize(size_t(rows * k)), out->xs.resize(size_t(rows * (k / 4)));
+  if (out->int8w) {  // past QUANT_ROWS_MAX rows, whole tiles of 16 (qbands_rows_amx), the rows past x zeros
+    const int64_t padded = rows > QUANT_ROWS_MAX ? (rows + QUANT_ROWS_MAX - 1) / QUANT_ROWS_MAX * QUANT_ROWS_MAX : rows;
+    out->xb.resize(size_t(padded * k)), out->xs.resize(size_t(rows * (k / 4)));
+    out->scales.resize(size_t(padded * (blocks + 2 * groups)));
+  }
+  std::vector<int64_t> block_sums;
   for (int64_t m = 0; m < rows; ++m) {
     const float* xr = x + m * k;
     int16_t* q = out->xq.data() + m * (exact ? 2 : 1) * k;
     int16_t* low = q + k;  // exact only
     float* bs = out->scales.data() + m * (blocks + 2 * groups);
-    for (int64_t blk = 0; blk < blocks; ++blk) {
+    std::vector<int64_t>& sums = block_sums;  // each block's sum of its integers, where round_row made them
+    sums.resize(size_t(blocks));
+    const bool vector = !exact && round_row(xr, k, top_q, w.int4, q, bs, sums.data());
+    for (int64_t blk = 0; blk < blocks && !vector; ++blk) {
       float top = 0.f;
       for (int64_t i = blk * QBLOCK; i < (blk + 1) * QBLOCK; ++i) top = std::max(top, std::fabs(xr[i]));
       const float inv = top > 0.f ? top_q / top : 0.f;
@@ -1891,8 +2144,8 @@ void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out)
         sum = (part[0] + part[1]) + (part[2] + part[3]);
       }
       for (int64_t blk = g * w.group / QBLOCK; blk < (g + 1) * w.group / QBLOCK; ++blk) {
-        int64_t t = 0, tl = 0;
-        for (int64_t i = blk * QBLOCK; i < (blk + 1) * QBLOCK; ++i) {
+        int64_t t = vector ? sums[blk] : 0, tl = 0;
+        for (int64_t i = blk * QBLOCK; i < (blk + 1) * QBLOCK && !vector; ++i) {
           t += q[w.int4 ? (i & 1) * half + i / 2 : i];
           if (exact) tl += low[w.int4 ? (i & 1) * half + i / 2 : i];
         }
@@ -1950,7 +2203,7 @@ void quant_matmul(const float* x, int64_t rows, const QuantWeight& w, const floa
       for (int64_t o = 0; o < w.n; ++o) y[m * w.n + o] = b ? b[o] : 0.f;
     return;
   }
-  if (rows <= QUANT_ROWS_MAX) {
+  if (quant_rows_take(w, rows)) {
     PreparedX px;
     QuantWeight wx = w;
     prepare_each(x, rows, &wx, 1, &px);

@@ -322,8 +322,10 @@ def _bf16_form(backend: str) -> Optional[str]:
 
 
 def kernels_path(backend: str, folder) -> Optional[str]:
-    """The CPU kernels' code path that ran ("avx512, quantized decode avx512_vnni"), None when none of them did (the
-    mslite backend, a folder without them)."""
+    """The CPU kernels' code path that ran ("avx512, quantized decode avx512_vnni", and ", int8 rows by amx" where
+    banded int8 weights took AMX tiles for 2 rows or more: a verify, sequences in a step, a prompt; "avx512, bfloat16
+    rows avx512_bf16 and amx" likewise for bfloat16 weights), None when none of them did (the mslite backend, a folder
+    without them)."""
     cpu_kernels = _kernels(backend)
     if cpu_kernels is None:
         return None
@@ -331,9 +333,10 @@ def kernels_path(backend: str, folder) -> Optional[str]:
     if isa is None:
         return None
     if folder.quantization is not None:
-        return f"{isa}, quantized decode {cpu_kernels.quant_form()}"
+        tiles = folder.quantization.get("bits") == 8 and cpu_kernels.bands_here(8) and cpu_kernels.tiles() == "amx"
+        return f"{isa}, quantized decode {cpu_kernels.quant_form()}" + (", int8 rows by amx" if tiles else "")
     if folder.infer.get("dtype") == "bfloat16":
-        return f"{isa}, bfloat16 rows {cpu_kernels.bf16_form()}"
+        return f"{isa}, bfloat16 rows {cpu_kernels.bf16_form()}" + (" and amx" if cpu_kernels.tiles() == "amx" else "")
     return isa
 
 
@@ -344,9 +347,10 @@ FAST_KERNEL_MODE = {"int16": "int16", "int8": "int8", "bf16": "int8"}
 # per fast mode: (what ran with x exact, how x is rounded as the folder serves)
 FAST_WORDS = {"int16": ("quantized matmuls", "x rounded to int16 per block of 32"),
               "int8": ("quantized matmuls", "x rounded to int8 per block of 32 where the form takes it so (int4 "
-                                            "weights; int8 ones in bands, on AVX-512 VNNI; int16 at others)"),
-              "bf16": ("bfloat16 matmuls", "x rounded to bfloat16 in the matmuls of several rows (AVX512-BF16; "
-                                           "float32's form where the CPU lacks it)")}
+                                            "weights; int8 ones in bands, on AVX-512 VNNI, and with AMX tiles in "
+                                            "prompts too; int16 at others)"),
+              "bf16": ("bfloat16 matmuls", "x rounded to bfloat16 in the matmuls of several rows (AVX512-BF16, and "
+                                           "with AMX tiles in prompts too; float32's form where the CPU lacks it)")}
 
 
 @contextlib.contextmanager

@@ -93,11 +93,20 @@ def bf16_rounded(x: np.ndarray) -> np.ndarray:
     return ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) & np.uint32(0xFFFF0000)).view(np.float32)
 
 
+def bf16_tiles() -> bool:
+    """Whether bfloat16 weights take AMX tiles here (cpu_kernels.tiles() "amx" beside the AVX512-BF16 form: every CPU
+    with AMX has AMX-BF16 and AVX512-BF16)."""
+    return cpu_kernels.tiles() == "amx" and cpu_kernels.bf16_form() == "avx512_bf16"
+
+
 def x_as_computed(x: np.ndarray, dtype: str) -> np.ndarray:
     """x as the kernels multiply it: rounded to bfloat16 where bfloat16 weights meet 8 to 64 rows of x in the
-    AVX512-BF16 form (cpu_kernels.bf16_form(), unless the activations are held exact), else as given."""
-    if (dtype == "bfloat16" and cpu_kernels.BF16_MIN_ROWS <= x.shape[0] <= cpu_kernels.BF16_MAX_ROWS
-            and cpu_kernels.bf16_form() == "avx512_bf16" and cpu_kernels.quant_activations() != "exact"):
+    AVX512-BF16 form (cpu_kernels.bf16_form()), or 8 rows or more of a width that is whole blocks of 32 in AMX tiles
+    (bf16_tiles), unless the activations are held exact; else as given."""
+    rows, width = x.shape
+    if (dtype == "bfloat16" and cpu_kernels.bf16_form() == "avx512_bf16" and cpu_kernels.quant_activations() != "exact"
+            and rows >= cpu_kernels.BF16_MIN_ROWS
+            and (rows <= cpu_kernels.BF16_MAX_ROWS or (bf16_tiles() and width % 32 == 0))):
         return bf16_rounded(x)
     return x
 
@@ -212,7 +221,9 @@ def test_embed_refuses_what_it_cannot_compute():
 def test_bfloat16_weights_at_several_rows_round_x_to_bfloat16_where_the_cpu_has_avx512_bf16():
     """The AVX512-BF16 form (cpu_kernels.bf16_form): 8 to 64 rows of x against bfloat16 weights multiply x rounded to
     bfloat16, fewer and more rows keep x exact (the float32 rows form, the GEMM past 64), and the exact activations
-    (check's replays) hold every row to float32's form; at the SmolLM2 and 0.5B widths, and widths off 32."""
+    (check's replays) hold every row to float32's form; at the SmolLM2 and 0.5B widths, and widths off 32. Where AMX
+    tiles run (bf16_tiles), from 8 rows of a width in whole blocks of 32 with no upper bound (a prompt's rows too),
+    x rounded alike; set_tiles(False) gives the rows past 64 back to the GEMM, x exact."""
     flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
     want = "avx512_bf16" if cpu_kernels.isa() == "avx512" and {"avx512_bf16", "avx512bw", "avx512vl"} <= flags \
         else "float32"
@@ -227,6 +238,17 @@ def test_bfloat16_weights_at_several_rows_round_x_to_bfloat16_where_the_cpu_has_
     assert np.abs(y - (rounded if want == "avx512_bf16" else exact)).max() <= 1e-5 * np.abs(exact).max()
     if want == "avx512_bf16":  # the rounding is real: further from x exact than float32's sums could be
         assert np.abs(y - exact).max() > 1e-4 * np.abs(exact).max()
+    if bf16_tiles():  # the prompt's rows: rounded in the tiles, exact in the GEMM with the tiles off
+        xp = np.random.default_rng(9).standard_normal((100, 576), dtype=np.float32)
+        exact_p, rounded_p = xp.astype(np.float64) @ w64.T, bf16_rounded(xp).astype(np.float64) @ w64.T
+        yp = np.empty((100, 40), np.float32)
+        try:
+            for on, want_p in ((True, rounded_p), (False, exact_p)):
+                cpu_kernels.set_tiles(on)
+                assert call_kernel(cpu_kernels.GEMV, xp, w, yp, dtypes=["float32", "bfloat16", "float32"]) == 0
+                assert np.abs(yp - want_p).max() <= 1e-5 * np.abs(exact_p).max(), on
+        finally:
+            cpu_kernels.set_tiles(True)
     try:
         assert cpu_kernels.set_quant_activations("exact") == "exact"
         check_matmul("bfloat16", False, (2, 8, 9, 16), (47,), (576,), seed=8)

@@ -542,8 +542,9 @@ def test_int8_in_bands_of_16_rows_is_the_int8_weights_answer():
     (int8_r16_runs: the AVX-512 VNNI form, x in int8, K a multiple of 64, the group too or 32): x rounded to int8 per
     block of 32 (rounded_to_int8_blocks) times q * scale, plus the offsets times x's exact sums, to float32's rounding
     of the sums (2e-6 of their magnitude): the form's only rounding is x's, by its documented rule, as llama.cpp's Q8_0
-    rounds it. Otherwise (the int16 and exact modes, another form, past 16 rows) the R16 ops compute the float32 product
-    (1e-5 of the magnitude from float64's). K of 48 (not whole blocks): not repacked, and an R16 op refuses it
+    rounds it; past 16 rows too where AMX tiles take them (tiles() "amx"). Otherwise (the int16 and exact modes,
+    another form, past 16 rows without the tiles) the R16 ops compute the float32 product (1e-5 of the magnitude from
+    float64's). K of 48 (not whole blocks): not repacked, and an R16 op refuses it
     (error 4)."""
     rng = np.random.default_rng(18)
     try:
@@ -567,7 +568,8 @@ def test_int8_in_bands_of_16_rows_is_the_int8_weights_answer():
                     w = dequantize(q, scale, offset)
                     size = np.abs(x).astype(np.float64) @ np.abs(w).T
                     where = (mode, k, g, n, m, with_offset)
-                    if mode == "int8" and m <= 16 and cpu_kernels.int8_r16_runs(k, g):
+                    tiles = cpu_kernels.tiles() == "amx"  # the prompt's rows too (past 16) take x in int8
+                    if mode == "int8" and (m <= 16 or tiles) and cpu_kernels.int8_r16_runs(k, g):
                         wq = dequantize(q, scale)
                         ref = rounded_to_int8_blocks(x) @ wq.T
                         if with_offset:
@@ -581,6 +583,65 @@ def test_int8_in_bands_of_16_rows_is_the_int8_weights_answer():
         assert call_kernel(cpu_kernels.R16_OPS[QM], x, q, scale, np.zeros((2, 16), np.float32)) == 4
     finally:
         cpu_kernels.set_quant_activations(None)
+
+
+def test_int8_bands_by_amx_tiles_are_the_vector_forms_answer_bit_for_bit():
+    """Where this machine has AMX (tiles() "amx"), banded int8 weights against 2 to 16 rows of x take the tiles
+    (tdpbsud: x's int8 against the biased bytes, a band's block one tile of B; matmul_quant.cc qbands_amx): the same
+    integers, scales and order of float sums as the vector form, so the same float32s bit for bit, whatever the rows
+    of x, the outputs (a partial band, a row-major tail, 2 to 4 bands a stream, both threads), the groups (32: one
+    block a group; 64 to per channel) and the offsets. One row keeps the vector form (bound by the bytes). A prompt's
+    rows (past 16) take the tiles too, 16 at a time, x in int8 as a step's: each row's answer is that row's alone."""
+    if cpu_kernels.set_tiles(True) != "amx":
+        pytest.skip(f"no AMX tiles here (quantized decode {cpu_kernels.quant_form()})")
+    rng = np.random.default_rng(46)
+    try:
+        for k, g in ((256, 64), (576, 576), (896, 128), (256, 32), (576, 32)):
+            for n, m, with_offset in ((16, 2, False), (33, 3, True), (40, 5, False), (88, 9, True), (300, 8, False),
+                                      (300, 16, True), (1000, 9, False), (1000, 1, False)):
+                x, q, scale, offset = case(rng, 8, m, n, k, k // g, with_offset)
+                cpu_kernels.repack_int8_r16(q)
+                args = (scale,) + ((offset,) if with_offset else ())
+                out = []
+                for on in (True, False):
+                    cpu_kernels.set_tiles(on)
+                    y = np.full((m, n), np.nan, np.float32)
+                    assert call_kernel(cpu_kernels.R16_OPS[QMO if with_offset else QM], x, q, *args, y) == 0
+                    out.append(y)
+                assert np.array_equal(out[0], out[1]), (k, g, n, m, with_offset)
+            # a prompt's rows (past 16: 16 a tile, the last tile partly x's): each row as a step of that row alone
+            # computes it (one row: the vector form), bit for bit
+            assert cpu_kernels.set_tiles(True) == "amx"
+            x, q, scale, offset = case(rng, 8, 41, 88, k, k // g, True)
+            cpu_kernels.repack_int8_r16(q)
+            y = np.full((41, 88), np.nan, np.float32)
+            assert call_kernel(cpu_kernels.R16_OPS[QMO], x, q, scale, offset, y) == 0
+            for r in (0, 15, 16, 33, 40):
+                one = np.full((1, 88), np.nan, np.float32)
+                assert call_kernel(cpu_kernels.R16_OPS[QMO], x[r:r + 1].copy(), q, scale, offset, one) == 0
+                assert np.array_equal(y[r], one[0]), (k, g, r)
+    finally:
+        cpu_kernels.set_tiles(True)
+
+
+def test_amx_tiles_are_named_by_the_cpu_and_held_off_on_request(monkeypatch):
+    """tiles(): "amx" on a CPU whose flags (as the kernel reports them) hold amx_tile, and amx_int8 beside the VNNI
+    form or amx_bf16 beside the AVX512-BF16 one, else "none"; MSLITE_LLM_CPU_KERNELS_AMX=0, or a path forced without
+    the CPU's extensions (MSLITE_LLM_CPU_KERNELS_ISA=avx512), holds it to "none" (new processes: both are read at
+    load), and set_tiles(True) cannot turn on what is not granted."""
+    flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
+    here = "amx_tile" in flags and ((cpu_kernels.quant_form() == "avx512_vnni" and "amx_int8" in flags) or
+                                    (cpu_kernels.bf16_form() == "avx512_bf16" and "amx_bf16" in flags))
+    assert cpu_kernels.tiles() == ("amx" if here else "none")
+    check = """
+        import sys
+        import cpu_kernels
+        if (cpu_kernels.tiles(), cpu_kernels.set_tiles(True)) != ("none", "none"):
+            sys.exit(f"tiles {cpu_kernels.tiles()}")
+    """
+    run_on_path("avx512", check)
+    monkeypatch.setenv("MSLITE_LLM_CPU_KERNELS_AMX", "0")
+    run_on_path("native", check)
 
 
 def test_the_quantized_decode_form_is_named_by_the_cpu():
