@@ -204,10 +204,10 @@ def quant_form() -> Optional[str]:
 
 def tiles() -> Optional[str]:
     """Whether AMX tiles multiply on this machine: "amx" (a CPU with AMX whose kernel grants the process the tile
-    state: banded int8 weights from 2 rows of x, tdpbsud, the same results as the vector form bit for bit; bfloat16
-    weights from BF16_MIN_ROWS rows, tdpbf16ps, x rounded to bfloat16 as the AVX512-BF16 form rounds it; the prompt's
-    rows too) or "none"; None when the library was not built. MSLITE_LLM_CPU_KERNELS_AMX=0 (read at load) holds it to
-    "none"; set_tiles switches it."""
+    state: banded int8 weights from 2 rows of x and banded int4 ones from 8, tdpbsud, the same results as the vector
+    form bit for bit; bfloat16 weights from BF16_MIN_ROWS rows, tdpbf16ps, x rounded to bfloat16 as the AVX512-BF16
+    form rounds it; the prompt's rows too) or "none"; None when the library was not built.
+    MSLITE_LLM_CPU_KERNELS_AMX=0 (read at load) holds it to "none"; set_tiles switches it."""
     lib = _library()
     return None if lib is None else ("amx" if lib.MsliteLlmSetTiles(ctypes.c_int(-1)) else "none")
 

@@ -688,7 +688,7 @@ const bool g_bf16_tiles = g_bf16_form && amx_granted() && __builtin_cpu_supports
 // rows by 32 inputs as they are stored (row-major: no repacking), B 16 rows of x by 32 inputs as bfloat16 pairs (x's
 // tile layout, x_to_bf16_pairs), C [16 weight rows, 16 rows of x] float32 summed over all the inputs: one store and a
 // transposition per 16 x 16 outputs. 3 blocks of 16 weight rows share each B (tiles 0-2 A, 3 B, 4-6 C).
-// (docs/architecture.md "int8 (and bfloat16) by AMX tiles", docs/performance-log.md 49.)
+// (docs/architecture.md "AMX tiles: int8, int4 and bfloat16", docs/performance-log.md 49.)
 #define MSLLM_AMX_BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c,amx-tile,amx-bf16")))
 

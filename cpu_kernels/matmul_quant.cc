@@ -15,8 +15,8 @@
 //   M <= QUANT_ROWS_MAX (16: the decode step, chunk rows, short prompts): "the decode form" below, x rounded per
 //     block of 32 (to int8 for int4 weights whose K is a multiple of 64 and group 32 or a multiple of 64, else to
 //     int16) and exact integer products, each weight read once per call.
-//   Banded int8 weights (x in int8) on a CPU with AMX: every call of 2 rows or more by AMX tiles (qbands_amx below,
-//     docs/architecture.md "int8 (and bfloat16) by AMX tiles"), the prompt's rows too, 16 a tile, x rounded as the
+//   Banded int8 weights (x in int8) on a CPU with AMX: every call of 2 rows or more (int4: 8) by AMX tiles (qbands_amx,
+//     docs/architecture.md "AMX tiles: int8, int4 and bfloat16"), the prompt's rows too, 16 a tile, x rounded as the
 //     steps round it.
 //   More rows (the prompt): on AVX2/AVX-512, matmul16.cc's float32 GEMM on weights dequantized as it packs them
 //     (dequantize_rows, 8 rows at a time); elsewhere, and for WeightQuantBatchMatmul's stand-in (which rounds each
@@ -1388,7 +1388,7 @@ bool cpu_has_vnni();
 // row of x per block, so that 9 rows cost 2.1x one row (a verify of 8 tokens 2.1 decode steps), the tile unit does
 // the block's arithmetic; per row only the conversion and the FMA by the block's scale are left. The float sums in
 // the same order as qbands_r16_vnni's: the same results, bit for bit (tests/test_quant_kernels.py). The prompt's rows
-// (past QUANT_ROWS_MAX) take them too, 16 a tile (docs/architecture.md "int8 (and bfloat16) by AMX tiles",
+// (past QUANT_ROWS_MAX) take them too, 16 a tile (docs/architecture.md "AMX tiles: int8, int4 and bfloat16",
 // performance-log.md 49).
 // Where AMX is granted (common.h amx_granted: the CPU, the kernel, MSLITE_LLM_CPU_KERNELS_AMX) and the CPU has
 // AMX-INT8; set_tiles switches it for tests and benchmarks.
@@ -1399,11 +1399,16 @@ bool cpu_has_vnni();
 // replace
 const bool g_amx_here = amx_granted() && __builtin_cpu_supports("amx-int8") && cpu_has_vnni();
 constexpr int64_t AMX_MIN_ROWS = 2;  // one row reads the weights in streams (each_band_streams): bound by the bytes
+// int4 from 8 rows: widening a band's nibbles to a tile of bytes costs the same whatever the rows, so below 8 the
+// vector form, which widens them in registers, is faster (4864 x 896 out of cache: 2 rows 0.81x, 4 0.94x, 8 1.06x,
+// 9 1.13x, 16 1.34x the vector form)
+constexpr int64_t AMX_MIN_ROWS_INT4 = 8;
 
 // whether banded int8 weights (in the x-in-int8 form) take the tiles for `rows` rows of x: from AMX_MIN_ROWS, any
 // number (past QUANT_ROWS_MAX, the prompt's rows: 16 a tile, x padded by prepare)
 bool amx_takes(const QuantWeight& w, int64_t rows) {
-  return rows >= AMX_MIN_ROWS && g_amx_here && tiles_on() && w.r16 && !w.int4 && w.x != nullptr && w.x->int8w;
+  return rows >= (w.int4 ? AMX_MIN_ROWS_INT4 : AMX_MIN_ROWS) && g_amx_here && tiles_on() && w.r16 && w.x != nullptr &&
+         (w.int4 ? w.x->tiles : w.x->int8w);
 }
 
 // The tile configuration of `rows` rows of x: tiles 0, 1 C [rows, 16] int32; 2 A [rows, 32] int8 (a block of x);
@@ -1421,14 +1426,28 @@ void amx_begin(int64_t rows) {
 // sets of tiles, so that a store's latency hides behind the next products). More bands, more streams of weights:
 // one band at a time left the tiles' loads waiting on memory (9 rows at 1.73x one row out of cache; the vector form's
 // one row reads in 4 streams for the same reason, each_band_streams).
-template <int R>
+template <int R, bool INT4>
 MSLLM_AMX void qbands_amx(const QuantWeight& w, int64_t m0, int64_t valid, const int64_t* os, int count,
                           const float* const* bo, float* const* yo, int64_t ldy) {
   const PreparedX& x = *w.x;
   const int64_t groups = w.k / w.group, per = w.group / QBLOCK;
-  const int8_t* xb = x.xb.data() + m0 * w.k;
+  const int8_t* xb = (INT4 ? x.xa.data() : x.xb.data()) + m0 * w.k;
+  constexpr int64_t BLOCK_BYTES = INT4 ? 16 * QBLOCK / 2 : 16 * QBLOCK;
   const uint8_t* band[4];
-  for (int i = 0; i < count; ++i) band[i] = static_cast<const uint8_t*>(w.q) + os[i] * w.k;
+  for (int i = 0; i < count; ++i) band[i] = static_cast<const uint8_t*>(w.q) + os[i] * (INT4 ? w.k / 2 : w.k);
+  // int4: a band's block (4 runs of 64 bytes, lane r 8 nibbles of weight row r) widened to bytes q + 8 (0..15) as a
+  // tile of B: rows 0-3 the runs' low nibbles (the block's even inputs 4j..4j+3), rows 4-7 their high ones (the odd
+  // inputs), against x's A in that order (PreparedX xa): the products qbands_r16_vnni<R, B, true> sums in d0 + d1
+  alignas(64) uint8_t wide[2][16 * QBLOCK];
+  const __m512i nibble = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(0x08);
+  const auto widen = [&](const uint8_t* wp, uint8_t* out) MSLLM_AMX {
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i raw = _mm512_loadu_si512(wp + j * 64);
+      _mm512_store_si512(out + j * 64, _mm512_ternarylogic_epi32(raw, nibble, eight, 0x6A));
+      _mm512_store_si512(out + 256 + j * 64, _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), nibble, eight, 0x6A));
+    }
+  };
   const float* bs[R];
   const float* sums[R];
 #pragma GCC unroll 16
@@ -1439,11 +1458,14 @@ MSLLM_AMX void qbands_amx(const QuantWeight& w, int64_t m0, int64_t valid, const
   for (int i = 0; i < count; ++i)
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) total[i][r] = _mm512_setzero_ps();
-  // each band's stream prefetched 4 blocks ahead (2 KB): 9 rows out of cache 1.19x without (a band of 896 inputs)
+  // each band's stream prefetched 4 blocks ahead (2 KB of int8): 9 rows out of cache 1.19x without (a band of 896
+  // inputs)
   constexpr int64_t ahead = 4 * 16 * QBLOCK;
   const auto products = [&](int set, const uint8_t* wp) MSLLM_AMX {
 #pragma GCC unroll 8
-    for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(wp + ahead + 64 * l), _MM_HINT_T0);
+    for (int l = 0; l < int(BLOCK_BYTES / 64); ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(wp + ahead + 64 * l), _MM_HINT_T0);
+    if (INT4) wp = wide[set];  // widened a unit before (a tile's load of bytes just stored waits for them)
     if (set == 0) {
       _tile_zero(0);
       _tile_loadd(4, wp, 64);
@@ -1468,10 +1490,14 @@ MSLLM_AMX void qbands_amx(const QuantWeight& w, int64_t m0, int64_t valid, const
       for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
     int unit = 0, pending_i = -1;  // the unit (block, band) stored last, converted after the next one's products
     int64_t pending_blk = 0;
+    if (INT4) widen(band[0] + gi * per * BLOCK_BYTES, wide[0]);
     for (int64_t blk = gi * per; blk < (gi + 1) * per; ++blk) {
       _tile_loadd(2, xb + blk * QBLOCK, w.k);
       for (int i = 0; i < count; ++i, ++unit) {
-        products(unit & 1, band[i] + blk * (16 * QBLOCK));
+        products(unit & 1, band[i] + blk * BLOCK_BYTES);
+        if (INT4 && (i + 1 < count || blk + 1 < (gi + 1) * per))  // the next unit's block, widened ahead
+          widen(i + 1 < count ? band[i + 1] + blk * BLOCK_BYTES : band[0] + (blk + 1) * BLOCK_BYTES,
+                wide[(unit + 1) & 1]);
         if (pending_i >= 0) convert((unit - 1) & 1, pending_i, pending_blk);
         pending_i = i, pending_blk = blk;
       }
@@ -1497,11 +1523,12 @@ MSLLM_AMX void qbands_amx(const QuantWeight& w, int64_t m0, int64_t valid, const
   }
 }
 
+template <bool INT4>
 MSLLM_AMX void qbands_tile_amx(const QuantWeight& w, int64_t tile_rows, int64_t m0, int64_t valid, const int64_t* os,
                                int count, const float* const* bo, float* const* yo, int64_t ldy) {
   switch (tile_rows) {
 #define MSLLM_AMX_ROWS(R) \
-  case R: return qbands_amx<R>(w, m0, valid, os, count, bo, yo, ldy);
+  case R: return qbands_amx<R, INT4>(w, m0, valid, os, count, bo, yo, ldy);
     MSLLM_AMX_ROWS(1) MSLLM_AMX_ROWS(2) MSLLM_AMX_ROWS(3) MSLLM_AMX_ROWS(4) MSLLM_AMX_ROWS(5) MSLLM_AMX_ROWS(6)
     MSLLM_AMX_ROWS(7) MSLLM_AMX_ROWS(8) MSLLM_AMX_ROWS(9) MSLLM_AMX_ROWS(10) MSLLM_AMX_ROWS(11) MSLLM_AMX_ROWS(12)
     MSLLM_AMX_ROWS(13) MSLLM_AMX_ROWS(14) MSLLM_AMX_ROWS(15) MSLLM_AMX_ROWS(16)
@@ -1512,28 +1539,35 @@ MSLLM_AMX void qbands_tile_amx(const QuantWeight& w, int64_t tile_rows, int64_t 
 
 // Every row of x against `count` bands, the tiles configured for tile_rows (amx_begin): all the rows where they are
 // at most 16, else 16 at a time (x padded to whole tiles: prepare), the band's bytes read again from the cache
+template <bool INT4>
 MSLLM_AMX void qbands_rows_amx(const QuantWeight& w, int64_t rows, int64_t tile_rows, const int64_t* os, int count,
                                const float* const* bo, float* const* yo, int64_t ldy) {
-  for (int64_t m0 = 0; m0 < rows; m0 += tile_rows) qbands_tile_amx(w, tile_rows, m0, rows - m0, os, count, bo, yo, ldy);
+  for (int64_t m0 = 0; m0 < rows; m0 += tile_rows)
+    qbands_tile_amx<INT4>(w, tile_rows, m0, rows - m0, os, count, bo, yo, ldy);
 }
 
 // A banded weight's outputs [o0, o1) against x in int8 (run_bands), the rows past the bands row-major
 template <bool INT4>
 MSLLM_AVX512_VNNI void bands_vnni(const QuantWeight& w, int64_t rows, const float* b, float* y, int64_t ldy, int64_t o0,
                                   int64_t o1) {
-  if (!INT4 && amx_takes(w, rows)) {
+  if (amx_takes(w, rows)) {
     const int64_t tile_rows = std::min(rows, QUANT_ROWS_MAX);
     amx_begin(tile_rows);
-    const auto tail = [&](int64_t t0, int64_t t1) { qrows8w_vnni(w, rows, b, y, ldy, t0, t1); };
+    const auto tail = [&](int64_t t0, int64_t t1) {
+      if (INT4)
+        qrows8_vnni(w, rows, b, y, ldy, t0, t1);
+      else
+        qrows8w_vnni(w, rows, b, y, ldy, t0, t1);
+    };
     const auto one = [&](int64_t n, int64_t o, const float* bo, float* yo, int64_t ld) {
-      qbands_rows_amx(w, n, tile_rows, &o, 1, &bo, &yo, ld);
+      qbands_rows_amx<INT4>(w, n, tile_rows, &o, 1, &bo, &yo, ld);
     };
     const auto banded = [&](int64_t t0, int64_t t1) { each_band(w, rows, b, y, ldy, t0, t1, one, tail); };
     const auto streamed = [&](const int64_t* os, int count) {
       const float* bo[4];
       float* yo[4];
       for (int i = 0; i < count; ++i) bo[i] = b != nullptr ? b + os[i] : nullptr, yo[i] = y + os[i];
-      qbands_rows_amx(w, rows, tile_rows, os, count, bo, yo, ldy);
+      qbands_rows_amx<INT4>(w, rows, tile_rows, os, count, bo, yo, ldy);
     };
     if (!each_band_streams(w, o0, o1, row_streams(), streamed, banded)) banded(o0, o1);
     tile_release();
@@ -1775,10 +1809,20 @@ const char* quant_form() { return g_kernels.form; }
 
 // whether banded int8 weights take AMX tiles from AMX_MIN_ROWS rows of x (qband_amx): 1 on, 0 off; mode 0 or 1 sets
 // it (on only where this machine grants them), -1 asks
+bool int4_tiles_take(const QuantWeight& w, int64_t rows) {
+#ifdef MSLLM_X86
+  return rows >= AMX_MIN_ROWS_INT4 && g_amx_here && tiles_on() && w.int4 && w.r16 && int8_fits(w) &&
+         quant_activations() == ACTIVATIONS_INT8;
+#else
+  (void)w, (void)rows;
+  return false;
+#endif
+}
+
 bool quant_rows_take(const QuantWeight& w, int64_t rows) {
   if (rows <= QUANT_ROWS_MAX) return true;
 #ifdef MSLLM_X86
-  return g_amx_here && tiles_on() && takes_int8w(w);
+  return g_amx_here && tiles_on() && (takes_int8w(w) || int4_tiles_take(w, rows));
 #else
   (void)w;
   return false;
@@ -2017,6 +2061,7 @@ void prepare_each(const float* x, int64_t rows, QuantWeight* ws, int n, Prepared
     int same = 0;  // the first weight before this one with its layout (px[j] prepared only for such firsts)
     while (same < i && !(px[same].x != nullptr && px[same].k == ws[i].k && px[same].group == ws[i].group &&
                          px[same].int4 == ws[i].int4 && px[same].int8w == takes_int8w(ws[i]) &&
+                         px[same].tiles == (px[same].int8 && ws[i].r16 && int4_tiles_take(ws[i], rows)) &&
                          (px[same].sums || ws[i].offset == nullptr)))
       ++same;
     if (same == i) prepare(x, rows, ws[i], &px[i]);
@@ -2101,6 +2146,12 @@ void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out)
   out->xq.resize(size_t(rows * (exact ? 2 : 1) * k));
   out->scales.resize(size_t(rows * (blocks + 2 * groups)));
   if (out->int8) out->xb.resize(size_t(rows * 2 * k)), out->xs.resize(size_t(rows * (k / 4)));
+  out->tiles = out->int8 && w.r16 && int4_tiles_take(w, rows);
+  if (out->tiles) {  // past QUANT_ROWS_MAX rows, whole tiles of 16 (qbands_rows_amx), the rows past x zeros
+    const int64_t padded = rows > QUANT_ROWS_MAX ? (rows + QUANT_ROWS_MAX - 1) / QUANT_ROWS_MAX * QUANT_ROWS_MAX : rows;
+    out->xa.assign(size_t(padded * k), 0);
+    out->scales.resize(size_t(padded * (blocks + 2 * groups)));
+  }
   if (out->int8w) {  // past QUANT_ROWS_MAX rows, whole tiles of 16 (qbands_rows_amx), the rows past x zeros
     const int64_t padded = rows > QUANT_ROWS_MAX ? (rows + QUANT_ROWS_MAX - 1) / QUANT_ROWS_MAX * QUANT_ROWS_MAX : rows;
     out->xb.resize(size_t(padded * k)), out->xs.resize(size_t(rows * (k / 4)));
@@ -2153,6 +2204,14 @@ void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out)
       }
       bs[blocks + g] = float(sum);
       bs[blocks + groups + g] = float(rounded);
+    }
+    if (out->tiles) {  // AMX's A: per block its 16 even inputs, then its 16 odd ones
+      int8_t* xa = out->xa.data() + m * k;
+      for (int64_t blk = 0; blk < blocks; ++blk)
+        for (int64_t j = 0; j < QBLOCK / 2; ++j) {
+          xa[blk * QBLOCK + j] = int8_t(q[blk * (QBLOCK / 2) + j]);
+          xa[blk * QBLOCK + QBLOCK / 2 + j] = int8_t(q[half + blk * (QBLOCK / 2) + j]);
+        }
     }
     if (out->int8) {  // the x86 forms' copy (PreparedX xb, xs)
       int8_t* xb = out->xb.data() + m * 2 * k;

@@ -44,6 +44,10 @@ struct PreparedX {
   std::vector<int8_t> xb;             // int8: [rows, k / 64, 128] per 64 inputs (two blocks): their 32 even inputs
                                       // twice, then their 32 odd ones twice (a weight row's 32 bytes' low, high
                                       // nibbles; twice: two weight rows share a zmm)
+  std::vector<int8_t> xa;             // int8 for int4 bands in AMX tiles (`tiles`): [rows, k] per block of 32 its 16
+                                      // even inputs then its 16 odd ones (a tile of A), rows padded past 16 to whole
+                                      // tiles of 16 with zeros
+  bool tiles = false;
   std::vector<float> xs;              // int8: [rows, k / 64, 16] the two blocks' scales per lane of the products
                                       // (4 lanes block 2s, 4 lanes 2s + 1, twice)
 };

@@ -585,22 +585,30 @@ def test_int8_in_bands_of_16_rows_is_the_int8_weights_answer():
         cpu_kernels.set_quant_activations(None)
 
 
-def test_int8_bands_by_amx_tiles_are_the_vector_forms_answer_bit_for_bit():
-    """Where this machine has AMX (tiles() "amx"), banded int8 weights against 2 to 16 rows of x take the tiles
-    (tdpbsud: x's int8 against the biased bytes, a band's block one tile of B; matmul_quant.cc qbands_amx): the same
-    integers, scales and order of float sums as the vector form, so the same float32s bit for bit, whatever the rows
+def int4_tiles() -> bool:
+    """Whether banded int4 weights take AMX tiles here (tiles() "amx" with the VNNI form: AMX-INT8)."""
+    return cpu_kernels.tiles() == "amx" and cpu_kernels.quant_form() == "avx512_vnni"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bands_by_amx_tiles_are_the_vector_forms_answer_bit_for_bit(bits):
+    """Where this machine has AMX (tiles() "amx"), banded int8 weights against 2 to 16 rows of x, and int4 ones
+    against 8 to 16, take the tiles (tdpbsud: x's int8 against the biased bytes, a band's block one tile of B; int4's
+    nibbles widened to such a tile, q + 8; matmul_quant.cc qbands_amx): the same integers, scales and order of float
+    sums as the vector form, so the same float32s bit for bit, whatever the rows
     of x, the outputs (a partial band, a row-major tail, 2 to 4 bands a stream, both threads), the groups (32: one
     block a group; 64 to per channel) and the offsets. One row keeps the vector form (bound by the bytes). A prompt's
     rows (past 16) take the tiles too, 16 at a time, x in int8 as a step's: each row's answer is that row's alone."""
-    if cpu_kernels.set_tiles(True) != "amx":
+    if cpu_kernels.set_tiles(True) != "amx" or not int4_tiles():
         pytest.skip(f"no AMX tiles here (quantized decode {cpu_kernels.quant_form()})")
-    rng = np.random.default_rng(46)
+    rng = np.random.default_rng(46 + bits)
+    repack = cpu_kernels.repack_int8_r16 if bits == 8 else cpu_kernels.repack_int4_r16
     try:
         for k, g in ((256, 64), (576, 576), (896, 128), (256, 32), (576, 32)):
             for n, m, with_offset in ((16, 2, False), (33, 3, True), (40, 5, False), (88, 9, True), (300, 8, False),
                                       (300, 16, True), (1000, 9, False), (1000, 1, False)):
-                x, q, scale, offset = case(rng, 8, m, n, k, k // g, with_offset)
-                cpu_kernels.repack_int8_r16(q)
+                x, q, scale, offset = case(rng, bits, m, n, k, k // g, with_offset)
+                repack(q)
                 args = (scale,) + ((offset,) if with_offset else ())
                 out = []
                 for on in (True, False):
@@ -612,8 +620,8 @@ def test_int8_bands_by_amx_tiles_are_the_vector_forms_answer_bit_for_bit():
             # a prompt's rows (past 16: 16 a tile, the last tile partly x's): each row as a step of that row alone
             # computes it (one row: the vector form), bit for bit
             assert cpu_kernels.set_tiles(True) == "amx"
-            x, q, scale, offset = case(rng, 8, 41, 88, k, k // g, True)
-            cpu_kernels.repack_int8_r16(q)
+            x, q, scale, offset = case(rng, bits, 41, 88, k, k // g, True)
+            repack(q)
             y = np.full((41, 88), np.nan, np.float32)
             assert call_kernel(cpu_kernels.R16_OPS[QMO], x, q, scale, offset, y) == 0
             for r in (0, 15, 16, 33, 40):
@@ -697,8 +705,9 @@ def test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer():
     of x (the decode form, and the GEMM past 16), groups of 32 to per channel, with and without offsets. In the
     default mode where the banded form runs (int4_r16_runs, whatever the mode in force: AVX-512 VNNI and AVX2) each
     output is the row-major op's to float32's reordering of the same sums (1e-6 of their magnitude); in the int16 and
-    exact modes, and past 16 rows, the R16 ops compute the float32 product (1e-5 of the magnitude from float64's). K of
-    48 (not whole blocks): not repacked, and an R16 op refuses it (error 4)."""
+    exact modes, and past 16 rows, the R16 ops compute the float32 product (1e-5 of the magnitude from float64's),
+    except where AMX tiles take the prompt's rows (int4_tiles): x rounded to int8 per block of 32, as a step's (2e-6 of
+    the magnitude from that product). K of 48 (not whole blocks): not repacked, and an R16 op refuses it (error 4)."""
     rng = np.random.default_rng(16)
     try:
         for mode in ("int8", "int16", "exact"):
@@ -723,6 +732,12 @@ def test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer():
                     where = (mode, k, g, n, m, with_offset)
                     if mode == "int8" and m <= 16 and cpu_kernels.int4_r16_runs(k, g):
                         assert np.all(np.abs(yb - y) <= 1e-6 * size), where
+                    elif mode == "int8" and cpu_kernels.int4_r16_runs(k, g) and int4_tiles():
+                        wq = dequantize(q, scale)  # the prompt's rows in the tiles: x rounded to int8 as a step's
+                        ref = rounded_to_int8_blocks(x) @ wq.T
+                        if with_offset:
+                            ref += x.astype(np.float64) @ (w - wq).T
+                        assert np.all(np.abs(yb - ref) <= 2e-6 * size), where
                     else:
                         assert np.all(np.abs(yb - x.astype(np.float64) @ w.T) <= 1e-5 * size), where
         x, q, scale, _ = case(rng, 4, 2, 16, 48, 1, False)
