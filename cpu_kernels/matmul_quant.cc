@@ -2143,20 +2143,17 @@ void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out)
   const int64_t k = w.k, blocks = k / QBLOCK, groups = k / w.group, half = k / 2;
   const bool exact = out->exact;
   const float top_q = out->int8 || out->int8w ? 127.f : 32767.f;  // the largest integer of x's blocks
-  out->xq.resize(size_t(rows * (exact ? 2 : 1) * k));
-  out->scales.resize(size_t(rows * (blocks + 2 * groups)));
-  if (out->int8) out->xb.resize(size_t(rows * 2 * k)), out->xs.resize(size_t(rows * (k / 4)));
   out->tiles = out->int8 && w.r16 && int4_tiles_take(w, rows);
-  if (out->tiles) {  // past QUANT_ROWS_MAX rows, whole tiles of 16 (qbands_rows_amx), the rows past x zeros
-    const int64_t padded = rows > QUANT_ROWS_MAX ? (rows + QUANT_ROWS_MAX - 1) / QUANT_ROWS_MAX * QUANT_ROWS_MAX : rows;
-    out->xa.assign(size_t(padded * k), 0);
-    out->scales.resize(size_t(padded * (blocks + 2 * groups)));
-  }
-  if (out->int8w) {  // past QUANT_ROWS_MAX rows, whole tiles of 16 (qbands_rows_amx), the rows past x zeros
-    const int64_t padded = rows > QUANT_ROWS_MAX ? (rows + QUANT_ROWS_MAX - 1) / QUANT_ROWS_MAX * QUANT_ROWS_MAX : rows;
-    out->xb.resize(size_t(padded * k)), out->xs.resize(size_t(rows * (k / 4)));
-    out->scales.resize(size_t(padded * (blocks + 2 * groups)));
-  }
+  // what the tiles read (int8 bands' xb, int4 bands' xa, and the scales) past QUANT_ROWS_MAX rows: whole tiles of 16
+  // (qbands_rows_amx), the rows past x zeros
+  const int64_t padded = rows > QUANT_ROWS_MAX && (out->int8w || out->tiles)
+                             ? (rows + QUANT_ROWS_MAX - 1) / QUANT_ROWS_MAX * QUANT_ROWS_MAX
+                             : rows;
+  out->xq.resize(size_t(rows * (exact ? 2 : 1) * k));
+  out->scales.resize(size_t(padded * (blocks + 2 * groups)));
+  if (out->int8) out->xb.resize(size_t(rows * 2 * k)), out->xs.resize(size_t(rows * (k / 4)));
+  if (out->tiles) out->xa.assign(size_t(padded * k), 0);
+  if (out->int8w) out->xb.resize(size_t(padded * k)), out->xs.resize(size_t(rows * (k / 4)));
   std::vector<int64_t> block_sums;
   for (int64_t m = 0; m < rows; ++m) {
     const float* xr = x + m * k;
