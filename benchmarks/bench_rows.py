@@ -86,9 +86,7 @@ def ours(folder: str, counts: List[int], prompt: int, new: int, mode: str) -> Di
         out[str(n)] = {"tok_s": n * new / seconds, "step_ms": 1000 * seconds / new,
                        "graphs": dict(runner.step_counts)}
         runner.step_counts = {}
-    return {"counts": out, "kernels": f"{cpu_kernels.isa()}, quantized decode {cpu_kernels.quant_form()}, int8 rows by "
-                                      f"{cpu_kernels.tiles()}, bfloat16 rows "
-                                      f"{cpu_kernels.bf16_form()}, activations {cpu_kernels.quant_activations()}"}
+    return {"counts": out, "kernels": f"{cpu_kernels.paths()}, activations {cpu_kernels.quant_activations()}"}
 
 
 class Crashed(RuntimeError):
@@ -144,8 +142,7 @@ def _kernel_path(isa: str) -> str:
     env = dict(os.environ)
     if isa != "native":
         env["MSLITE_LLM_CPU_KERNELS_ISA"] = isa
-    code = ("import cpu_kernels; print(cpu_kernels.isa(), cpu_kernels.quant_form(), cpu_kernels.tiles(), "
-            "cpu_kernels.bf16_form())")
+    code = "import cpu_kernels; print(cpu_kernels.paths())"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
     return proc.stdout.strip()
 

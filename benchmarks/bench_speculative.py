@@ -161,8 +161,7 @@ def worker_ours(job: Dict[str, Any]) -> Dict[str, Any]:
     return {"load_s": load_s, "ids": ids, "runs": runs, "score_sizes": pipe.runner.score_sizes,
             "draft_score_sizes": draft.runner.score_sizes, "seq_length": pipe.seq_length,
             "eos_token_id": list(pipe.defaults.eos_token_id or ()), "kernels_isa": cpu_kernels.isa(),
-            "kernels": f"{cpu_kernels.isa()}, quantized decode {cpu_kernels.quant_form()}, int8 rows by "
-                       f"{cpu_kernels.tiles()}, bfloat16 rows {cpu_kernels.bf16_form()}",
+            "kernels": cpu_kernels.paths(),
             "cpu_threads": pipe.config.cpu_threads}
 
 

@@ -212,6 +212,15 @@ def tiles() -> Optional[str]:
     return None if lib is None else ("amx" if lib.MsliteLlmSetTiles(ctypes.c_int(-1)) else "none")
 
 
+def paths() -> Optional[str]:
+    """Every form this machine's kernels run, in one line for a benchmark's record: "avx512, quantized decode
+    avx512_vnni, bfloat16 rows avx512_bf16, AMX tiles amx" (isa, quant_form, bf16_form, tiles); None when the library
+    was not built."""
+    if _library() is None:
+        return None
+    return f"{isa()}, quantized decode {quant_form()}, bfloat16 rows {bf16_form()}, AMX tiles {tiles()}"
+
+
 def set_tiles(on: bool) -> Optional[str]:
     """AMX tiles on (where this machine has them) or off, process-wide, for tests and benchmarks: returns tiles()
     after the switch."""

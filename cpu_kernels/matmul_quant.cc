@@ -33,7 +33,7 @@
 // ISA: the dequantization and the dot products have an AVX2+FMA form (target attributes; the AVX2 and AVX-512 paths
 // of common.h's isa() run it), the decode form also an AVX-512 VNNI one (vpdpwssd on int16 x, vpdpbusd on int4's
 // bytes against int8 x: the AVX-512 path on a CPU with AVX512_VNNI, BW and VL; quant_form() names the one that runs),
-// banded int8 weights also AMX tiles where the CPU and the kernel grant them (tdpbsud; common.h amx_granted),
+// banded int8 and int4 weights also AMX tiles where the CPU and the kernel grant them (tdpbsud; common.h amx_granted),
 // a NEON one and a plain C++ one (which read int8 x as the int16 integers it is; elsewhere, or with
 // MSLITE_LLM_CPU_KERNELS_ISA=generic; =avx2 holds an AVX-512 machine to the AVX2 forms, =avx512 to the form of a CPU
 // without VNNI), read at load.
@@ -1404,11 +1404,13 @@ constexpr int64_t AMX_MIN_ROWS = 2;  // one row reads the weights in streams (ea
 // 9 1.13x, 16 1.34x the vector form)
 constexpr int64_t AMX_MIN_ROWS_INT4 = 8;
 
-// whether banded int8 weights (in the x-in-int8 form) take the tiles for `rows` rows of x: from AMX_MIN_ROWS, any
-// number (past QUANT_ROWS_MAX, the prompt's rows: 16 a tile, x padded by prepare)
+// whether banded weights (x in int8) take the tiles for `rows` rows of x: int8 from AMX_MIN_ROWS, any number (past
+// QUANT_ROWS_MAX, the prompt's rows: 16 a tile, x padded by prepare); int4 where prepare laid x out for them
+// (PreparedX tiles: int4_tiles_take)
 bool amx_takes(const QuantWeight& w, int64_t rows) {
-  return rows >= (w.int4 ? AMX_MIN_ROWS_INT4 : AMX_MIN_ROWS) && g_amx_here && tiles_on() && w.r16 && w.x != nullptr &&
-         (w.int4 ? w.x->tiles : w.x->int8w);
+  if (!w.r16 || w.x == nullptr) return false;
+  if (w.int4) return w.x->tiles;
+  return rows >= AMX_MIN_ROWS && g_amx_here && tiles_on() && w.x->int8w;
 }
 
 // The tile configuration of `rows` rows of x: tiles 0, 1 C [rows, 16] int32; 2 A [rows, 32] int8 (a block of x);
@@ -1807,8 +1809,8 @@ const Kernels g_kernels = pick_kernels();
 // the quantized decode form this machine runs: "avx512_vnni", "avx2", "neon" or "generic"
 const char* quant_form() { return g_kernels.form; }
 
-// whether banded int8 weights take AMX tiles from AMX_MIN_ROWS rows of x (qband_amx): 1 on, 0 off; mode 0 or 1 sets
-// it (on only where this machine grants them), -1 asks
+// whether banded int4 weights take AMX tiles for `rows` rows of x (qbands_amx<R, true>): from AMX_MIN_ROWS_INT4, x in
+// int8 (the form's rule and mode), the tiles granted and on; prepare lays x out for them (PreparedX xa) where so
 bool int4_tiles_take(const QuantWeight& w, int64_t rows) {
 #ifdef MSLLM_X86
   return rows >= AMX_MIN_ROWS_INT4 && g_amx_here && tiles_on() && w.int4 && w.r16 && int8_fits(w) &&
@@ -2061,7 +2063,7 @@ void prepare_each(const float* x, int64_t rows, QuantWeight* ws, int n, Prepared
     int same = 0;  // the first weight before this one with its layout (px[j] prepared only for such firsts)
     while (same < i && !(px[same].x != nullptr && px[same].k == ws[i].k && px[same].group == ws[i].group &&
                          px[same].int4 == ws[i].int4 && px[same].int8w == takes_int8w(ws[i]) &&
-                         px[same].tiles == (px[same].int8 && ws[i].r16 && int4_tiles_take(ws[i], rows)) &&
+                         px[same].tiles == int4_tiles_take(ws[i], rows) &&
                          (px[same].sums || ws[i].offset == nullptr)))
       ++same;
     if (same == i) prepare(x, rows, ws[i], &px[i]);
@@ -2143,7 +2145,7 @@ void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out)
   const int64_t k = w.k, blocks = k / QBLOCK, groups = k / w.group, half = k / 2;
   const bool exact = out->exact;
   const float top_q = out->int8 || out->int8w ? 127.f : 32767.f;  // the largest integer of x's blocks
-  out->tiles = out->int8 && w.r16 && int4_tiles_take(w, rows);
+  out->tiles = int4_tiles_take(w, rows);  // (which implies out->int8)
   // what the tiles read (int8 bands' xb, int4 bands' xa, and the scales) past QUANT_ROWS_MAX rows: whole tiles of 16
   // (qbands_rows_amx), the rows past x zeros
   const int64_t padded = rows > QUANT_ROWS_MAX && (out->int8w || out->tiles)
@@ -2154,14 +2156,12 @@ void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out)
   if (out->int8) out->xb.resize(size_t(rows * 2 * k)), out->xs.resize(size_t(rows * (k / 4)));
   if (out->tiles) out->xa.assign(size_t(padded * k), 0);
   if (out->int8w) out->xb.resize(size_t(padded * k)), out->xs.resize(size_t(rows * (k / 4)));
-  std::vector<int64_t> block_sums;
+  std::vector<int64_t> sums(static_cast<size_t>(blocks));  // each block's sum of its integers (where round_row runs)
   for (int64_t m = 0; m < rows; ++m) {
     const float* xr = x + m * k;
     int16_t* q = out->xq.data() + m * (exact ? 2 : 1) * k;
     int16_t* low = q + k;  // exact only
     float* bs = out->scales.data() + m * (blocks + 2 * groups);
-    std::vector<int64_t>& sums = block_sums;  // each block's sum of its integers, where round_row made them
-    sums.resize(size_t(blocks));
     const bool vector = !exact && round_row(xr, k, top_q, w.int4, q, bs, sums.data());
     for (int64_t blk = 0; blk < blocks && !vector; ++blk) {
       float top = 0.f;

@@ -119,11 +119,12 @@ int quant_activations();
 void set_quant_activations(int mode);  // a negative mode: the default (the environment's, else int16)
 // the quantized decode form this machine runs: "avx512_vnni", "avx2", "neon" or "generic"
 const char* quant_form();
-// whether banded int8 weights may take AMX tiles on this machine (matmul_quant.cc qbands_amx; tiles_on() the switch)
+// whether banded int8 and int4 weights may take AMX tiles on this machine (matmul_quant.cc qbands_amx; tiles_on() the
+// switch)
 bool int8_tiles_here();
 // whether the rows kernel (quant_rows_kernel) takes `rows` rows of x for w: up to QUANT_ROWS_MAX, and any number for
-// banded int8 weights where AMX tiles take them (x in int8, as a decode step's: the prompt's rows then round x as the
-// steps do); else the float32 GEMM on packed weights (matmul16.cc)
+// banded int8 and int4 weights where AMX tiles take them (x in int8, as a decode step's: the prompt's rows then round
+// x as the steps do); else the float32 GEMM on packed weights (matmul16.cc)
 bool quant_rows_take(const QuantWeight& w, int64_t rows);
 
 // W's rows [n0, n0 + rows) over the inputs [k0, k0 + kc), as float32 (q + offset) * scale: dst[r * ld + i] (k0 and

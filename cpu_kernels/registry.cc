@@ -252,7 +252,7 @@ const char* MsliteLlmIsa() { return isa_name(isa()); }
 
 // The quantized matmuls' decode form: "avx512_vnni" (AVX-512 with VNNI), "avx2", "neon" or "generic".
 const char* MsliteLlmQuantForm() { return quant_form(); }
-// AMX tiles for banded int8 and bfloat16 weights on (1) or off (0), -1 asks: 1 where they are in force
+// AMX tiles for banded int8/int4 and bfloat16 weights on (1) or off (0), -1 asks: 1 where they are in force
 int MsliteLlmSetTiles(int mode) {
   if (mode == 0 || mode == 1) tiles_switch().store(mode == 1);
   return tiles_on() && (int8_tiles_here() || bf16_tiles_here()) ? 1 : 0;

@@ -322,8 +322,8 @@ def _bf16_form(backend: str) -> Optional[str]:
 
 
 def kernels_path(backend: str, folder) -> Optional[str]:
-    """The CPU kernels' code path that ran ("avx512, quantized decode avx512_vnni", and ", int8 rows by amx" where
-    banded int8 weights took AMX tiles for 2 rows or more: a verify, sequences in a step, a prompt; "avx512, bfloat16
+    """The CPU kernels' code path that ran ("avx512, quantized decode avx512_vnni", and ", rows by amx" where banded
+    int8 or int4 weights take AMX tiles for several rows: a verify, sequences in a step, a prompt; "avx512, bfloat16
     rows avx512_bf16 and amx" likewise for bfloat16 weights), None when none of them did (the mslite backend, a folder
     without them)."""
     cpu_kernels = _kernels(backend)
@@ -333,8 +333,9 @@ def kernels_path(backend: str, folder) -> Optional[str]:
     if isa is None:
         return None
     if folder.quantization is not None:
-        tiles = folder.quantization.get("bits") == 8 and cpu_kernels.bands_here(8) and cpu_kernels.tiles() == "amx"
-        return f"{isa}, quantized decode {cpu_kernels.quant_form()}" + (", int8 rows by amx" if tiles else "")
+        bits = folder.quantization.get("bits")
+        tiles = bits in (4, 8) and cpu_kernels.bands_here(bits) and cpu_kernels.tiles() == "amx"
+        return f"{isa}, quantized decode {cpu_kernels.quant_form()}" + (", rows by amx" if tiles else "")
     if folder.infer.get("dtype") == "bfloat16":
         return f"{isa}, bfloat16 rows {cpu_kernels.bf16_form()}" + (" and amx" if cpu_kernels.tiles() == "amx" else "")
     return isa
