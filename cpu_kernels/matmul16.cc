@@ -687,7 +687,8 @@ const bool g_bf16_tiles = g_bf16_form && amx_granted() && __builtin_cpu_supports
 // summed in float32 (in the tile unit's order: another order of float32 sums than the vector form's). A is 16 weight
 // rows by 32 inputs as they are stored (row-major: no repacking), B 16 rows of x by 32 inputs as bfloat16 pairs (x's
 // tile layout, x_to_bf16_pairs), C [16 weight rows, 16 rows of x] float32 summed over all the inputs: one store and a
-// transposition per 16 x 16 outputs. 3 blocks of 16 weight rows share each B (tiles 0-2 A, 3 B, 4-6 C).
+// transposition in registers per 16 x 16 outputs. Blocked 2 x 2 (pairs_amx_bf16: 2 A, 2 B, 4 C, each load taken by
+// two products), the next pair of blocks' weights prefetched into L2 while a pair runs.
 // (docs/architecture.md "AMX tiles: int8, int4 and bfloat16", docs/performance-log.md 49.)
 #define MSLLM_AMX_BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c,amx-tile,amx-bf16")))
@@ -741,61 +742,114 @@ MSLLM_AVX512_BF16 void x_to_bf16_pairs(const float* x, int64_t rows, int64_t in,
   }
 }
 
-// C tile `c` (16 weight rows from o, 16 rows of x from 16t) into y, transposed, with the biases
+// C tile `c` (16 weight rows from o, 16 rows of x from 16t) into y, transposed in registers, with the biases (0 added
+// where there are none, as the other forms add it)
 MSLLM_AVX512 inline void tile_out(const float* c, int64_t o, int64_t t, int64_t rows, const float* b, float* y,
                                   int64_t ldy) {
   const int64_t valid = std::min<int64_t>(16, rows - 16 * t);
-  for (int64_t m = 0; m < valid; ++m) {
-    float* ym = y + (16 * t + m) * ldy + o;
-    for (int n = 0; n < 16; ++n) ym[n] = c[n * 16 + m] + (b ? b[o + n] : 0.f);
+  __m512i r[16];
+  for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(c + n * 16);
+  transpose16(r);
+  const __m512 bias = b ? _mm512_loadu_ps(b + o) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < valid; ++m)
+    _mm512_storeu_ps(y + (16 * t + m) * ldy + o, _mm512_add_ps(_mm512_castsi512_ps(r[m]), bias));
+}
+
+// 2 blocks of 16 weight rows (from o) by 2 tiles of x (from tile t; the second left out when NT is 1): tiles 0-1 A,
+// 2-3 B, 4-7 C, each load taken by two products (the 3 x 1 blocking reloaded every block of weights for each tile
+// of x: 4 loads for 3 products, the weights read again from L2 by every 16 rows of x)
+template <int NT>
+MSLLM_AMX_BF16 void pair_amx_bf16(const bf16* w, const uint16_t* xp, int64_t in, int64_t o, int64_t t, bool first,
+                                  const bf16* next, int r0, int r1, float (*c)[256]) {
+  const int64_t stride = in * int64_t(sizeof(bf16));
+  const bf16* w0 = w + o * in;
+  const bf16* w1 = w0 + 16 * in;
+  const uint16_t* x0 = xp + t * in * 16;
+  const uint16_t* x1 = x0 + in * 16;
+  _tile_zero(4);
+  _tile_zero(5);
+  if (NT > 1) {
+    _tile_zero(6);
+    _tile_zero(7);
+  }
+  for (int64_t k = 0; k < in; k += 32) {
+    if (first)  // the weights' first pass comes from memory: each row's line 4 steps ahead
+      for (int r = 0; r < 32; ++r) _mm_prefetch(reinterpret_cast<const char*>(w0 + r * in + k + 128), _MM_HINT_T0);
+    if (next != nullptr)  // rows [r0, r1) of the next pair of blocks into L2 meanwhile (each pass of x its share)
+      for (int r = r0; r < r1; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * in + k), _MM_HINT_T1);
+    _tile_loadd(0, w0 + k, stride);
+    _tile_loadd(2, x0 + k * 16, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_loadd(1, w1 + k, stride);
+    _tile_dpbf16ps(5, 1, 2);
+    if (NT > 1) {
+      _tile_loadd(3, x1 + k * 16, 64);
+      _tile_dpbf16ps(6, 0, 3);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+  _tile_stored(4, c[0], 64);
+  _tile_stored(5, c[1], 64);
+  if (NT > 1) {
+    _tile_stored(6, c[2], 64);
+    _tile_stored(7, c[3], 64);
   }
 }
 
-template <int BLOCKS>
-MSLLM_AMX_BF16 void blocks_amx_bf16(const bf16* w, const uint16_t* xp, int64_t rows, int64_t in, const float* b,
-                                    float* y, int64_t ldy, int64_t o) {
+// outputs [o, o + 32) for every row of x: tiles of x two at a time
+MSLLM_AMX_BF16 void pairs_amx_bf16(const bf16* w, const uint16_t* xp, int64_t rows, int64_t in, const float* b,
+                                   float* y, int64_t ldy, int64_t o, bool first, const bf16* next) {
+  const int64_t tiles = (rows + 15) / 16, passes = (tiles + 1) / 2;
+  alignas(64) float c[4][256];
+  int64_t t = 0;
+  for (; t + 2 <= tiles; t += 2) {
+    const int p = int(t / 2);
+    pair_amx_bf16<2>(w, xp, in, o, t, first && t == 0, next, int(32 * p / passes), int(32 * (p + 1) / passes), c);
+    tile_out(c[0], o, t, rows, b, y, ldy);
+    tile_out(c[1], o + 16, t, rows, b, y, ldy);
+    tile_out(c[2], o, t + 1, rows, b, y, ldy);
+    tile_out(c[3], o + 16, t + 1, rows, b, y, ldy);
+  }
+  if (t < tiles) {
+    const int p = int(t / 2);
+    pair_amx_bf16<1>(w, xp, in, o, t, first && t == 0, next, int(32 * p / passes), int(32 * (p + 1) / passes), c);
+    tile_out(c[0], o, t, rows, b, y, ldy);
+    tile_out(c[1], o + 16, t, rows, b, y, ldy);
+  }
+}
+
+// outputs [o, o + 16) for every row of x (a matrix whose outputs are not whole pairs of blocks: its last 16)
+MSLLM_AMX_BF16 void block_amx_bf16(const bf16* w, const uint16_t* xp, int64_t rows, int64_t in, const float* b,
+                                   float* y, int64_t ldy, int64_t o) {
   const int64_t tiles = (rows + 15) / 16, stride = in * int64_t(sizeof(bf16));
-  alignas(64) float c[BLOCKS][256];
+  alignas(64) float c[256];
   for (int64_t t = 0; t < tiles; ++t) {
     _tile_zero(4);
-    if (BLOCKS > 1) _tile_zero(5);
-    if (BLOCKS > 2) _tile_zero(6);
     const uint16_t* xt = xp + t * in * 16;
     for (int64_t k = 0; k < in; k += 32) {
-      if (t == 0)  // the weights' first pass comes from memory: each row's line 4 steps ahead
-        for (int r = 0; r < 16 * BLOCKS; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(w + (o + r) * in + k + 128), _MM_HINT_T0);
-      _tile_loadd(3, xt + k * 16, 64);
+      _tile_loadd(2, xt + k * 16, 64);
       _tile_loadd(0, w + o * in + k, stride);
-      _tile_dpbf16ps(4, 0, 3);
-      if (BLOCKS > 1) {
-        _tile_loadd(1, w + (o + 16) * in + k, stride);
-        _tile_dpbf16ps(5, 1, 3);
-      }
-      if (BLOCKS > 2) {
-        _tile_loadd(2, w + (o + 32) * in + k, stride);
-        _tile_dpbf16ps(6, 2, 3);
-      }
+      _tile_dpbf16ps(4, 0, 2);
     }
-    _tile_stored(4, c[0], 64);
-    if (BLOCKS > 1) _tile_stored(5, c[BLOCKS > 1 ? 1 : 0], 64);
-    if (BLOCKS > 2) _tile_stored(6, c[BLOCKS > 2 ? 2 : 0], 64);
-    for (int i = 0; i < BLOCKS; ++i) tile_out(c[i], o + 16 * i, t, rows, b, y, ldy);
+    _tile_stored(4, c, 64);
+    tile_out(c, o, t, rows, b, y, ldy);
   }
 }
 
 // The rows kernel of the tiles (bf16_prepare: `op` a Bf16Operand whose x is in x_to_bf16_pairs' layout): outputs
-// [o0, o1) in blocks of 48, then 16; the last few (o1 - o0 not a multiple of 16: a matrix's last outputs) one by one
+// [o0, o1) in pairs of blocks of 16 (pairs_amx_bf16), then 16; the last few (o1 - o0 not a multiple of 16: a
+// matrix's last outputs) one by one
 MSLLM_AMX_BF16 void rows_amx_bf16(const float*, int64_t rows, const void* op, const float* b, int64_t in, float* y,
                                   int64_t ldy, int64_t o0, int64_t o1) {
   const Bf16Operand& a = *static_cast<const Bf16Operand*>(op);
   const bf16* w = static_cast<const bf16*>(a.w);
   TileConfig cfg;
-  for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   tile_configure(cfg);
   int64_t o = o0;
-  for (; o + 48 <= o1; o += 48) blocks_amx_bf16<3>(w, a.xb, rows, in, b, y, ldy, o);
-  for (; o + 16 <= o1; o += 16) blocks_amx_bf16<1>(w, a.xb, rows, in, b, y, ldy, o);
+  for (; o + 32 <= o1; o += 32)  // the task's first block from memory, each next one prefetched while this one runs
+    pairs_amx_bf16(w, a.xb, rows, in, b, y, ldy, o, o == o0, o + 64 <= o1 ? w + (o + 32) * in : nullptr);
+  for (; o + 16 <= o1; o += 16) block_amx_bf16(w, a.xb, rows, in, b, y, ldy, o);
   tile_release();
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(a.xb);
   for (; o < o1; ++o)
@@ -813,7 +867,7 @@ MSLLM_AMX_BF16 void rows_amx_bf16(const float*, int64_t rows, const void* op, co
 
 // the AVX-512 rows kernel for bfloat16 weights, for a caller that hands it float32 x (matmul() and the q/k/v
 // dispatch prepare x once for all their tasks instead): this form where it runs, x rounded in each call (not the
-// tiles: their x layout is made once per call of matmul(), their tasks whole blocks of 48 outputs)
+// tiles: their x layout is made once per call of matmul(), their tasks whole pairs of blocks, bf16_task_rows)
 MSLLM_AVX512 void rows_avx512_bf16(const float* x, int64_t rows, const void* wv, const float* b, int64_t in,
                                    float* y, int64_t ldy, int64_t o0, int64_t o1) {
   thread_local std::vector<uint16_t> xb;
@@ -955,17 +1009,74 @@ const Kernels g_kernels = pick_kernels();
 
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
+#ifdef MSLLM_X86
+// y[i] = silu(y[i]) * u[i] for n values, 16 a vector (the last ones masked: every value the same operations wherever
+// a task's outputs begin and end). exp(-v) as Cephes' expf: 2^k e^r with k = round(-v log2 e), r = -v - k ln 2 in two
+// parts, e^r = 1 + r + r^2 P(r) (P of degree 5: within 1 ulp of exp on |r| <= ln2 / 2), scaled by vscalefps
+// (overflow to inf, underflow to 0 as exp); -v clamped to [-104, 89] first, past which exp is 0 or inf in float32
+// (NaN passes through). The scalar std::exp took 17 % of a 128-token SmolLM2 piece with bfloat16 AMX tiles.
+MSLLM_AVX512 void silu_times_avx512(float* y, const float* u, int64_t n) {
+  const __m512 lo = _mm512_set1_ps(-104.f), hi = _mm512_set1_ps(89.f), log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 c1 = _mm512_set1_ps(0.693359375f), c2 = _mm512_set1_ps(-2.12194440e-4f), one = _mm512_set1_ps(1.f);
+  const __m512 p0 = _mm512_set1_ps(1.9875691500e-4f), p1 = _mm512_set1_ps(1.3981999507e-3f),
+               p2 = _mm512_set1_ps(8.3334519073e-3f), p3 = _mm512_set1_ps(4.1665795894e-2f),
+               p4 = _mm512_set1_ps(1.6666665459e-1f), p5 = _mm512_set1_ps(5.0000001201e-1f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(m, y + i);
+    const __m512 x = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_sub_ps(_mm512_setzero_ps(), v)));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(k, c2, _mm512_fnmadd_ps(k, c1, x));
+    __m512 p = _mm512_fmadd_ps(p0, r, p1);
+    p = _mm512_fmadd_ps(p, r, p2);
+    p = _mm512_fmadd_ps(p, r, p3);
+    p = _mm512_fmadd_ps(p, r, p4);
+    p = _mm512_fmadd_ps(p, r, p5);
+    const __m512 e = _mm512_scalef_ps(_mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), one), k);
+    const __m512 s = _mm512_div_ps(v, _mm512_add_ps(one, e));
+    _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
+  }
+}
+#endif
+
+// y[i] = silu(y[i]) * u[i]: the AVX-512 form's exp on that path, std::exp elsewhere (one form per process: a value is
+// the same in a step, a verify and a prompt)
+inline void silu_times(float* y, const float* u, int64_t n) {
+#ifdef MSLLM_X86
+  if (isa() == ISA_AVX512) return silu_times_avx512(y, u, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) y[i] = silu(y[i]) * u[i];
+}
+
 // What follows a matmul in the fused ops, on y's columns [o0, o1) of `rows` rows (y and r have `out` columns,
 // u `ldu`): with `up`, y = silu(y) * u (u = x . Wup^T); with a residual r, y += r.
 void epilogue(float* y, int64_t rows, int64_t out, int64_t o0, int64_t o1, const float* u, int64_t ldu,
               const float* r) {
   for (int64_t m = 0; m < rows; ++m) {
     float* ym = y + m * out;
-    if (u != nullptr)
-      for (int64_t o = o0; o < o1; ++o) ym[o] = silu(ym[o]) * u[m * ldu + o];
+    if (u != nullptr) silu_times(ym + o0, u + m * ldu + o0, o1 - o0);
     if (r != nullptr)
       for (int64_t o = o0; o < o1; ++o) ym[o] += r[m * out + o];
   }
+}
+
+// The epilogue of a GEMM's product(s) (y and u [rows, out]), threads splitting the rows of x.
+struct EpilogueJob : Job {
+  float* y;
+  int64_t rows, out;
+  const float* u;
+  const float* residual;
+  void work() override {
+    for (int64_t m; (m = next.fetch_add(1, std::memory_order_relaxed)) < rows;)
+      epilogue(y + m * out, 1, out, 0, out, u != nullptr ? u + m * out : nullptr, out,
+               residual != nullptr ? residual + m * out : nullptr);
+  }
+};
+
+void epilogue_tasks(float* y, int64_t rows, int64_t out, const float* u, const float* residual) {
+  EpilogueJob job;
+  job.y = y, job.rows = rows, job.out = out, job.u = u, job.residual = residual;
+  run(&job, rows * out >= 64 * 1024);
 }
 
 // The GEMV form, threads splitting the output rows; optionally the fused ops' epilogue on each task's rows.
@@ -983,13 +1094,17 @@ struct GemvJob : Job {
   Shares shares;
 
   void work() override {
-    float u[GEMV_MAX_ROWS * ROWS_PER_TASK];  // x . up^T for this task's rows (rows <= GEMV_MAX_ROWS with `up`)
+    // x . up^T for this task's outputs, u[m * step + o - o0]: sized by the task (a form's task may be longer than
+    // ROWS_PER_TASK: bf16_task_rows rounds to whole pairs of blocks of 16) and by the rows (a prompt's, by the tiles)
+    thread_local std::vector<float> ubuf;
+    if (up != nullptr && ubuf.size() < size_t(rows * step)) ubuf.resize(size_t(rows * step));
+    float* u = ubuf.data();
     shares.claim([&](int64_t t) {
       const int64_t o0 = t * step, o1 = std::min(out, o0 + step);
       fn(x, rows, w, b, in, y, out, o0, o1);
-      if (up != nullptr) fn(x, rows, up, nullptr, in, u - o0, ROWS_PER_TASK, o0, o1);  // u[m * ROWS_PER_TASK + o - o0]
+      if (up != nullptr) fn(x, rows, up, nullptr, in, u - o0, step, o0, o1);
       if (up != nullptr || residual != nullptr)
-        epilogue(y, rows, out, o0, o1, up != nullptr ? u - o0 : nullptr, ROWS_PER_TASK, residual);
+        epilogue(y, rows, out, o0, o1, up != nullptr ? u - o0 : nullptr, step, residual);
     });
   }
 };
@@ -1068,7 +1183,8 @@ bool bf16_tiles_here() {
 
 int64_t bf16_task_rows(RowsFn fn, int64_t out) {
 #ifdef MSLLM_X86
-  if (fn == rows_amx_bf16) return (task_rows(out) + 47) / 48 * 48;  // whole blocks of 48 weight rows a task
+  if (fn == rows_amx_bf16)
+    return std::max<int64_t>(32, (task_rows(out) + 16) / 32 * 32);  // whole pairs of blocks, the nearest count
 #endif
   (void)fn, (void)out;
   return 0;
@@ -1149,26 +1265,21 @@ int gemv(int nparam, void** params, int* ndims, int64_t** shapes, const char** d
 // epilogue (see `epilogue`): `up` [out, in] of W's dtype for SwiGLU, `residual` [rows, out] to add.
 void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* b, int64_t in, int64_t out,
             float* y, const void* up, const float* residual) {
-  if ((up != nullptr || residual != nullptr) && rows > GEMV_MAX_ROWS) {  // the product(s), then the epilogue
-    std::vector<float> u(up != nullptr ? size_t(rows * out) : 0);
-    matmul(x, rows, w, wt, b, in, out, y);
-    if (up != nullptr) matmul(x, rows, up, wt, nullptr, in, out, u.data());
-    epilogue(y, rows, out, 0, out, up != nullptr ? u.data() : nullptr, out, residual);
-    return;
-  }
+  const bool fused = up != nullptr || residual != nullptr;
+  // A rows kernel (any count of rows: the GEMV form's, the quantized forms', the tiles') takes the epilogue in each
+  // of its tasks, on the outputs it has just computed; the GEMMs compute the product(s), then the epilogue
+  // (epilogue_tasks). Either way each output is the same float32 operations.
   if (wt == W_QUANT) {  // matmul_quant.cc's: its rows kernel reads x prepared, once per call (and per layout)
     const QuantWeight& wq = *static_cast<const QuantWeight*>(w);
-    if (!quant_rows_take(wq, rows) && g_kernels.gemm_quant != nullptr)  // the prompt: the float GEMM on packed weights
-      return gemm_tasks(g_kernels.gemm_quant, x, rows, w, b, in, out, y);
-    if (up == nullptr && residual == nullptr) return quant_matmul(x, rows, wq, b, y);
-    QuantWeight ws[2] = {wq, up != nullptr ? *static_cast<const QuantWeight*>(up) : wq};
-    PreparedX px[2];
-    prepare_each(x, rows, ws, up != nullptr ? 2 : 1, px);
-    return gemv_rows(quant_rows_kernel(), x, rows, &ws[0], b, in, out, y, up != nullptr ? &ws[1] : nullptr, residual,
-                     quant_task_rows(ws[0]));
-  }
-  const GemmFn gemm = g_kernels.gemm[wt];
-  if (wt == W_BF16) {  // the AVX512-BF16 form or the tiles where they run (bf16_prepare): x rounded once for the call
+    if (quant_rows_take(wq, rows)) {
+      if (!fused) return quant_matmul(x, rows, wq, b, y);
+      QuantWeight ws[2] = {wq, up != nullptr ? *static_cast<const QuantWeight*>(up) : wq};
+      PreparedX px[2];
+      prepare_each(x, rows, ws, up != nullptr ? 2 : 1, px);
+      return gemv_rows(quant_rows_kernel(), x, rows, &ws[0], b, in, out, y, up != nullptr ? &ws[1] : nullptr,
+                       residual, quant_task_rows(ws[0]));
+    }
+  } else if (wt == W_BF16) {  // the AVX512-BF16 form or the tiles where they run (bf16_prepare): x rounded once
     thread_local std::vector<uint16_t> xb;
     if (const RowsFn fn = bf16_prepare(x, rows, in, xb)) {
       const Bf16Operand ops[2] = {{w, xb.data()}, {up, xb.data()}};
@@ -1176,9 +1287,25 @@ void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* 
                        bf16_task_rows(fn, out));
     }
   }
-  if (rows <= GEMV_MAX_ROWS || gemm == nullptr) return gemv_rows(g_kernels.rows[wt], x, rows, w, b, in, out, y, up,
-                                                                 residual);
-  gemm_tasks(gemm, x, rows, w, b, in, out, y);
+  if (rows <= GEMV_MAX_ROWS && wt != W_QUANT)
+    return gemv_rows(g_kernels.rows[wt], x, rows, w, b, in, out, y, up, residual);
+  const GemmFn gemm = g_kernels.gemm[wt];
+  const auto product = [&](const void* wm, const float* bm, float* ym) {
+    if (wt == W_QUANT) {  // the prompt: the float GEMM on packed weights (or quant_matmul's own)
+      if (g_kernels.gemm_quant != nullptr) return gemm_tasks(g_kernels.gemm_quant, x, rows, wm, bm, in, out, ym);
+      return quant_matmul(x, rows, *static_cast<const QuantWeight*>(wm), bm, ym);
+    }
+    if (gemm == nullptr) return gemv_rows(g_kernels.rows[wt], x, rows, wm, bm, in, out, ym, nullptr, nullptr);
+    gemm_tasks(gemm, x, rows, wm, bm, in, out, ym);
+  };
+  product(w, b, y);
+  if (!fused) return;
+  thread_local std::vector<float> u;
+  if (up != nullptr) {
+    u.resize(size_t(rows * out));
+    product(up, nullptr, u.data());
+  }
+  epilogue_tasks(y, rows, out, up != nullptr ? u.data() : nullptr, residual);
 }
 
 namespace {

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cpu_kernels
-from test_cpu_kernels import call_kernel, x_as_computed
+from test_cpu_kernels import call_kernel, stored, x_as_computed
 
 
 def close(got, ref, scale=None):
@@ -269,6 +269,31 @@ def test_swiglu_and_projection_with_residual(rows):
     assert call_kernel(cpu_kernels.GEMV_ADD, x, wg, r, z) == 0
     assert close(z, g + r, np.abs(g).max() + np.abs(r).max())
     assert call_kernel(cpu_kernels.GEMV_ADD, x, wg, r[:, :5], z) == 4
+
+
+@pytest.mark.parametrize("rows", [1, 9, 16, 20, 128])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_swiglu_at_a_real_models_width(rows, dtype):
+    """SwiGLU over 4864 outputs (Qwen2-0.5B's MLP: a task of the AMX tiles' form is 144 outputs, longer than a GEMV
+    task's 128) at a step's rows, a verify's (9), the GEMV form's last (16) and a prompt's: every output the numpy
+    SwiGLU of the stored weights, and the product with a residual the same. (The up product's buffer was sized for
+    128 outputs a task: at 9-16 rows with tiles it overflowed and rows overwrote each other's last outputs.)"""
+    rng = np.random.default_rng(rows)
+    inter, hidden = 4864, 896
+    x = rng.standard_normal((rows, hidden), dtype=np.float32)
+    (wg, wg64), (wu, wu64) = (stored(rng.standard_normal((inter, hidden), dtype=np.float32) * 0.05, dtype)
+                              for _ in range(2))
+    y = np.full((rows, inter), np.nan, np.float32)
+    dtypes = [None, dtype, dtype, None]
+    assert call_kernel(cpu_kernels.SWIGLU, x, wg, wu, y, dtypes=dtypes) == 0
+    xc = x_as_computed(x, dtype).astype(np.float64)
+    g, u = xc @ wg64.T, xc @ wu64.T
+    bound = 1e-5 * (np.abs(xc) @ np.abs(wg64).T) * (np.abs(xc) @ np.abs(wu64).T).max()
+    assert (np.abs(y - g / (1 + np.exp(-g)) * u) <= bound).all()
+    r = rng.standard_normal((rows, inter), dtype=np.float32)
+    z = np.full_like(r, np.nan)
+    assert call_kernel(cpu_kernels.GEMV_ADD, x, wg, r, z, dtypes=[None, dtype, None, None]) == 0
+    assert (np.abs(z - (g + r)) <= 1e-5 * (np.abs(xc) @ np.abs(wg64).T) + 1e-6 * np.abs(r)).all()
 
 
 ATTENTION_TYPES = [None, None, None, "int32", "int32", "int32", None]
