@@ -139,7 +139,8 @@ class Report:
         slots = chunks or scores or bool(fast)
         paths = (" (each through the prefill graphs" + (" and through the chunk graphs" if chunks else "")
                  + ("; one per bucket through the score graphs" if scores else "")
-                 + (f"; again through the prefill graphs with {ACTIVATION_LABELS[self.fast_mode]}" if fast else "")
+                 + (f"; again through the {_fast_graphs(fast)} with {ACTIVATION_LABELS[self.fast_mode]}"
+                    if fast else "")
                  + ")") if slots else ""
         fast_note = ""
         if fast:
@@ -249,8 +250,12 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
             rows += replay_scores(generator.runner, reference, tolerance, progress=progress)
     if mode is not None:  # the path that serves: the kernels' default (int8 for int4 weights, int16 for int8 ones,
         # and the AVX512-BF16 form), or int16 for a folder whose limit is int16's (an int4 one exported before int8's)
-        with _activations(FAST_KERNEL_MODE[mode]):
+        with _activations(FAST_KERNEL_MODE[mode]):  # the server's graphs too: its pieces and a verify's rows
             fast = replay(generator, reference, limits[mode], progress=progress)
+            if slots:
+                fast += replay_chunks(generator.runner, reference, limits[mode], progress=progress)
+            if generator.runner.score_sizes:
+                fast += replay_scores(generator.runner, reference, limits[mode], progress=progress)
         for r in fast:
             r.graph += FAST_SUFFIX[mode]
         rows += fast
@@ -294,6 +299,13 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
     return Report(name=folder.name, backend=generator.backend_name, dtype=config.compute_dtype, tolerance=tolerance,
                   reference=reference.source, rows=rows, info=info, graph=folder.graph_form, standins=standins,
                   fast=None if mode is None else limits[mode], fast_mode=mode or "int16", unreplayed=unreplayed)
+
+
+def _fast_graphs(rows) -> str:
+    """The graphs the fast replay's rows ran: 'prefill graphs', '..., chunk graphs and score graphs'."""
+    roles = [name for prefix, name in (("prefill", "prefill"), ("chunk_", "chunk"), ("score_", "score"))
+             if any(r.graph.startswith(prefix) for r in rows)] or ["prefill"]
+    return (", ".join(roles[:-1]) + " and " + roles[-1] if len(roles) > 1 else roles[0]) + " graphs"
 
 
 def _serves_int8(folder, backend: str) -> bool:
