@@ -121,10 +121,129 @@ inline void prefetch_pages(const float* p, int64_t floats) {
   }
 }
 
+#ifdef MSLLM_X86
+// hsum of the AVX2 rows kernel (matmul16.cc): the same three adds in the same order
+MSLLM_AVX2 inline float hsum8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h);
+}
+
+// Scores of several query rows against key rows [o0, o1) of a block (d a multiple of 8): each score the float32
+// rows kernel's for two rows and more on the AVX-512 path (rows_avx2's tiles: 8-lane sums over d, 8 inputs a step,
+// then hsum; + 0, its absent bias), so a query's scores are the same whichever kernel computed them; two query rows
+// share a register (one in each half) against each key's 8 inputs broadcast to both halves: 16-lane multiply-adds,
+// 4 pairs of rows by 4 keys a tile. The AVX2 tiles were a third of a 64-token piece's time after 1024 cached
+// positions (SmolLM2).
+template <int RP, int C>
+MSLLM_AVX512 inline void score_tile512(const float* const* xr, const float* k, int64_t d, float* const* yr,
+                                       int64_t o) {
+  __m512 acc[RP][C];
+  for (int p = 0; p < RP; ++p)
+    for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
+  const float* ko = k + o * d;
+  for (int64_t i = 0; i < d; i += 8) {
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
+        _mm256_loadu_ps(ko + c * d + i))));
+    for (int p = 0; p < RP; ++p) {
+      const __m512 xv = _mm512_castpd_ps(_mm512_insertf64x4(
+          _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(xr[2 * p] + i))),
+          _mm256_castps_pd(_mm256_loadu_ps(xr[2 * p + 1] + i)), 1));
+      for (int c = 0; c < C; ++c) acc[p][c] = _mm512_fmadd_ps(kv[c], xv, acc[p][c]);
+    }
+  }
+  for (int p = 0; p < RP; ++p)
+    for (int c = 0; c < C; ++c) {
+      const __m256 lo = _mm512_castps512_ps256(acc[p][c]);
+      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p][c]), 1));
+      yr[2 * p][o + c] = hsum8(lo) + 0.f;
+      yr[2 * p + 1][o + c] = hsum8(hi) + 0.f;
+    }
+}
+
+template <int RP>
+MSLLM_AVX512 inline void score_rows512(const float* const* xr, const float* k, int64_t d, float* const* yr,
+                                       int64_t o0, int64_t o1) {
+  int64_t o = o0;
+  for (; o + 4 <= o1; o += 4) score_tile512<RP, 4>(xr, k, d, yr, o);
+  for (; o < o1; ++o) score_tile512<RP, 1>(xr, k, d, yr, o);
+}
+
+// the rows kernel's signature (RowsFn): x [rows, d], the block's key rows as the weights, y [rows, ldy]
+MSLLM_AVX512 void scores_avx512(const float* x, int64_t rows, const void* kv, const float*, int64_t d, float* y,
+                                int64_t ldy, int64_t o0, int64_t o1) {
+  const float* k = static_cast<const float*>(kv);
+  const float* xr[8];
+  float* yr[8];
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) {
+    for (int j = 0; j < 8; ++j) xr[j] = x + (r + j) * d, yr[j] = y + (r + j) * ldy;
+    score_rows512<4>(xr, k, d, yr, o0, o1);
+  }
+  for (; r < rows; r += 2) {  // pairs; an odd last row paired with itself (both halves its own, written once)
+    const int64_t r1 = std::min(r + 1, rows - 1);
+    xr[0] = x + r * d, xr[1] = x + r1 * d, yr[0] = y + r * ldy, yr[1] = y + r1 * ldy;
+    score_rows512<1>(xr, k, d, yr, o0, o1);
+  }
+}
+#endif
+
+// the scores' kernel for `rows` query rows: the float32 rows kernel, or its paired AVX-512 form where it computes
+// the same (two rows and more on the AVX-512 path, d a multiple of 8)
+RowsFn scores_kernel(int64_t rows, int64_t d) {
+#ifdef MSLLM_X86
+  if (rows >= 2 && d % 8 == 0 && isa() == ISA_AVX512) return scores_avx512;
+#endif
+  (void)rows, (void)d;
+  return rows_kernel(W_F32);
+}
+
 typedef void (*AttendRowsFn)(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
                              const float* const* vblocks, int64_t bs, int64_t d, float* const* out, float* stats);
 
-template <void (*ExpRows)(float*, int64_t, float, float)>
+// Rows [0, RG) of the weighted sum over the value rows of one block (positions [p0, p0 + bs) clipped to each row's
+// length): each row's arithmetic exactly the one-row loop's below (its even positions of each pair into acc0, the odd
+// into acc1, a last single one into acc0, out = acc0 + acc1), so a row's output is the same whatever rows share its
+// task (a step's, a verify's, a prompt's); the RG rows share each value row's loads over the positions all of them
+// read (the one-row loop loaded each value row once per row: one load per multiply-add).
+template <int RG>
+__attribute__((always_inline)) inline void pv_rows(const float* scores, int64_t ld, const int64_t* lengths,
+                                                   const float* v, int64_t p0, int64_t bs, int64_t d,
+                                                   float* const* out) {
+  int64_t p1[RG], common = p0 + bs;
+  for (int g = 0; g < RG; ++g) p1[g] = std::min(lengths[g], p0 + bs), common = std::min(common, p1[g]);
+  const int64_t pc = common > p0 ? p0 + ((common - p0) & ~int64_t(1)) : p0;  // whole pairs every row reads
+  for (int64_t i0 = 0; i0 < d; i0 += PV_BLOCK) {
+    float acc0[RG][PV_BLOCK], acc1[RG][PV_BLOCK];
+    for (int g = 0; g < RG; ++g)
+      for (int i = 0; i < PV_BLOCK; ++i) acc0[g][i] = out[g][i0 + i], acc1[g][i] = 0.f;
+    const float* vp = v + p0 * d + i0;
+    for (int64_t p = p0; p < pc; p += 2, vp += 2 * d)
+      for (int g = 0; g < RG; ++g) {
+        const float w0 = scores[g * ld + p], w1 = scores[g * ld + p + 1];
+        for (int i = 0; i < PV_BLOCK; ++i) acc0[g][i] += w0 * vp[i];
+        for (int i = 0; i < PV_BLOCK; ++i) acc1[g][i] += w1 * vp[d + i];
+      }
+    for (int g = 0; g < RG; ++g) {
+      if (p1[g] <= p0) continue;  // no position of this block: out as it was
+      const float* w = scores + g * ld;
+      const float* vq = v + pc * d + i0;
+      int64_t p = pc;
+      for (; p + 2 <= p1[g]; p += 2, vq += 2 * d) {
+        const float w0 = w[p], w1 = w[p + 1];
+        for (int i = 0; i < PV_BLOCK; ++i) acc0[g][i] += w0 * vq[i];
+        for (int i = 0; i < PV_BLOCK; ++i) acc1[g][i] += w1 * vq[d + i];
+      }
+      if (p < p1[g])
+        for (int i = 0; i < PV_BLOCK; ++i) acc0[g][i] += w[p] * vq[i];
+      for (int i = 0; i < PV_BLOCK; ++i) out[g][i0 + i] = acc0[g][i] + acc1[g][i];
+    }
+  }
+}
+
+template <void (*ExpRows)(float*, int64_t, float, float), int RG = 1>
 __attribute__((always_inline)) inline void attend_rows_body(float* scores, int64_t rows, int64_t ld,
                                                             const int64_t* lengths, float scale,
                                                             const float* const* vblocks, int64_t bs, int64_t d,
@@ -159,7 +278,10 @@ __attribute__((always_inline)) inline void attend_rows_body(float* scores, int64
   for (int64_t p0 = 0; p0 < longest; p0 += bs) {
     const float* v = vblocks[p0 / bs] - p0 * d;  // so that v + p * d is position p's row, p in this block
     if (p0 + bs < longest) prefetch_pages(vblocks[p0 / bs + 1], std::min(bs, longest - p0 - bs) * d);
-    for (int64_t r = 0; r < rows; ++r) {
+    int64_t r = 0;
+    if (RG > 1 && d % PV_BLOCK == 0)
+      for (; r + RG <= rows; r += RG) pv_rows<RG>(scores + r * ld, ld, lengths + r, v, p0, bs, d, out + r);
+    for (; r < rows; ++r) {
       const int64_t p1 = std::min(lengths[r], p0 + bs);
       if (p1 <= p0) continue;
       const float* w = scores + r * ld;
@@ -198,7 +320,7 @@ MSLLM_AVX2 void attend_rows_avx2(float* scores, int64_t rows, int64_t ld, const 
 }
 MSLLM_AVX512 void attend_rows_avx512(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
     const float* const* vblocks, int64_t bs, int64_t d, float* const* out, float* stats) {
-  attend_rows_body<exp_rows_avx512>(scores, rows, ld, lengths, scale, vblocks, bs, d, out, stats);
+  attend_rows_body<exp_rows_avx512, 4>(scores, rows, ld, lengths, scale, vblocks, bs, d, out, stats);
 }
 #endif
 
@@ -302,7 +424,7 @@ struct AttentionJob : Job {
       scores.resize(size_t(std::max<int64_t>(nrows * longest, 1)));
       const int64_t used = (longest + bs - 1) / bs;
       vblocks.resize(size_t(std::max<int64_t>(used, 1)));
-      const RowsFn scores_of = rows_kernel(W_F32);
+      const RowsFn scores_of = scores_kernel(nrows, d);
       for (int64_t j = 0; j < used; ++j) {  // each block's scores: its K rows as the weight rows, in place
         const int64_t n = std::min(bs, longest - j * bs);
         if (j + 1 < used) prefetch_pages(k + cache.at(table[j + 1], kvh, 0), std::min(bs, longest - (j + 1) * bs) * d);

@@ -399,6 +399,31 @@ def test_attention_of_prompts_at_real_head_sizes(d, bs):
     check_attention(out, q, k, v, valid, rows)
 
 
+@pytest.mark.parametrize("h, kh", [(9, 3), (14, 2)])
+def test_a_querys_attention_alone_is_its_attention_among_a_prompts(h, kh):
+    """A query's output is the same bit for bit whether it runs alone (a decode step's row) or among a piece's
+    queries (a verify's 9, a prompt's 70 after a cached context of 130), whichever rows share its task: the value
+    rows' weighted sum takes several query rows at once on some paths, each row's sums in the one-row order.
+    SmolLM2's heads (9 over 3) and Qwen2-0.5B's (14 over 2); head size 64, blocks of 64 positions."""
+    rng = np.random.default_rng(h)
+    d, bs, ctx, n = 64, 64, 130, 70
+    k, v = (rng.standard_normal((1, kh, ctx + n, d), dtype=np.float32) for _ in range(2))
+    kp, tables = paged(k, bs, rng)
+    vp = repage(v, tables, bs, kp.shape[0])
+    q = rng.standard_normal((n, h * d), dtype=np.float32)
+    valid = np.arange(ctx + 1, ctx + n + 1, dtype=np.int32)
+    for m in (9, n):
+        together = np.full((m, h * d), np.nan, np.float32)
+        assert call_kernel(cpu_kernels.DECODE_ATTENTION, q[:m], kp, vp, valid[:m], np.zeros(m, np.int32), tables,
+                           together, dtypes=ATTENTION_TYPES) == 0
+        for i in range(m):
+            alone = np.full((1, h * d), np.nan, np.float32)
+            assert call_kernel(cpu_kernels.DECODE_ATTENTION, q[i:i + 1], kp, vp, valid[i:i + 1],
+                               np.zeros(1, np.int32), tables, alone, dtypes=ATTENTION_TYPES) == 0
+            assert np.array_equal(alone[0], together[i]), (m, i)
+    check_attention(together, q, k, v, valid, np.zeros(n, np.int32))
+
+
 @pytest.mark.parametrize("bs", [64, 16, 512])
 def test_decode_attention_over_long_contexts_in_chunks(bs):
     """A decode step's long contexts, split into chunks of positions whose softmax sums are merged (attention.cc
