@@ -721,25 +721,42 @@ MSLLM_AVX512 inline void transpose16(__m512i* r) {
 // i, the 16 rows' (x[m][2i], x[m][2i + 1]) in row order, as one uint32 each: B of inputs 32j..32j+31 is 16 such pair
 // rows of 64 bytes, contiguous. `in` a multiple of 32 (bf16_prepare): per tile its 16 rows rounded, then 16 pairs of
 // the 16 rows at a time transposed in registers (a scalar scatter of each pair was 5 % of a 0.5B bfloat16 prefill).
-MSLLM_AVX512_BF16 void x_to_bf16_pairs(const float* x, int64_t rows, int64_t in, uint16_t* out) {
-  const int64_t tiles = (rows + 15) / 16, half = in / 2;
-  std::vector<uint16_t> rounded(static_cast<size_t>(16 * in));
+MSLLM_AVX512_BF16 void x_to_bf16_pairs_tile(const float* x, int64_t rows, int64_t in, uint16_t* out, int64_t t) {
+  const int64_t half = in / 2;
+  thread_local std::vector<uint16_t> rounded;
+  rounded.resize(static_cast<size_t>(16 * in));
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(rounded.data());
   uint32_t* dst = reinterpret_cast<uint32_t*>(out);
-  for (int64_t t = 0; t < tiles; ++t) {
-    for (int64_t m = 0; m < 16; ++m) {
-      if (t * 16 + m < rows)
-        x_to_bf16(x + (t * 16 + m) * in, in, rounded.data() + m * in);
-      else
-        std::fill(rounded.begin() + m * in, rounded.begin() + (m + 1) * in, uint16_t(0));
-    }
-    for (int64_t i0 = 0; i0 < half; i0 += 16) {
-      __m512i r[16];
-      for (int m = 0; m < 16; ++m) r[m] = _mm512_loadu_si512(pairs + m * half + i0);
-      transpose16(r);
-      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (t * half + i0 + j) * 16, r[j]);
-    }
+  for (int64_t m = 0; m < 16; ++m) {
+    if (t * 16 + m < rows)
+      x_to_bf16(x + (t * 16 + m) * in, in, rounded.data() + m * in);
+    else
+      std::fill(rounded.begin() + m * in, rounded.begin() + (m + 1) * in, uint16_t(0));
   }
+  for (int64_t i0 = 0; i0 < half; i0 += 16) {
+    __m512i r[16];
+    for (int m = 0; m < 16; ++m) r[m] = _mm512_loadu_si512(pairs + m * half + i0);
+    transpose16(r);
+    for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (t * half + i0 + j) * 16, r[j]);
+  }
+}
+
+// every tile of x, the tiles split across the threads (on the caller alone it was 3-4 % of a 128-token piece, the
+// workers waiting)
+struct PairsJob : Job {
+  const float* x;
+  int64_t rows, in;
+  uint16_t* out;
+  void work() override {
+    const int64_t tiles = (rows + 15) / 16;
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tiles;) x_to_bf16_pairs_tile(x, rows, in, out, t);
+  }
+};
+
+void x_to_bf16_pairs(const float* x, int64_t rows, int64_t in, uint16_t* out) {
+  PairsJob job;
+  job.x = x, job.rows = rows, job.in = in, job.out = out;
+  run(&job, rows > 16);
 }
 
 // C tile `c` (16 weight rows from o, 16 rows of x from 16t) into y, transposed in registers, with the biases (0 added
