@@ -25,13 +25,10 @@ constexpr int64_t ATTENTION_CHUNK = 512;  // positions a task of one query reads
 // softmax over its own valid positions (the exp in intrinsics on x86) and the weighted sum of the value rows, in
 // plain loops the compiler vectorizes for each path (attend_rows_body is compiled once per target).
 
-// exp(x) for x <= 0 (scores minus their maximum): Cephes' expf polynomial after 2^n range reduction (x = n ln2 + r,
-// ln2 in a high and a low part); relative error ~2e-7. At or below EXP_LOW it gives 0. The scalar form, and the
-// 8- and 16-lane ones below with the same constants (GCC does not vectorize the scalar form's float selects).
-constexpr float EXP_LOW = -87.0f, EXP_LOG2E = 1.44269504088896341f, EXP_LN2_HI = 0.693359375f,
-                EXP_LN2_LO = -2.12194440e-4f;
-constexpr float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+// exp(x) for x <= 0 (scores minus their maximum): Cephes' expf polynomial (common.h EXP_POLY) after 2^n range
+// reduction; relative error ~2e-7. At or below EXP_LOW it gives 0. The scalar form, and the 8- and 16-lane ones below
+// with the same constants (GCC does not vectorize the scalar form's float selects).
+constexpr float EXP_LOW = -87.0f;
 
 __attribute__((always_inline)) inline float exp_nonpositive(float x) {
   x = x < EXP_LOW ? EXP_LOW : x;
@@ -122,14 +119,6 @@ inline void prefetch_pages(const float* p, int64_t floats) {
 }
 
 #ifdef MSLLM_X86
-// hsum of the AVX2 rows kernel (matmul16.cc): the same three adds in the same order
-MSLLM_AVX2 inline float hsum8(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-  return _mm_cvtss_f32(h);
-}
-
 // Scores of several query rows against key rows [o0, o1) of a block (d a multiple of 8): each score the float32
 // rows kernel's for two rows and more on the AVX-512 path (rows_avx2's tiles: 8-lane sums over d, 8 inputs a step,
 // then hsum; + 0, its absent bias), so a query's scores are the same whichever kernel computed them; two query rows
@@ -158,8 +147,8 @@ MSLLM_AVX512 inline void score_tile512(const float* const* xr, const float* k, i
     for (int c = 0; c < C; ++c) {
       const __m256 lo = _mm512_castps512_ps256(acc[p][c]);
       const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p][c]), 1));
-      yr[2 * p][o + c] = hsum8(lo) + 0.f;
-      yr[2 * p + 1][o + c] = hsum8(hi) + 0.f;
+      yr[2 * p][o + c] = hsum(lo) + 0.f;
+      yr[2 * p + 1][o + c] = hsum(hi) + 0.f;
     }
 }
 
@@ -204,10 +193,12 @@ typedef void (*AttendRowsFn)(float* scores, int64_t rows, int64_t ld, const int6
                              const float* const* vblocks, int64_t bs, int64_t d, float* const* out, float* stats);
 
 // Rows [0, RG) of the weighted sum over the value rows of one block (positions [p0, p0 + bs) clipped to each row's
-// length): each row's arithmetic exactly the one-row loop's below (its even positions of each pair into acc0, the odd
-// into acc1, a last single one into acc0, out = acc0 + acc1), so a row's output is the same whatever rows share its
-// task (a step's, a verify's, a prompt's); the RG rows share each value row's loads over the positions all of them
-// read (the one-row loop loaded each value row once per row: one load per multiply-add).
+// length), out[g] += sum_p w[g][p] v[p]: per row and block of PV_BLOCK values, its even positions of each pair into
+// acc0, the odd into acc1, a last single one into acc0, out = acc0 + acc1; the values past the last whole block (a
+// head size not a multiple of it) one at a time over the positions in order. A row's arithmetic is the same whatever
+// RG (RG = 1: one row at a time), so its output does not depend on the rows sharing its task (a step's, a verify's, a
+// prompt's); RG > 1 rows share each value row's loads over the pairs of positions all of them read (one at a time,
+// each multiply-add waited on its own load).
 template <int RG>
 __attribute__((always_inline)) inline void pv_rows(const float* scores, int64_t ld, const int64_t* lengths,
                                                    const float* v, int64_t p0, int64_t bs, int64_t d,
@@ -215,7 +206,8 @@ __attribute__((always_inline)) inline void pv_rows(const float* scores, int64_t 
   int64_t p1[RG], common = p0 + bs;
   for (int g = 0; g < RG; ++g) p1[g] = std::min(lengths[g], p0 + bs), common = std::min(common, p1[g]);
   const int64_t pc = common > p0 ? p0 + ((common - p0) & ~int64_t(1)) : p0;  // whole pairs every row reads
-  for (int64_t i0 = 0; i0 < d; i0 += PV_BLOCK) {
+  int64_t i0 = 0;
+  for (; i0 + PV_BLOCK <= d; i0 += PV_BLOCK) {
     float acc0[RG][PV_BLOCK], acc1[RG][PV_BLOCK];
     for (int g = 0; g < RG; ++g)
       for (int i = 0; i < PV_BLOCK; ++i) acc0[g][i] = out[g][i0 + i], acc1[g][i] = 0.f;
@@ -241,6 +233,12 @@ __attribute__((always_inline)) inline void pv_rows(const float* scores, int64_t 
       for (int i = 0; i < PV_BLOCK; ++i) out[g][i0 + i] = acc0[g][i] + acc1[g][i];
     }
   }
+  for (int g = 0; g < RG; ++g)
+    for (int64_t i = i0; i < d; ++i) {  // a head size not a multiple of the block
+      float acc = out[g][i];
+      for (int64_t p = p0; p < p1[g]; ++p) acc += scores[g * ld + p] * v[p * d + i];
+      out[g][i] = acc;
+    }
 }
 
 template <void (*ExpRows)(float*, int64_t, float, float), int RG = 1>
@@ -279,33 +277,8 @@ __attribute__((always_inline)) inline void attend_rows_body(float* scores, int64
     const float* v = vblocks[p0 / bs] - p0 * d;  // so that v + p * d is position p's row, p in this block
     if (p0 + bs < longest) prefetch_pages(vblocks[p0 / bs + 1], std::min(bs, longest - p0 - bs) * d);
     int64_t r = 0;
-    if (RG > 1 && d % PV_BLOCK == 0)
-      for (; r + RG <= rows; r += RG) pv_rows<RG>(scores + r * ld, ld, lengths + r, v, p0, bs, d, out + r);
-    for (; r < rows; ++r) {
-      const int64_t p1 = std::min(lengths[r], p0 + bs);
-      if (p1 <= p0) continue;
-      const float* w = scores + r * ld;
-      int64_t i0 = 0;
-      for (; i0 + PV_BLOCK <= d; i0 += PV_BLOCK) {
-        float acc0[PV_BLOCK], acc1[PV_BLOCK];
-        for (int i = 0; i < PV_BLOCK; ++i) acc0[i] = out[r][i0 + i], acc1[i] = 0.f;
-        const float* vp = v + p0 * d + i0;
-        int64_t p = p0;
-        for (; p + 2 <= p1; p += 2, vp += 2 * d) {
-          const float w0 = w[p], w1 = w[p + 1];
-          for (int i = 0; i < PV_BLOCK; ++i) acc0[i] += w0 * vp[i];
-          for (int i = 0; i < PV_BLOCK; ++i) acc1[i] += w1 * vp[d + i];
-        }
-        if (p < p1)
-          for (int i = 0; i < PV_BLOCK; ++i) acc0[i] += w[p] * vp[i];
-        for (int i = 0; i < PV_BLOCK; ++i) out[r][i0 + i] = acc0[i] + acc1[i];
-      }
-      for (int64_t i = i0; i < d; ++i) {  // a head size not a multiple of the block
-        float acc = out[r][i];
-        for (int64_t p = p0; p < p1; ++p) acc += w[p] * v[p * d + i];
-        out[r][i] = acc;
-      }
-    }
+    for (; r + RG <= rows; r += RG) pv_rows<RG>(scores + r * ld, ld, lengths + r, v, p0, bs, d, out + r);
+    for (; r < rows; ++r) pv_rows<1>(scores + r * ld, ld, lengths + r, v, p0, bs, d, out + r);
   }
 }
 

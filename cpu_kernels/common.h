@@ -212,6 +212,24 @@ inline void norm_rows(const float* x, int64_t rows, int64_t e, const float* w, f
   }
 }
 
+// Cephes' expf: x = n ln2 + r (ln2 in a high and a low part), e^r = 1 + r + r^2 P(r), P of degree 5 (EXP_POLY, highest
+// power first). The attention's softmax (attention.cc exp_nonpositive*) and the SwiGLU's silu (matmul16.cc
+// silu_times_avx512) evaluate it.
+constexpr float EXP_LOG2E = 1.44269504088896341f, EXP_LN2_HI = 0.693359375f, EXP_LN2_LO = -2.12194440e-4f;
+constexpr float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+#ifdef MSLLM_X86
+// the sum of an AVX2 register's 8 lanes, in this order: the float32 rows kernel's (matmul16.cc tile_avx2) and the
+// attention's paired scores (attention.cc scores_avx512), which must give the same sums
+MSLLM_AVX2 inline float hsum(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h);
+}
+#endif
+
 // ---- the rows kernels' signature ---------------------------------------------------------------
 
 // y[r * ldy + o] = x_r . W_o (+ b_o) for output rows [o0, o1) and every row r of x. Any number of rows. W [out, in]

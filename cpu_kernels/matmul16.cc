@@ -117,13 +117,6 @@ MSLLM_AVX2 inline __m256 load8(const bf16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
 }
 
-MSLLM_AVX2 inline float hsum(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-  return _mm_cvtss_f32(h);
-}
-
 // GEMV: R rows of x by C rows of W at a time, R*C accumulators in registers: each load feeds several FMAs.
 template <class T, int R, int C>
 MSLLM_AVX2 inline void tile_avx2(const float* x, const T* w, const float* b, int64_t in, float* y, int64_t ldy,
@@ -1029,26 +1022,20 @@ inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 #ifdef MSLLM_X86
 // y[i] = silu(y[i]) * u[i] for n values, 16 a vector (the last ones masked: every value the same operations wherever
 // a task's outputs begin and end). exp(-v) as Cephes' expf: 2^k e^r with k = round(-v log2 e), r = -v - k ln 2 in two
-// parts, e^r = 1 + r + r^2 P(r) (P of degree 5: within 1 ulp of exp on |r| <= ln2 / 2), scaled by vscalefps
+// parts, e^r = 1 + r + r^2 P(r) (common.h EXP_POLY: within 1 ulp of exp on |r| <= ln2 / 2), scaled by vscalefps
 // (overflow to inf, underflow to 0 as exp); -v clamped to [-104, 89] first, past which exp is 0 or inf in float32
 // (NaN passes through). The scalar std::exp took 17 % of a 128-token SmolLM2 piece with bfloat16 AMX tiles.
 MSLLM_AVX512 void silu_times_avx512(float* y, const float* u, int64_t n) {
-  const __m512 lo = _mm512_set1_ps(-104.f), hi = _mm512_set1_ps(89.f), log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 c1 = _mm512_set1_ps(0.693359375f), c2 = _mm512_set1_ps(-2.12194440e-4f), one = _mm512_set1_ps(1.f);
-  const __m512 p0 = _mm512_set1_ps(1.9875691500e-4f), p1 = _mm512_set1_ps(1.3981999507e-3f),
-               p2 = _mm512_set1_ps(8.3334519073e-3f), p3 = _mm512_set1_ps(4.1665795894e-2f),
-               p4 = _mm512_set1_ps(1.6666665459e-1f), p5 = _mm512_set1_ps(5.0000001201e-1f);
+  const __m512 lo = _mm512_set1_ps(-104.f), hi = _mm512_set1_ps(89.f), log2e = _mm512_set1_ps(EXP_LOG2E);
+  const __m512 c1 = _mm512_set1_ps(EXP_LN2_HI), c2 = _mm512_set1_ps(EXP_LN2_LO), one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
     const __m512 v = _mm512_maskz_loadu_ps(m, y + i);
     const __m512 x = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_sub_ps(_mm512_setzero_ps(), v)));
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_fnmadd_ps(k, c2, _mm512_fnmadd_ps(k, c1, x));
-    __m512 p = _mm512_fmadd_ps(p0, r, p1);
-    p = _mm512_fmadd_ps(p, r, p2);
-    p = _mm512_fmadd_ps(p, r, p3);
-    p = _mm512_fmadd_ps(p, r, p4);
-    p = _mm512_fmadd_ps(p, r, p5);
+    __m512 p = _mm512_set1_ps(EXP_POLY[0]);
+    for (int j = 1; j < 6; ++j) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[j]));
     const __m512 e = _mm512_scalef_ps(_mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), one), k);
     const __m512 s = _mm512_div_ps(v, _mm512_add_ps(one, e));
     _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
@@ -1304,15 +1291,12 @@ void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* 
                        bf16_task_rows(fn, out));
     }
   }
-  if (rows <= GEMV_MAX_ROWS && wt != W_QUANT)
+  const GemmFn gemm = wt == W_QUANT ? g_kernels.gemm_quant : g_kernels.gemm[wt];  // (gemm[] has no W_QUANT entry)
+  if (wt != W_QUANT && (rows <= GEMV_MAX_ROWS || gemm == nullptr))
     return gemv_rows(g_kernels.rows[wt], x, rows, w, b, in, out, y, up, residual);
-  const GemmFn gemm = g_kernels.gemm[wt];
   const auto product = [&](const void* wm, const float* bm, float* ym) {
-    if (wt == W_QUANT) {  // the prompt: the float GEMM on packed weights (or quant_matmul's own)
-      if (g_kernels.gemm_quant != nullptr) return gemm_tasks(g_kernels.gemm_quant, x, rows, wm, bm, in, out, ym);
+    if (wt == W_QUANT && gemm == nullptr)  // the prompt: the float GEMM on packed weights, or quant_matmul's own
       return quant_matmul(x, rows, *static_cast<const QuantWeight*>(wm), bm, ym);
-    }
-    if (gemm == nullptr) return gemv_rows(g_kernels.rows[wt], x, rows, wm, bm, in, out, ym, nullptr, nullptr);
     gemm_tasks(gemm, x, rows, wm, bm, in, out, ym);
   };
   product(w, b, y);

@@ -242,20 +242,24 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
     exact = (quantized_cpu and (limits is not None or not golden)) or bf16_cpu
     runner = generator.runner
     runner.cycle_step_graphs, runner.step_counts = True, {}  # every inc graph takes its turn at the decode steps
-    with _activations("exact" if exact else None):
-        rows = replay(generator, reference, tolerance, progress=progress)
+
+    def replay_every_graph(limit) -> List[RowResult]:
+        """The prefill graphs, the chunk graphs (the server's pieces), the score graphs (every position of a piece:
+        speculation, echo, perplexity)."""
+        out = replay(generator, reference, limit, progress=progress)
         if slots:
-            rows += replay_chunks(generator.runner, reference, tolerance, progress=progress)
-        if generator.runner.score_sizes:  # the score graphs: every position of a piece (speculation, echo, perplexity)
-            rows += replay_scores(generator.runner, reference, tolerance, progress=progress)
+            out += replay_chunks(runner, reference, limit, progress=progress)
+        if runner.score_sizes:
+            out += replay_scores(runner, reference, limit, progress=progress)
+        return out
+
+    with _activations("exact" if exact else None):
+        rows = replay_every_graph(tolerance)
     if mode is not None:  # the path that serves: the kernels' default (int8 for int4 weights, int16 for int8 ones,
-        # and the AVX512-BF16 form), or int16 for a folder whose limit is int16's (an int4 one exported before int8's)
-        with _activations(FAST_KERNEL_MODE[mode]):  # the server's graphs too: its pieces and a verify's rows
-            fast = replay(generator, reference, limits[mode], progress=progress)
-            if slots:
-                fast += replay_chunks(generator.runner, reference, limits[mode], progress=progress)
-            if generator.runner.score_sizes:
-                fast += replay_scores(generator.runner, reference, limits[mode], progress=progress)
+        # and the AVX512-BF16 form), or int16 for a folder whose limit is int16's (an int4 one exported before int8's);
+        # every graph: the forms some row counts take (a verify's 9 rows, a piece's) are replayed at those counts
+        with _activations(FAST_KERNEL_MODE[mode]):
+            fast = replay_every_graph(limits[mode])
         for r in fast:
             r.graph += FAST_SUFFIX[mode]
         rows += fast
