@@ -144,7 +144,18 @@ void project_qkv_rope(const float* x, int64_t rows, int64_t in, const WeightArg*
   rope(ys[1], rows, ws[1].out / d, d, cos, sin);
 }
 
+thread_local int64_t g_valid_rows = -1;  // ValidRows' count on this thread; -1: none alive
+
+// outputs [rows, width] past row `live`: zeros (a padding row's, never read)
+void zero_rows(float* y, int64_t live, int64_t rows, int64_t width) {
+  if (live < rows) std::memset(y + live * width, 0, size_t((rows - live) * width) * sizeof(float));
+}
+
 }  // namespace
+
+ValidRows::ValidRows(int64_t rows) { g_valid_rows = std::max<int64_t>(rows, 0); }
+ValidRows::~ValidRows() { g_valid_rows = -1; }
+int64_t valid_rows(int64_t rows) { return g_valid_rows < 0 ? rows : std::min(rows, g_valid_rows); }
 
 int rms_norm(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam != 4) return 1;
@@ -192,7 +203,10 @@ int qkv_rope(int nparam, void** params, int* ndims, int64_t** shapes, const char
   float* ys[3] = {static_cast<float*>(params[outputs]), static_cast<float*>(params[outputs + 1]),
                   static_cast<float*>(params[outputs + 2])};
   if (rows <= 0 || in <= 0) return rows <= 0 ? 0 : 4;
-  project_qkv_rope(static_cast<const float*>(params[0]), rows, in, ws, bs, ys, d,
+  const int64_t live = valid_rows(rows);  // rows past it: padding (ValidRows)
+  for (int m = 0; m < 3; ++m) zero_rows(ys[m], live, rows, ws[m].out);
+  if (live == 0) return 0;
+  project_qkv_rope(static_cast<const float*>(params[0]), live, in, ws, bs, ys, d,
                    static_cast<const float*>(params[ci]), static_cast<const float*>(params[si]),
                    norms ? static_cast<const float*>(params[si + 1]) : nullptr,
                    norms ? static_cast<const float*>(params[si + 2]) : nullptr,
@@ -378,13 +392,17 @@ int decode_tail(int nparam, void** params, int* ndims, int64_t** shapes, const c
   for (int k : {0, xi, yi})
     if (ndims[k] != 2) return 3;
   if (ndims[li] != 1 || ndims[ei] > 1) return 3;
-  const int64_t rows = shapes[0][0], a = shapes[0][1], e = wo.out, inter = ws[0].out;
+  int64_t rows = shapes[0][0];
+  const int64_t a = shapes[0][1], e = wo.out, inter = ws[0].out;
   if (wo.in != a || shapes[xi][0] != rows || shapes[xi][1] != e || shapes[li][0] != e || ws[0].in != e ||
       ws[1].out != inter || ws[1].in != e || ws[2].out != e || ws[2].in != inter || shapes[yi][0] != rows ||
       shapes[yi][1] != e)
     return 4;
   if (rows <= 0 || e <= 0) return 0;
   if (a <= 0 || inter <= 0) return 4;
+  zero_rows(static_cast<float*>(params[yi]), valid_rows(rows), rows, e);
+  rows = valid_rows(rows);  // rows past it: padding (ValidRows)
+  if (rows == 0) return 0;
   std::vector<float> h(size_t(rows * e)), hn(size_t(rows * e)), m(size_t(rows * inter));
   matmul(static_cast<const float*>(params[0]), rows, wo.data(), wo.type, nullptr, a, e, h.data(), nullptr,
          static_cast<const float*>(params[xi]));

@@ -28,6 +28,16 @@ int norm_swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const c
 int decode_tail(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 int decode_layer(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 
+// While alive, qkv_rope and decode_tail compute their first `rows` rows of x only and write zeros past them
+// (registry.cc's *Valid ops: a chunk graph's step rows and its piece's valid tokens, the padding after them); per
+// thread, as R16Call.
+struct ValidRows {
+  explicit ValidRows(int64_t rows);
+  ~ValidRows();
+};
+// rows, or the live ValidRows' count where that is smaller (at least 0)
+int64_t valid_rows(int64_t rows);
+
 // int8/int4 weights: the op body in matmul16.cc (its matmul() dispatches by rows), the rest in matmul_quant.cc
 int quant_matmul_op(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_offset,
                     bool prompt_rows);

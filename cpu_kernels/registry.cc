@@ -11,7 +11,8 @@
 //   MsliteLlmEmbed:    params = ids [N] int32/int64, table [V, E] f32/f16/bf16, y [N, E] f32
 //                      (ids may have any rank; y is ids' shape plus [E])
 // The decode step's fused ops (decode_ops.cc): MsliteLlmRmsNorm, MsliteLlmQkvRope, MsliteLlmGemvAdd,
-// MsliteLlmSwiGlu, MsliteLlmPagedDecodeQkv, MsliteLlmWriteCache, MsliteLlmNormSwiGlu, MsliteLlmDecodeTail; the attention
+// MsliteLlmSwiGlu, MsliteLlmPagedDecodeQkv, MsliteLlmWriteCache, MsliteLlmNormSwiGlu, MsliteLlmDecodeTail (and
+// MsliteLlmQkvRopeValid, MsliteLlmDecodeTailValid: the chunk graph's, a row count first); the attention
 // over the paged cache (attention.cc): MsliteLlmPagedAttention; cpu_kernels/__init__.py lists their tensors. The int8/int4 matmuls (matmul_quant.cc, whose
 // comment lists their tensors and one more error code): MsliteLlmQuantMatmul, MsliteLlmQuantMatmulOffset,
 // MsliteLlmAtlasWeightQuantBatchMatmul.
@@ -55,6 +56,17 @@ int timed(Op op, F&& f) {
   g_profile_calls[op] += 1;
   g_last_end = t1;
   return rc;
+}
+
+// the *Valid ops' call (below): valid int32 [1] first, the body's tensors after it
+template <class F>
+int with_valid(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, F body) {
+  if (nparam < 2) return 1;
+  if (std::strcmp(dtypes[0], "int32") != 0) return 2;
+  if (ndims[0] != 1) return 3;
+  if (shapes[0][0] != 1) return 4;
+  ValidRows live(*static_cast<const int32_t*>(params[0]));
+  return body(nparam - 1, params + 1, ndims + 1, shapes + 1, dtypes + 1);
 }
 
 }  // namespace
@@ -119,6 +131,20 @@ int MsliteLlmDecodeTail(int nparam, void** params, int* ndims, int64_t** shapes,
   return timed(OP_DECODE_TAIL, [&] { return decode_tail(nparam, params, ndims, shapes, dtypes); });
 }
 
+// The chunk graph's q/k/v and layer tail under names of their own (export/network/layers.py: its piece is right-padded
+// to the graph's tokens): valid int32 [1], the rows that hold a token (the step rows, then the piece's valid ones),
+// then the op's own tensors. Rows past it are not computed and come out zero (ops.h ValidRows), so a piece costs its
+// tokens, not the graph's size. An installation from before them refuses such a folder when it loads.
+int MsliteLlmQkvRopeValid(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
+                          void*) {
+  return timed(OP_QKV_ROPE, [&] { return with_valid(nparam, params, ndims, shapes, dtypes, qkv_rope); });
+}
+
+int MsliteLlmDecodeTailValid(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
+                             void*) {
+  return timed(OP_DECODE_TAIL, [&] { return with_valid(nparam, params, ndims, shapes, dtypes, decode_tail); });
+}
+
 // A decode step's layer in one call (decode_ops.cc decode_layer): MsliteLlmPagedDecodeQkv's, MsliteLlmPagedAttention's
 // and MsliteLlmDecodeTail's tensors after a layout int32 [3].
 int MsliteLlmPagedDecodeLayer(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
@@ -157,6 +183,16 @@ int MsliteLlmQuantNormSwiGlu(int nparam, void** params, int* ndims, int64_t** sh
 int MsliteLlmQuantDecodeTail(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* s,
                              void* e) {
   return MsliteLlmDecodeTail(nparam, params, ndims, shapes, dtypes, s, e);
+}
+
+int MsliteLlmQuantQkvRopeValid(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* s,
+                               void* e) {
+  return MsliteLlmQkvRopeValid(nparam, params, ndims, shapes, dtypes, s, e);
+}
+
+int MsliteLlmQuantDecodeTailValid(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                                  void* s, void* e) {
+  return MsliteLlmDecodeTailValid(nparam, params, ndims, shapes, dtypes, s, e);
 }
 
 int MsliteLlmQuantMatmul(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
@@ -206,6 +242,8 @@ MSLLM_R16(MsliteLlmQuantPagedDecodeQkv)
 MSLLM_R16(MsliteLlmQuantPagedDecodeLayer)
 MSLLM_R16(MsliteLlmQuantNormSwiGlu)
 MSLLM_R16(MsliteLlmQuantDecodeTail)
+MSLLM_R16(MsliteLlmQuantQkvRopeValid)
+MSLLM_R16(MsliteLlmQuantDecodeTailValid)
 MSLLM_R16(MsliteLlmQuantMatmul)
 MSLLM_R16(MsliteLlmQuantMatmulOffset)
 MSLLM_R16(MsliteLlmQuantMatmulValid)

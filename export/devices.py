@@ -114,7 +114,9 @@ def default_chunks(profile: DeviceProfile, seq_length: int, dtype: str) -> Tuple
       pace (the same log, "Chunk sizes on a VM with twice the memory pace", 2026-11-25) the steps took 0.052 s
       (float32) and 0.028 s (bfloat16) while a piece's arithmetic cost the same: pieces of 12 and 4 made the gaps
       1.9x and 1.75x (median), their p99 2.2x and 2.3x; hence 8 and 2, with margin for faster memory. Our kernels
-      compute all C rows of a piece, so a shorter piece costs as much as a full one.
+      compute a piece's valid tokens only (the chunk graph's q/k/v, attention and tail skip its padding rows, since
+      2026-11-30; before, a shorter piece cost as much as a full one), so a piece of 64 through the 128 graph costs
+      about half of a full one.
     - Atlas: 256 alone (a multiple of the cube unit's 16): the NPU does some 100 16-bit operations per byte of memory
       it reads, and a step of a 7B reads 14 GB and pays a fixed launch cost besides, so 256 tokens of arithmetic fit
       within about one step; a 2048-token prompt takes 8 pieces. Not measured (no device). One graph, because GE

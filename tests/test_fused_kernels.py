@@ -255,6 +255,46 @@ def test_decode_tail_is_o_proj_residual_norm_mlp_residual(rows, wdtype):
                        dtypes=dtypes) == 4  # a residual of the wrong width: refused, nothing computed
 
 
+@pytest.mark.parametrize("valid", [0, 1, 7, 19, 20, 25, -3])
+def test_the_chunk_graphs_ops_compute_their_valid_rows_only(valid):
+    """QKV_ROPE_VALID and DECODE_TAIL_VALID (the chunk graph's q/k/v and tail; valid int32 [1] first): their first
+    `valid` rows are the plain op's on those rows alone, bit for bit; the padding rows after them come out zero (a
+    count past the rows: all of them; below 0: none). A count that is not int32 [1] is refused."""
+    rng = np.random.default_rng(31)
+    rows, e, h, kh, d, a, inter = 20, 96, 6, 2, 16, 48, 160
+    live = min(max(valid, 0), rows)
+    x = rng.standard_normal((rows, e), dtype=np.float32)
+    mats = [t for o in (h * d, kh * d, kh * d) for t in (0.1 * rng.standard_normal((o, e), dtype=np.float32),
+                                                         rng.standard_normal(o, dtype=np.float32))]
+    angle = rng.uniform(0, 6, (rows, d // 2)).astype(np.float32)
+    cos, sin = np.cos(np.tile(angle, 2)).astype(np.float32), np.sin(np.tile(angle, 2)).astype(np.float32)
+    count = np.array([valid], np.int32)
+    outs = [np.full((rows, o), np.nan, np.float32) for o in (h * d, kh * d, kh * d)]
+    assert call_kernel(cpu_kernels.QKV_ROPE_VALID, count, x, *mats, cos, sin, *outs,
+                       dtypes=["int32"] + [None] * 12) == 0
+    alone = [np.full((live, o), np.nan, np.float32) for o in (h * d, kh * d, kh * d)]
+    if live:
+        assert call_kernel(cpu_kernels.QKV_ROPE, x[:live], *mats, cos[:live], sin[:live], *alone) == 0
+    for got, want in zip(outs, alone):
+        assert np.array_equal(got[:live], want) and not got[live:].any()
+
+    attn, res = rng.standard_normal((rows, a), dtype=np.float32), rng.standard_normal((rows, e), dtype=np.float32)
+    ln, eps = (1 + 0.1 * rng.standard_normal(e)).astype(np.float32), np.array([1e-6], np.float32)
+    wo, wg, wu, wd = (0.1 * rng.standard_normal(s, dtype=np.float32) for s in ((e, a), (inter, e), (inter, e), (e, inter)))
+    y = np.full((rows, e), np.nan, np.float32)
+    assert call_kernel(cpu_kernels.DECODE_TAIL_VALID, count, attn, wo, res, ln, eps, wg, wu, wd, y,
+                       dtypes=["int32"] + [None] * 9) == 0
+    want = np.full((live, e), np.nan, np.float32)
+    if live:
+        assert call_kernel(cpu_kernels.DECODE_TAIL, attn[:live], wo, res[:live], ln, eps, wg, wu, wd, want) == 0
+    assert np.array_equal(y[:live], want) and not y[live:].any()
+
+    assert call_kernel(cpu_kernels.DECODE_TAIL_VALID, count.astype(np.int64), attn, wo, res, ln, eps, wg, wu, wd, y,
+                       dtypes=["int64"] + [None] * 9) == 2
+    assert call_kernel(cpu_kernels.DECODE_TAIL_VALID, np.array([3, 4], np.int32), attn, wo, res, ln, eps, wg, wu, wd,
+                       y, dtypes=["int32"] + [None] * 9) == 4
+
+
 @pytest.mark.parametrize("rows", [1, 3, 20])
 def test_swiglu_and_projection_with_residual(rows):
     rng = np.random.default_rng(10 + rows)

@@ -221,7 +221,8 @@ class Attention(nn.Cell):
             f32 = ms.float32
             per = self.q_proj.arity()  # tensors per weight: x, Wq.., bq, Wk.., bk, Wv.., bv, ...
             quant = is_quantized(self.q_proj.method)  # the fused ops by their quantized names (cpu_kernels)
-            self.qkv_rope = kernel_op(cpu_kernels.fused_op(cpu_kernels.QKV_ROPE, quant), lambda *s: (
+            # (the chunk graph's: its rows that hold a token first, so its piece's padding is not computed)
+            self.qkv_rope = kernel_op(cpu_kernels.fused_op(cpu_kernels.QKV_ROPE_VALID, quant), lambda valid, *s: (
                 [s[0][0], s[1][0]], [s[0][0], s[2 + per][0]], [s[0][0], s[3 + 2 * per][0]]),
                 lambda *_: (f32, f32, f32))
             # without a qkv bias the kernel adds zeros (graph constants, not parameters: the names stay HF's)
@@ -300,12 +301,12 @@ class Attention(nn.Cell):
         out = self._attend(q, k, v, mask, b, n)
         return self.o_proj(ops.depend(ops.depend(out, k_done), v_done), valid_length)
 
-    def _rows_qkv(self, x, cos, sin):
+    def _rows_qkv(self, x, cos, sin, valid):
         """x [N, E], a row per token at its own position (cos, sin [N, D]) -> q [N, H, D], k, v [N, KH, D], RoPE applied
-        (after Qwen3's per-head norms)."""
+        (after Qwen3's per-head norms); valid [1] int32: the first rows that hold a token (the kernels compute those)."""
         n = x.shape[0]
         if self.qkv_rope is not None:
-            q, k, v = self._kernel_qkv(x, cos, sin)
+            q, k, v = self._kernel_qkv(x, cos, sin, valid)
             return q.reshape(n, self.h, self.d), k.reshape(n, self.kh, self.d), v.reshape(n, self.kh, self.d)
         q = self.q_proj(x).reshape(n, self.h, self.d)
         k = self.k_proj(x).reshape(n, self.kh, self.d)
@@ -323,7 +324,7 @@ class Attention(nn.Cell):
         cpu_kernels query_lengths [b + n], query_rows [b + n] and tables [b + 1, M] (each query's length and block
         table), else block_tables [B, M], piece_table [1, M], step_mask [B, T] and piece_mask [1, n, T]. Returns
         [b + n, H*D]."""
-        q, k, v = self._rows_qkv(x, cos, sin)
+        q, k, v = self._rows_qkv(x, cos, sin, ctx["valid"] if self.qkv_rope is not None else None)
         if self.write_cache is not None:  # cpu_kernels: written in place, then every query over its blocks
             flat = (b + n, self.kh * self.d)
             done = self.write_cache(k.reshape(flat), v.reshape(flat), self.key_cache, self.value_cache, ctx["slots"])
@@ -369,9 +370,10 @@ class Attention(nn.Cell):
             cos, sin, self.key_cache, self.value_cache, slots)
         return args if self.q_norm is None else args + (self.q_norm.weight, self.k_norm.weight)
 
-    def _kernel_qkv(self, x, cos, sin):
-        """q, k, v [N, H*D], [N, KH*D] through cpu_kernels' one op (projections, bias, Qwen3's norms, RoPE)."""
-        args = (x,) + self._qkv_weights() + (cos, sin)
+    def _kernel_qkv(self, x, cos, sin, valid):
+        """q, k, v [N, H*D], [N, KH*D] through cpu_kernels' one op (projections, bias, Qwen3's norms, RoPE) for the
+        first `valid` rows (the rest zero)."""
+        args = (valid, x) + self._qkv_weights() + (cos, sin)
         if self.q_norm is None:
             return self.qkv_rope(*args)
         return self.qkv_rope(*(args + (self.q_norm.weight, self.k_norm.weight, self.norm_eps)))
@@ -420,8 +422,8 @@ class DecoderLayer(nn.Cell):
             o, mlp = self.self_attn.o_proj, self.mlp
             plain = all(lin.bias is None and lin.reduce is None for lin in (o, mlp.down_proj))
             wo = o.arity()  # tensors of Wo: attn, Wo.., x, ...
-            self.tail = kernel_op(cpu_kernels.fused_op(cpu_kernels.DECODE_TAIL, quant), lambda *s: s[1 + wo],
-                                  lambda attn, *_: attn) if (
+            self.tail = kernel_op(cpu_kernels.fused_op(cpu_kernels.DECODE_TAIL_VALID, quant),
+                                  lambda valid, *s: s[1 + wo], lambda valid, attn, *_: attn) if (
                 plain and self.norm_swiglu is not None) else None
             # the decode step's whole layer in one kernel where the tail is one (MindSpore's runtime spends ~25 us
             # between two kernels: docs/performance-log.md 35); it writes the caches in place, as decode_qkv does
@@ -456,16 +458,18 @@ class DecoderLayer(nn.Cell):
 
     def chunk(self, x, cos, sin, ctx, b, n):  # x [b + n, E]: the decode step's rows, then a piece of one row
         if self.project_add is not None:  # cpu_kernels, as the decode step
-            return self._kernel_tail(x, self.self_attn.chunk(self.input_layernorm.few_rows(x), cos, sin, ctx, b, n))
+            return self._kernel_tail(x, self.self_attn.chunk(self.input_layernorm.few_rows(x), cos, sin, ctx, b, n),
+                                     ctx["valid"])
         h = ew_add(x, self.self_attn.o_proj(self.self_attn.chunk(self.input_layernorm(x), cos, sin, ctx, b, n)))
         return ew_add(h, self.mlp(self.post_attention_layernorm(h)))
 
-    def _kernel_tail(self, x, attn):
+    def _kernel_tail(self, x, attn, valid=None):
         """After the attention, through cpu_kernels: o_proj + residual, the norm and the MLP, down_proj + residual (one
-        kernel where neither o_proj nor the MLP has a bias or a tensor-parallel AllReduce)."""
+        kernel where neither o_proj nor the MLP has a bias or a tensor-parallel AllReduce: the chunk graph's, which
+        computes the first `valid` rows, [1] int32)."""
         norm = self.post_attention_layernorm
         if self.tail is not None:
-            return self.tail(*((attn,) + self._tail_args(x, norm)))
+            return self.tail(*((valid, attn) + self._tail_args(x, norm)))
         h = self._project_add(self.self_attn.o_proj, attn, x)
         if self.sparse:  # the MoE op takes the norm and the residual (export/network/moe.py)
             return self.mlp.residual(h, norm)

@@ -155,7 +155,11 @@ class CausalLM(nn.Cell):
             # "Load to first token: the full graph in the decode step's kernels, and their attention", 2026-11-25)
             rows = ops.broadcast_to(self.rows[:b].reshape(b, 1), (b, n)).reshape(-1)
             cos, sin = ops.tile(self.cos[:n], (b, 1)), ops.tile(self.sin[:n], (b, 1))  # [B*n, D]
-            ctx = {"slots": slot_mapping, "lengths": ops.tile(pos + 1, (b,)), "rows": rows, "tables": block_tables}
+            # each token reads up to itself; a padding token (past its prompt's valid_length) reads nothing: its
+            # attention is skipped, not computed over the whole context (its output is never read)
+            valid = ops.cast(pos.reshape(1, n) < valid_length.reshape(b, 1), ms.int32)  # [B, n]
+            lengths = (ops.broadcast_to((pos + 1).reshape(1, n), (b, n)) * valid).reshape(-1)
+            ctx = {"slots": slot_mapping, "lengths": lengths, "rows": rows, "tables": block_tables}
         else:
             cos = ops.tile(self.cos[:n].reshape(1, n, -1), (b, 1, 1))  # [B, n, D]
             sin = ops.tile(self.sin[:n].reshape(1, n, -1), (b, 1, 1))
@@ -190,7 +194,11 @@ class CausalLM(nn.Cell):
         else:
             cos, sin = ops.gather(self.cos, pos, 0), ops.gather(self.sin, pos, 0)  # [B + n, D]
             if self.layer_kernels:  # cpu_kernels' attention: each query's length and row of `tables`
-                ctx = {"slots": slots, "query_lengths": query_lengths,
+                # the piece's padding tokens read nothing: the kernels' attention skips them, so a piece's attention
+                # costs its valid tokens, not the graph's C (their outputs are never read)
+                piece_valid = ops.cast(self.positions[:n] < ops.broadcast_to(chunk_length, (n,)), ms.int32)
+                query_lengths = ops.cat((valid_length, (piece_pos + 1) * piece_valid))
+                ctx = {"slots": slots, "query_lengths": query_lengths, "valid": chunk_length + b,
                        "query_rows": ops.cat((self.rows[:b], ops.broadcast_to(self.rows[b - 1:b] + 1, (n,)))),
                        "tables": ops.cat((block_tables, chunk_block_table))}
             else:
