@@ -47,9 +47,36 @@ __attribute__((always_inline)) inline float exp_nonpositive(float x) {
   return x <= EXP_LOW ? 0.f : p * scale;
 }
 
-// s[p] = exp(s[p] * scale - best) for scores whose largest times scale is `best`: the plain loop (generic, NEON)
-__attribute__((always_inline)) inline void exp_rows_generic(float* s, int64_t n, float scale, float best) {
+// A row's softmax in two calls, one form per path (all of a path's rows alike: a query's weights are the same
+// whichever rows share its task): max_* the largest of s[0, n) (exact in any order), exp_sum_* s[p] = exp(s[p] *
+// scale - best) in place and their sum, kept in 8 lanes (lane j adds s[j], s[j + 8], ... up to the last whole 8),
+// then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), then the last n % 8 in order.
+__attribute__((always_inline)) inline float lanes_total(const float* lanes, const float* s, int64_t p, int64_t n) {
+  float total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  for (; p < n; ++p) total += s[p];
+  return total;
+}
+
+// the plain loops (generic, NEON)
+__attribute__((always_inline)) inline float max_generic(const float* s, int64_t n) {
+  float lanes[8];
+  for (int j = 0; j < 8; ++j) lanes[j] = -INFINITY;
+  int64_t p = 0;
+  for (; p + 8 <= n; p += 8)
+    for (int j = 0; j < 8; ++j) lanes[j] = lanes[j] > s[p + j] ? lanes[j] : s[p + j];
+  float best = -INFINITY;
+  for (int j = 0; j < 8; ++j) best = std::max(best, lanes[j]);
+  for (; p < n; ++p) best = std::max(best, s[p]);
+  return best;
+}
+
+__attribute__((always_inline)) inline float exp_sum_generic(float* s, int64_t n, float scale, float best) {
   for (int64_t p = 0; p < n; ++p) s[p] = exp_nonpositive(s[p] * scale - best);
+  float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t p = 0;
+  for (; p + 8 <= n; p += 8)
+    for (int j = 0; j < 8; ++j) lanes[j] += s[p + j];
+  return lanes_total(lanes, s, p, n);
 }
 
 #ifdef MSLLM_X86
@@ -67,11 +94,32 @@ MSLLM_AVX2 inline __m256 exp_nonpositive8(__m256 x) {
   return _mm256_andnot_ps(_mm256_cmp_ps(x, low, _CMP_LE_OQ), y);
 }
 
-MSLLM_AVX2 inline void exp_rows_avx2(float* s, int64_t n, float scale, float best) {
-  const __m256 vs = _mm256_set1_ps(scale), vb = _mm256_set1_ps(best);
+MSLLM_AVX2 inline float max_avx2(const float* s, int64_t n) {
+  __m256 m = _mm256_set1_ps(-INFINITY);
   int64_t p = 0;
-  for (; p + 8 <= n; p += 8) _mm256_storeu_ps(s + p, exp_nonpositive8(_mm256_fmsub_ps(_mm256_loadu_ps(s + p), vs, vb)));
-  for (; p < n; ++p) s[p] = exp_nonpositive(s[p] * scale - best);
+  for (; p + 8 <= n; p += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + p));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float best = -INFINITY;
+  for (int j = 0; j < 8; ++j) best = std::max(best, lanes[j]);
+  for (; p < n; ++p) best = std::max(best, s[p]);
+  return best;
+}
+
+// the exps 8 at a time (the last n % 8 in the scalar form), each 8 added to the lanes as it is made
+MSLLM_AVX2 inline float exp_sum_avx2(float* s, int64_t n, float scale, float best) {
+  const __m256 vs = _mm256_set1_ps(scale), vb = _mm256_set1_ps(best);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t p = 0;
+  for (; p + 8 <= n; p += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_fmsub_ps(_mm256_loadu_ps(s + p), vs, vb));
+    _mm256_storeu_ps(s + p, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  for (int64_t t = p; t < n; ++t) s[t] = exp_nonpositive(s[t] * scale - best);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  return lanes_total(lanes, s, p, n);
 }
 
 MSLLM_AVX512 inline __m512 exp_nonpositive16(__m512 x) {
@@ -89,20 +137,39 @@ MSLLM_AVX512 inline __m512 exp_nonpositive16(__m512 x) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, low, _CMP_GT_OQ), y);
 }
 
-MSLLM_AVX512 inline void exp_rows_avx512(float* s, int64_t n, float scale, float best) {
-  const __m512 vs = _mm512_set1_ps(scale), vb = _mm512_set1_ps(best);
+MSLLM_AVX512 inline float max_avx512(const float* s, int64_t n) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
   int64_t p = 0;
-  for (; p + 16 <= n; p += 16)
-    _mm512_storeu_ps(s + p, exp_nonpositive16(_mm512_fmsub_ps(_mm512_loadu_ps(s + p), vs, vb)));
-  for (; p < n; ++p) s[p] = exp_nonpositive(s[p] * scale - best);
+  for (; p + 16 <= n; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + p));
+  float best = _mm512_reduce_max_ps(m);
+  for (; p < n; ++p) best = std::max(best, s[p]);
+  return best;
+}
+
+// the exps 16 at a time (the last n % 16 in the scalar form), each 16 added to the 8 lanes as two 8s in order
+MSLLM_AVX512 inline float exp_sum_avx512(float* s, int64_t n, float scale, float best) {
+  const __m512 vs = _mm512_set1_ps(scale), vb = _mm512_set1_ps(best);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t p = 0;
+  for (; p + 16 <= n; p += 16) {
+    const __m512 e = exp_nonpositive16(_mm512_fmsub_ps(_mm512_loadu_ps(s + p), vs, vb));
+    _mm512_storeu_ps(s + p, e);
+    acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+    acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+  for (int64_t t = p; t < n; ++t) s[t] = exp_nonpositive(s[t] * scale - best);
+  if (p + 8 <= n) acc = _mm256_add_ps(acc, _mm256_loadu_ps(s + p)), p += 8;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  return lanes_total(lanes, s, p, n);
 }
 #endif
 
 // The softmax and the weighted sum of values of a task's query rows: scores [rows, ld] (row r's first lengths[r]
 // valid) -> out[r] [d] = softmax(scores_r * scale) . V, the value rows in blocks of bs positions (vblocks[j]: block
-// j's [bs, d] rows). Each row's maximum and sum are kept in 8 lanes (the compiler does not reorder float reductions),
-// its weights normalised in place; then the value rows are read a block at a time (in L1) for every query row, each
-// row's output in blocks of PV_BLOCK values over two positions at a time, in vector registers.
+// j's [bs, d] rows). Each row's maximum (max_*) and its exps and their sum in 8 lanes (exp_sum_*, one pass) in the
+// path's form, its weights normalised in place; then the value rows are read a block at a time (in L1) for every
+// query row, each row's output in blocks of PV_BLOCK values over two positions at a time, in vector registers.
 constexpr int64_t PV_BLOCK = 32;
 
 // The start of the next block's rows into the cache while this one is read: a block (BS positions of one kv head,
@@ -123,8 +190,9 @@ inline void prefetch_pages(const float* p, int64_t floats) {
 // rows kernel's for two rows and more on the AVX-512 path (rows_avx2's tiles: 8-lane sums over d, 8 inputs a step,
 // then hsum; + 0, its absent bias), so a query's scores are the same whichever kernel computed them; two query rows
 // share a register (one in each half) against each key's 8 inputs broadcast to both halves: 16-lane multiply-adds,
-// 4 pairs of rows by 4 keys a tile. The AVX2 tiles were a third of a 64-token piece's time after 1024 cached
-// positions (SmolLM2).
+// 2 pairs of rows by 8 keys a tile, whose 16 scores a pair hsum's tree gives all at once (reduce_keys8: 15 shuffles
+// and 8 adds where 16 hsums took 56 and 48; a 64-token piece's attention after 1024 positions 1.25x, performance-log
+// 51). The AVX2 tiles were a third of that piece's time (SmolLM2).
 template <int RP, int C>
 MSLLM_AVX512 inline void score_tile512(const float* const* xr, const float* k, int64_t d, float* const* yr,
                                        int64_t o) {
@@ -152,10 +220,56 @@ MSLLM_AVX512 inline void score_tile512(const float* const* xr, const float* k, i
     }
 }
 
+// 8 keys' accumulators of a pair of rows (acc[c]: row a's 8 lanes, then row b's, for key c) -> row a's 8 scores,
+// then row b's: hsum's tree over each one's lanes, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), 16 scores at a
+// time (7 adds and 8 shuffles between the accumulators, then one permute, where hsum took 3 of each a score), + 0
+MSLLM_AVX512 inline __m512 reduce_keys8(const __m512* acc) {
+  __m512 h[4];  // h[j]: l_k + l_(k+4) of keys 2j, 2j+1: [2j's a, 2j's b, 2j+1's a, 2j+1's b], 4 lanes each
+  for (int j = 0; j < 4; ++j)
+    h[j] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * j], acc[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(acc[2 * j], acc[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  __m512 g[2];  // (l0 + l4) + (l2 + l6) and (l1 + l5) + (l3 + l7), side by side, of h[2i]'s and h[2i + 1]'s scores
+  for (int i = 0; i < 2; ++i)
+    g[i] = _mm512_add_ps(_mm512_shuffle_ps(h[2 * i], h[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(h[2 * i], h[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // 128-bit lane 0: keys 0, 2, 4, 6 of row a; 1: of row b; 2: keys 1, 3, 5, 7 of row a; 3: of row b
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  return _mm512_add_ps(_mm512_permutexvar_ps(order, f), _mm512_setzero_ps());
+}
+
+// score_tile512's arithmetic for RP pairs of rows by 8 keys, each pair's 8 accumulators reduced together
+template <int RP>
+MSLLM_AVX512 inline void score_tile512_keys8(const float* const* xr, const float* k, int64_t d, float* const* yr,
+                                             int64_t o) {
+  __m512 acc[RP][8];
+  for (int p = 0; p < RP; ++p)
+    for (int c = 0; c < 8; ++c) acc[p][c] = _mm512_setzero_ps();
+  const float* ko = k + o * d;
+  for (int64_t i = 0; i < d; i += 8) {
+    __m512 kv[8];
+    for (int c = 0; c < 8; ++c) kv[c] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
+        _mm256_loadu_ps(ko + c * d + i))));
+    for (int p = 0; p < RP; ++p) {
+      const __m512 xv = _mm512_castpd_ps(_mm512_insertf64x4(
+          _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(xr[2 * p] + i))),
+          _mm256_castps_pd(_mm256_loadu_ps(xr[2 * p + 1] + i)), 1));
+      for (int c = 0; c < 8; ++c) acc[p][c] = _mm512_fmadd_ps(kv[c], xv, acc[p][c]);
+    }
+  }
+  for (int p = 0; p < RP; ++p) {
+    const __m512 s = reduce_keys8(acc[p]);
+    _mm256_storeu_ps(yr[2 * p] + o, _mm512_castps512_ps256(s));
+    _mm256_storeu_ps(yr[2 * p + 1] + o, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+  }
+}
+
 template <int RP>
 MSLLM_AVX512 inline void score_rows512(const float* const* xr, const float* k, int64_t d, float* const* yr,
                                        int64_t o0, int64_t o1) {
   int64_t o = o0;
+  for (; o + 8 <= o1; o += 8) score_tile512_keys8<RP>(xr, k, d, yr, o);
   for (; o + 4 <= o1; o += 4) score_tile512<RP, 4>(xr, k, d, yr, o);
   for (; o < o1; ++o) score_tile512<RP, 1>(xr, k, d, yr, o);
 }
@@ -167,9 +281,9 @@ MSLLM_AVX512 void scores_avx512(const float* x, int64_t rows, const void* kv, co
   const float* xr[8];
   float* yr[8];
   int64_t r = 0;
-  for (; r + 8 <= rows; r += 8) {
-    for (int j = 0; j < 8; ++j) xr[j] = x + (r + j) * d, yr[j] = y + (r + j) * ldy;
-    score_rows512<4>(xr, k, d, yr, o0, o1);
+  for (; r + 4 <= rows; r += 4) {
+    for (int j = 0; j < 4; ++j) xr[j] = x + (r + j) * d, yr[j] = y + (r + j) * ldy;
+    score_rows512<2>(xr, k, d, yr, o0, o1);
   }
   for (; r < rows; r += 2) {  // pairs; an odd last row paired with itself (both halves its own, written once)
     const int64_t r1 = std::min(r + 1, rows - 1);
@@ -241,7 +355,7 @@ __attribute__((always_inline)) inline void pv_rows(const float* scores, int64_t 
     }
 }
 
-template <void (*ExpRows)(float*, int64_t, float, float), int RG = 1>
+template <float (*MaxOf)(const float*, int64_t), float (*ExpSum)(float*, int64_t, float, float), int RG = 1>
 __attribute__((always_inline)) inline void attend_rows_body(float* scores, int64_t rows, int64_t ld,
                                                             const int64_t* lengths, float scale,
                                                             const float* const* vblocks, int64_t bs, int64_t d,
@@ -249,25 +363,13 @@ __attribute__((always_inline)) inline void attend_rows_body(float* scores, int64
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * ld;
     const int64_t n = lengths[r];
-    float lanes[8];
-    for (int j = 0; j < 8; ++j) lanes[j] = -INFINITY;
-    int64_t p = 0;
-    for (; p + 8 <= n; p += 8)
-      for (int j = 0; j < 8; ++j) lanes[j] = lanes[j] > s[p + j] ? lanes[j] : s[p + j];
-    float best = -INFINITY;
-    for (int j = 0; j < 8; ++j) best = std::max(best, lanes[j]);
-    for (; p < n; ++p) best = std::max(best, s[p]);
-    ExpRows(s, n, scale, best * scale);
-    for (int j = 0; j < 8; ++j) lanes[j] = 0.f;
-    for (p = 0; p + 8 <= n; p += 8)
-      for (int j = 0; j < 8; ++j) lanes[j] += s[p + j];
-    float total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-    for (; p < n; ++p) total += s[p];
+    const float best = MaxOf(s, n);
+    const float total = ExpSum(s, n, scale, best * scale);
     if (stats != nullptr) {
       stats[2 * r] = best * scale, stats[2 * r + 1] = total;
     } else {
       const float norm = total > 0.f ? 1.f / total : 0.f;
-      for (p = 0; p < n; ++p) s[p] *= norm;
+      for (int64_t p = 0; p < n; ++p) s[p] *= norm;
     }
     for (int64_t i = 0; i < d; ++i) out[r][i] = 0.f;
   }
@@ -284,16 +386,16 @@ __attribute__((always_inline)) inline void attend_rows_body(float* scores, int64
 
 void attend_rows_generic(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
                          const float* const* vblocks, int64_t bs, int64_t d, float* const* out, float* stats) {
-  attend_rows_body<exp_rows_generic>(scores, rows, ld, lengths, scale, vblocks, bs, d, out, stats);
+  attend_rows_body<max_generic, exp_sum_generic>(scores, rows, ld, lengths, scale, vblocks, bs, d, out, stats);
 }
 #ifdef MSLLM_X86
 MSLLM_AVX2 void attend_rows_avx2(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
     const float* const* vblocks, int64_t bs, int64_t d, float* const* out, float* stats) {
-  attend_rows_body<exp_rows_avx2>(scores, rows, ld, lengths, scale, vblocks, bs, d, out, stats);
+  attend_rows_body<max_avx2, exp_sum_avx2>(scores, rows, ld, lengths, scale, vblocks, bs, d, out, stats);
 }
 MSLLM_AVX512 void attend_rows_avx512(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
     const float* const* vblocks, int64_t bs, int64_t d, float* const* out, float* stats) {
-  attend_rows_body<exp_rows_avx512, 4>(scores, rows, ld, lengths, scale, vblocks, bs, d, out, stats);
+  attend_rows_body<max_avx512, exp_sum_avx512, 4>(scores, rows, ld, lengths, scale, vblocks, bs, d, out, stats);
 }
 #endif
 
