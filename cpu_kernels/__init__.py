@@ -40,13 +40,14 @@ WRITE_CACHE = "MsliteLlmWriteCache"  # k, v [N, KH*D], key_cache, value_cache, s
 NORM_SWIGLU = "MsliteLlmNormSwiGlu"  # h [B, E], ln_w [E], eps [1], Wg, Wu [O, E] -> SwiGLU of RMSNorm(h) [B, O]
 DECODE_TAIL = "MsliteLlmDecodeTail"  # attn [N, A], Wo [E, A], x [N, E], ln_w [E], eps [1], Wg, Wu [I, E], Wd [E, I]
 #   -> h + down(SwiGLU(RMSNorm(h))) with h = x + attn . Wo^T [N, E]: the layer after the attention (no o/MLP biases)
-# the chunk graph's QKV_ROPE and DECODE_TAIL: valid int32 [1] (its step rows plus the piece's valid tokens) before
-#   the op's own tensors; rows past it are not computed, and come out zero (its piece's padding)
-QKV_ROPE_VALID = "MsliteLlmQkvRopeValid"
-DECODE_TAIL_VALID = "MsliteLlmDecodeTailValid"
 DECODE_LAYER = "MsliteLlmPagedDecodeLayer"  # layout int32 [3] (nq, nt, kc), DECODE_QKV's nq inputs, lengths [N],
 #   rows [N], tables [R, M], DECODE_TAIL's nt inputs after attn -> [N, E]: a decode step's layer in one call (the three
 #   ops in turn; kc: key_cache's index among DECODE_QKV's inputs)
+# the chunk graph's DECODE_LAYER, and its QKV_ROPE where a layer takes several calls: valid int32 [1] (its step rows
+#   plus the piece's valid tokens) before the op's own tensors; rows past it are neither computed nor written, and
+#   come out zero (its piece's padding)
+DECODE_LAYER_VALID = "MsliteLlmPagedDecodeLayerValid"
+QKV_ROPE_VALID = "MsliteLlmQkvRopeValid"
 # weight-only quantized matmuls (matmul_quant.cc): W [N, K] as q int8 [N, K] or int4 (uint8 [N, K/2], low nibble first) with
 #   scale (and offset) [G, N] per group of K/G inputs, W = (q + offset) * scale
 QUANT_MATMUL = "MsliteLlmQuantMatmul"  # x [M, K] float32, q, scale [G, N] float32 -> x . W^T [M, N] float32; any M
@@ -68,7 +69,7 @@ ATLAS_WEIGHT_QUANT_BATCH_MATMUL = "MsliteLlmAtlasWeightQuantBatchMatmul"  # Weig
 QUANTIZED_OPS = {QKV_ROPE: "MsliteLlmQuantQkvRope", GEMV_ADD: "MsliteLlmQuantGemvAdd",
                  DECODE_QKV: "MsliteLlmQuantPagedDecodeQkv", NORM_SWIGLU: "MsliteLlmQuantNormSwiGlu",
                  DECODE_TAIL: "MsliteLlmQuantDecodeTail", DECODE_LAYER: "MsliteLlmQuantPagedDecodeLayer",
-                 QKV_ROPE_VALID: "MsliteLlmQuantQkvRopeValid", DECODE_TAIL_VALID: "MsliteLlmQuantDecodeTailValid"}
+                 QKV_ROPE_VALID: "MsliteLlmQuantQkvRopeValid", DECODE_LAYER_VALID: "MsliteLlmQuantPagedDecodeLayerValid"}
 # The ops that read quantized weights, under a second name for weights in bands of 16 rows (matmul_quant.h
 # repack_int4_r16, repack_int8_r16): the runtime renames an op so at load after repacking every quantized weight it
 # reads (_repacked_weights in lite_runtime/backends/ms.py; docs/architecture.md, "int4 in bands of 16 rows"). Never
@@ -76,7 +77,7 @@ QUANTIZED_OPS = {QKV_ROPE: "MsliteLlmQuantQkvRope", GEMV_ADD: "MsliteLlmQuantGem
 R16_OPS = {f: f + "R16" for f in (QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
                                   *QUANTIZED_OPS.values(), MOE, DECODE_MOE_LAYER)}
 FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
-             WRITE_CACHE, NORM_SWIGLU, DECODE_TAIL, QKV_ROPE_VALID, DECODE_TAIL_VALID, DECODE_LAYER, QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
+             WRITE_CACHE, NORM_SWIGLU, DECODE_TAIL, QKV_ROPE_VALID, DECODE_LAYER_VALID, DECODE_LAYER, QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
              ATLAS_WEIGHT_QUANT_BATCH_MATMUL, MOE, DECODE_MOE_LAYER,
              *QUANTIZED_OPS.values(), *R16_OPS.values())
 

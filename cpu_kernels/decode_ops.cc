@@ -146,6 +146,14 @@ void project_qkv_rope(const float* x, int64_t rows, int64_t in, const WeightArg*
 
 thread_local int64_t g_valid_rows = -1;  // ValidRows' count on this thread; -1: none alive
 
+// A buffer of at least n floats kept per thread and per call site (grow only; contents undefined): a prompt's rows
+// made each call's vectors hundreds of KB, which malloc maps and unmaps, so every call took a page fault per 4 KB
+// (docs/performance-log.md 51)
+float* scratch(std::vector<float>& buf, int64_t n) {
+  if (int64_t(buf.size()) < n) buf.resize(size_t(n));
+  return buf.data();
+}
+
 // outputs [rows, width] past row `live`: zeros (a padding row's, never read)
 void zero_rows(float* y, int64_t live, int64_t rows, int64_t width) {
   if (live < rows) std::memset(y + live * width, 0, size_t((rows - live) * width) * sizeof(float));
@@ -262,7 +270,8 @@ int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const ch
   if (ndims[0] != 2 || ndims[1] != 1 || ndims[2] > 1 || ndims[kci] != 4 || ndims[vci] != 4 || ndims[li] != 1 ||
       ndims[out] != 2)
     return 3;
-  const int64_t rows = shapes[0][0], e = shapes[0][1];
+  int64_t rows = shapes[0][0];
+  const int64_t e = shapes[0][1];
   const PagedCache cache = paged_cache(shapes[kci]);
   for (int k = 0; k < 4; ++k)
     if (shapes[vci][k] != shapes[kci][k]) return 4;
@@ -281,10 +290,15 @@ int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const ch
     if (slots[r] >= cache.slots()) return 4;  // nothing is written for a bad call
   const float eps = *static_cast<const float*>(params[2]);
   const int64_t kv = ws[1].out;
-  std::vector<float> xn(rows * e), kvs(2 * rows * kv);
-  norm_rows(static_cast<const float*>(params[0]), rows, e, static_cast<const float*>(params[1]), eps, xn.data());
-  float* const ys[3] = {static_cast<float*>(params[out]), kvs.data(), kvs.data() + rows * kv};
-  project_qkv_rope(xn.data(), rows, e, ws, bs, ys, d, static_cast<const float*>(params[ci]),
+  zero_rows(static_cast<float*>(params[out]), valid_rows(rows), rows, ws[0].out);
+  rows = valid_rows(rows);  // rows past it: padding (ValidRows), neither computed nor written
+  if (rows == 0) return 0;
+  thread_local std::vector<float> xn_buf, kv_buf;
+  float* const xn = scratch(xn_buf, rows * e);
+  float* const kvs = scratch(kv_buf, 2 * rows * kv);
+  norm_rows(static_cast<const float*>(params[0]), rows, e, static_cast<const float*>(params[1]), eps, xn);
+  float* const ys[3] = {static_cast<float*>(params[out]), kvs, kvs + rows * kv};
+  project_qkv_rope(xn, rows, e, ws, bs, ys, d, static_cast<const float*>(params[ci]),
                    static_cast<const float*>(params[si]), norms ? static_cast<const float*>(params[li + 1]) : nullptr,
                    norms ? static_cast<const float*>(params[li + 2]) : nullptr, eps);
   write_paged(cache, ys[1], ys[2], rows, slots, static_cast<float*>(params[kci]), static_cast<float*>(params[vci]));
@@ -343,10 +357,11 @@ int norm_swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const c
     return 4;
   if (rows <= 0 || ws[0].out <= 0) return 0;
   if (e <= 0) return 4;
-  std::vector<float> xn(rows * e);
+  thread_local std::vector<float> xn_buf;
+  float* const xn = scratch(xn_buf, rows * e);
   norm_rows(static_cast<const float*>(params[0]), rows, e, static_cast<const float*>(params[1]),
-            *static_cast<const float*>(params[2]), xn.data());
-  swiglu_rows(xn.data(), rows, ws[0], ws[1], static_cast<float*>(params[i]));
+            *static_cast<const float*>(params[2]), xn);
+  swiglu_rows(xn, rows, ws[0], ws[1], static_cast<float*>(params[i]));
   return 0;
 }
 
@@ -403,14 +418,15 @@ int decode_tail(int nparam, void** params, int* ndims, int64_t** shapes, const c
   zero_rows(static_cast<float*>(params[yi]), valid_rows(rows), rows, e);
   rows = valid_rows(rows);  // rows past it: padding (ValidRows)
   if (rows == 0) return 0;
-  std::vector<float> h(size_t(rows * e)), hn(size_t(rows * e)), m(size_t(rows * inter));
-  matmul(static_cast<const float*>(params[0]), rows, wo.data(), wo.type, nullptr, a, e, h.data(), nullptr,
+  thread_local std::vector<float> h_buf, hn_buf, m_buf;
+  float* const h = scratch(h_buf, rows * e);
+  float* const hn = scratch(hn_buf, rows * e);
+  float* const m = scratch(m_buf, rows * inter);
+  matmul(static_cast<const float*>(params[0]), rows, wo.data(), wo.type, nullptr, a, e, h, nullptr,
          static_cast<const float*>(params[xi]));
-  norm_rows(h.data(), rows, e, static_cast<const float*>(params[li]), *static_cast<const float*>(params[ei]),
-            hn.data());
-  swiglu_rows(hn.data(), rows, ws[0], ws[1], m.data());
-  matmul(m.data(), rows, ws[2].data(), ws[2].type, nullptr, inter, e, static_cast<float*>(params[yi]), nullptr,
-         h.data());
+  norm_rows(h, rows, e, static_cast<const float*>(params[li]), *static_cast<const float*>(params[ei]), hn);
+  swiglu_rows(hn, rows, ws[0], ws[1], m);
+  matmul(m, rows, ws[2].data(), ws[2].type, nullptr, inter, e, static_cast<float*>(params[yi]), nullptr, h);
   return 0;
 }
 

@@ -28,9 +28,9 @@ int norm_swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const c
 int decode_tail(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 int decode_layer(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 
-// While alive, qkv_rope and decode_tail compute their first `rows` rows of x only and write zeros past them
-// (registry.cc's *Valid ops: a chunk graph's step rows and its piece's valid tokens, the padding after them); per
-// thread, as R16Call.
+// While alive, qkv_rope, decode_qkv and decode_tail (so decode_layer) compute their first `rows` rows of x only and
+// write zeros past them, and decode_qkv writes no cache slot past them (registry.cc's *Valid ops: a chunk graph's
+// step rows and its piece's valid tokens, the padding after them); per thread, as R16Call.
 struct ValidRows {
   explicit ValidRows(int64_t rows);
   ~ValidRows();

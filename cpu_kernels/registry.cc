@@ -12,7 +12,7 @@
 //                      (ids may have any rank; y is ids' shape plus [E])
 // The decode step's fused ops (decode_ops.cc): MsliteLlmRmsNorm, MsliteLlmQkvRope, MsliteLlmGemvAdd,
 // MsliteLlmSwiGlu, MsliteLlmPagedDecodeQkv, MsliteLlmWriteCache, MsliteLlmNormSwiGlu, MsliteLlmDecodeTail (and
-// MsliteLlmQkvRopeValid, MsliteLlmDecodeTailValid: the chunk graph's, a row count first); the attention
+// MsliteLlmQkvRopeValid, MsliteLlmPagedDecodeLayerValid: the chunk graph's, a row count first); the attention
 // over the paged cache (attention.cc): MsliteLlmPagedAttention; cpu_kernels/__init__.py lists their tensors. The int8/int4 matmuls (matmul_quant.cc, whose
 // comment lists their tensors and one more error code): MsliteLlmQuantMatmul, MsliteLlmQuantMatmulOffset,
 // MsliteLlmAtlasWeightQuantBatchMatmul.
@@ -131,18 +131,19 @@ int MsliteLlmDecodeTail(int nparam, void** params, int* ndims, int64_t** shapes,
   return timed(OP_DECODE_TAIL, [&] { return decode_tail(nparam, params, ndims, shapes, dtypes); });
 }
 
-// The chunk graph's q/k/v and layer tail under names of their own (export/network/layers.py: its piece is right-padded
-// to the graph's tokens): valid int32 [1], the rows that hold a token (the step rows, then the piece's valid ones),
-// then the op's own tensors. Rows past it are not computed and come out zero (ops.h ValidRows), so a piece costs its
-// tokens, not the graph's size. An installation from before them refuses such a folder when it loads.
+// The chunk graph's layer in one call, and its q/k/v where a layer takes several calls, under names of their own
+// (export/network/layers.py: its piece is right-padded to the graph's tokens): valid int32 [1], the rows that hold a
+// token (the step rows, then the piece's valid ones), then the op's own tensors. Rows past it are not computed and
+// come out zero (ops.h ValidRows), so a piece costs its tokens, not the graph's size. An installation from before
+// them refuses such a folder when it loads.
 int MsliteLlmQkvRopeValid(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
                           void*) {
   return timed(OP_QKV_ROPE, [&] { return with_valid(nparam, params, ndims, shapes, dtypes, qkv_rope); });
 }
 
-int MsliteLlmDecodeTailValid(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
-                             void*) {
-  return timed(OP_DECODE_TAIL, [&] { return with_valid(nparam, params, ndims, shapes, dtypes, decode_tail); });
+int MsliteLlmPagedDecodeLayerValid(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                                   void*, void*) {
+  return timed(OP_DECODE_LAYER, [&] { return with_valid(nparam, params, ndims, shapes, dtypes, decode_layer); });
 }
 
 // A decode step's layer in one call (decode_ops.cc decode_layer): MsliteLlmPagedDecodeQkv's, MsliteLlmPagedAttention's
@@ -190,9 +191,9 @@ int MsliteLlmQuantQkvRopeValid(int nparam, void** params, int* ndims, int64_t** 
   return MsliteLlmQkvRopeValid(nparam, params, ndims, shapes, dtypes, s, e);
 }
 
-int MsliteLlmQuantDecodeTailValid(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
-                                  void* s, void* e) {
-  return MsliteLlmDecodeTailValid(nparam, params, ndims, shapes, dtypes, s, e);
+int MsliteLlmQuantPagedDecodeLayerValid(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                                        void* s, void* e) {
+  return MsliteLlmPagedDecodeLayerValid(nparam, params, ndims, shapes, dtypes, s, e);
 }
 
 int MsliteLlmQuantMatmul(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
@@ -243,7 +244,7 @@ MSLLM_R16(MsliteLlmQuantPagedDecodeLayer)
 MSLLM_R16(MsliteLlmQuantNormSwiGlu)
 MSLLM_R16(MsliteLlmQuantDecodeTail)
 MSLLM_R16(MsliteLlmQuantQkvRopeValid)
-MSLLM_R16(MsliteLlmQuantDecodeTailValid)
+MSLLM_R16(MsliteLlmQuantPagedDecodeLayerValid)
 MSLLM_R16(MsliteLlmQuantMatmul)
 MSLLM_R16(MsliteLlmQuantMatmulOffset)
 MSLLM_R16(MsliteLlmQuantMatmulValid)

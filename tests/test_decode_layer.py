@@ -38,6 +38,15 @@ def test_every_inc_graph_calls_one_kernel_per_layer(exported, pipes, checkpoints
         calls = kernel_calls(os.path.join(folder, file))
         assert calls[cpu_kernels.DECODE_LAYER] == 2, (file, calls)
         assert not {cpu_kernels.DECODE_QKV, cpu_kernels.DECODE_ATTENTION, cpu_kernels.DECODE_TAIL} & set(calls)
+    # the chunk and score graphs' layer in one call too, the form that computes only the rows holding a token
+    with open(os.path.join(folder, "manifest.json")) as fh:
+        pieces = [g["file"] for g in json.load(fh)["graphs"] if g["role"] in ("chunk", "score")]
+    assert pieces
+    for file in pieces:
+        calls = kernel_calls(os.path.join(folder, file))
+        assert calls[cpu_kernels.DECODE_LAYER_VALID] == 2, (file, calls)
+        assert not {cpu_kernels.QKV_ROPE, cpu_kernels.QKV_ROPE_VALID, cpu_kernels.DECODE_ATTENTION,
+                    cpu_kernels.DECODE_TAIL, cpu_kernels.WRITE_CACHE} & set(calls), (file, calls)
     # the prefill graphs keep the three ops' first two (their o_proj and MLP run over the prompt's rows)
     prefill = kernel_calls(os.path.join(folder, "gqa_tied_prefill_graph.mindir"))
     assert cpu_kernels.DECODE_LAYER not in prefill and prefill[cpu_kernels.DECODE_QKV] == 2

@@ -257,11 +257,12 @@ def test_decode_tail_is_o_proj_residual_norm_mlp_residual(rows, wdtype):
 
 @pytest.mark.parametrize("valid", [0, 1, 7, 19, 20, 25, -3])
 def test_the_chunk_graphs_ops_compute_their_valid_rows_only(valid):
-    """QKV_ROPE_VALID and DECODE_TAIL_VALID (the chunk graph's q/k/v and tail; valid int32 [1] first): their first
-    `valid` rows are the plain op's on those rows alone, bit for bit; the padding rows after them come out zero (a
-    count past the rows: all of them; below 0: none). A count that is not int32 [1] is refused."""
+    """DECODE_LAYER_VALID and QKV_ROPE_VALID (the chunk graph's layer in one call, and its q/k/v where a layer takes
+    several; valid int32 [1] first): their first `valid` rows are the plain op's on those rows alone, bit for bit, the
+    cache writes too; the padding rows after them come out zero and write nothing (a count past the rows: all of
+    them; below 0: none). A count that is not int32 [1] is refused."""
     rng = np.random.default_rng(31)
-    rows, e, h, kh, d, a, inter = 20, 96, 6, 2, 16, 48, 160
+    rows, e, h, kh, d, inter = 20, 96, 6, 2, 16, 160
     live = min(max(valid, 0), rows)
     x = rng.standard_normal((rows, e), dtype=np.float32)
     mats = [t for o in (h * d, kh * d, kh * d) for t in (0.1 * rng.standard_normal((o, e), dtype=np.float32),
@@ -278,21 +279,49 @@ def test_the_chunk_graphs_ops_compute_their_valid_rows_only(valid):
     for got, want in zip(outs, alone):
         assert np.array_equal(got[:live], want) and not got[live:].any()
 
-    attn, res = rng.standard_normal((rows, a), dtype=np.float32), rng.standard_normal((rows, e), dtype=np.float32)
+    # the layer in one call (DECODE_LAYER_VALID): a step row at position 29 of sequence 0, then a piece of 19 tokens
+    # of sequence 1 at positions 4..22, written at their slots; its output rows and the caches after it against
+    # DECODE_LAYER over the first `live` rows alone (the same slots, lengths and tables), the rows past them zero and
+    # their slots not written
+    bs, blocks = 8, 12
     ln, eps = (1 + 0.1 * rng.standard_normal(e)).astype(np.float32), np.array([1e-6], np.float32)
-    wo, wg, wu, wd = (0.1 * rng.standard_normal(s, dtype=np.float32) for s in ((e, a), (inter, e), (inter, e), (e, inter)))
-    y = np.full((rows, e), np.nan, np.float32)
-    assert call_kernel(cpu_kernels.DECODE_TAIL_VALID, count, attn, wo, res, ln, eps, wg, wu, wd, y,
-                       dtypes=["int32"] + [None] * 9) == 0
-    want = np.full((live, e), np.nan, np.float32)
-    if live:
-        assert call_kernel(cpu_kernels.DECODE_TAIL, attn[:live], wo, res[:live], ln, eps, wg, wu, wd, want) == 0
-    assert np.array_equal(y[:live], want) and not y[live:].any()
+    wo, wg, wu, wd = (0.1 * rng.standard_normal(s, dtype=np.float32)
+                      for s in ((e, h * d), (inter, e), (inter, e), (e, inter)))
+    tables = np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.int32)
+    slot_of = lambda row, pos: int(tables[row, pos // bs]) * bs + pos % bs
+    slots = np.array([slot_of(0, 29)] + [slot_of(1, 4 + i) for i in range(rows - 1)], np.int32)
+    lengths = np.array([30] + [5 + i for i in range(rows - 1)], np.int32)
+    query_rows = np.array([0] + [1] * (rows - 1), np.int32)
+    layout = np.array([14, 7, 11], np.int32)
+    types = ["int32"] + [None] * 13 + ["int32"] * 4 + [None] * 8
 
-    assert call_kernel(cpu_kernels.DECODE_TAIL_VALID, count.astype(np.int64), attn, wo, res, ln, eps, wg, wu, wd, y,
-                       dtypes=["int64"] + [None] * 9) == 2
-    assert call_kernel(cpu_kernels.DECODE_TAIL_VALID, np.array([3, 4], np.int32), attn, wo, res, ln, eps, wg, wu, wd,
-                       y, dtypes=["int32"] + [None] * 9) == 4
+    def layer(n, valid_count=None):
+        caches = [np.random.default_rng(5).standard_normal((blocks, kh, bs, d), dtype=np.float32) for _ in range(2)]
+        y = np.full((n, e), np.nan, np.float32)
+        args = [layout, x[:n], ln, eps, *mats, cos[:n], sin[:n], *caches, slots[:n], lengths[:n], query_rows[:n],
+                tables, wo, x[:n], ln, eps, wg, wu, wd, y]
+        if valid_count is None:
+            assert call_kernel(cpu_kernels.DECODE_LAYER, *args, dtypes=types) == 0
+        else:
+            assert call_kernel(cpu_kernels.DECODE_LAYER_VALID, valid_count, *args, dtypes=["int32"] + types) == 0
+        return y, caches
+
+    y, caches = layer(rows, count)
+    if live:
+        want, want_caches = layer(live)
+        assert np.array_equal(y[:live], want)
+        for got, ref in zip(caches, want_caches):
+            assert np.array_equal(got, ref)
+    else:  # nothing written
+        fresh = [np.random.default_rng(5).standard_normal((blocks, kh, bs, d), dtype=np.float32) for _ in range(2)]
+        assert all(np.array_equal(c, f) for c, f in zip(caches, fresh))
+    assert not y[live:].any()
+
+    bad = [layout, x, ln, eps, *mats, cos, sin, *caches, slots, lengths, query_rows, tables, wo, x, ln, eps, wg, wu,
+           wd, y]
+    assert call_kernel(cpu_kernels.DECODE_LAYER_VALID, count.astype(np.int64), *bad, dtypes=["int64"] + types) == 2
+    assert call_kernel(cpu_kernels.QKV_ROPE_VALID, np.array([3, 4], np.int32), x, *mats, cos, sin, *outs,
+                       dtypes=["int32"] + [None] * 12) == 4
 
 
 @pytest.mark.parametrize("rows", [1, 3, 20])

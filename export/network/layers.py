@@ -422,16 +422,23 @@ class DecoderLayer(nn.Cell):
             o, mlp = self.self_attn.o_proj, self.mlp
             plain = all(lin.bias is None and lin.reduce is None for lin in (o, mlp.down_proj))
             wo = o.arity()  # tensors of Wo: attn, Wo.., x, ...
-            self.tail = kernel_op(cpu_kernels.fused_op(cpu_kernels.DECODE_TAIL_VALID, quant),
-                                  lambda valid, *s: s[1 + wo], lambda valid, attn, *_: attn) if (
+            self.tail = kernel_op(cpu_kernels.fused_op(cpu_kernels.DECODE_TAIL, quant), lambda *s: s[1 + wo],
+                                  lambda attn, *_: attn) if (
                 plain and self.norm_swiglu is not None) else None
             # the decode step's whole layer in one kernel where the tail is one (MindSpore's runtime spends ~25 us
             # between two kernels: docs/performance-log.md 35); it writes the caches in place, as decode_qkv does
             self.layer_op = None if self.tail is None else kernel_op(
                 cpu_kernels.fused_op(cpu_kernels.DECODE_LAYER, quant), lambda layout, x, *_: x,
                 lambda layout, x, *_: x)
+            # and the chunk graph's layer in one call too, computing its rows that hold a token (its step rows and
+            # its piece's valid tokens: the piece's padding is not computed); ~40 us of MindSpore's runtime between
+            # two of our kernels, 3 gaps a layer fewer (docs/performance-log.md 51)
+            self.layer_valid_op = None if self.tail is None else kernel_op(
+                cpu_kernels.fused_op(cpu_kernels.DECODE_LAYER_VALID, quant), lambda valid, layout, x, *_: x,
+                lambda valid, layout, x, *_: x)
             if self.layer_op is not None:
                 self.layer_op.add_prim_attr("side_effect_mem", True)
+                self.layer_valid_op.add_prim_attr("side_effect_mem", True)
                 # its layout, counted on the very tuples _kernel_layer passes (placeholders for the activations)
                 qkv = self.self_attn.decode_qkv_args(None, self.input_layernorm, None, None, None)
                 kc = next(i for i, t in enumerate(qkv) if t is self.self_attn.key_cache)
@@ -439,6 +446,8 @@ class DecoderLayer(nn.Cell):
                 self.layer_layout = Tensor(np.array([len(qkv), len(tail), kc], np.int32))
         else:
             self.project_add = self.norm_swiglu = self.tail = self.layer_op = None
+        if not hasattr(self, "layer_valid_op"):  # (a mixture of experts, or no CPU kernels)
+            self.layer_valid_op = None
 
     def prefill(self, x, cos, sin, ctx, b, n, valid_length):  # x [B*n, E]
         """ctx, by name (CausalLM.prefill): slots [B*n] (each token's write), with cpu_kernels lengths, rows [B*n] and
@@ -457,19 +466,20 @@ class DecoderLayer(nn.Cell):
         return ew_add(h, self.mlp(self.post_attention_layernorm(h), valid_length))
 
     def chunk(self, x, cos, sin, ctx, b, n):  # x [b + n, E]: the decode step's rows, then a piece of one row
+        if self.layer_valid_op is not None:  # cpu_kernels: the layer in one call, as the decode step's
+            return self._kernel_layer(x, cos, sin, ctx["slots"], ctx["query_lengths"], ctx["query_rows"],
+                                      ctx["tables"], ctx["valid"])
         if self.project_add is not None:  # cpu_kernels, as the decode step
-            return self._kernel_tail(x, self.self_attn.chunk(self.input_layernorm.few_rows(x), cos, sin, ctx, b, n),
-                                     ctx["valid"])
+            return self._kernel_tail(x, self.self_attn.chunk(self.input_layernorm.few_rows(x), cos, sin, ctx, b, n))
         h = ew_add(x, self.self_attn.o_proj(self.self_attn.chunk(self.input_layernorm(x), cos, sin, ctx, b, n)))
         return ew_add(h, self.mlp(self.post_attention_layernorm(h)))
 
-    def _kernel_tail(self, x, attn, valid=None):
+    def _kernel_tail(self, x, attn):
         """After the attention, through cpu_kernels: o_proj + residual, the norm and the MLP, down_proj + residual (one
-        kernel where neither o_proj nor the MLP has a bias or a tensor-parallel AllReduce: the chunk graph's, which
-        computes the first `valid` rows, [1] int32)."""
+        kernel where neither o_proj nor the MLP has a bias or a tensor-parallel AllReduce)."""
         norm = self.post_attention_layernorm
         if self.tail is not None:
-            return self.tail(*((valid, attn) + self._tail_args(x, norm)))
+            return self.tail(*((attn,) + self._tail_args(x, norm)))
         h = self._project_add(self.self_attn.o_proj, attn, x)
         if self.sparse:  # the MoE op takes the norm and the residual (export/network/moe.py)
             return self.mlp.residual(h, norm)
@@ -487,17 +497,20 @@ class DecoderLayer(nn.Cell):
         return (self.self_attn.o_proj.weights() + (x, norm.weight, norm.eps_tensor) + mlp.gate_proj.weights()
                 + mlp.up_proj.weights() + mlp.down_proj.weights())
 
-    def _kernel_layer(self, x, cos, sin, ctx):
+    def _kernel_layer(self, x, cos, sin, slots, lengths, rows, tables, valid=None):
         """The decode step's layer through MsliteLlmPagedDecodeLayer: decode_qkv_args and _tail_args, after a layout
         [3] (their counts, key_cache's index among the first); a sparse layer's through MsliteLlmPagedDecodeMoeLayer:
-        decode_qkv_args, Wo and the MoE op's residual_args, after a layout [4]."""
-        qkv = self.self_attn.decode_qkv_args(x, self.input_layernorm, cos, sin, ctx["slots"])
+        decode_qkv_args, Wo and the MoE op's residual_args, after a layout [4]. With `valid` ([1] int32: the chunk
+        graph's rows that hold a token) through MsliteLlmPagedDecodeLayerValid, which computes those rows only."""
+        qkv = self.self_attn.decode_qkv_args(x, self.input_layernorm, cos, sin, slots)
         if self.sparse:
-            return self.layer_op(*((self.layer_layout,) + qkv + (ctx["lengths"], ctx["rows"], ctx["tables"])
+            return self.layer_op(*((self.layer_layout,) + qkv + (lengths, rows, tables)
                                    + self.self_attn.o_proj.weights()
                                    + self.mlp.residual_args(self.post_attention_layernorm)))
-        tail = self._tail_args(x, self.post_attention_layernorm)
-        return self.layer_op(*((self.layer_layout,) + qkv + (ctx["lengths"], ctx["rows"], ctx["tables"]) + tail))
+        args = (self.layer_layout,) + qkv + (lengths, rows, tables) + self._tail_args(x, self.post_attention_layernorm)
+        if valid is not None:
+            return self.layer_valid_op(*((valid,) + args))
+        return self.layer_op(*args)
 
     def _project_add(self, linear, x, residual):
         """residual + linear(x) in the decode step: one kernel, unless the projection has a bias (Llama's
@@ -510,7 +523,7 @@ class DecoderLayer(nn.Cell):
         """ctx, by name (CausalLM.decode): slots [B], tables [B, M], with cpu_kernels lengths [B] and rows [B], else
         mask [B, T]."""
         if self.layer_op is not None:  # cpu_kernels: the layer in one call
-            return self._kernel_layer(x, cos, sin, ctx)
+            return self._kernel_layer(x, cos, sin, ctx["slots"], ctx["lengths"], ctx["rows"], ctx["tables"])
         if self.project_add is not None:  # cpu_kernels: 3 calls per layer (more where a family has o/MLP biases)
             attn = self.self_attn.decode_step(x, self.input_layernorm, cos, sin, ctx["slots"], ctx["lengths"],
                                               ctx["rows"], ctx["tables"])
