@@ -469,12 +469,13 @@ struct AttentionJob : Job {
     const int64_t d = cache.d, kv_heads = cache.kv_heads, bs = cache.block_size;
     const float scale = 1.0f / std::sqrt(float(d));
     const int64_t group = heads / kv_heads;
-    // per thread, kept (grow only): a prompt's task's scores reach hundreds of KB (the 0.5B shape's 56 rows by 1088
-    // positions: 244 KB), which malloc maps and unmaps, a page fault per 4 KB each time
+    // per thread, kept between calls (common.h Scratch): a prompt's task's scores reach hundreds of KB (the 0.5B
+    // shape's 56 rows by 1088 positions: 244 KB), which malloc maps and unmaps, a page fault per 4 KB each time
     thread_local std::vector<float> qs, scores;
     thread_local std::vector<int64_t> lens;
     thread_local std::vector<float*> outs;
     thread_local std::vector<const float*> vblocks;
+    Scratch<float> keep_qs(qs), keep_scores(scores);
     shares.claim([&](int64_t t) {
       const int64_t blk = std::upper_bound(first_task.begin(), first_task.end(), t) - first_task.begin() - 1;
       const int64_t local = t - first_task[blk], kvh = local / chunks[blk], c = local % chunks[blk];

@@ -238,6 +238,27 @@ MSLLM_AVX2 inline float hsum(__m256 v) {
 typedef void (*RowsFn)(const float* x, int64_t rows, const void* w, const float* b, int64_t in, float* y,
                        int64_t ldy, int64_t o0, int64_t o1);
 
+// ---- per-thread buffers of a call site ----------------------------------------------------------------------
+// A buffer that scales with a call's rows, kept per thread and per call site between calls (grow only; contents
+// undefined): a prompt piece's rows made each call's vectors hundreds of KB, which malloc maps and unmaps, so every
+// call took a page fault per 4 KB (docs/performance-log.md 51). One larger than SCRATCH_KEEP (a long prompt's, all at
+// once) is freed when the call ends, so memory after a call stays what it was before.
+//   thread_local std::vector<float> buf;  Scratch<float> s(buf);  float* p = s.get(n);
+constexpr size_t SCRATCH_KEEP = size_t(32) << 20;
+
+template <class T>
+struct Scratch {
+  std::vector<T>& buf;
+  explicit Scratch(std::vector<T>& b) : buf(b) {}
+  T* get(int64_t n) {
+    if (int64_t(buf.size()) < n) buf.resize(size_t(n));
+    return buf.data();
+  }
+  ~Scratch() {
+    if (buf.capacity() * sizeof(T) > SCRATCH_KEEP) std::vector<T>().swap(buf);
+  }
+};
+
 }  // namespace msllm
 
 #endif  // MSLITE_LLM_CPU_KERNELS_COMMON_H_

@@ -146,14 +146,6 @@ void project_qkv_rope(const float* x, int64_t rows, int64_t in, const WeightArg*
 
 thread_local int64_t g_valid_rows = -1;  // ValidRows' count on this thread; -1: none alive
 
-// A buffer of at least n floats kept per thread and per call site (grow only; contents undefined): a prompt's rows
-// made each call's vectors hundreds of KB, which malloc maps and unmaps, so every call took a page fault per 4 KB
-// (docs/performance-log.md 51)
-float* scratch(std::vector<float>& buf, int64_t n) {
-  if (int64_t(buf.size()) < n) buf.resize(size_t(n));
-  return buf.data();
-}
-
 // outputs [rows, width] past row `live`: zeros (a padding row's, never read)
 void zero_rows(float* y, int64_t live, int64_t rows, int64_t width) {
   if (live < rows) std::memset(y + live * width, 0, size_t((rows - live) * width) * sizeof(float));
@@ -293,9 +285,10 @@ int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const ch
   zero_rows(static_cast<float*>(params[out]), valid_rows(rows), rows, ws[0].out);
   rows = valid_rows(rows);  // rows past it: padding (ValidRows), neither computed nor written
   if (rows == 0) return 0;
-  thread_local std::vector<float> xn_buf, kv_buf;
-  float* const xn = scratch(xn_buf, rows * e);
-  float* const kvs = scratch(kv_buf, 2 * rows * kv);
+  thread_local std::vector<float> xn_buf, kv_buf;  // (common.h Scratch)
+  Scratch<float> xn_s(xn_buf), kv_s(kv_buf);
+  float* const xn = xn_s.get(rows * e);
+  float* const kvs = kv_s.get(2 * rows * kv);
   norm_rows(static_cast<const float*>(params[0]), rows, e, static_cast<const float*>(params[1]), eps, xn);
   float* const ys[3] = {static_cast<float*>(params[out]), kvs, kvs + rows * kv};
   project_qkv_rope(xn, rows, e, ws, bs, ys, d, static_cast<const float*>(params[ci]),
@@ -357,8 +350,9 @@ int norm_swiglu(int nparam, void** params, int* ndims, int64_t** shapes, const c
     return 4;
   if (rows <= 0 || ws[0].out <= 0) return 0;
   if (e <= 0) return 4;
-  thread_local std::vector<float> xn_buf;
-  float* const xn = scratch(xn_buf, rows * e);
+  thread_local std::vector<float> xn_buf;  // (common.h Scratch)
+  Scratch<float> xn_s(xn_buf);
+  float* const xn = xn_s.get(rows * e);
   norm_rows(static_cast<const float*>(params[0]), rows, e, static_cast<const float*>(params[1]),
             *static_cast<const float*>(params[2]), xn);
   swiglu_rows(xn, rows, ws[0], ws[1], static_cast<float*>(params[i]));
@@ -418,10 +412,11 @@ int decode_tail(int nparam, void** params, int* ndims, int64_t** shapes, const c
   zero_rows(static_cast<float*>(params[yi]), valid_rows(rows), rows, e);
   rows = valid_rows(rows);  // rows past it: padding (ValidRows)
   if (rows == 0) return 0;
-  thread_local std::vector<float> h_buf, hn_buf, m_buf;
-  float* const h = scratch(h_buf, rows * e);
-  float* const hn = scratch(hn_buf, rows * e);
-  float* const m = scratch(m_buf, rows * inter);
+  thread_local std::vector<float> h_buf, hn_buf, m_buf;  // (common.h Scratch)
+  Scratch<float> h_s(h_buf), hn_s(hn_buf), m_s(m_buf);
+  float* const h = h_s.get(rows * e);
+  float* const hn = hn_s.get(rows * e);
+  float* const m = m_s.get(rows * inter);
   matmul(static_cast<const float*>(params[0]), rows, wo.data(), wo.type, nullptr, a, e, h, nullptr,
          static_cast<const float*>(params[xi]));
   norm_rows(h, rows, e, static_cast<const float*>(params[li]), *static_cast<const float*>(params[ei]), hn);
