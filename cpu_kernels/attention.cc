@@ -186,6 +186,25 @@ inline void prefetch_pages(const float* p, int64_t floats) {
 }
 
 #ifdef MSLLM_X86
+// 8 keys' accumulators of a pair of rows (acc[c]: row a's 8 lanes, then row b's, for key c) -> row a's 8 scores,
+// then row b's: hsum's tree over each one's lanes, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), 16 scores at a
+// time (7 adds and 8 shuffles between the accumulators, then one permute, where hsum took 3 of each a score), + 0
+MSLLM_AVX512 inline __m512 reduce_keys8(const __m512* acc) {
+  __m512 h[4];  // h[j]: l_k + l_(k+4) of keys 2j, 2j+1: [2j's a, 2j's b, 2j+1's a, 2j+1's b], 4 lanes each
+  for (int j = 0; j < 4; ++j)
+    h[j] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * j], acc[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(acc[2 * j], acc[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  __m512 g[2];  // (l0 + l4) + (l2 + l6) and (l1 + l5) + (l3 + l7), side by side, of h[2i]'s and h[2i + 1]'s scores
+  for (int i = 0; i < 2; ++i)
+    g[i] = _mm512_add_ps(_mm512_shuffle_ps(h[2 * i], h[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(h[2 * i], h[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // 128-bit lane 0: keys 0, 2, 4, 6 of row a; 1: of row b; 2: keys 1, 3, 5, 7 of row a; 3: of row b
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  return _mm512_add_ps(_mm512_permutexvar_ps(order, f), _mm512_setzero_ps());
+}
+
 // Scores of several query rows against key rows [o0, o1) of a block (d a multiple of 8): each score the float32
 // rows kernel's for two rows and more on the AVX-512 path (rows_avx2's tiles: 8-lane sums over d, 8 inputs a step,
 // then hsum; + 0, its absent bias), so a query's scores are the same whichever kernel computed them; two query rows
@@ -211,6 +230,14 @@ MSLLM_AVX512 inline void score_tile512(const float* const* xr, const float* k, i
       for (int c = 0; c < C; ++c) acc[p][c] = _mm512_fmadd_ps(kv[c], xv, acc[p][c]);
     }
   }
+  if (C == 8) {  // each pair's 8 keys reduced together (the same tree as hsum's, below)
+    for (int p = 0; p < RP; ++p) {
+      const __m512 s = reduce_keys8(acc[p]);
+      _mm256_storeu_ps(yr[2 * p] + o, _mm512_castps512_ps256(s));
+      _mm256_storeu_ps(yr[2 * p + 1] + o, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+    }
+    return;
+  }
   for (int p = 0; p < RP; ++p)
     for (int c = 0; c < C; ++c) {
       const __m256 lo = _mm512_castps512_ps256(acc[p][c]);
@@ -220,56 +247,11 @@ MSLLM_AVX512 inline void score_tile512(const float* const* xr, const float* k, i
     }
 }
 
-// 8 keys' accumulators of a pair of rows (acc[c]: row a's 8 lanes, then row b's, for key c) -> row a's 8 scores,
-// then row b's: hsum's tree over each one's lanes, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), 16 scores at a
-// time (7 adds and 8 shuffles between the accumulators, then one permute, where hsum took 3 of each a score), + 0
-MSLLM_AVX512 inline __m512 reduce_keys8(const __m512* acc) {
-  __m512 h[4];  // h[j]: l_k + l_(k+4) of keys 2j, 2j+1: [2j's a, 2j's b, 2j+1's a, 2j+1's b], 4 lanes each
-  for (int j = 0; j < 4; ++j)
-    h[j] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * j], acc[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(acc[2 * j], acc[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  __m512 g[2];  // (l0 + l4) + (l2 + l6) and (l1 + l5) + (l3 + l7), side by side, of h[2i]'s and h[2i + 1]'s scores
-  for (int i = 0; i < 2; ++i)
-    g[i] = _mm512_add_ps(_mm512_shuffle_ps(h[2 * i], h[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(h[2 * i], h[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  // 128-bit lane 0: keys 0, 2, 4, 6 of row a; 1: of row b; 2: keys 1, 3, 5, 7 of row a; 3: of row b
-  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-  return _mm512_add_ps(_mm512_permutexvar_ps(order, f), _mm512_setzero_ps());
-}
-
-// score_tile512's arithmetic for RP pairs of rows by 8 keys, each pair's 8 accumulators reduced together
-template <int RP>
-MSLLM_AVX512 inline void score_tile512_keys8(const float* const* xr, const float* k, int64_t d, float* const* yr,
-                                             int64_t o) {
-  __m512 acc[RP][8];
-  for (int p = 0; p < RP; ++p)
-    for (int c = 0; c < 8; ++c) acc[p][c] = _mm512_setzero_ps();
-  const float* ko = k + o * d;
-  for (int64_t i = 0; i < d; i += 8) {
-    __m512 kv[8];
-    for (int c = 0; c < 8; ++c) kv[c] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
-        _mm256_loadu_ps(ko + c * d + i))));
-    for (int p = 0; p < RP; ++p) {
-      const __m512 xv = _mm512_castpd_ps(_mm512_insertf64x4(
-          _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(xr[2 * p] + i))),
-          _mm256_castps_pd(_mm256_loadu_ps(xr[2 * p + 1] + i)), 1));
-      for (int c = 0; c < 8; ++c) acc[p][c] = _mm512_fmadd_ps(kv[c], xv, acc[p][c]);
-    }
-  }
-  for (int p = 0; p < RP; ++p) {
-    const __m512 s = reduce_keys8(acc[p]);
-    _mm256_storeu_ps(yr[2 * p] + o, _mm512_castps512_ps256(s));
-    _mm256_storeu_ps(yr[2 * p + 1] + o, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
-  }
-}
-
 template <int RP>
 MSLLM_AVX512 inline void score_rows512(const float* const* xr, const float* k, int64_t d, float* const* yr,
                                        int64_t o0, int64_t o1) {
   int64_t o = o0;
-  for (; o + 8 <= o1; o += 8) score_tile512_keys8<RP>(xr, k, d, yr, o);
+  for (; o + 8 <= o1; o += 8) score_tile512<RP, 8>(xr, k, d, yr, o);
   for (; o + 4 <= o1; o += 4) score_tile512<RP, 4>(xr, k, d, yr, o);
   for (; o < o1; ++o) score_tile512<RP, 1>(xr, k, d, yr, o);
 }

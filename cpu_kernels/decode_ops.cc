@@ -282,8 +282,9 @@ int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const ch
     if (slots[r] >= cache.slots()) return 4;  // nothing is written for a bad call
   const float eps = *static_cast<const float*>(params[2]);
   const int64_t kv = ws[1].out;
-  zero_rows(static_cast<float*>(params[out]), valid_rows(rows), rows, ws[0].out);
-  rows = valid_rows(rows);  // rows past it: padding (ValidRows), neither computed nor written
+  const int64_t live = valid_rows(rows);  // rows past it: padding (ValidRows), neither computed nor written
+  zero_rows(static_cast<float*>(params[out]), live, rows, ws[0].out);
+  rows = live;
   if (rows == 0) return 0;
   thread_local std::vector<float> xn_buf, kv_buf;  // (common.h Scratch)
   Scratch<float> xn_s(xn_buf), kv_s(kv_buf);
@@ -409,8 +410,9 @@ int decode_tail(int nparam, void** params, int* ndims, int64_t** shapes, const c
     return 4;
   if (rows <= 0 || e <= 0) return 0;
   if (a <= 0 || inter <= 0) return 4;
-  zero_rows(static_cast<float*>(params[yi]), valid_rows(rows), rows, e);
-  rows = valid_rows(rows);  // rows past it: padding (ValidRows)
+  const int64_t live = valid_rows(rows);  // rows past it: padding (ValidRows)
+  zero_rows(static_cast<float*>(params[yi]), live, rows, e);
+  rows = live;
   if (rows == 0) return 0;
   thread_local std::vector<float> h_buf, hn_buf, m_buf;  // (common.h Scratch)
   Scratch<float> h_s(h_buf), hn_s(hn_buf), m_s(m_buf);

@@ -402,7 +402,7 @@ class DecoderLayer(nn.Cell):
         if k.decode_ops and sparse:  # a mixture of experts: no fused MLP kernel; the decode step's layer in one
             # kernel (cpu_kernels.DECODE_MOE_LAYER: q/k/v, the attention, o_proj + x, the MoE op's residual form)
             # where o_proj has no bias or AllReduce and the MLP no shared expert
-            self.norm_swiglu = self.tail = None
+            self.norm_swiglu = self.tail = self.layer_valid_op = None
             o = self.self_attn.o_proj
             plain = o.bias is None and o.reduce is None and self.mlp.shared_expert is None
             self.layer_op = kernel_op(cpu_kernels.DECODE_MOE_LAYER, lambda layout, x, *_: x,
@@ -445,9 +445,7 @@ class DecoderLayer(nn.Cell):
                 tail = self._tail_args(None, self.post_attention_layernorm)
                 self.layer_layout = Tensor(np.array([len(qkv), len(tail), kc], np.int32))
         else:
-            self.project_add = self.norm_swiglu = self.tail = self.layer_op = None
-        if not hasattr(self, "layer_valid_op"):  # (a mixture of experts, or no CPU kernels)
-            self.layer_valid_op = None
+            self.project_add = self.norm_swiglu = self.tail = self.layer_op = self.layer_valid_op = None
 
     def prefill(self, x, cos, sin, ctx, b, n, valid_length):  # x [B*n, E]
         """ctx, by name (CausalLM.prefill): slots [B*n] (each token's write), with cpu_kernels lengths, rows [B*n] and
