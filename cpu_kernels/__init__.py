@@ -28,8 +28,9 @@ QKV_ROPE = "MsliteLlmQkvRope"  # x, Wq, bq, Wk, bk, Wv, bv, cos [N, D], sin [N, 
 #   -> q, k, v (RoPE on q and k, after the per-head RMSNorm when the norms are given: Qwen3)
 GEMV_ADD = "MsliteLlmGemvAdd"  # x [N, I], W [O, I], r [N, O] -> x.W^T + r (a projection and the residual add)
 SWIGLU = "MsliteLlmSwiGlu"  # x [N, I], Wg, Wu [O, I] -> silu(x.Wg^T) * (x.Wu^T) [N, O]
-# the paged KV cache (cpu_kernels/paged.h): key_cache, value_cache [NB, KH, BS, D] float32; a token's slot is
-#   block * BS + its position in the block (negative: not written); a block table lists a sequence's blocks in order
+# the paged KV cache (cpu_kernels/paged.h): key_cache, value_cache [NB, KH, BS, D] float32 or bfloat16 (KV16_OPS); a
+#   token's slot is block * BS + its position in the block (negative: not written); a block table lists a sequence's
+#   blocks in order
 DECODE_ATTENTION = "MsliteLlmPagedAttention"  # q [N, H*D], K, V caches, lengths [N], rows [N], tables [R, M] int32 ->
 #   [N, H*D]: query i attends to the first lengths[i] positions of the sequence whose block table is tables[rows[i]]
 DECODE_QKV = "MsliteLlmPagedDecodeQkv"  # x, ln_w, eps, Wq, bq, Wk, bk, Wv, bv, cos, sin [N, D], key_cache, value_cache,
@@ -70,6 +71,11 @@ QUANTIZED_OPS = {QKV_ROPE: "MsliteLlmQuantQkvRope", GEMV_ADD: "MsliteLlmQuantGem
                  DECODE_QKV: "MsliteLlmQuantPagedDecodeQkv", NORM_SWIGLU: "MsliteLlmQuantNormSwiGlu",
                  DECODE_TAIL: "MsliteLlmQuantDecodeTail", DECODE_LAYER: "MsliteLlmQuantPagedDecodeLayer",
                  QKV_ROPE_VALID: "MsliteLlmQuantQkvRopeValid", DECODE_LAYER_VALID: "MsliteLlmQuantPagedDecodeLayerValid"}
+# The ops that read or write the paged cache, under the names a graph with bfloat16 caches calls (paged.h: a folder with
+# bfloat16 weights keeps its KV cache in bfloat16, export/config.py kv_cache_dtype): the same ops; the names make an
+# installation whose kernels read float32 caches only refuse such a folder at load
+KV16_OPS = {f: f + "Kv16" for f in (DECODE_ATTENTION, DECODE_QKV, WRITE_CACHE, DECODE_LAYER, DECODE_LAYER_VALID,
+                                    DECODE_MOE_LAYER)}
 # The ops that read quantized weights, under a second name for weights in bands of 16 rows (matmul_quant.h
 # repack_int4_r16, repack_int8_r16): the runtime renames an op so at load after repacking every quantized weight it
 # reads (_repacked_weights in lite_runtime/backends/ms.py; docs/architecture.md, "int4 in bands of 16 rows"). Never
@@ -79,12 +85,18 @@ R16_OPS = {f: f + "R16" for f in (QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMU
 FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
              WRITE_CACHE, NORM_SWIGLU, DECODE_TAIL, QKV_ROPE_VALID, DECODE_LAYER_VALID, DECODE_LAYER, QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
              ATLAS_WEIGHT_QUANT_BATCH_MATMUL, MOE, DECODE_MOE_LAYER,
-             *QUANTIZED_OPS.values(), *R16_OPS.values())
+             *QUANTIZED_OPS.values(), *R16_OPS.values(), *KV16_OPS.values())
 
 
-def fused_op(function: str, quantized: bool) -> str:
-    """The name a graph calls fused op `function` by: QUANTIZED_OPS' where its weights are quantized."""
+def fused_op(function: str, quantized: bool, kv16: bool = False) -> str:
+    """The name a graph calls fused op `function` by: QUANTIZED_OPS' where its weights are quantized, KV16_OPS' where
+    its KV cache is bfloat16 (never both: a quantized folder's cache is float32)."""
+    if quantized and kv16:
+        raise ValueError("a quantized folder keeps a float32 KV cache")
+    if kv16:
+        return KV16_OPS.get(function, function)
     return QUANTIZED_OPS.get(function, function) if quantized else function
+
 BUILD_HINT = "reinstall with a C++ compiler present (apt install g++; pip install -e .)"
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

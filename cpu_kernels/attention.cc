@@ -1,7 +1,10 @@
 // mslite-llm CPU kernels: the attention over the paged KV cache (the op body decode_attention; registry.cc exports it
 // as MsliteLlmDecodeAttention), its softmax and weighted sum of values in plain C++, AVX2 and AVX-512 side by side.
 // The scores are the float32 rows kernel of matmul16.cc, a block of the cache at a time (paged.h: a kv head's
-// positions of a block are one [BS, D] matrix), read in place: no copy of a sequence's context.
+// positions of a block are one [BS, D] matrix), read in place: no copy of a sequence's context. A bfloat16 cache's
+// block is widened (exactly) into a float32 buffer of its own, in L1, before the same kernels read it: the attention
+// over a bfloat16 cache computes what it computes over a float32 cache that holds the same (rounded) values, bit for
+// bit, and reads half the bytes from memory.
 #include <algorithm>
 
 #include "matmul16.h"
@@ -56,6 +59,33 @@ __attribute__((always_inline)) inline float lanes_total(const float* lanes, cons
   for (; p < n; ++p) total += s[p];
   return total;
 }
+
+// A bfloat16 cache's rows as float32, exactly (the 16 bits are a float32's high half): n values, one form per path
+void widen_bf16_generic(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = bits_float(uint32_t(src[i]) << 16);
+}
+
+#ifdef MSLLM_X86
+MSLLM_AVX2 void widen_bf16_avx2(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+  }
+  for (; i < n; ++i) dst[i] = bits_float(uint32_t(src[i]) << 16);
+}
+
+MSLLM_AVX512 void widen_bf16_avx512(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
+  }
+  for (; i < n; ++i) dst[i] = bits_float(uint32_t(src[i]) << 16);
+}
+#endif
+
+typedef void (*WidenBf16Fn)(const uint16_t* src, int64_t n, float* dst);
 
 // the plain loops (generic, NEON)
 __attribute__((always_inline)) inline float max_generic(const float* s, int64_t n) {
@@ -173,13 +203,13 @@ MSLLM_AVX512 inline float exp_sum_avx512(float* s, int64_t n, float scale, float
 constexpr int64_t PV_BLOCK = 32;
 
 // The start of the next block's rows into the cache while this one is read: a block (BS positions of one kv head,
-// 16 KB at BS 64 and d 64) is a short run in memory, and the hardware prefetchers stop at each 4 KB page, so a long
-// context's blocks were read at the pace of memory's latency. Two lines at the start of each of the block's pages
-// set the prefetchers going again (prefetching every line measured slower where GQA groups are wide, Qwen2-0.5B's 7
-// query heads a kv head): docs/performance-log.md 48.
-inline void prefetch_pages(const float* p, int64_t floats) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < floats * int64_t(sizeof(float)); off += 4096) {
+// 16 KB at BS 64 and d 64 in float32) is a short run in memory, and the hardware prefetchers stop at each 4 KB page,
+// so a long context's blocks were read at the pace of memory's latency. Two lines at the start of each of the block's
+// pages set the prefetchers going again (prefetching every line measured slower where GQA groups are wide,
+// Qwen2-0.5B's 7 query heads a kv head): docs/performance-log.md 48.
+inline void prefetch_pages(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 4096) {
     __builtin_prefetch(c + off, 0, 3);
     __builtin_prefetch(c + off + 64, 0, 3);
   }
@@ -285,8 +315,11 @@ RowsFn scores_kernel(int64_t rows, int64_t d) {
   return rows_kernel(W_F32);
 }
 
+// vblocks[j]: block j's value rows, float32, or bfloat16 where vbuf is given (a [bs, d] float32 buffer each block's
+// rows are widened into before they are read)
 typedef void (*AttendRowsFn)(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
-                             const float* const* vblocks, int64_t bs, int64_t d, float* const* out, float* stats);
+                             const void* const* vblocks, float* vbuf, int64_t bs, int64_t d, float* const* out,
+                             float* stats);
 
 // Rows [0, RG) of the weighted sum over the value rows of one block (positions [p0, p0 + bs) clipped to each row's
 // length), out[g] += sum_p w[g][p] v[p]: per row and block of PV_BLOCK values, its even positions of each pair into
@@ -337,11 +370,12 @@ __attribute__((always_inline)) inline void pv_rows(const float* scores, int64_t 
     }
 }
 
-template <float (*MaxOf)(const float*, int64_t), float (*ExpSum)(float*, int64_t, float, float), int RG = 1>
+template <float (*MaxOf)(const float*, int64_t), float (*ExpSum)(float*, int64_t, float, float), WidenBf16Fn Widen,
+          int RG = 1>
 __attribute__((always_inline)) inline void attend_rows_body(float* scores, int64_t rows, int64_t ld,
                                                             const int64_t* lengths, float scale,
-                                                            const float* const* vblocks, int64_t bs, int64_t d,
-                                                            float* const* out, float* stats) {
+                                                            const void* const* vblocks, float* vbuf, int64_t bs,
+                                                            int64_t d, float* const* out, float* stats) {
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * ld;
     const int64_t n = lengths[r];
@@ -357,9 +391,15 @@ __attribute__((always_inline)) inline void attend_rows_body(float* scores, int64
   }
   int64_t longest = 0;
   for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, lengths[r]);
+  const int64_t elem = vbuf != nullptr ? 2 : 4;
   for (int64_t p0 = 0; p0 < longest; p0 += bs) {
-    const float* v = vblocks[p0 / bs] - p0 * d;  // so that v + p * d is position p's row, p in this block
-    if (p0 + bs < longest) prefetch_pages(vblocks[p0 / bs + 1], std::min(bs, longest - p0 - bs) * d);
+    const float* v = static_cast<const float*>(vblocks[p0 / bs]);
+    if (vbuf != nullptr) {  // the block's rows this task reads, widened
+      Widen(static_cast<const uint16_t*>(vblocks[p0 / bs]), std::min(bs, longest - p0) * d, vbuf);
+      v = vbuf;
+    }
+    v -= p0 * d;  // so that v + p * d is position p's row, p in this block
+    if (p0 + bs < longest) prefetch_pages(vblocks[p0 / bs + 1], std::min(bs, longest - p0 - bs) * d * elem);
     int64_t r = 0;
     for (; r + RG <= rows; r += RG) pv_rows<RG>(scores + r * ld, ld, lengths + r, v, p0, bs, d, out + r);
     for (; r < rows; ++r) pv_rows<1>(scores + r * ld, ld, lengths + r, v, p0, bs, d, out + r);
@@ -367,17 +407,21 @@ __attribute__((always_inline)) inline void attend_rows_body(float* scores, int64
 }
 
 void attend_rows_generic(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
-                         const float* const* vblocks, int64_t bs, int64_t d, float* const* out, float* stats) {
-  attend_rows_body<max_generic, exp_sum_generic>(scores, rows, ld, lengths, scale, vblocks, bs, d, out, stats);
+                         const void* const* vblocks, float* vbuf, int64_t bs, int64_t d, float* const* out,
+                         float* stats) {
+  attend_rows_body<max_generic, exp_sum_generic, widen_bf16_generic>(scores, rows, ld, lengths, scale, vblocks, vbuf,
+                                                                     bs, d, out, stats);
 }
 #ifdef MSLLM_X86
 MSLLM_AVX2 void attend_rows_avx2(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
-    const float* const* vblocks, int64_t bs, int64_t d, float* const* out, float* stats) {
-  attend_rows_body<max_avx2, exp_sum_avx2>(scores, rows, ld, lengths, scale, vblocks, bs, d, out, stats);
+    const void* const* vblocks, float* vbuf, int64_t bs, int64_t d, float* const* out, float* stats) {
+  attend_rows_body<max_avx2, exp_sum_avx2, widen_bf16_avx2>(scores, rows, ld, lengths, scale, vblocks, vbuf, bs, d,
+                                                            out, stats);
 }
 MSLLM_AVX512 void attend_rows_avx512(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
-    const float* const* vblocks, int64_t bs, int64_t d, float* const* out, float* stats) {
-  attend_rows_body<max_avx512, exp_sum_avx512, 4>(scores, rows, ld, lengths, scale, vblocks, bs, d, out, stats);
+    const void* const* vblocks, float* vbuf, int64_t bs, int64_t d, float* const* out, float* stats) {
+  attend_rows_body<max_avx512, exp_sum_avx512, widen_bf16_avx512, 4>(scores, rows, ld, lengths, scale, vblocks, vbuf,
+                                                                     bs, d, out, stats);
 }
 #endif
 
@@ -397,13 +441,29 @@ AttendRowsFn pick_attend_rows() {
 
 const AttendRowsFn g_attend_rows = pick_attend_rows();
 
-// Queries against the paged KV cache: q [N, H*D]; K, V caches [NB, KH, BS, D]; lengths [N] int32 (query i reads
+WidenBf16Fn pick_widen_bf16() {
+  switch (isa()) {
+#ifdef MSLLM_X86
+    case ISA_AVX512:
+      return widen_bf16_avx512;
+    case ISA_AVX2:
+      return widen_bf16_avx2;
+#endif
+    default:
+      return widen_bf16_generic;
+  }
+}
+
+const WidenBf16Fn g_widen_bf16 = pick_widen_bf16();
+
+// Queries against the paged KV cache: q [N, H*D]; K, V caches [NB, KH, BS, D] (float32 or bfloat16); lengths [N] int32 (query i reads
 // positions 0 .. lengths[i]-1, itself included, as the graph's writes left them); rows [N] int32, tables [R, M] int32:
 // query i's sequence has the block table tables[rows[i]] (position p in block tables[rows[i]][p / BS]) -> out
 // [N, H*D]. Query head h reads key/value head h / (H / KH) (HF repeat_kv). Reads only the blocks under each query's
 // length, in place, where the MindSpore form gathers every row's blocks and masks.
 struct AttentionJob : Job {
-  const float *q, *k, *v;
+  const float* q;
+  const void *k, *v;  // the caches (cache.bf16: bfloat16, else float32)
   const int32_t *lengths, *rows, *tables;
   int64_t batch, heads, max_blocks;
   PagedCache cache;
@@ -453,11 +513,14 @@ struct AttentionJob : Job {
     const int64_t group = heads / kv_heads;
     // per thread, kept between calls (common.h Scratch): a prompt's task's scores reach hundreds of KB (the 0.5B
     // shape's 56 rows by 1088 positions: 244 KB), which malloc maps and unmaps, a page fault per 4 KB each time
-    thread_local std::vector<float> qs, scores;
+    thread_local std::vector<float> qs, scores, kv16;
     thread_local std::vector<int64_t> lens;
     thread_local std::vector<float*> outs;
-    thread_local std::vector<const float*> vblocks;
-    Scratch<float> keep_qs(qs), keep_scores(scores);
+    thread_local std::vector<const void*> vblocks;
+    Scratch<float> keep_qs(qs), keep_scores(scores), keep_kv16(kv16);
+    // a bfloat16 cache's block widened: the keys' [bs, d], then the values' [bs, d]
+    float* const widened = cache.bf16 ? keep_kv16.get(2 * bs * d) : nullptr;
+    const int64_t elem = cache.elem_bytes();
     shares.claim([&](int64_t t) {
       const int64_t blk = std::upper_bound(first_task.begin(), first_task.end(), t) - first_task.begin() - 1;
       const int64_t local = t - first_task[blk], kvh = local / chunks[blk], c = local % chunks[blk];
@@ -487,9 +550,12 @@ struct AttentionJob : Job {
       const RowsFn scores_of = scores_kernel(nrows, d);
       for (int64_t j = 0; j < used; ++j) {  // each block's scores: its K rows as the weight rows, in place
         const int64_t n = std::min(bs, longest - j * bs);
-        if (j + 1 < used) prefetch_pages(k + cache.at(table[j + 1], kvh, 0), std::min(bs, longest - (j + 1) * bs) * d);
-        scores_of(qs.data(), nrows, k + cache.at(table[j], kvh, 0), nullptr, d, scores.data() + j * bs, longest, 0, n);
-        vblocks[j] = v + cache.at(table[j], kvh, 0);
+        if (j + 1 < used)
+          prefetch_pages(cache.block(k, table[j + 1], kvh), std::min(bs, longest - (j + 1) * bs) * d * elem);
+        const void* keys = cache.block(k, table[j], kvh);
+        if (widened != nullptr) g_widen_bf16(static_cast<const uint16_t*>(keys), n * d, widened), keys = widened;
+        scores_of(qs.data(), nrows, keys, nullptr, d, scores.data() + j * bs, longest, 0, n);
+        vblocks[j] = cache.block(v, table[j], kvh);
       }
       for (int64_t i = 0; i < nrows && longest == 0; ++i)
         for (int64_t e = 0; e < d; ++e) outs[i][e] = 0.f;
@@ -497,7 +563,8 @@ struct AttentionJob : Job {
       if (longest == 0 && st != nullptr)
         for (int64_t i = 0; i < nrows; ++i) st[2 * i] = -INFINITY, st[2 * i + 1] = 0.f;
       if (longest > 0)
-        g_attend_rows(scores.data(), nrows, longest, lens.data(), scale, vblocks.data(), bs, d, outs.data(), st);
+        g_attend_rows(scores.data(), nrows, longest, lens.data(), scale, vblocks.data(),
+                      widened != nullptr ? widened + bs * d : nullptr, bs, d, outs.data(), st);
     });
   }
 
@@ -534,19 +601,21 @@ struct AttentionJob : Job {
 
 }  // namespace
 
-// q [N, H*D], the caches K, V [NB, KH, BS, D], lengths [N], rows [N], tables [R, M] (int32) -> out [N, H*D]: query i
+// q [N, H*D], the caches K, V [NB, KH, BS, D] (both float32 or both bfloat16), lengths [N], rows [N], tables [R, M]
+// (int32) -> out [N, H*D]: query i
 // attends to the first lengths[i] positions of the sequence whose block table is tables[rows[i]] (the decode step's
 // rows, a prompt's tokens and a chunk's piece alike). A length past the table, a row outside it or a block outside
 // the cache: error 4, nothing computed.
 int decode_attention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam != 7) return 1;
-  if (!is_f32(dtypes[0]) || !is_f32(dtypes[1]) || !is_f32(dtypes[2]) || !is_f32(dtypes[6])) return 2;
+  if (!is_f32(dtypes[0]) || !is_f32(dtypes[6])) return 2;
   for (int k = 3; k < 6; ++k)
     if (std::strcmp(dtypes[k], "int32") != 0) return 2;
   if (ndims[0] != 2 || ndims[1] != 4 || ndims[2] != 4 || ndims[3] != 1 || ndims[4] != 1 || ndims[5] != 2 ||
       ndims[6] != 2)
     return 3;
-  const PagedCache cache = paged_cache(shapes[1]);
+  PagedCache cache = paged_cache(shapes[1]);
+  if (!paged_dtypes(dtypes[1], dtypes[2], &cache)) return 2;
   for (int k = 0; k < 4; ++k)
     if (shapes[2][k] != shapes[1][k]) return 4;
   const int64_t queries = shapes[0][0], table_rows = shapes[5][0], max_blocks = shapes[5][1];
@@ -566,8 +635,8 @@ int decode_attention(int nparam, void** params, int* ndims, int64_t** shapes, co
   }
   AttentionJob job;
   job.q = static_cast<const float*>(params[0]);
-  job.k = static_cast<const float*>(params[1]);
-  job.v = static_cast<const float*>(params[2]);
+  job.k = params[1];
+  job.v = params[2];
   job.lengths = lengths, job.rows = rows, job.tables = tables;
   job.batch = queries, job.heads = shapes[0][1] / cache.d, job.max_blocks = max_blocks, job.cache = cache;
   job.out = static_cast<float*>(params[6]);

@@ -238,10 +238,10 @@ int gemv_add(int nparam, void** params, int* ndims, int64_t** shapes, const char
 // The decode step's first half of a layer in one op (MsliteLlmDecodeQkv): the input RMSNorm, q/k/v with their
 // biases, Qwen3's per-head norms, RoPE, and k and v written into the paged KV cache, in place.
 // params: x [N, E], ln_w [E], eps [1], Wq, bq, Wk, bk, Wv, bv, cos [N, D], sin [N, D], key_cache, value_cache
-// [NB, KH, BS, D] float32 (blocks of BS positions, each kv head's positions contiguous: what the attention reads),
-// slot_mapping [N] int32 (token r's keys and values go to block slot / BS, position slot % BS; a negative slot is not
-// written: a row without a sequence), [q_norm [D], k_norm [D]], q [N, H*D] (the output): 15 tensors with float
-// weights, 17 with the norms. Every token is a row of its own (the decode step's rows, a prompt's tokens).
+// [NB, KH, BS, D] float32 or bfloat16 (paged.h; blocks of BS positions, each kv head's positions contiguous: what the
+// attention reads), slot_mapping [N] int32 (token r's keys and values go to block slot / BS, position slot % BS; a
+// negative slot is not written: a row without a sequence), [q_norm [D], k_norm [D]], q [N, H*D] (the output): 15
+// tensors with float weights, 17 with the norms. Every token is a row of its own (the decode step's rows, a prompt's tokens).
 // Writing the caches here saves the graph two scatters per layer (MindSpore's CPU ScatterNdUpdate: ~60 us each,
 // docs/performance-log.md, "The decode step: where the time goes, and fused ops", 2026-11-23) and the separate
 // norm's call.
@@ -257,14 +257,15 @@ int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const ch
   if (const int bad = read_weights(params, ndims, shapes, dtypes, arity, &i, 3, ws, bs)) return bad;
   const int ci = i, si = i + 1, kci = i + 2, vci = i + 3, li = i + 4, out = nparam - 1;
   for (int k = 0; k < nparam; ++k)
-    if ((k < 3 || (k >= ci && k != li)) && !is_f32(dtypes[k])) return 2;
+    if ((k < 3 || (k >= ci && k != li && k != kci && k != vci)) && !is_f32(dtypes[k])) return 2;
   if (std::strcmp(dtypes[li], "int32") != 0) return 2;
   if (ndims[0] != 2 || ndims[1] != 1 || ndims[2] > 1 || ndims[kci] != 4 || ndims[vci] != 4 || ndims[li] != 1 ||
       ndims[out] != 2)
     return 3;
   int64_t rows = shapes[0][0];
   const int64_t e = shapes[0][1];
-  const PagedCache cache = paged_cache(shapes[kci]);
+  PagedCache cache = paged_cache(shapes[kci]);
+  if (!paged_dtypes(dtypes[kci], dtypes[vci], &cache)) return 2;
   for (int k = 0; k < 4; ++k)
     if (shapes[vci][k] != shapes[kci][k]) return 4;
   if (shapes[1][0] != e || !cache.ok() || shapes[li][0] != rows || cache.d % 2) return 4;
@@ -295,20 +296,22 @@ int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const ch
   project_qkv_rope(xn, rows, e, ws, bs, ys, d, static_cast<const float*>(params[ci]),
                    static_cast<const float*>(params[si]), norms ? static_cast<const float*>(params[li + 1]) : nullptr,
                    norms ? static_cast<const float*>(params[li + 2]) : nullptr, eps);
-  write_paged(cache, ys[1], ys[2], rows, slots, static_cast<float*>(params[kci]), static_cast<float*>(params[vci]));
+  write_paged(cache, ys[1], ys[2], rows, slots, params[kci], params[vci]);
   return 0;
 }
 
 // k and v of N tokens into the paged caches (MsliteLlmWriteCache), in place: the chunk graph's writes, where q/k/v
-// come from the rows op (qkv_rope). params: k [N, KH*D], v [N, KH*D], key_cache, value_cache [NB, KH, BS, D] float32,
-// slot_mapping [N] int32 (negative: not written), done [1] float32 (the output, 0: for the graph's ordering).
+// come from the rows op (qkv_rope). params: k [N, KH*D], v [N, KH*D], key_cache, value_cache [NB, KH, BS, D] float32
+// or bfloat16, slot_mapping [N] int32 (negative: not written), done [1] float32 (the output, 0: for the graph's
+// ordering).
 int write_cache(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam != 6) return 1;
-  for (int k : {0, 1, 2, 3, 5})
+  for (int k : {0, 1, 5})
     if (!is_f32(dtypes[k])) return 2;
   if (std::strcmp(dtypes[4], "int32") != 0) return 2;
   if (ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 4 || ndims[3] != 4 || ndims[4] != 1) return 3;
-  const PagedCache cache = paged_cache(shapes[2]);
+  PagedCache cache = paged_cache(shapes[2]);
+  if (!paged_dtypes(dtypes[2], dtypes[3], &cache)) return 2;
   for (int k = 0; k < 4; ++k)
     if (shapes[3][k] != shapes[2][k]) return 4;
   const int64_t rows = shapes[0][0];
@@ -318,8 +321,8 @@ int write_cache(int nparam, void** params, int* ndims, int64_t** shapes, const c
   const int32_t* slots = static_cast<const int32_t*>(params[4]);
   for (int64_t r = 0; r < rows; ++r)
     if (slots[r] >= cache.slots()) return 4;
-  write_paged(cache, static_cast<const float*>(params[0]), static_cast<const float*>(params[1]), rows, slots,
-              static_cast<float*>(params[2]), static_cast<float*>(params[3]));
+  write_paged(cache, static_cast<const float*>(params[0]), static_cast<const float*>(params[1]), rows, slots, params[2],
+              params[3]);
   *static_cast<float*>(params[5]) = 0.f;
   return 0;
 }

@@ -13,9 +13,10 @@
 // The decode step's fused ops (decode_ops.cc): MsliteLlmRmsNorm, MsliteLlmQkvRope, MsliteLlmGemvAdd,
 // MsliteLlmSwiGlu, MsliteLlmPagedDecodeQkv, MsliteLlmWriteCache, MsliteLlmNormSwiGlu, MsliteLlmDecodeTail (and
 // MsliteLlmQkvRopeValid, MsliteLlmPagedDecodeLayerValid: the chunk graph's, a row count first); the attention
-// over the paged cache (attention.cc): MsliteLlmPagedAttention; cpu_kernels/__init__.py lists their tensors. The int8/int4 matmuls (matmul_quant.cc, whose
-// comment lists their tensors and one more error code): MsliteLlmQuantMatmul, MsliteLlmQuantMatmulOffset,
-// MsliteLlmAtlasWeightQuantBatchMatmul.
+// over the paged cache (attention.cc): MsliteLlmPagedAttention; those that read or write the cache under a second
+// name for bfloat16 caches (...Kv16); cpu_kernels/__init__.py lists their tensors. The int8/int4 matmuls
+// (matmul_quant.cc, whose comment lists their tensors and one more error code): MsliteLlmQuantMatmul,
+// MsliteLlmQuantMatmulOffset, MsliteLlmAtlasWeightQuantBatchMatmul.
 #include <chrono>
 
 #include "common.h"
@@ -227,6 +228,22 @@ int MsliteLlmPagedDecodeMoeLayer(int nparam, void** params, int* ndims, int64_t*
                                  void*) {
   return timed(OP_DECODE_LAYER, [&] { return decode_moe_layer(nparam, params, ndims, shapes, dtypes); });
 }
+
+// The ops that read or write the paged cache once more, under the names a graph with bfloat16 caches calls
+// (cpu_kernels.KV16_OPS; paged.h: a folder with bfloat16 weights keeps its KV cache in bfloat16): the same bodies, which
+// take either cache dtype. An installation whose kernels read float32 caches only lacks these names, so it refuses
+// such a folder when it loads, naming them (cpu_kernels.unknown_functions), instead of failing at its first step.
+#define MSLLM_KV16(name)                                                                                            \
+  int name##Kv16(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* s, void* e) { \
+    return name(nparam, params, ndims, shapes, dtypes, s, e);                                                     \
+  }
+MSLLM_KV16(MsliteLlmPagedAttention)
+MSLLM_KV16(MsliteLlmPagedDecodeQkv)
+MSLLM_KV16(MsliteLlmWriteCache)
+MSLLM_KV16(MsliteLlmPagedDecodeLayer)
+MSLLM_KV16(MsliteLlmPagedDecodeLayerValid)
+MSLLM_KV16(MsliteLlmPagedDecodeMoeLayer)
+#undef MSLLM_KV16
 
 // The quantized ops once more, for weights in bands of 16 rows (matmul_quant.h repack_int4_r16, repack_int8_r16):
 // names the runtime gives a graph's ops at load after it repacked every quantized weight they read

@@ -93,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="positions per block of the paged KV cache, which every graph writes and reads through block "
                         "tables (the pool's size is set when the folder is loaded). Default: 128 on Atlas (vllm-ascend's "
                         "and MindIE's; a multiple of 16 up to 512 there), 64 on cpu (measured: docs/performance.md)")
+    p.add_argument("--kv_cache_dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="the KV cache's dtype on cpu folders. auto: bfloat16 where the weights are bfloat16 (a "
+                        "bfloat16 checkpoint's default; the attention reads half the bytes, a pool holds twice the "
+                        "tokens, and HF runs such a model with a bfloat16 cache too), else float32; int8/int4 folders "
+                        "keep float32. On Atlas the cache is the compute dtype")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true", help="log each stage as it starts, and more")
@@ -158,7 +163,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                            score_sizes=parse_sizes(args.score_sizes, "--score_sizes"),
                            step_rows=parse_sizes(args.step_rows, "--step_rows"), quantize=args.quantize,
                            group_size=args.group_size, quantize_tables=args.quantize_tables,
-                           block_size=args.block_size)
+                           block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype)
         # the bars are drawn on a terminal only; piped, each stage is one plain line instead (-v logs them already)
         plain = not args.quiet and not args.verbose and not sys.stderr.isatty()
         summary = run_export(cfg, show_progress=not args.quiet,

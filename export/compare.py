@@ -31,9 +31,11 @@ log = logging.getLogger(__name__)
 TORCH_HINT = "pip install torch==2.13.0 (a CPU build: pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)"
 
 
-def hf_model(checkpoint: str, dtype: str = "float32", matrices_in: str = "float32"):
+def hf_model(checkpoint: str, dtype: str = "float32", matrices_in: str = "float32", kv_in: str = "float32"):
     """HF's model; `matrices_in` rounds its matrices (2-D weights) through that dtype, as a CPU folder with 16-bit
-    weights stores them (the same round-to-nearest-even as export/checkpoints/safetensors.py), computing in `dtype`."""
+    weights stores them (the same round-to-nearest-even as export/checkpoints/safetensors.py), computing in `dtype`;
+    `kv_in` rounds the keys and values its attention reads through that dtype, as a CPU folder's bfloat16 KV cache
+    holds them (kv_rounding_attention)."""
     try:
         import torch
         from transformers import AutoModelForCausalLM
@@ -53,7 +55,31 @@ def hf_model(checkpoint: str, dtype: str = "float32", matrices_in: str = "float3
             for param in model.parameters():
                 if param.ndim == 2:
                     param.copy_(param.to(getattr(torch, matrices_in)).to(param.dtype))
+    if kv_in != dtype:
+        model.set_attn_implementation(kv_rounding_attention(kv_in))
     return model.eval()
+
+
+def kv_rounding_attention(kv_in: str) -> str:
+    """The name of an HF attention implementation (registered once) that is sdpa's on keys and values rounded through
+    `kv_in` (torch's round to nearest even, as cpu_kernels/paged.h writes a bfloat16 cache): every key and value a
+    query reads, its own included, is as the folder's cache holds it. Rounding is idempotent, so rounding the whole
+    cache at each call equals rounding each entry once when it is stored."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = f"mslite_kv_{kv_in}"
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        sdpa, store = ALL_ATTENTION_FUNCTIONS["sdpa"], getattr(torch, kv_in)
+
+        def attention(module, query, key, value, *args, **kwargs):
+            return sdpa(module, query, key.to(store).to(key.dtype), value.to(store).to(value.dtype), *args, **kwargs)
+
+        AttentionInterface.register(name, attention)
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return name
 
 
 def _packed(checkpoint: str) -> bool:
@@ -192,6 +218,7 @@ def compare(checkpoint: str, model_dir: str, quiet: bool = True):
 
         hf_logging.disable_progress_bar()
     # a CPU folder with 16-bit weights computes in float32 on rounded matrices: so does its reference
+    # (a folder whose KV cache is bfloat16 replays with float32 caches against it: lite_runtime/check.py)
     model = hf_model(checkpoint, matrices_in=config.dtype if config.compute_dtype != config.dtype else "float32")
     if config.folder.quantization:  # HF on the weights the folder holds, dequantized (what the folder means)
         load_folder_linears(model, config.folder)

@@ -329,6 +329,8 @@ class ExportConfig:
     # positions per block of the paged KV cache (every graph reads and writes it through block tables); None: the
     # device profile's (export/devices.py block_size)
     block_size: Optional[int] = None
+    # the KV cache's dtype on CPU folders (kv_dtype): auto, float32 or bfloat16
+    kv_cache_dtype: str = "auto"
 
     @property
     def compute_dtype(self) -> str:
@@ -340,6 +342,26 @@ class ExportConfig:
     @property
     def half_weights_on_cpu(self) -> bool:
         return self.device == "cpu" and self.dtype != "float32"
+
+    def kv_dtype(self, quantized: bool, kernels: bool) -> str:
+        """The paged KV cache's dtype. On Atlas the compute dtype (ReshapeAndCache and PagedAttention's). On a CPU
+        folder whose graphs run the CPU kernels, bfloat16 by default where its weights are bfloat16 (a bfloat16
+        checkpoint's default CPU folder): what HF computes a bfloat16 model's attention on, half the bytes a decode
+        step reads and twice the tokens a pool holds (cpu_kernels/paged.h: rounded to nearest even as written, widened
+        exactly as read); float32 otherwise, and always for quantized folders (their ops have no bfloat16-cache form
+        yet). `--kv_cache_dtype float32` keeps float32 caches on any CPU folder; `bfloat16` asks for them on a
+        float-weight one."""
+        want = self.kv_cache_dtype
+        if self.device != "cpu":
+            return self.compute_dtype
+        if want == "auto":
+            return "bfloat16" if kernels and not quantized and self.dtype == "bfloat16" else "float32"
+        if want == "bfloat16" and (quantized or not kernels):
+            raise ExportError("--kv_cache_dtype bfloat16: " + (
+                "an int8/int4 folder keeps a float32 KV cache (its ops have no bfloat16-cache form); drop the option"
+                if quantized else "bfloat16 caches are read by the CPU kernels only; drop --cpu_kernels off or the "
+                                  "option"))
+        return want
 
     def use_cpu_kernels(self) -> bool:
         """Whether the graphs use cpu_kernels' matmuls. `on` without the built library is an error, and so is a
@@ -413,6 +435,11 @@ class ExportConfig:
                 raise ExportError(f"--block_size {self.block_size}: " + (
                     "on Atlas a multiple of 16 up to 512 (ReshapeAndCache and PagedAttention's blocks; 128 is what "
                     "vllm-ascend and MindIE use)" if atlas else "must be at least 1"))
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ExportError(f"--kv_cache_dtype {self.kv_cache_dtype!r} is not one of auto, float32, bfloat16")
+        if self.kv_cache_dtype != "auto" and self.device != "cpu":
+            raise ExportError(f"--kv_cache_dtype {self.kv_cache_dtype}: on Atlas the KV cache is the compute dtype "
+                              f"(--dtype {self.dtype}, as ReshapeAndCache and PagedAttention take it); drop the option")
         if self.quantize not in (None, "none", "int8", "int4"):
             raise ExportError(f"--quantize {self.quantize!r} is not one of none, int8, int4")
         if self.tp_size < 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import sys
@@ -236,12 +237,23 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
     slots = any(g.role == "chunk" for g in config.folder.graphs.values())  # every folder but tensor-parallel ones
     if slots:  # the server's path too: its chunk graph, each prompt in pieces into its own row, joining a running batch
         config = dataclasses.replace(config, chunk_graphs=True)
-    generator = pipeline("text_generation", model=config, backend=backend)
+    # a folder whose KV cache is bfloat16 as it serves (a CPU folder with bfloat16 weights, cpu_kernels/paged.h): its
+    # replays with x exact run it with float32 caches, float32's arithmetic end to end, against the reference's rows
+    # (which keep float32 keys and values); the fast replay runs it as it serves, bfloat16 caches, against the fast
+    # lane's limit (which rounds them as the cache does: export/writers/golden.py)
+    kv16 = cpu_kernels and folder.kv_cache.dtype == "bfloat16"
+    counts: Dict[str, int] = {}  # inc graph -> decode steps it ran, over the loads
+
+    def load(cfg: InferConfig):
+        gen = pipeline("text_generation", model=cfg, backend=backend)
+        gen.runner.cycle_step_graphs, gen.runner.step_counts = True, counts  # every inc graph takes its turn
+        return gen
+
+    generator = load(dataclasses.replace(config, kv_cache_dtype="float32") if kv16 else config)
     loaded = time.perf_counter() - start
     # against golden's tight limit, or HF's float32, or (a bfloat16 folder before its limit) float32's constant
     exact = (quantized_cpu and (limits is not None or not golden)) or bf16_cpu
     runner = generator.runner
-    runner.cycle_step_graphs, runner.step_counts = True, {}  # every inc graph takes its turn at the decode steps
 
     def replay_every_graph(limit) -> List[RowResult]:
         """The prefill graphs, the chunk graphs (the server's pieces), the score graphs (every position of a piece:
@@ -258,13 +270,24 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
     if mode is not None:  # the path that serves: the kernels' default (int8 for int4 weights, int16 for int8 ones,
         # and the AVX512-BF16 form), or int16 for a folder whose limit is int16's (an int4 one exported before int8's);
         # every graph: the forms some row counts take (a verify's 9 rows, a piece's) are replayed at those counts
+        if kv16:  # as it serves: its bfloat16 caches (the float32 ones' load gone first)
+            standins = dict(generator.backend.standins)
+            runner.cycle_step_graphs = False
+            del generator, runner
+            gc.collect()
+            reload = time.perf_counter()
+            generator = load(config)
+            runner = generator.runner
+            loaded += time.perf_counter() - reload
+            for op, n in standins.items():
+                generator.backend.standins[op] = max(n, generator.backend.standins.get(op, 0))
         with _activations(FAST_KERNEL_MODE[mode]):
             fast = replay_every_graph(limits[mode])
         for r in fast:
             r.graph += FAST_SUFFIX[mode]
         rows += fast
     runner.cycle_step_graphs = False
-    unproved = [k for k in runner.step_graphs.values() if not runner.step_counts.get(k)]
+    unproved = [k for k in runner.step_graphs.values() if not counts.get(k)]
     if unproved and rows:  # no step fitted them (more rows than any replay steps): say so in a row of its own
         gap = RowResult(len(rows), "+".join(unproved), 0)
         gap.failures.append(f"no decode step of the replays ran the inc graph(s) {', '.join(unproved)}")
@@ -285,10 +308,15 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
         info["cpu_kernels_path"] = path
     standins = dict(generator.backend.standins)
     info["standins"] = standins
-    info["kv_cache"] = generator.runner.pool_plan.line() + "; every replay's block tables shuffled (not contiguous)"
-    info["step_graphs"] = dict(sorted(runner.step_counts.items(), key=lambda kv: graph_rows(kv[0], runner.batch_size)))
+    info["kv_cache"] = generator.runner.pool_plan.line() + "; every replay's block tables shuffled (not contiguous)" + (
+        "; bfloat16 as the folder serves it in the replays" + (" with its fast path's activations, float32 in those "
+                                                               "with x exact" if mode else "") if kv16 else "")
+    info["step_graphs"] = dict(sorted(counts.items(), key=lambda kv: graph_rows(kv[0], runner.batch_size)))
     if exact:
         info["quant_activations"] = {"replays": "exact", **({"fast replay": mode} if mode else {})}
+    if kv16:
+        info["kv_cache_dtype"] = {"replays with x exact": "float32" if mode else "bfloat16",
+                                  **({"fast replay": "bfloat16"} if mode else {})}
     unreplayed = None
     if bf16_cpu and mode is None and golden and _bf16_form(generator.backend_name) == "avx512_bf16":
         unreplayed = ("activations: replayed with x exact only; this machine serves the folder's steps of several "

@@ -71,6 +71,10 @@ class InferConfig:
     # neither: sized from free memory at load. Fixed for the folder's life in this process
     num_blocks: Optional[int] = None
     kv_cache_memory: Optional[float] = None
+    # "float32": run a folder whose KV cache is bfloat16 (a CPU folder with bfloat16 weights, infer.kv_cache) with
+    # float32 caches instead (ms backend; the CPU kernels take either): check's replays with x exact, held to float32's
+    # arithmetic (lite_runtime/check.py). None: the folder's
+    kv_cache_dtype: Optional[str] = None
     folder: Optional[ModelFolder] = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -147,6 +151,8 @@ class InferConfig:
         if self.infer_seq_length is None or self.batch_size is None:
             raise InferError("infer_seq_length and batch_size are needed when loading graph files without a "
                              "model folder; pass the values the graphs were exported with")
+        if self.kv_cache_dtype not in (None, "float32"):
+            raise InferError(f"kv_cache_dtype {self.kv_cache_dtype!r}: only float32 (or None, the folder's) is known")
         if self.warm_up not in WARM_UP:
             raise InferError(f"warm_up {self.warm_up!r} is not one of {', '.join(WARM_UP)}")
         if self.device_id < 0 or self.rank_id < 0:

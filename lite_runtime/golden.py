@@ -107,9 +107,10 @@ _FAST_WHAT = {"int16": "with x rounded to int16 per block of 32 at every quantiz
               "bf16": "with x rounded to bfloat16 at every matmul, as the CPU kernels' AVX512-BF16 form rounds it"}
 
 
-def derived_limits(measured: Dict[str, float]) -> Dict[str, Any]:
+def derived_limits(measured: Dict[str, float], kv_in: str = "float32") -> Dict[str, Any]:
     """golden.json's `limits` from the lanes' distances (`measured`: reorder and one fast mode, FAST_MODES): per
-    activation mode, the limit and what it came from."""
+    activation mode, the limit and what it came from (`kv_in`: the KV cache's dtype as the folder serves, which the
+    fast lane rounds keys and values to)."""
     exact = max(LIMIT_FACTOR * measured["reorder"], LIMIT_FLOOR)
     how = ("{factor} x the largest distance of the golden steps computed again {what}, over every step's top-k "
            "logits relative to its largest |logit|")
@@ -121,7 +122,9 @@ def derived_limits(measured: Dict[str, float]) -> Dict[str, Any]:
         if mode in measured:
             out[mode] = {"rel": float(f"{max(LIMIT_FACTOR * measured[mode], exact):.4g}"),
                          "measured": float(f"{measured[mode]:.4g}"), "factor": LIMIT_FACTOR,
-                         "from": how.format(factor=LIMIT_FACTOR, what=_FAST_WHAT[mode])}
+                         "from": how.format(factor=LIMIT_FACTOR, what=_FAST_WHAT[mode] + (
+                             f", and each key and value rounded to {kv_in} as its KV cache holds them"
+                             if kv_in != "float32" else ""))}
     return out
 
 

@@ -279,6 +279,9 @@ def test_each_code_path_gives_the_same_answers(isa):
             f.test_attention_of_prompts_at_real_head_sizes(d, bs)
         f.test_attention_rows_read_the_sequence_each_query_names()
         f.test_decode_attention_reads_each_sequences_blocks_in_place_with_gqa()
+        f.test_a_bfloat16_cache_is_attended_as_a_float32_cache_of_its_values(9, 3, 64, 64, (1100, 513, 1, 0, 300), 0)
+        f.test_a_bfloat16_cache_is_attended_as_a_float32_cache_of_its_values(4, 4, 80, 128, (45, 7), 0)
+        f.test_bfloat16_caches_are_written_rounded_to_nearest_even()
     """)
     env = dict(os.environ, MSLITE_LLM_CPU_KERNELS_ISA=isa,
                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))

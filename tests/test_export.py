@@ -228,8 +228,12 @@ def test_sharded_bfloat16_checkpoint_written_by_hf(tmp_path, checkpoints, capsys
             f"{limits['bf16']['rel']:.1e} as it serves (bfloat16 activations) (golden.json 'limits')") in printed
     prefill, _ = graph_cells(str(out), str(tmp_path / "local"))
     row = prompts(1, [6], seed=2)[0]
-    with torch.no_grad():  # the reference: the same bf16 weights, widened to fp32
-        ref = model.float()(torch.tensor([row])).logits[0, -1].numpy()
+    from export.compare import kv_rounding_attention
+
+    reference = model.float()  # the same bf16 weights, widened to fp32; keys and values as its bfloat16 KV cache holds
+    reference.set_attn_implementation(kv_rounding_attention("bfloat16"))
+    with torch.no_grad():
+        ref = reference(torch.tensor([row])).logits[0, -1].numpy()
     with exact_activations():  # a 6-token prompt is a matmul of 6 rows: float32's form
         assert rel_err(run(prefill, right_pad([row], 16), [6], block_size=64)[0], ref) < TOL
 

@@ -139,7 +139,7 @@ def test_bfloat16_cpu_folder_equals_hf_on_the_rounded_weights(tmp_path, family_c
     run_export(ExportConfig(checkpoint=family_checkpoints[name], output=out, name=name, seq_length=32, batch_size=2,
                             dtype="bfloat16", device="cpu", prefill_buckets=(16,)))
     pipe = pipeline("text_generation", model=out, backend="ms")
-    model = rounded_hf(family_checkpoints[name], matrices_in="bfloat16")
+    model = rounded_hf(family_checkpoints[name], matrices_in="bfloat16", kv_in="bfloat16")  # its KV cache's too
     rows = prompts(2, [19, 7], seed=41)
     import torch
 

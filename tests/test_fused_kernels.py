@@ -643,3 +643,103 @@ def _fused_ops_take_quantized_weights(bits, group, offset, rows, rel):
     assert call_kernel(cpu_kernels.GEMV_ADD, *bad, dtypes=[str(a.dtype) for a in bad]) == 4
     short = [attn, quant["o"][0], r, y]
     assert call_kernel(cpu_kernels.GEMV_ADD, *short, dtypes=[str(a.dtype) for a in short]) == 1
+
+
+def bf16_pool(pool):
+    """A float32 cache pool as a bfloat16 one: (its values rounded to nearest even as the kernels write them, as
+    float32; the bfloat16 bits, uint16). NaN stays NaN."""
+    from export.checkpoints.safetensors import bf16_bits, widen
+
+    bits = bf16_bits(pool)
+    return widen(bits), bits
+
+
+BF16_ATTENTION_TYPES = [None, "bfloat16", "bfloat16", "int32", "int32", "int32", None]
+
+
+@pytest.mark.parametrize("h, kh, d, bs, lengths, piece", [
+    (9, 3, 64, 64, (1100, 513, 1, 0, 300), 0),  # SmolLM2's decode step: long contexts in chunks, an idle row
+    (14, 2, 64, 16, (130,), 70),  # Qwen2-0.5B's heads: a piece of 70 after 130 (blocks of queries)
+    (4, 4, 80, 128, (45, 7), 0),  # MHA (one query row a task), a head size not a multiple of the 32-value blocks
+    (28, 4, 128, 64, (600,), 9),  # a 7B shape's heads: a verify of 9 after 600
+])
+def test_a_bfloat16_cache_is_attended_as_a_float32_cache_of_its_values(h, kh, d, bs, lengths, piece):
+    """The attention over bfloat16 caches (a folder with bfloat16 weights keeps its KV cache so: cpu_kernels/paged.h)
+    computes bit for bit what it computes over float32 caches holding the same, rounded, values: each block is widened
+    exactly before the same kernels read it. Under both names (MsliteLlmPagedAttention and its Kv16 twin); caches of
+    two dtypes are refused (2)."""
+    rng = np.random.default_rng(h * d + bs)
+    s = max(lengths) + piece
+    k, v = (rng.standard_normal((len(lengths), kh, s, d), dtype=np.float32) for _ in range(2))
+    if piece:  # one sequence: its context, then a piece's tokens each reading up to itself
+        rows = np.zeros(piece, np.int32)
+        valid = np.arange(lengths[0] + 1, lengths[0] + piece + 1, dtype=np.int32)
+    else:
+        rows = np.arange(len(lengths), dtype=np.int32)
+        valid = np.array(lengths, np.int32)
+    for r in range(len(lengths)):
+        k[r, :, int(valid[rows == r].max(initial=0)):] = np.nan  # past the longest query of each row: never read
+    kp, tables = paged(k, bs, rng)
+    vp = repage(v, tables, bs, kp.shape[0])
+    (k32, k16), (v32, v16) = bf16_pool(kp), bf16_pool(vp)
+    q = rng.standard_normal((len(rows), h * d), dtype=np.float32)
+    want = np.full_like(q, np.nan)
+    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k32, v32, valid, rows, tables, want,
+                       dtypes=ATTENTION_TYPES) == 0
+    for name in (cpu_kernels.DECODE_ATTENTION, cpu_kernels.KV16_OPS[cpu_kernels.DECODE_ATTENTION]):
+        got = np.full_like(q, np.nan)
+        assert call_kernel(name, q, k16, v16, valid, rows, tables, got, dtypes=BF16_ATTENTION_TYPES) == 0
+        assert np.array_equal(got, want), name
+    live = valid > 0
+    check_attention(want[live], q[live], bf16_pool(k)[0], bf16_pool(v)[0], valid[live], rows[live])
+    mixed = [None, None, "bfloat16", "int32", "int32", "int32", None]
+    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, k32, v16, valid, rows, tables, got, dtypes=mixed) == 2
+
+
+def test_bfloat16_caches_are_written_rounded_to_nearest_even():
+    """MsliteLlmWriteCache and MsliteLlmPagedDecodeQkv into bfloat16 caches: each written key and value is the float32
+    one the float32 caches get, rounded to nearest even (ties to the even one, as torch's and MindSpore's Cast); a
+    negative slot writes nothing; nothing else of the caches changes."""
+    from export.checkpoints.safetensors import bf16_bits
+
+    rng = np.random.default_rng(11)
+    nb, kh, bs, d = 5, 2, 4, 8
+    k, v = (rng.standard_normal((3, kh * d), dtype=np.float32) for _ in range(2))
+    k.view(np.uint32)[0, :4] = (k.view(np.uint32)[0, :4] & 0xFFFF0000) | 0x8000  # exact ties: odd and even
+    k.view(np.uint32)[0, 1] |= 0x10000
+    slots = np.array([13, -1, 4], np.int32)
+    flag = np.zeros(1, np.float32)
+    caches = [rng.integers(0, 1 << 16, (nb, kh, bs, d)).astype(np.uint16) for _ in range(2)]
+    before = [c.copy() for c in caches]
+    types = [None, None, "bfloat16", "bfloat16", "int32", None]
+    for name in (cpu_kernels.WRITE_CACHE, cpu_kernels.KV16_OPS[cpu_kernels.WRITE_CACHE]):
+        caches = [c.copy() for c in before]
+        assert call_kernel(name, k, v, *caches, slots, flag, dtypes=types) == 0
+        for cache, old, new in zip(caches, before, (k, v)):
+            want = old.copy()
+            for i, slot in enumerate(slots):
+                if slot >= 0:
+                    want[slot // bs, :, slot % bs] = bf16_bits(new[i]).reshape(kh, d)
+            assert np.array_equal(cache, want), name
+    assert call_kernel(cpu_kernels.WRITE_CACHE, k, v, caches[0], caches[1].view(np.float16), slots, flag,
+                       dtypes=[None, None, "bfloat16", "float16", "int32", None]) == 2
+
+    # the decode step's op: the same q, and the float32 caches' writes rounded
+    e, h = 32, 4
+    x = rng.standard_normal((3, e), dtype=np.float32)
+    ln = np.ones(e, np.float32)
+    mats = [t for o in (h * d, kh * d, kh * d) for t in (rng.standard_normal((o, e), dtype=np.float32),
+                                                         rng.standard_normal(o, dtype=np.float32))]
+    angle = rng.uniform(0, 6, (3, d // 2)).astype(np.float32)
+    cos, sin = np.cos(np.tile(angle, 2)).astype(np.float32), np.sin(np.tile(angle, 2)).astype(np.float32)
+    eps = np.array([1e-6], np.float32)
+    f32 = [np.zeros((nb, kh, bs, d), np.float32) for _ in range(2)]
+    b16 = [np.zeros((nb, kh, bs, d), np.uint16) for _ in range(2)]
+    q32, q16 = (np.full((3, h * d), np.nan, np.float32) for _ in range(2))
+    assert call_kernel(cpu_kernels.DECODE_QKV, x, ln, eps, *mats, cos, sin, *f32, slots, q32,
+                       dtypes=[None] * 13 + ["int32", None]) == 0
+    assert call_kernel(cpu_kernels.KV16_OPS[cpu_kernels.DECODE_QKV], x, ln, eps, *mats, cos, sin, *b16, slots, q16,
+                       dtypes=[None] * 11 + ["bfloat16", "bfloat16", "int32", None]) == 0
+    assert np.array_equal(q16, q32)
+    for got, full in zip(b16, f32):
+        assert np.array_equal(got, bf16_bits(full))

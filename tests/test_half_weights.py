@@ -24,10 +24,12 @@ TOL = 1e-4
 HALF = ("bfloat16", "float16")
 
 
-def rounded_hf(checkpoint: str, dtype: str):
+def rounded_hf(checkpoint: str, dtype: str, kv_in=None):
+    """HF on the matrices rounded to `dtype`, its keys and values to `kv_in` (default: as a CPU folder of `dtype`
+    keeps its KV cache: bfloat16 for bfloat16 weights, export/config.py kv_dtype)."""
     from export.compare import hf_model
 
-    return hf_model(checkpoint, matrices_in=dtype)
+    return hf_model(checkpoint, matrices_in=dtype, kv_in=kv_in or ("bfloat16" if dtype == "bfloat16" else "float32"))
 
 
 def hf_logits(model, row):
@@ -76,8 +78,11 @@ def test_logits_and_greedy_tokens_equal_hf_on_the_rounded_weights(half_folders, 
             assert rel_err(got, hf_logits(model, row)) < TOL
         assert pipe.generate([short], max_new_tokens=10, eos_token_id=None).sequences[0] == hf_greedy(model, short,
                                                                                                       10)
-        # the rounding is real: the unrounded float32 model is further away than float32's tolerance
+        # the rounding is real: the unrounded float32 model is further away than float32's tolerance, and so is a
+        # bfloat16 folder from HF with float32 keys and values
         assert rel_err(pipe.infer([short]).logits[0], hf_logits(rounded_hf(ckpt, "float32"), short)) > TOL
+        if dtype == "bfloat16":
+            assert rel_err(pipe.infer([short]).logits[0], hf_logits(rounded_hf(ckpt, dtype, "float32"), short)) > TOL
     # as it serves (x rounded to bfloat16 at several rows where the CPU has AVX512-BF16): within the folder's limit
     for got, row in zip(pipe.infer(rows).logits, rows):
         assert rel_err(got, hf_logits(model, row)) < served_limit(half_folders[dtype])
@@ -107,7 +112,8 @@ def test_matrices_are_stored_in_16_bits_and_the_rest_in_float32(half_folders, dt
 
 def test_check_holds_a_half_weights_folder_to_its_limits(half_folders, capsys):
     """float16: float32's limit. bfloat16: limits derived at export from its own arithmetic (golden.json `limits`:
-    x exact, and x rounded to bfloat16 as the AVX512-BF16 form rounds it), replayed both ways."""
+    x exact, and x rounded to bfloat16 as the AVX512-BF16 form rounds it; keys and values rounded to bfloat16 as its
+    KV cache holds them), replayed both ways."""
     from lite_runtime.check import main as check_main
 
     code = check_main([half_folders["float16"], "--backend", "ms", "-q"])
@@ -127,6 +133,12 @@ def test_check_holds_a_half_weights_folder_to_its_limits(half_folders, capsys):
     assert f"(limit {limits['bf16']['rel']:.1e}, derived for this folder)" in out[-1]
     line = next(x for x in out if x.startswith("activations:"))
     assert "x rounded to bfloat16 in the matmuls of several rows" in line and "@bf16" in line
+    # its KV cache: bfloat16 as it serves (the fast replay, whose limit's lane rounds keys and values so), float32
+    # caches in the replays with x exact (float32's arithmetic end to end, against float32's limit)
+    line = next(x for x in out if x.startswith("KV cache:"))
+    assert line.endswith("; bfloat16 as the folder serves it in the replays with its fast path's activations, float32 in "
+                         "those with x exact"), line
+    assert "each key and value rounded to bfloat16 as its KV cache holds them" in limits["bf16"]["from"]
 
 
 def test_a_bfloat16_checkpoint_is_copied_bit_for_bit(tmp_path, checkpoints):
@@ -134,6 +146,7 @@ def test_a_bfloat16_checkpoint_is_copied_bit_for_bit(tmp_path, checkpoints):
     import torch
     from transformers import Qwen2ForCausalLM
 
+    from export.compare import kv_rounding_attention
     from export.config import ExportConfig
     from export.pipeline import run_export
     from lite_runtime import pipeline
@@ -149,8 +162,10 @@ def test_a_bfloat16_checkpoint_is_copied_bit_for_bit(tmp_path, checkpoints):
                             dtype="bfloat16", device="cpu", prefill_buckets=()))
     pipe = pipeline("text_generation", model=out, backend="ms")
     row = prompts(1, [6], seed=2)[0]
+    reference = model.float()  # its keys and values as the folder's bfloat16 KV cache holds them
+    reference.set_attn_implementation(kv_rounding_attention("bfloat16"))
     with exact_activations():
-        assert rel_err(pipe.infer([row]).logits[0], hf_logits(model.float(), row)) < TOL
+        assert rel_err(pipe.infer([row]).logits[0], hf_logits(reference, row)) < TOL
     weights = pipe.backend._owned["model.layers.0.mlp.up_proj.weight"].asnumpy()  # bfloat16 -> float32
     assert np.array_equal(weights, model.model.layers[0].mlp.up_proj.weight.float().detach().numpy())
 
@@ -186,3 +201,59 @@ def test_speculative_auto_is_prompt_lookup_on_float32_and_bfloat16_cpu_folders(h
     assert lookup_pays(InferConfig.from_folder(serve_folder))  # float32
     assert lookup_pays(InferConfig.from_folder(half_folders["bfloat16"]))
     assert not lookup_pays(InferConfig.from_folder(half_folders["float16"]))
+
+
+def test_a_bfloat16_folder_keeps_its_kv_cache_in_bfloat16_unless_asked(half_folders, tmp_path, checkpoints, capsys):
+    """A CPU folder with bfloat16 weights keeps its KV cache in bfloat16 (the yaml's infer.kv_cache, whose pool
+    sizing halves per token) and its graphs call the cache's ops by their bfloat16 caches' names (cpu_kernels.KV16_OPS:
+    an installation without them refuses the folder at load); a float16 one keeps float32 caches;
+    --kv_cache_dtype float32 keeps a bfloat16 folder's in float32. Asking for bfloat16 caches where they cannot run
+    is refused at config time, in one line naming the option, and leaves nothing on disk."""
+    import cpu_kernels
+    import yaml
+
+    from export.config import ExportConfig
+    from export.errors import ExportError
+    from export.pipeline import run_export
+    from lite_runtime.folder import load_folder
+
+    def calls(folder):
+        names = set()
+        for f in os.listdir(folder):
+            if f.endswith(".mindir"):
+                data = open(os.path.join(folder, f), "rb").read()
+                names |= {n.decode() for n in re.findall(rb"MsliteLlm[A-Za-z0-9]+", data)}
+        return names
+
+    kv16 = set(cpu_kernels.KV16_OPS.values())
+    folder = load_folder(half_folders["bfloat16"], verify=False)
+    assert folder.kv_cache.dtype == "bfloat16"
+    assert folder.kv_cache.block_bytes == 2 * folder.kv_cache.layers * folder.kv_cache.block_size * \
+        folder.kv_cache.kv_heads * folder.kv_cache.head_dim * 2
+    assert calls(half_folders["bfloat16"]) & kv16 and not (calls(half_folders["bfloat16"]) & set(cpu_kernels.KV16_OPS))
+    assert load_folder(half_folders["float16"], verify=False).kv_cache.dtype == "float32"
+    assert not calls(half_folders["float16"]) & kv16
+
+    out = str(tmp_path / "f32kv")
+    run_export(ExportConfig(checkpoint=checkpoints["mha_untied"], output=out, name="f32kv", seq_length=16,
+                            batch_size=1, dtype="bfloat16", device="cpu", prefill_buckets=(), kv_cache_dtype="float32"))
+    assert load_folder(out, verify=False).kv_cache.dtype == "float32" and not calls(out) & kv16
+
+    for extra, want in ((dict(kv_cache_dtype="bfloat16", quantize="int8"),
+                         "--kv_cache_dtype bfloat16: an int8/int4 folder keeps a float32 KV cache (its ops have no "
+                         "bfloat16-cache form); drop the option"),
+                        (dict(kv_cache_dtype="bfloat16", device="atlas_800i_a2"),
+                         "--kv_cache_dtype bfloat16: on Atlas the KV cache is the compute dtype (--dtype bfloat16, as "
+                         "ReshapeAndCache and PagedAttention take it); drop the option"),
+                        (dict(kv_cache_dtype="float64"),
+                         "--kv_cache_dtype 'float64' is not one of auto, float32, bfloat16")):
+        bad = str(tmp_path / "bad")
+        kwargs = dict(checkpoint=checkpoints["mha_untied"], output=bad, name="bad", seq_length=16, batch_size=1,
+                      dtype="bfloat16", device="cpu", prefill_buckets=())
+        kwargs.update(extra)
+        with pytest.raises(ExportError) as err:
+            run_export(ExportConfig(**kwargs))
+        assert str(err.value) == want
+        assert not os.path.exists(bad) and not [p for p in os.listdir(tmp_path) if "bad" in p]
+    with open(os.path.join(half_folders["bfloat16"], "cpu_bfloat16.yaml"), encoding="utf-8") as fh:
+        assert yaml.safe_load(fh)["infer"]["kv_cache"]["dtype"] == "bfloat16"

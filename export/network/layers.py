@@ -179,10 +179,21 @@ class KVCache:
     sequence). `kernel_layout`: [NB, KH, BS, D], a kv head's positions of a block contiguous, as the CPU kernels read
     them (cpu_kernels/paged.h); else [NB, BS, KH, D], ReshapeAndCache's and PagedAttention's (Atlas), which the plain
     form's gathers and scatters read too. `blocks` is nominal: the runtime sets the pool's size when it loads the
-    folder (the graphs index the caches only through block tables and slots)."""
+    folder (the graphs index the caches only through block tables and slots). `dtype`: the caches' MindSpore dtype
+    where it is not the compute dtype (bfloat16 under the CPU kernels, cpu_kernels/paged.h: k and v rounded to nearest
+    even as they are written, widened exactly as they are read; export/config.py kv_cache_dtype); None: the compute
+    dtype."""
 
-    def __init__(self, blocks: int, block_size: int, max_blocks: int, kernel_layout: bool) -> None:
+    def __init__(self, blocks: int, block_size: int, max_blocks: int, kernel_layout: bool, dtype=None) -> None:
         self.blocks, self.block_size, self.max_blocks, self.kernel_layout = blocks, block_size, max_blocks, kernel_layout
+        self.dtype = dtype
+        if dtype is not None and not kernel_layout:
+            raise ValueError("a KV cache dtype of its own needs the CPU kernels (their layout and ops)")
+
+    @property
+    def kv16(self) -> bool:
+        """bfloat16 caches: the graph calls the cache's ops by cpu_kernels.KV16_OPS' names."""
+        return self.dtype is not None and self.dtype == ms.bfloat16
 
     def shape(self, kv_heads: int, head_dim: int):
         if self.kernel_layout:
@@ -222,6 +233,7 @@ class Attention(nn.Cell):
             per = self.q_proj.arity()  # tensors per weight: x, Wq.., bq, Wk.., bk, Wv.., bv, ...
             quant = is_quantized(self.q_proj.method)  # the fused ops by their quantized names (cpu_kernels)
             # (the chunk graph's: its rows that hold a token first, so its piece's padding is not computed)
+            kv16 = cache.kv16  # the cache's ops by their bfloat16 caches' names
             self.qkv_rope = kernel_op(cpu_kernels.fused_op(cpu_kernels.QKV_ROPE_VALID, quant), lambda valid, *s: (
                 [s[0][0], s[1][0]], [s[0][0], s[2 + per][0]], [s[0][0], s[3 + 2 * per][0]]),
                 lambda *_: (f32, f32, f32))
@@ -230,19 +242,22 @@ class Attention(nn.Cell):
                                                 Tensor(np.zeros(self.kh * self.d, np.float32)))
             self.norm_eps = Tensor(np.array([cfg.rms_norm_eps], np.float32)) if cfg.qk_norm else None
             # queries over the paged cache: each its own length and block table (the decode step, a prompt, a piece)
-            self.attention = kernel_op(cpu_kernels.DECODE_ATTENTION, lambda q, *_: q, lambda q, *_: q)
+            self.attention = kernel_op(cpu_kernels.fused_op(cpu_kernels.DECODE_ATTENTION, False, kv16),
+                                       lambda q, *_: q, lambda q, *_: q)
             # the input norm, q/k/v, RoPE and the cache writes in one op, which writes the cache Parameters it is
             # given in place (marked so: MindSpore orders it before the attention's reads)
-            self.decode_qkv = kernel_op(cpu_kernels.fused_op(cpu_kernels.DECODE_QKV, quant),
+            self.decode_qkv = kernel_op(cpu_kernels.fused_op(cpu_kernels.DECODE_QKV, quant, kv16),
                                         lambda x, ln, eps, wq, *_: [x[0], wq[0]], lambda x, *_: x)
             self.decode_qkv.add_prim_attr("side_effect_mem", True)
-            self.write_cache = kernel_op(cpu_kernels.WRITE_CACHE, lambda *_: [1], lambda *_: f32)
+            self.write_cache = kernel_op(cpu_kernels.fused_op(cpu_kernels.WRITE_CACHE, False, kv16), lambda *_: [1],
+                                         lambda *_: f32)
             self.write_cache.add_prim_attr("side_effect_mem", True)
         else:
             self.qkv_rope = self.attention = self.decode_qkv = self.write_cache = None
         cache_shape = cache.shape(self.kh, self.d)
-        self.key_cache = _weight(cache_shape, dtype, "key_cache")  # not in the weights file: the runtime's pool
-        self.value_cache = _weight(cache_shape, dtype, "value_cache")
+        cache_dtype = cache.dtype or dtype
+        self.key_cache = _weight(cache_shape, cache_dtype, "key_cache")  # not in the weights file: the runtime's pool
+        self.value_cache = _weight(cache_shape, cache_dtype, "value_cache")
         self.bmm_qk = ops.BatchMatMul(transpose_b=True)
         self.bmm_pv = ops.BatchMatMul()
 
@@ -405,7 +420,8 @@ class DecoderLayer(nn.Cell):
             self.norm_swiglu = self.tail = self.layer_valid_op = None
             o = self.self_attn.o_proj
             plain = o.bias is None and o.reduce is None and self.mlp.shared_expert is None
-            self.layer_op = kernel_op(cpu_kernels.DECODE_MOE_LAYER, lambda layout, x, *_: x,
+            self.layer_op = kernel_op(cpu_kernels.fused_op(cpu_kernels.DECODE_MOE_LAYER, False, cache.kv16),
+                                      lambda layout, x, *_: x,
                                       lambda layout, x, *_: x) if plain else None
             if self.layer_op is not None:
                 self.layer_op.add_prim_attr("side_effect_mem", True)
@@ -428,13 +444,13 @@ class DecoderLayer(nn.Cell):
             # the decode step's whole layer in one kernel where the tail is one (MindSpore's runtime spends ~25 us
             # between two kernels: docs/performance-log.md 35); it writes the caches in place, as decode_qkv does
             self.layer_op = None if self.tail is None else kernel_op(
-                cpu_kernels.fused_op(cpu_kernels.DECODE_LAYER, quant), lambda layout, x, *_: x,
+                cpu_kernels.fused_op(cpu_kernels.DECODE_LAYER, quant, cache.kv16), lambda layout, x, *_: x,
                 lambda layout, x, *_: x)
             # and the chunk graph's layer in one call too, computing its rows that hold a token (its step rows and
             # its piece's valid tokens: the piece's padding is not computed); ~40 us of MindSpore's runtime between
             # two of our kernels, 3 gaps a layer fewer (docs/performance-log.md 51)
             self.layer_valid_op = None if self.tail is None else kernel_op(
-                cpu_kernels.fused_op(cpu_kernels.DECODE_LAYER_VALID, quant), lambda valid, layout, x, *_: x,
+                cpu_kernels.fused_op(cpu_kernels.DECODE_LAYER_VALID, quant, cache.kv16), lambda valid, layout, x, *_: x,
                 lambda valid, layout, x, *_: x)
             if self.layer_op is not None:
                 self.layer_op.add_prim_attr("side_effect_mem", True)

@@ -61,7 +61,8 @@ class CausalLM(nn.Cell):
     prefill and decode return float32 logits [B, V] of each row's last valid token, chunk [B + 1, V]: the step's rows
     and the piece's last token. Positions come from the lengths inside the graph.
 
-    `dtype` is the compute dtype (activations, KV cache, norms and biases). CPU folders may use our
+    `dtype` is the compute dtype (activations, KV cache, norms and biases; `kv_dtype`: the KV cache's where it differs,
+    bfloat16 under the CPU kernels, export/config.py kv_dtype). CPU folders may use our
     kernels (cpu_kernels): gemv=True for every matmul of the decode step, gemm=True for those of the
     full graph, and weight_dtype float16/bfloat16 to store the matrices (linear layers, embedding,
     head) in 16 bits while computing in float32, which needs both (export/network/matmul.py KernelMatmul).
@@ -83,7 +84,8 @@ class CausalLM(nn.Cell):
     def __init__(self, cfg: ModelConfig, batch_size: int, seq_length: int, dtype: str = "float32",
                  gemv: bool = False, gemm: bool = False, weight_dtype: Optional[str] = None,
                  tensor_parallel: bool = False, vocab_shards: int = 1, fused: bool = False, quant=None,
-                 atlas: bool = False, tables=None, block_size: int = 16, num_blocks: Optional[int] = None) -> None:
+                 atlas: bool = False, tables=None, block_size: int = 16, num_blocks: Optional[int] = None,
+                 kv_dtype: Optional[str] = None) -> None:
         super().__init__()
         ms_dtype = MS_DTYPES[dtype]
         if weight_dtype == dtype:
@@ -99,7 +101,9 @@ class CausalLM(nn.Cell):
         # the pool's nominal size (the runtime sets its own when it loads the folder): the null block and each row one
         # longest sequence
         self.num_blocks = num_blocks or 1 + batch_size * self.max_blocks
-        cache = KVCache(self.num_blocks, block_size, self.max_blocks, k.decode_ops)
+        # the caches' dtype where it is not the compute dtype (bfloat16 under the CPU kernels: KVCache)
+        cache = KVCache(self.num_blocks, block_size, self.max_blocks, k.decode_ops,
+                        MS_DTYPES[kv_dtype] if kv_dtype is not None and kv_dtype != dtype else None)
         self.model = DecoderModel(cfg, cache, ms_dtype, k, tensor_parallel, vocab_shards, fused)
         # whether the layers run the CPU kernels' decode ops (the prefill and chunk contexts take their form)
         self.layer_kernels = k.decode_ops

@@ -103,13 +103,17 @@ def prompts_for(plan: List[Tuple[int, List[int], int]], checkpoint: str, vocab_s
 def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int], seq_length: int,
             batch_size: int, progress: Optional[Callable[[int], None]] = None,
             matrices_in: str = "float32", quant: Optional[Tuple[Any, Any]] = None,
-            lanes: Sequence[str] = (), early: Optional["AgreementPrefill"] = None) -> Dict[str, Any]:
+            lanes: Sequence[str] = (), early: Optional["AgreementPrefill"] = None,
+            kv_in: str = "float32") -> Dict[str, Any]:
     """Run the plan through the float32 reference; returns golden.json's content (lite_runtime.golden).
 
     Every row of every batch runs together, so each forward is one pass over the weights: the first
     prefills every prompt, each later one decodes one token of every row still going.
     matrices_in: for a CPU folder that stores its matrices in 16 bits and computes in float32, the
     reference uses the same rounded matrices (NumpyDecoder), and the folder is held to float32's limits.
+    kv_in: the dtype a CPU folder keeps its KV cache in as it serves (bfloat16: the fast form's lane rounds each key
+    and value as that cache stores them, NumpyDecoder; the rows keep float32's, as check's x-exact replays run the
+    folder with float32 caches), else float32.
     quant: (the folder's `quantization` record, export/network/quantize.py FolderMeaning) of a quantized folder, once its weights
     are written: the reference runs on the weights the folder holds, dequantized, so `check` holds a device to the
     usual limits. Then a second reference on the checkpoint's own weights is fed the same tokens, all steps of every
@@ -131,7 +135,7 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
     if quant is not None:
         meaning = quant[1]
         where = {**where, **{name: meaning for name in meaning.layers}}
-    net = NumpyDecoder(model_cfg, where, seq_length, matrices_in=matrices_in)
+    net = NumpyDecoder(model_cfg, where, seq_length, matrices_in=matrices_in, kv_in=kv_in)
     rows = [(b, list(ids)) for b, batch in enumerate(batches) for ids in batch]
     # the folder's logits at each step of each row, for the agreement
     history: Optional[List[List[np.ndarray]]] = [[] for _ in rows] if quant is not None else None
@@ -186,10 +190,10 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
         out, computed_by="export/writers/reference.py: float32 numpy on the checkpoint's weights" + (
             f", matrices rounded to {matrices_in} as the folder stores them" if matrices_in != "float32" else "") + (
             ", dequantized from the folder's weights files" if quant is not None else ""),
-        matrices_in=matrices_in, prompt_source=source, top_k=TOP_K, seq_length=seq_length, batch_size=batch_size,
+        matrices_in=matrices_in, **({"kv_cache_in": kv_in} if kv_in != "float32" else {}), prompt_source=source, top_k=TOP_K, seq_length=seq_length, batch_size=batch_size,
         seconds=round(time.perf_counter() - start, 3),
         **({} if agreement is None else {"quantization": quant[0], "agreement": agreement}),
-        **({} if probe is None or not probe.steps else {"limits": derived_limits(probe.measured)}))
+        **({} if probe is None or not probe.steps else {"limits": derived_limits(probe.measured, kv_in)}))
 
 
 class _Clock:
@@ -249,11 +253,17 @@ class ArithmeticLanes:
         never written in place, by the reference's attention: a shallow copy is a copy)."""
         from export.writers.reference import RowCache
 
+        from export.checkpoints.safetensors import rounded_to
+
+        kv_in = getattr(self.net, "kv_in", "float32")
         for kind in self.kinds:
             self.caches[kind] = []
             for cache in caches:
                 lane = RowCache(len(cache.keys))
                 lane.keys, lane.values, lane.length = list(cache.keys), list(cache.values), cache.length
+                if kind != "reorder" and kv_in != "float32":  # the fast lane's prompt too, as its cache holds it
+                    lane.keys = [None if t is None else rounded_to(t, kv_in) for t in lane.keys]
+                    lane.values = [None if t is None else rounded_to(t, kv_in) for t in lane.values]
                 self.caches[kind].append(lane)
         self.started = True
 

@@ -296,10 +296,14 @@ class NumpyDecoder:
     """The network over the checkpoint's tensors (`where`: name -> the file holding it). `close()` when done."""
 
     def __init__(self, cfg: ModelConfig, where: Dict[str, SafetensorsFile], max_positions: int,
-                 matrices_in: str = "float32", threads: Optional[int] = None) -> None:
+                 matrices_in: str = "float32", threads: Optional[int] = None, kv_in: str = "float32") -> None:
         """matrices_in: the dtype a folder stores its matrices in while computing in float32 (CPU folders with
-        16-bit weights): the reference rounds them the same way, so it computes what that folder means."""
-        self.cfg, self.where, self.matrices_in = cfg, where, matrices_in
+        16-bit weights): the reference rounds them the same way, so it computes what that folder means. kv_in: the
+        dtype its KV cache holds keys and values in as it serves (bfloat16: cpu_kernels/paged.h), which the fast
+        form's lane (export/writers/golden.py ArithmeticLanes: any lane but "reorder") rounds each new key, after
+        RoPE, and value to (nearest even, as the cache stores it); the rows themselves keep them in float32, as
+        check's replays with x exact run the folder (float32 caches: lite_runtime/check.py)."""
+        self.cfg, self.where, self.matrices_in, self.kv_in = cfg, where, matrices_in, kv_in
         self.cos, self.sin = rope_tables(cfg, max_positions)  # [P, D]
         self.matmul = BlockedMatmul(matrices_in, threads)
         self.stopped = threading.Event()  # set from another thread: the forward running there raises Stopped
@@ -437,6 +441,10 @@ class NumpyDecoder:
             q = _rms_norm(q, self._vector(p + "q_norm.weight"), cfg.rms_norm_eps)
             k = _rms_norm(k, self._vector(p + "k_norm.weight"), cfg.rms_norm_eps)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if self.kv_in != "float32":  # the fast lane's: what its cache holds, the current token's own too
+            for kind, lane in self.matmul.lanes.items():  # (a decode step's: one token a row, so rows are tokens)
+                if kind != "reorder":
+                    k[lane], v[lane] = rounded_to(k[lane], self.kv_in), rounded_to(v[lane], self.kv_in)
         out = np.empty((h.shape[0], hq * d), np.float32)
         start = 0
         for cache, n in zip(caches, sizes):

@@ -34,7 +34,7 @@ import gc
 import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -122,14 +122,38 @@ _NUMPY = {"FLOAT": np.float32, "FLOAT16": np.float16, "INT32": np.int32, "INT64"
           "QINT4X2": np.uint8}
 
 
-def _size_caches(model, num_blocks: int) -> None:
+def _size_caches(model, num_blocks: int, dtype: Optional[str] = None) -> None:
     """The KV caches' first dimension (their blocks) set to the pool's size, in a parsed MindIR: the graphs index them
-    only through block tables and slots, so any size loads (docs/architecture.md, "The KV cache: a pool of blocks")."""
+    only through block tables and slots, so any size loads (docs/architecture.md, "The KV cache: a pool of blocks").
+    `dtype` "float32": float32 caches where the folder's are bfloat16 (InferConfig.kv_cache_dtype: only the CPU
+    kernels' ops touch a kernel-layout cache, and they take either dtype)."""
+    from mindspore.train import mind_ir_pb2
+
     from lite_runtime.folder import is_kv_cache
 
     for param in model.graph.parameter:
         if is_kv_cache(param.name.rsplit(":", 1)[-1]):
             param.dims[0] = int(num_blocks)
+            if dtype == "float32":
+                param.data_type = mind_ir_pb2.TensorProto.DataType.Value("FLOAT")
+
+
+def _check_cache_dtype(model, path: str, spec) -> None:
+    """A graph's KV caches are of the dtype its folder's yaml says (infer.kv_cache: what the pool is sized by)."""
+    from mindspore.train import mind_ir_pb2
+
+    from lite_runtime.errors import InferError
+    from lite_runtime.folder import is_kv_cache
+
+    names = {"FLOAT": "float32", "FLOAT16": "float16", "BFLOAT16": "bfloat16"}
+    for param in model.graph.parameter:
+        name = param.name.rsplit(":", 1)[-1]
+        if is_kv_cache(name):
+            got = names.get(mind_ir_pb2.TensorProto.DataType.Name(param.data_type), "another dtype")
+            if got != spec.dtype:
+                raise InferError(f"{path}: its KV cache {name} is {got}, the folder's yaml says {spec.dtype} "
+                                 "(infer.kv_cache); the graphs and the yaml are not of one export: re-export the folder")
+            return
 
 
 def _parameter_arrays(model, path: str) -> Dict[str, np.ndarray]:
@@ -634,6 +658,8 @@ class MsBackend:
                                                                cpu_kernels.int4_r16_runs(64, 64))
         self._paths = config.graph_paths()
         self._num_blocks = int(config.num_blocks)  # the KV pool's blocks (the runner's plan: lite_runtime/engine/kv_pool.py)
+        self._kv_dtype = config.kv_cache_dtype  # None: the folder's (float32 for check's exact replays: _size_caches)
+        self._folder = config.folder  # (None: graph files without their folder)
         self._parsed = {}  # key -> parsed proto, read for its specs and not loaded yet
         self.specs = {}
         self.cells = {}
@@ -666,7 +692,9 @@ class MsBackend:
             # weights every graph of the folder can read repacked (the others parsed only where a form needs it)
             self._bands = _repacked_weights((self._parse(k) for k in self._paths), self._copy_weights)
         del self._parsed[key]
-        _size_caches(model, self._num_blocks)
+        if self._folder is not None:
+            _check_cache_dtype(model, path, self._folder.kv_cache)
+        _size_caches(model, self._num_blocks, self._kv_dtype)
         arrays = _parameter_arrays(model, path) if not self._owned else None  # read before the data is cleared
         if arrays is not None:
             copied = set(self._bands)

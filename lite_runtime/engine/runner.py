@@ -83,6 +83,11 @@ class ModelRunner:
                              "paged KV cache's block size and layout are the folder's (its yaml's infer.kv_cache); "
                              "load the folder (pipeline(model=<folder>), run_infer_main.py --model_dir)")
         self.cache = spec = config.folder.kv_cache
+        if config.kv_cache_dtype is not None and spec.dtype != config.kv_cache_dtype:  # (check's float32 caches)
+            if self.backend_name != "ms" or not config.folder.infer.get("cpu_kernels"):
+                raise InferError(f"{config.folder.yaml_path}: kv_cache_dtype {config.kv_cache_dtype} runs only on the "
+                                 "ms backend, for a folder whose graphs use the CPU kernels")
+            self.cache = spec = dataclasses.replace(spec, dtype=config.kv_cache_dtype)
         self.batch_size, self.seq_length = int(config.batch_size), int(config.infer_seq_length)
         # the pool: the deployer's size, else from free memory (lite_runtime/engine/kv_pool.py); the backend allocates it
         self.pool_plan = plan_pool(spec, self.seq_length, self.batch_size, config.folder.path, config.num_blocks,
