@@ -71,17 +71,20 @@ QUANTIZED_OPS = {QKV_ROPE: "MsliteLlmQuantQkvRope", GEMV_ADD: "MsliteLlmQuantGem
                  DECODE_QKV: "MsliteLlmQuantPagedDecodeQkv", NORM_SWIGLU: "MsliteLlmQuantNormSwiGlu",
                  DECODE_TAIL: "MsliteLlmQuantDecodeTail", DECODE_LAYER: "MsliteLlmQuantPagedDecodeLayer",
                  QKV_ROPE_VALID: "MsliteLlmQuantQkvRopeValid", DECODE_LAYER_VALID: "MsliteLlmQuantPagedDecodeLayerValid"}
-# The ops that read or write the paged cache, under the names a graph with bfloat16 caches calls (paged.h: a folder with
-# bfloat16 weights keeps its KV cache in bfloat16, export/config.py kv_cache_dtype): the same ops; the names make an
-# installation whose kernels read float32 caches only refuse such a folder at load
+# The ops that read or write the paged cache, under the names a graph with bfloat16 caches calls (paged.h: a folder of
+# a bfloat16 dtype keeps its KV cache in bfloat16, export/config.py kv_dtype), their quantized names' too: the same
+# ops; the names make an installation whose kernels read float32 caches only refuse such a folder at load
 KV16_OPS = {f: f + "Kv16" for f in (DECODE_ATTENTION, DECODE_QKV, WRITE_CACHE, DECODE_LAYER, DECODE_LAYER_VALID,
-                                    DECODE_MOE_LAYER)}
+                                    DECODE_MOE_LAYER, QUANTIZED_OPS[DECODE_QKV], QUANTIZED_OPS[DECODE_LAYER],
+                                    QUANTIZED_OPS[DECODE_LAYER_VALID])}
 # The ops that read quantized weights, under a second name for weights in bands of 16 rows (matmul_quant.h
 # repack_int4_r16, repack_int8_r16): the runtime renames an op so at load after repacking every quantized weight it
 # reads (_repacked_weights in lite_runtime/backends/ms.py; docs/architecture.md, "int4 in bands of 16 rows"). Never
 # written in a folder.
 R16_OPS = {f: f + "R16" for f in (QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
-                                  *QUANTIZED_OPS.values(), MOE, DECODE_MOE_LAYER)}
+                                  *QUANTIZED_OPS.values(), MOE, DECODE_MOE_LAYER,
+                                  *(KV16_OPS[f] for f in (QUANTIZED_OPS[DECODE_QKV], QUANTIZED_OPS[DECODE_LAYER],
+                                                          QUANTIZED_OPS[DECODE_LAYER_VALID], DECODE_MOE_LAYER)))}
 FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
              WRITE_CACHE, NORM_SWIGLU, DECODE_TAIL, QKV_ROPE_VALID, DECODE_LAYER_VALID, DECODE_LAYER, QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
              ATLAS_WEIGHT_QUANT_BATCH_MATMUL, MOE, DECODE_MOE_LAYER,
@@ -89,13 +92,10 @@ FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, S
 
 
 def fused_op(function: str, quantized: bool, kv16: bool = False) -> str:
-    """The name a graph calls fused op `function` by: QUANTIZED_OPS' where its weights are quantized, KV16_OPS' where
-    its KV cache is bfloat16 (never both: a quantized folder's cache is float32)."""
-    if quantized and kv16:
-        raise ValueError("a quantized folder keeps a float32 KV cache")
-    if kv16:
-        return KV16_OPS.get(function, function)
-    return QUANTIZED_OPS.get(function, function) if quantized else function
+    """The name a graph calls fused op `function` by: QUANTIZED_OPS' where its weights are quantized, then KV16_OPS'
+    where its KV cache is bfloat16."""
+    name = QUANTIZED_OPS.get(function, function) if quantized else function
+    return KV16_OPS.get(name, name) if kv16 else name
 
 BUILD_HINT = "reinstall with a C++ compiler present (apt install g++; pip install -e .)"
 

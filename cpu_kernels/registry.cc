@@ -243,6 +243,9 @@ MSLLM_KV16(MsliteLlmWriteCache)
 MSLLM_KV16(MsliteLlmPagedDecodeLayer)
 MSLLM_KV16(MsliteLlmPagedDecodeLayerValid)
 MSLLM_KV16(MsliteLlmPagedDecodeMoeLayer)
+MSLLM_KV16(MsliteLlmQuantPagedDecodeQkv)
+MSLLM_KV16(MsliteLlmQuantPagedDecodeLayer)
+MSLLM_KV16(MsliteLlmQuantPagedDecodeLayerValid)
 #undef MSLLM_KV16
 
 // The quantized ops once more, for weights in bands of 16 rows (matmul_quant.h repack_int4_r16, repack_int8_r16):
@@ -268,6 +271,10 @@ MSLLM_R16(MsliteLlmQuantMatmulValid)
 MSLLM_R16(MsliteLlmQuantMatmulOffsetValid)
 MSLLM_R16(MsliteLlmMoe)
 MSLLM_R16(MsliteLlmPagedDecodeMoeLayer)
+MSLLM_R16(MsliteLlmQuantPagedDecodeQkvKv16)
+MSLLM_R16(MsliteLlmQuantPagedDecodeLayerKv16)
+MSLLM_R16(MsliteLlmQuantPagedDecodeLayerValidKv16)
+MSLLM_R16(MsliteLlmPagedDecodeMoeLayerKv16)
 #undef MSLLM_R16
 
 // Repacks int4 q [n, k / 2] in place into bands of 16 rows: 0, or 4 when k is not a multiple of 32 (nothing changed).

@@ -96,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv_cache_dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="the KV cache's dtype on cpu folders. auto: bfloat16 where the weights are bfloat16 (a "
                         "bfloat16 checkpoint's default; the attention reads half the bytes, a pool holds twice the "
-                        "tokens, and HF runs such a model with a bfloat16 cache too), else float32; int8/int4 folders "
-                        "keep float32. On Atlas the cache is the compute dtype")
+                        "tokens, and HF runs such a model with a bfloat16 cache too), int8/int4 folders of a bfloat16 "
+                        "--dtype too; else float32. On Atlas the cache is the compute dtype")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true", help="log each stage as it starts, and more")

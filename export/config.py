@@ -343,24 +343,22 @@ class ExportConfig:
     def half_weights_on_cpu(self) -> bool:
         return self.device == "cpu" and self.dtype != "float32"
 
-    def kv_dtype(self, quantized: bool, kernels: bool) -> str:
+    def kv_dtype(self, kernels: bool) -> str:
         """The paged KV cache's dtype. On Atlas the compute dtype (ReshapeAndCache and PagedAttention's). On a CPU
-        folder whose graphs run the CPU kernels, bfloat16 by default where its weights are bfloat16 (a bfloat16
-        checkpoint's default CPU folder): what HF computes a bfloat16 model's attention on, half the bytes a decode
-        step reads and twice the tokens a pool holds (cpu_kernels/paged.h: rounded to nearest even as written, widened
-        exactly as read); float32 otherwise, and always for quantized folders (their ops have no bfloat16-cache form
-        yet). `--kv_cache_dtype float32` keeps float32 caches on any CPU folder; `bfloat16` asks for them on a
-        float-weight one."""
+        folder whose graphs run the CPU kernels, bfloat16 by default where its dtype is bfloat16 (a bfloat16
+        checkpoint's default CPU folder, its int8/int4 ones too): what HF computes a bfloat16 model's attention on,
+        half the bytes a decode step reads and twice the tokens a pool holds (cpu_kernels/paged.h: rounded to nearest
+        even as written, widened exactly as read); float32 otherwise. `--kv_cache_dtype float32` keeps float32 caches
+        on any CPU folder; `bfloat16` asks for them on any folder the CPU kernels run (`kernels`; every form of their
+        ops takes either cache, under names of its own for bfloat16 ones: cpu_kernels.KV16_OPS)."""
         want = self.kv_cache_dtype
         if self.device != "cpu":
             return self.compute_dtype
         if want == "auto":
-            return "bfloat16" if kernels and not quantized and self.dtype == "bfloat16" else "float32"
-        if want == "bfloat16" and (quantized or not kernels):
-            raise ExportError("--kv_cache_dtype bfloat16: " + (
-                "an int8/int4 folder keeps a float32 KV cache (its ops have no bfloat16-cache form); drop the option"
-                if quantized else "bfloat16 caches are read by the CPU kernels only; drop --cpu_kernels off or the "
-                                  "option"))
+            return "bfloat16" if kernels and self.dtype == "bfloat16" else "float32"
+        if want == "bfloat16" and not kernels:
+            raise ExportError("--kv_cache_dtype bfloat16: bfloat16 caches are read by the CPU kernels only; drop "
+                              "--cpu_kernels off or the option")
         return want
 
     def use_cpu_kernels(self) -> bool:

@@ -450,7 +450,7 @@ def _write_golden(cfg: ExportConfig, model_cfg: ModelConfig, tmp: str, show_prog
     with _bar(show_progress, total=total, desc="golden", unit="step") as bar:
         doc = golden.compute(model_cfg, cfg.checkpoint, sizes, cfg.seq_length, cfg.batch_size, progress=bar.update,
                              matrices_in=cfg.dtype if cfg.half_weights_on_cpu else "float32",
-                             kv_in=cfg.kv_dtype(quant is not None, kernels) if cfg.device == "cpu" else "float32",
+                             kv_in=cfg.kv_dtype(kernels) if cfg.device == "cpu" else "float32",
                              quant=None if quant is None else (_quant_record(quant),
                                                                FolderMeaning(tmp, layouts, cfg.graph == "fused")),
                              lanes=golden.lanes_for(None if quant is None else quant[0].bits,
@@ -493,8 +493,7 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
                          tp_size=cfg.tp_size, cpu_kernels=kernels, graph=cfg.graph,
                          chunk_sizes=list(cfg.chunk_sizes), score_sizes=list(cfg.score_sizes),
                          quantization=_quant_record(quant),
-                         kv_cache=_kv_cache(cfg, model_cfg, kernels, quantized=quant is not None and quant[0] is not None
-                                            ).to_dict())
+                         kv_cache=_kv_cache(cfg, model_cfg, kernels).to_dict())
     export = {**dataclasses.asdict(cfg), "checkpoint": os.path.abspath(cfg.checkpoint),
               "output": os.path.abspath(cfg.output), "mindspore_version": ms.__version__,
               "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokenizer_files": tokenizer_files}
@@ -506,7 +505,7 @@ def _write_folder_files(cfg: ExportConfig, model_cfg: ModelConfig, profile, tmp:
                    family=model_cfg.model_type, quantization=_quant_record(quant))
 
 
-def _kv_cache(cfg: ExportConfig, model_cfg: ModelConfig, kernels: bool, quantized: bool):
+def _kv_cache(cfg: ExportConfig, model_cfg: ModelConfig, kernels: bool):
     """The paged KV cache the graphs read and write (lite_runtime/folder.py KVCacheSpec), one rank's heads."""
     from export.config import tensor_parallel_config
     from lite_runtime.folder import KVCacheSpec
@@ -515,7 +514,7 @@ def _kv_cache(cfg: ExportConfig, model_cfg: ModelConfig, kernels: bool, quantize
     return KVCacheSpec(block_size=cfg.block_size, max_blocks=-(-cfg.seq_length // cfg.block_size),
                        layout="blocks_heads" if kernels else "blocks_tokens", layers=model_cfg.num_hidden_layers,
                        kv_heads=rank.num_key_value_heads, head_dim=model_cfg.head_dim,
-                       dtype=cfg.kv_dtype(quantized, kernels))
+                       dtype=cfg.kv_dtype(kernels))
 
 
 def _small_files_bytes(checkpoint: str, profile) -> int:

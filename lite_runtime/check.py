@@ -237,7 +237,7 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
     slots = any(g.role == "chunk" for g in config.folder.graphs.values())  # every folder but tensor-parallel ones
     if slots:  # the server's path too: its chunk graph, each prompt in pieces into its own row, joining a running batch
         config = dataclasses.replace(config, chunk_graphs=True)
-    # a folder whose KV cache is bfloat16 as it serves (a CPU folder with bfloat16 weights, cpu_kernels/paged.h): its
+    # a folder whose KV cache is bfloat16 as it serves (a CPU folder of a bfloat16 dtype, cpu_kernels/paged.h): its
     # replays with x exact run it with float32 caches, float32's arithmetic end to end, against the reference's rows
     # (which keep float32 keys and values); the fast replay runs it as it serves, bfloat16 caches, against the fast
     # lane's limit (which rounds them as the cache does: export/writers/golden.py)

@@ -204,7 +204,7 @@ def test_speculative_auto_is_prompt_lookup_on_float32_and_bfloat16_cpu_folders(h
 
 
 def test_a_bfloat16_folder_keeps_its_kv_cache_in_bfloat16_unless_asked(half_folders, tmp_path, checkpoints, capsys):
-    """A CPU folder with bfloat16 weights keeps its KV cache in bfloat16 (the yaml's infer.kv_cache, whose pool
+    """A CPU folder of a bfloat16 dtype keeps its KV cache in bfloat16 (the yaml's infer.kv_cache, whose pool
     sizing halves per token) and its graphs call the cache's ops by their bfloat16 caches' names (cpu_kernels.KV16_OPS:
     an installation without them refuses the folder at load); a float16 one keeps float32 caches;
     --kv_cache_dtype float32 keeps a bfloat16 folder's in float32. Asking for bfloat16 caches where they cannot run
@@ -239,9 +239,9 @@ def test_a_bfloat16_folder_keeps_its_kv_cache_in_bfloat16_unless_asked(half_fold
                             batch_size=1, dtype="bfloat16", device="cpu", prefill_buckets=(), kv_cache_dtype="float32"))
     assert load_folder(out, verify=False).kv_cache.dtype == "float32" and not calls(out) & kv16
 
-    for extra, want in ((dict(kv_cache_dtype="bfloat16", quantize="int8"),
-                         "--kv_cache_dtype bfloat16: an int8/int4 folder keeps a float32 KV cache (its ops have no "
-                         "bfloat16-cache form); drop the option"),
+    for extra, want in ((dict(kv_cache_dtype="bfloat16", dtype="float32", cpu_kernels="off"),
+                         "--kv_cache_dtype bfloat16: bfloat16 caches are read by the CPU kernels only; drop "
+                         "--cpu_kernels off or the option"),
                         (dict(kv_cache_dtype="bfloat16", device="atlas_800i_a2"),
                          "--kv_cache_dtype bfloat16: on Atlas the KV cache is the compute dtype (--dtype bfloat16, as "
                          "ReshapeAndCache and PagedAttention take it); drop the option"),
@@ -257,3 +257,36 @@ def test_a_bfloat16_folder_keeps_its_kv_cache_in_bfloat16_unless_asked(half_fold
         assert not os.path.exists(bad) and not [p for p in os.listdir(tmp_path) if "bad" in p]
     with open(os.path.join(half_folders["bfloat16"], "cpu_bfloat16.yaml"), encoding="utf-8") as fh:
         assert yaml.safe_load(fh)["infer"]["kv_cache"]["dtype"] == "bfloat16"
+
+
+def test_an_int8_folder_of_a_bfloat16_dtype_keeps_a_bfloat16_kv_cache_and_passes_check(tmp_path, checkpoints):
+    """--quantize int8 of a bfloat16 --dtype: the KV cache bfloat16 too, its quantized ops called by their bfloat16
+    caches' names (cpu_kernels.KV16_OPS; banded at load where the CPU takes int8 in bands: ...Kv16R16), and `check`
+    passes it: x exact with float32 caches against the tight limit, then as it serves (x in int8/int16, bfloat16
+    caches) against the fast lane's, which rounds keys and values as the cache does."""
+    import cpu_kernels
+
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+    from lite_runtime.check import run_check
+    from lite_runtime.folder import load_folder
+
+    out = str(tmp_path / "int8")
+    run_export(ExportConfig(checkpoint=checkpoints["mha_untied"], output=out, name="int8", seq_length=32,
+                            batch_size=2, dtype="bfloat16", device="cpu", prefill_buckets=(8,), quantize="int8"))
+    assert load_folder(out, verify=False).kv_cache.dtype == "bfloat16"
+    names = set()
+    for f in os.listdir(out):
+        if f.endswith(".mindir"):
+            names |= {n.decode() for n in re.findall(rb"MsliteLlm[A-Za-z0-9]+", open(os.path.join(out, f), "rb").read())}
+    quant_kv16 = {cpu_kernels.fused_op(f, True, True) for f in (cpu_kernels.DECODE_QKV, cpu_kernels.DECODE_LAYER,
+                                                                 cpu_kernels.DECODE_LAYER_VALID)}
+    assert quant_kv16 == {"MsliteLlmQuantPagedDecodeQkvKv16", "MsliteLlmQuantPagedDecodeLayerKv16",
+                          "MsliteLlmQuantPagedDecodeLayerValidKv16"}
+    assert names & quant_kv16 and not names & set(cpu_kernels.QUANTIZED_OPS.values()) - {
+        cpu_kernels.QUANTIZED_OPS[cpu_kernels.GEMV_ADD], cpu_kernels.QUANTIZED_OPS[cpu_kernels.QKV_ROPE],
+        cpu_kernels.QUANTIZED_OPS[cpu_kernels.QKV_ROPE_VALID], cpu_kernels.QUANTIZED_OPS[cpu_kernels.NORM_SWIGLU],
+        cpu_kernels.QUANTIZED_OPS[cpu_kernels.DECODE_TAIL]}
+    report = run_check(out, backend="ms")
+    assert report.passed, report.verdict()
+    assert report.info["kv_cache_dtype"] == {"replays with x exact": "float32", "fast replay": "bfloat16"}

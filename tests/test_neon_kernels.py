@@ -102,12 +102,12 @@ def parse_attention(path):
 
 def test_neon_attention_against_float64(binary, tmp_path):
     """The kernels' attention as the CPU prefill graph calls it (150 queries of one sequence, lengths 1..150: blocks
-    of 8 queries, read from the paged cache's blocks of 32 through a table that runs backwards; head sizes 64 and 80),
-    built for AArch64 and run under qemu."""
+    of 8 queries, read from the paged cache's blocks of 32 through a table that runs backwards; head sizes 64 and 80,
+    and 64 over bfloat16 caches, widened as read), built for AArch64 and run under qemu."""
     from test_fused_kernels import check_attention
 
     isa, _, cases = run(binary, tmp_path, attention=True)
-    assert isa == "neon" and [c["d"] for c in cases] == [64, 80]
+    assert isa == "neon" and [c["d"] for c in cases] == [64, 80, 64]
     for c in cases:
         assert c["rc"] == 0
         check_attention(c["out"], c["q"], c["k"], c["v"], np.arange(1, c["n"] + 1), [0] * c["n"])

@@ -74,7 +74,7 @@ class Network:
                             cfg.seq_length, cfg.compute_dtype, gemv=self.kernels, gemm=gemm, weight_dtype=cfg.dtype,
                             tensor_parallel=tp > 1, vocab_shards=self.vocab_shards,
                             fused=cfg.graph == "fused", quant=quant, tables=tables, atlas=cfg.device != "cpu",
-                            block_size=cfg.block_size or 16, kv_dtype=cfg.kv_dtype(quant is not None, self.kernels))
+                            block_size=cfg.block_size or 16, kv_dtype=cfg.kv_dtype(self.kernels))
 
     def parameters(self) -> Params:
         names = {"Float32": "float32", "Float16": "float16", "BFloat16": "bfloat16", "Int32": "int32",

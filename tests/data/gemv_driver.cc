@@ -49,22 +49,35 @@ static uint16_t to_bf16(float f) {
 }
 
 // queries [n, H*D] of one sequence at lengths 1..n over K, V pools [NB, KH, BS, D], the sequence in blocks M..1
-// (its table runs backwards; block 0 the null block): (D, n, rc, BS, NB), q, k, v, table [M], out
+// (its table runs backwards; block 0 the null block): (D, n, rc, BS, NB), q, k, v, table [M], out. Head sizes 64
+// and 80 over float32 caches, then 64 over bfloat16 ones (k and v written rounded, as the kernel read them)
 static void attention_cases(std::FILE* out) {
   const int64_t h = 14, kh = 2, s = 160, n = 150, bs = 32, m = s / bs, nb = m + 1;
-  for (int64_t d : {64, 80}) {
+  for (int64_t c = 0; c < 3; ++c) {
+    const int64_t d = c == 1 ? 80 : 64;
+    const bool kv16 = c == 2;
     std::vector<float> q(n * h * d), k(nb * kh * bs * d), v(nb * kh * bs * d), y(n * h * d, -1.f);
+    std::vector<uint16_t> k16(k.size()), v16(v.size());
     for (float& x : q) x = 3.f * uniform();
     for (float& x : k) x = uniform();
     for (float& x : v) x = uniform();
+    for (size_t i = 0; kv16 && i < k.size(); ++i) {
+      k16[i] = to_bf16(k[i]), v16[i] = to_bf16(v[i]);
+      const uint32_t ku = uint32_t(k16[i]) << 16, vu = uint32_t(v16[i]) << 16;
+      std::memcpy(&k[i], &ku, 4);
+      std::memcpy(&v[i], &vu, 4);
+    }
     std::vector<int32_t> valid(n), rows(n, 0), table(m);
     for (int64_t i = 0; i < n; ++i) valid[i] = int32_t(i + 1);
     for (int64_t j = 0; j < m; ++j) table[j] = int32_t(m - j);
     int64_t sq[2] = {n, h * d}, sc[4] = {nb, kh, bs, d}, sn[1] = {n}, st[2] = {1, m};
-    void* params[7] = {q.data(), k.data(), v.data(), valid.data(), rows.data(), table.data(), y.data()};
+    void* params[7] = {q.data(), kv16 ? static_cast<void*>(k16.data()) : k.data(),
+                       kv16 ? static_cast<void*>(v16.data()) : v.data(), valid.data(), rows.data(), table.data(),
+                       y.data()};
     int64_t* shapes[7] = {sq, sc, sc, sn, sn, st, sq};
     int ndims[7] = {2, 4, 4, 1, 1, 2, 2};
-    const char* types[7] = {"float32", "float32", "float32", "int32", "int32", "int32", "float32"};
+    const char* cache = kv16 ? "bfloat16" : "float32";
+    const char* types[7] = {"float32", cache, cache, "int32", "int32", "int32", "float32"};
     const int rc = MsliteLlmPagedAttention(7, params, ndims, shapes, types, nullptr, nullptr);
     const int64_t head[5] = {d, n, rc, bs, nb};
     std::fwrite(head, sizeof head, 1, out);
