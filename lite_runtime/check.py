@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import json
 import logging
 import sys
@@ -244,12 +243,9 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
     kv16 = cpu_kernels and folder.kv_cache.dtype == "bfloat16"
     counts: Dict[str, int] = {}  # inc graph -> decode steps it ran, over the loads
 
-    def load(cfg: InferConfig):
-        gen = pipeline("text_generation", model=cfg, backend=backend)
-        gen.runner.cycle_step_graphs, gen.runner.step_counts = True, counts  # every inc graph takes its turn
-        return gen
-
-    generator = load(dataclasses.replace(config, kv_cache_dtype="float32") if kv16 else config)
+    generator = pipeline("text_generation", model=dataclasses.replace(config, kv_cache_dtype="float32") if kv16 else
+                         config, backend=backend)
+    generator.runner.cycle_step_graphs, generator.runner.step_counts = True, counts  # every inc graph takes its turn
     loaded = time.perf_counter() - start
     # against golden's tight limit, or HF's float32, or (a bfloat16 folder before its limit) float32's constant
     exact = (quantized_cpu and (limits is not None or not golden)) or bf16_cpu
@@ -270,15 +266,10 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
     if mode is not None:  # the path that serves: the kernels' default (int8 for int4 weights, int16 for int8 ones,
         # and the AVX512-BF16 form), or int16 for a folder whose limit is int16's (an int4 one exported before int8's);
         # every graph: the forms some row counts take (a verify's 9 rows, a piece's) are replayed at those counts
-        if kv16:  # as it serves: its bfloat16 caches (the float32 ones' load gone first)
+        if kv16:  # as it serves: its bfloat16 caches, the graphs rebuilt over the same weights
             standins = dict(generator.backend.standins)
-            runner.cycle_step_graphs = False
-            del generator, runner
-            gc.collect()
-            reload = time.perf_counter()
-            generator = load(config)
-            runner = generator.runner
-            loaded += time.perf_counter() - reload
+            generator.release()
+            runner.use_cache_dtype(None)
             for op, n in standins.items():
                 generator.backend.standins[op] = max(n, generator.backend.standins.get(op, 0))
         with _activations(FAST_KERNEL_MODE[mode]):

@@ -290,3 +290,43 @@ def test_an_int8_folder_of_a_bfloat16_dtype_keeps_a_bfloat16_kv_cache_and_passes
     report = run_check(out, backend="ms")
     assert report.passed, report.verdict()
     assert report.info["kv_cache_dtype"] == {"replays with x exact": "float32", "fast replay": "bfloat16"}
+
+
+def test_the_kv_cache_dtype_switches_over_the_same_weights(half_folders, checkpoints):
+    """check's x-exact replays run a bfloat16-cache folder on float32 caches, its serving replay on the folder's own,
+    in one load (ModelRunner.use_cache_dtype: the graphs rebuilt, every weight Parameter kept, the pool's contents
+    forgotten): each phase equals HF with its keys and values as that cache holds them; refused while a sequence holds
+    blocks."""
+    import dataclasses
+
+    import mindspore as ms
+
+    from lite_runtime import InferConfig, pipeline
+    from lite_runtime.errors import InferError
+    from lite_runtime.folder import is_kv_cache
+
+    folder = half_folders["bfloat16"]
+    gen = pipeline("text_generation", backend="ms",
+                   model=dataclasses.replace(InferConfig.from_folder(folder, backend="ms"), kv_cache_dtype="float32"))
+    rows = prompts(2, [5, 13], seed=33)
+    ckpt = checkpoints["mha_untied"]
+
+    def caches():
+        return {p.dtype for n, p in gen.backend._owned.items() if is_kv_cache(n)}
+
+    with exact_activations():
+        f32 = gen.infer(rows).logits
+        assert caches() == {ms.float32}
+        weights = {n: p for n, p in gen.backend._owned.items() if not is_kv_cache(n)}
+        with pytest.raises(ValueError, match="in use: release every sequence first"):
+            gen.runner.use_cache_dtype(None)  # infer() keeps its rows' blocks
+        gen.release()
+        gen.runner.use_cache_dtype(None)
+        bf16 = gen.infer(rows).logits
+        assert caches() == {ms.bfloat16}
+        assert all(gen.backend._owned[n] is p for n, p in weights.items())
+    for got32, got16, row in zip(f32, bf16, rows):
+        assert rel_err(got32, hf_logits(rounded_hf(ckpt, "bfloat16", "float32"), row)) < TOL
+        assert rel_err(got16, hf_logits(rounded_hf(ckpt, "bfloat16"), row)) < TOL
+    with pytest.raises(InferError, match="only float32"):
+        gen.runner.use_cache_dtype("float16")

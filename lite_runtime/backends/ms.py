@@ -710,7 +710,9 @@ class MsBackend:
         cell = self._nn.GraphCell(_load_without_data(self._ms, model, os.path.basename(path)))
         params = list(cell.get_parameters())
         if arrays is None:
-            missing = next((p.name for p in params if p.name not in self._owned), None)
+            from lite_runtime.folder import is_kv_cache
+
+            missing = next((p.name for p in params if p.name not in self._owned and not is_kv_cache(p.name)), None)
             if missing is not None:
                 from lite_runtime.errors import InferError
 
@@ -727,12 +729,27 @@ class MsBackend:
 
                     array = array.view(np_dtype.bfloat16)
                 param.set_data(self._ms.Tensor.from_numpy(array))
-            else:
+            elif param.name in self._owned:
                 param.set_data(self._owned[param.name])
+            else:  # a KV cache after use_cache_dtype: the loader's zeros of its shape and dtype, shared from here on
+                self._owned[param.name] = param
         if arrays is not None:
             self._owner = key
         self.cells[key] = cell
         return cell
+
+    def use_cache_dtype(self, dtype: Optional[str]) -> None:
+        """The graphs rebuilt with KV caches of `dtype` ("float32", or None: the folder's own), every weight Parameter
+        kept (no second copy of the weights): check runs its x-exact replays on float32 caches, then its serving
+        replay on the folder's bfloat16 ones (InferConfig.kv_cache_dtype). The new caches start as zeros: the pool's
+        contents are gone (ModelRunner.use_cache_dtype forgets them)."""
+        from lite_runtime.folder import is_kv_cache
+
+        with MINDSPORE_LOCK:
+            self._kv_dtype = dtype
+            self._owned = {name: p for name, p in self._owned.items() if not is_kv_cache(name)}
+            self.cells, self._compiled, self._launchers, self._parsed, self.specs = {}, set(), {}, {}, {}
+            self.standins = {}  # counted again as the graphs load
 
     def input_specs(self, key: str) -> Tuple[TensorSpec, ...]:
         self._parse(key)

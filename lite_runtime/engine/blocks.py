@@ -89,6 +89,14 @@ class BlockPool:
             found.append(block)
         return found
 
+    def forget_contents(self) -> None:
+        """The caches were replaced (ModelRunner.use_cache_dtype): no block holds a prefix any more. Only while no
+        block is in use."""
+        if self.num_used:
+            raise ValueError(f"{self.num_used} block(s) in use: release every sequence first")
+        self.hash_of = [None] * self.num_blocks
+        self.by_hash = {}
+
     # --- taking and giving back --------------------------------------------------------------------------------
     def take(self, blocks: Sequence[int]) -> None:
         """Use `blocks` (a prefix hit): one more reference each; a free one leaves the free queue, contents kept."""

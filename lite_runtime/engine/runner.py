@@ -151,6 +151,22 @@ class ModelRunner:
         log.info("%s backend: %d graph(s) warmed up in %.2f s", self.backend_name, len(keys),
                  time.perf_counter() - start)
 
+    def use_cache_dtype(self, dtype: Optional[str]) -> None:
+        """Run on KV caches of `dtype` from now on ("float32", or None: the folder's own; InferConfig.kv_cache_dtype),
+        the weights kept: the ms backend rebuilds its graphs, the pool forgets what its blocks held. Only while no
+        sequence holds a block (check switches between its replays)."""
+        if dtype is not None and dtype != "float32":
+            raise InferError(f"kv_cache_dtype {dtype!r}: only float32 (or None, the folder's) is known")
+        if not hasattr(self.backend, "use_cache_dtype") or not self.config.folder.infer.get("cpu_kernels"):
+            raise InferError(f"{self.config.folder.yaml_path}: the KV cache's dtype can be changed only on the ms "
+                             "backend, for a folder whose graphs use the CPU kernels")
+        with self._lock:
+            self.pool.forget_contents()
+            self.backend.use_cache_dtype(dtype)
+            self._checked.clear()
+            spec = self.config.folder.kv_cache
+            self.cache = dataclasses.replace(spec, dtype=dtype) if dtype is not None else spec
+
     def warm(self, key: str) -> None:
         """Compile graph `key` now (the server does this for what every request needs, before it listens)."""
         with self._lock:
