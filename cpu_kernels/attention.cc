@@ -19,6 +19,8 @@ constexpr int64_t ATTENTION_BLOCK = 8;  // attention: consecutive queries of one
                                         // (docs/architecture.md, "cpu_kernels/")
 constexpr int64_t ATTENTION_CHUNK = 512;  // positions a task of one query reads at most (rounded down to the cache's
                                           // block size, at least one block): AttentionJob::split
+constexpr int64_t SPLIT_QUERIES = 64;  // a call of at most this many queries splits its blocks of several queries too
+                                       // (a step of 16 and a verify of 9; not a prompt): AttentionJob::split
 
 // ---- attention over the KV cache ----------------------------------------------------------------------------
 // Each task is a block of consecutive queries that read the same cache row (a prompt's tokens in the prefill and
@@ -59,33 +61,6 @@ __attribute__((always_inline)) inline float lanes_total(const float* lanes, cons
   for (; p < n; ++p) total += s[p];
   return total;
 }
-
-// A bfloat16 cache's rows as float32, exactly (the 16 bits are a float32's high half): n values, one form per path
-void widen_bf16_generic(const uint16_t* src, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = bits_float(uint32_t(src[i]) << 16);
-}
-
-#ifdef MSLLM_X86
-MSLLM_AVX2 void widen_bf16_avx2(const uint16_t* src, int64_t n, float* dst) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
-  }
-  for (; i < n; ++i) dst[i] = bits_float(uint32_t(src[i]) << 16);
-}
-
-MSLLM_AVX512 void widen_bf16_avx512(const uint16_t* src, int64_t n, float* dst) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
-  }
-  for (; i < n; ++i) dst[i] = bits_float(uint32_t(src[i]) << 16);
-}
-#endif
-
-typedef void (*WidenBf16Fn)(const uint16_t* src, int64_t n, float* dst);
 
 // the plain loops (generic, NEON)
 __attribute__((always_inline)) inline float max_generic(const float* s, int64_t n) {
@@ -198,8 +173,10 @@ MSLLM_AVX512 inline float exp_sum_avx512(float* s, int64_t n, float scale, float
 // The softmax and the weighted sum of values of a task's query rows: scores [rows, ld] (row r's first lengths[r]
 // valid) -> out[r] [d] = softmax(scores_r * scale) . V, the value rows in blocks of bs positions (vblocks[j]: block
 // j's [bs, d] rows). Each row's maximum (max_*) and its exps and their sum in 8 lanes (exp_sum_*, one pass) in the
-// path's form, its weights normalised in place; then the value rows are read a block at a time (in L1) for every
-// query row, each row's output in blocks of PV_BLOCK values over two positions at a time, in vector registers.
+// path's form; then the value rows are read a block at a time (in L1) for every query row, each row's sum of exps x
+// values in blocks of PV_BLOCK values over two positions at a time, in vector registers; last, each row times
+// 1 / its sum. The very arithmetic of a chunked row's merge when it has one chunk (AttentionJob::merge: weight
+// exp(0) = 1), so a query's output is the same bit for bit whether its block was split or not.
 constexpr int64_t PV_BLOCK = 32;
 
 // The start of the next block's rows into the cache while this one is read: a block (BS positions of one kv head,
@@ -315,11 +292,11 @@ RowsFn scores_kernel(int64_t rows, int64_t d) {
   return rows_kernel(W_F32);
 }
 
-// vblocks[j]: block j's value rows, float32, or bfloat16 where vbuf is given (a [bs, d] float32 buffer each block's
-// rows are widened into before they are read)
+// vblocks[j]: block j's value rows, float32, or bfloat16 where `widen` is given (each block's rows widened into vbuf,
+// [bs, d] float32, before they are read)
 typedef void (*AttendRowsFn)(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
-                             const void* const* vblocks, float* vbuf, int64_t bs, int64_t d, float* const* out,
-                             float* stats);
+                             const void* const* vblocks, WidenFn widen, float* vbuf, int64_t bs, int64_t d,
+                             float* const* out, float* stats);
 
 // Rows [0, RG) of the weighted sum over the value rows of one block (positions [p0, p0 + bs) clipped to each row's
 // length), out[g] += sum_p w[g][p] v[p]: per row and block of PV_BLOCK values, its even positions of each pair into
@@ -370,32 +347,30 @@ __attribute__((always_inline)) inline void pv_rows(const float* scores, int64_t 
     }
 }
 
-template <float (*MaxOf)(const float*, int64_t), float (*ExpSum)(float*, int64_t, float, float), WidenBf16Fn Widen,
-          int RG = 1>
+template <float (*MaxOf)(const float*, int64_t), float (*ExpSum)(float*, int64_t, float, float), int RG = 1>
 __attribute__((always_inline)) inline void attend_rows_body(float* scores, int64_t rows, int64_t ld,
                                                             const int64_t* lengths, float scale,
-                                                            const void* const* vblocks, float* vbuf, int64_t bs,
-                                                            int64_t d, float* const* out, float* stats) {
+                                                            const void* const* vblocks, WidenFn widen, float* vbuf,
+                                                            int64_t bs, int64_t d, float* const* out, float* stats) {
+  thread_local std::vector<float> totals_buf;  // each row's sum of exps (common.h Scratch)
+  Scratch<float> keep_totals(totals_buf);
+  float* const totals = keep_totals.get(rows);
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * ld;
     const int64_t n = lengths[r];
     const float best = MaxOf(s, n);
     const float total = ExpSum(s, n, scale, best * scale);
-    if (stats != nullptr) {
-      stats[2 * r] = best * scale, stats[2 * r + 1] = total;
-    } else {
-      const float norm = total > 0.f ? 1.f / total : 0.f;
-      for (int64_t p = 0; p < n; ++p) s[p] *= norm;
-    }
+    if (stats != nullptr) stats[2 * r] = best * scale;
+    totals[r] = total;
     for (int64_t i = 0; i < d; ++i) out[r][i] = 0.f;
   }
   int64_t longest = 0;
   for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, lengths[r]);
-  const int64_t elem = vbuf != nullptr ? 2 : 4;
+  const int64_t elem = widen != nullptr ? 2 : 4;
   for (int64_t p0 = 0; p0 < longest; p0 += bs) {
     const float* v = static_cast<const float*>(vblocks[p0 / bs]);
-    if (vbuf != nullptr) {  // the block's rows this task reads, widened
-      Widen(static_cast<const uint16_t*>(vblocks[p0 / bs]), std::min(bs, longest - p0) * d, vbuf);
+    if (widen != nullptr) {  // the block's rows this task reads, widened
+      widen(vblocks[p0 / bs], std::min(bs, longest - p0) * d, vbuf);
       v = vbuf;
     }
     v -= p0 * d;  // so that v + p * d is position p's row, p in this block
@@ -404,24 +379,31 @@ __attribute__((always_inline)) inline void attend_rows_body(float* scores, int64
     for (; r + RG <= rows; r += RG) pv_rows<RG>(scores + r * ld, ld, lengths + r, v, p0, bs, d, out + r);
     for (; r < rows; ++r) pv_rows<1>(scores + r * ld, ld, lengths + r, v, p0, bs, d, out + r);
   }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (stats != nullptr) {  // a chunk of a split block: its sums and their total, for the merge
+      stats[2 * r + 1] = totals[r];
+      continue;
+    }
+    const float norm = totals[r] > 0.f ? 1.f / totals[r] : 0.f;
+    for (int64_t i = 0; i < d; ++i) out[r][i] *= norm;
+  }
 }
 
 void attend_rows_generic(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
-                         const void* const* vblocks, float* vbuf, int64_t bs, int64_t d, float* const* out,
-                         float* stats) {
-  attend_rows_body<max_generic, exp_sum_generic, widen_bf16_generic>(scores, rows, ld, lengths, scale, vblocks, vbuf,
-                                                                     bs, d, out, stats);
+                         const void* const* vblocks, WidenFn widen, float* vbuf, int64_t bs, int64_t d,
+                         float* const* out, float* stats) {
+  attend_rows_body<max_generic, exp_sum_generic>(scores, rows, ld, lengths, scale, vblocks, widen, vbuf, bs, d, out,
+                                                 stats);
 }
 #ifdef MSLLM_X86
 MSLLM_AVX2 void attend_rows_avx2(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
-    const void* const* vblocks, float* vbuf, int64_t bs, int64_t d, float* const* out, float* stats) {
-  attend_rows_body<max_avx2, exp_sum_avx2, widen_bf16_avx2>(scores, rows, ld, lengths, scale, vblocks, vbuf, bs, d,
-                                                            out, stats);
+    const void* const* vblocks, WidenFn widen, float* vbuf, int64_t bs, int64_t d, float* const* out, float* stats) {
+  attend_rows_body<max_avx2, exp_sum_avx2>(scores, rows, ld, lengths, scale, vblocks, widen, vbuf, bs, d, out, stats);
 }
 MSLLM_AVX512 void attend_rows_avx512(float* scores, int64_t rows, int64_t ld, const int64_t* lengths, float scale,
-    const void* const* vblocks, float* vbuf, int64_t bs, int64_t d, float* const* out, float* stats) {
-  attend_rows_body<max_avx512, exp_sum_avx512, widen_bf16_avx512, 4>(scores, rows, ld, lengths, scale, vblocks, vbuf,
-                                                                     bs, d, out, stats);
+    const void* const* vblocks, WidenFn widen, float* vbuf, int64_t bs, int64_t d, float* const* out, float* stats) {
+  attend_rows_body<max_avx512, exp_sum_avx512, 4>(scores, rows, ld, lengths, scale, vblocks, widen, vbuf, bs, d, out,
+                                                  stats);
 }
 #endif
 
@@ -441,26 +423,12 @@ AttendRowsFn pick_attend_rows() {
 
 const AttendRowsFn g_attend_rows = pick_attend_rows();
 
-WidenBf16Fn pick_widen_bf16() {
-  switch (isa()) {
-#ifdef MSLLM_X86
-    case ISA_AVX512:
-      return widen_bf16_avx512;
-    case ISA_AVX2:
-      return widen_bf16_avx2;
-#endif
-    default:
-      return widen_bf16_generic;
-  }
-}
 
-const WidenBf16Fn g_widen_bf16 = pick_widen_bf16();
-
-// Queries against the paged KV cache: q [N, H*D]; K, V caches [NB, KH, BS, D] (float32 or bfloat16); lengths [N] int32 (query i reads
-// positions 0 .. lengths[i]-1, itself included, as the graph's writes left them); rows [N] int32, tables [R, M] int32:
-// query i's sequence has the block table tables[rows[i]] (position p in block tables[rows[i]][p / BS]) -> out
-// [N, H*D]. Query head h reads key/value head h / (H / KH) (HF repeat_kv). Reads only the blocks under each query's
-// length, in place, where the MindSpore form gathers every row's blocks and masks.
+// Queries against the paged KV cache: q [N, H*D]; K, V caches [NB, KH, BS, D] (float32 or bfloat16); lengths [N]
+// int32 (query i reads positions 0 .. lengths[i]-1, itself included, as the graph's writes left them); rows [N] int32,
+// tables [R, M] int32: query i's sequence has the block table tables[rows[i]] (position p in block
+// tables[rows[i]][p / BS]) -> out [N, H*D]. Query head h reads key/value head h / (H / KH) (HF repeat_kv). Reads only
+// the blocks under each query's length, in place, where the MindSpore form gathers every row's blocks and masks.
 struct AttentionJob : Job {
   const float* q;
   const void *k, *v;  // the caches (cache.bf16: bfloat16, else float32)
@@ -473,8 +441,11 @@ struct AttentionJob : Job {
   // per kv head and chunk, whose unnormalised sums and softmax statistics (part, stats) the merge combines. Why: one
   // query's kv heads are few (3 in SmolLM2, 2 in Qwen2-0.5B), so a decode step's long context was 2 or 3 tasks for
   // the threads, and one task's pass over a long context one stream at memory's latency (docs/performance-log.md
-  // 48). Only such blocks: a step's query then runs the same arithmetic whatever the thread count or the other
-  // sequences of its step, and a long prompt's thousands of blocks keep no partial sums.
+  // 48). So are the blocks of a call of at most SPLIT_QUERIES queries (a verify's, a chunk call's small piece): a
+  // query's chunks are then the same whether it is a step's row or among a verify's, and so its output, bit for bit
+  // (attend_rows_body ends as the merge does), which speculative decoding's greedy tokens rest on. Not a long
+  // prompt's thousands of blocks: they would keep partial sums of every query. A step's query runs the same arithmetic
+  // whatever the thread count or the other sequences of its step.
   int64_t chunk = 0;
   std::vector<int64_t> chunks, first_task, first_part;  // per block: its chunks (1: not split), tasks, partial rows
   std::vector<float> part, stats;  // per split task: its rows' sums [rows, d]; their max * scale and sum of weights
@@ -483,8 +454,8 @@ struct AttentionJob : Job {
   int64_t length_of(int64_t b) const { return std::max<int64_t>(0, lengths[b]); }
   int64_t tasks() const { return first_task.back(); }
 
-  // blocks of at most `most` consecutive queries of one sequence; a block of one query in chunks of `chunk` positions
-  // (a multiple of the cache's block size) where it reads more
+  // blocks of at most `most` consecutive queries of one sequence; a block of one query (any block, in a call of at most
+  // SPLIT_QUERIES queries) in chunks of `chunk` positions (a multiple of the cache's block size) where it reads more
   void split(int64_t most) {
     blocks.clear();
     for (int64_t b = 0; b < batch; ++b)
@@ -497,10 +468,11 @@ struct AttentionJob : Job {
     for (int64_t blk = 0; blk < nblocks; ++blk) {
       int64_t longest = 0;
       for (int64_t b = blocks[blk]; b < blocks[blk + 1]; ++b) longest = std::max(longest, length_of(b));
-      if (chunk > 0 && longest > chunk && blocks[blk + 1] - blocks[blk] == 1)
+      if (chunk > 0 && longest > chunk && (blocks[blk + 1] - blocks[blk] == 1 || batch <= SPLIT_QUERIES))
         chunks[blk] = (longest + chunk - 1) / chunk;
       first_task[blk + 1] = first_task[blk] + cache.kv_heads * chunks[blk];
-      const int64_t split_rows = chunks[blk] > 1 ? cache.kv_heads * chunks[blk] * group : 0;
+      const int64_t split_rows = chunks[blk] > 1 ? cache.kv_heads * chunks[blk] * (blocks[blk + 1] - blocks[blk]) *
+                                                       group : 0;
       first_part[blk + 1] = first_part[blk] + split_rows;
     }
     part.resize(size_t(first_part.back() * cache.d));
@@ -518,7 +490,8 @@ struct AttentionJob : Job {
     thread_local std::vector<float*> outs;
     thread_local std::vector<const void*> vblocks;
     Scratch<float> keep_qs(qs), keep_scores(scores), keep_kv16(kv16);
-    // a bfloat16 cache's block widened: the keys' [bs, d], then the values' [bs, d]
+    // a bfloat16 cache's block widened (matmul16.h widen_kernel): the keys' [bs, d], then the values' [bs, d]
+    const WidenFn widen = cache.bf16 ? widen_kernel(W_BF16) : nullptr;
     float* const widened = cache.bf16 ? keep_kv16.get(2 * bs * d) : nullptr;
     const int64_t elem = cache.elem_bytes();
     shares.claim([&](int64_t t) {
@@ -553,7 +526,7 @@ struct AttentionJob : Job {
         if (j + 1 < used)
           prefetch_pages(cache.block(k, table[j + 1], kvh), std::min(bs, longest - (j + 1) * bs) * d * elem);
         const void* keys = cache.block(k, table[j], kvh);
-        if (widened != nullptr) g_widen_bf16(static_cast<const uint16_t*>(keys), n * d, widened), keys = widened;
+        if (widen != nullptr) widen(keys, n * d, widened), keys = widened;
         scores_of(qs.data(), nrows, keys, nullptr, d, scores.data() + j * bs, longest, 0, n);
         vblocks[j] = cache.block(v, table[j], kvh);
       }
@@ -563,7 +536,7 @@ struct AttentionJob : Job {
       if (longest == 0 && st != nullptr)
         for (int64_t i = 0; i < nrows; ++i) st[2 * i] = -INFINITY, st[2 * i + 1] = 0.f;
       if (longest > 0)
-        g_attend_rows(scores.data(), nrows, longest, lens.data(), scale, vblocks.data(),
+        g_attend_rows(scores.data(), nrows, longest, lens.data(), scale, vblocks.data(), widen,
                       widened != nullptr ? widened + bs * d : nullptr, bs, d, outs.data(), st);
     });
   }

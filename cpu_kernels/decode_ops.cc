@@ -241,9 +241,9 @@ int gemv_add(int nparam, void** params, int* ndims, int64_t** shapes, const char
 // [NB, KH, BS, D] float32 or bfloat16 (paged.h; blocks of BS positions, each kv head's positions contiguous: what the
 // attention reads), slot_mapping [N] int32 (token r's keys and values go to block slot / BS, position slot % BS; a
 // negative slot is not written: a row without a sequence), [q_norm [D], k_norm [D]], q [N, H*D] (the output): 15
-// tensors with float weights, 17 with the norms. Every token is a row of its own (the decode step's rows, a prompt's tokens).
-// Writing the caches here saves the graph two scatters per layer (MindSpore's CPU ScatterNdUpdate: ~60 us each,
-// docs/performance-log.md, "The decode step: where the time goes, and fused ops", 2026-11-23) and the separate
+// tensors with float weights, 17 with the norms. Every token is a row of its own (the decode step's rows, a prompt's
+// tokens). Writing the caches here saves the graph two scatters per layer (MindSpore's CPU ScatterNdUpdate: ~60 us
+// each, docs/performance-log.md, "The decode step: where the time goes, and fused ops", 2026-11-23) and the separate
 // norm's call.
 int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam < 4) return 1;

@@ -98,8 +98,6 @@ void rows_generic(const float* x, int64_t rows, const void* wv, const float* b, 
   }
 }
 
-typedef void (*WidenFn)(const void* src, int64_t n, float* dst);
-
 template <class T>
 void widen_rows_generic(const void* src, int64_t n, float* dst) {
   widen_generic(static_cast<const T*>(src), n, dst);
@@ -1156,6 +1154,8 @@ struct EmbedJob : Job {
 }  // namespace
 
 RowsFn rows_kernel(WType wt) { return wt == W_QUANT ? quant_rows_kernel() : g_kernels.rows[wt]; }
+
+WidenFn widen_kernel(WType wt) { return wt == W_QUANT ? nullptr : g_kernels.widen[wt]; }
 
 bool has_gemm(WType wt) { return wt == W_QUANT || g_kernels.gemm[wt] != nullptr; }
 

@@ -21,6 +21,12 @@ void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* 
 // The rows kernel (common.h's RowsFn) of this machine's code path for weights of type wt.
 RowsFn rows_kernel(WType wt);
 
+// n values of type wt (a float type) as float32, exactly, in this machine's code path: the GEMM's packing, and the
+// attention's reads of a bfloat16 KV cache's blocks (attention.cc). Asked at call time (not in a static initializer:
+// the kernels are picked in one).
+typedef void (*WidenFn)(const void* src, int64_t n, float* dst);
+WidenFn widen_kernel(WType wt);
+
 // Rows of x for which bfloat16 weights take the AVX512-BF16 form: from BF16_MIN_ROWS (measured on SmolLM2's step,
 // AMD EPYC Zen 4, docs/performance-log.md 37: 2 and 4 rows slower in it than in float32's form, bound by the weights'
 // bytes; 8 level; 9, a verify of 8, and 16 faster) to BF16_MAX_ROWS (its rows form against float32's GEMM beyond

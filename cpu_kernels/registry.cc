@@ -230,7 +230,7 @@ int MsliteLlmPagedDecodeMoeLayer(int nparam, void** params, int* ndims, int64_t*
 }
 
 // The ops that read or write the paged cache once more, under the names a graph with bfloat16 caches calls
-// (cpu_kernels.KV16_OPS; paged.h: a folder with bfloat16 weights keeps its KV cache in bfloat16): the same bodies, which
+// (cpu_kernels.KV16_OPS; paged.h: a folder of a bfloat16 dtype keeps its KV cache so): the same bodies, which
 // take either cache dtype. An installation whose kernels read float32 caches only lacks these names, so it refuses
 // such a folder when it loads, naming them (cpu_kernels.unknown_functions), instead of failing at its first step.
 #define MSLLM_KV16(name)                                                                                            \

@@ -241,7 +241,7 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
     # (which keep float32 keys and values); the fast replay runs it as it serves, bfloat16 caches, against the fast
     # lane's limit (which rounds them as the cache does: export/writers/golden.py)
     kv16 = cpu_kernels and folder.kv_cache.dtype == "bfloat16"
-    counts: Dict[str, int] = {}  # inc graph -> decode steps it ran, over the loads
+    counts: Dict[str, int] = {}  # inc graph -> decode steps it ran, over every replay
 
     generator = pipeline("text_generation", model=dataclasses.replace(config, kv_cache_dtype="float32") if kv16 else
                          config, backend=backend)

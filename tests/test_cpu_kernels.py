@@ -282,6 +282,7 @@ def test_each_code_path_gives_the_same_answers(isa):
         f.test_a_bfloat16_cache_is_attended_as_a_float32_cache_of_its_values(9, 3, 64, 64, (1100, 513, 1, 0, 300), 0)
         f.test_a_bfloat16_cache_is_attended_as_a_float32_cache_of_its_values(4, 4, 80, 128, (45, 7), 0)
         f.test_bfloat16_caches_are_written_rounded_to_nearest_even()
+        f.test_a_verifys_query_is_its_step_past_a_chunks_edge(9, 3, 505, 64)
     """)
     env = dict(os.environ, MSLITE_LLM_CPU_KERNELS_ISA=isa,
                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))

@@ -493,6 +493,31 @@ def test_a_querys_attention_alone_is_its_attention_among_a_prompts(h, kh):
     check_attention(together, q, k, v, valid, np.zeros(n, np.int32))
 
 
+@pytest.mark.parametrize("h, kh, ctx, bs", [(9, 3, 505, 64), (14, 2, 1020, 64), (9, 3, 1530, 16)])
+def test_a_verifys_query_is_its_step_past_a_chunks_edge(h, kh, ctx, bs):
+    """Past 512 positions a decode step's query is read in chunks whose sums are merged (AttentionJob::split); the
+    queries of a verify (9 after `ctx`, across the edge of a chunk: 512, 1024, 1536) are chunked the same way, and a
+    query of one chunk ends as the merge does, so each query's output is the same bit for bit as a step's of the same
+    length (speculative decoding's greedy tokens rest on it). SmolLM2's and Qwen2-0.5B's heads, head size 64."""
+    rng = np.random.default_rng(ctx)
+    d, n = 64, 9
+    k, v = (rng.standard_normal((1, kh, ctx + n, d), dtype=np.float32) for _ in range(2))
+    kp, tables = paged(k, bs, rng)
+    vp = repage(v, tables, bs, kp.shape[0])
+    q = rng.standard_normal((n, h * d), dtype=np.float32)
+    valid = np.arange(ctx + 1, ctx + n + 1, dtype=np.int32)
+    rows = np.zeros(n, np.int32)
+    together = np.full((n, h * d), np.nan, np.float32)
+    assert call_kernel(cpu_kernels.DECODE_ATTENTION, q, kp, vp, valid, rows, tables, together,
+                       dtypes=ATTENTION_TYPES) == 0
+    for i in range(n):
+        alone = np.full((1, h * d), np.nan, np.float32)
+        assert call_kernel(cpu_kernels.DECODE_ATTENTION, q[i:i + 1], kp, vp, valid[i:i + 1], rows[:1], tables, alone,
+                           dtypes=ATTENTION_TYPES) == 0
+        assert np.array_equal(alone[0], together[i]), i
+    check_attention(together, q, k, v, valid, rows)
+
+
 @pytest.mark.parametrize("bs", [64, 16, 512])
 def test_decode_attention_over_long_contexts_in_chunks(bs):
     """A decode step's long contexts, split into chunks of positions whose softmax sums are merged (attention.cc

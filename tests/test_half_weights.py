@@ -136,8 +136,8 @@ def test_check_holds_a_half_weights_folder_to_its_limits(half_folders, capsys):
     # its KV cache: bfloat16 as it serves (the fast replay, whose limit's lane rounds keys and values so), float32
     # caches in the replays with x exact (float32's arithmetic end to end, against float32's limit)
     line = next(x for x in out if x.startswith("KV cache:"))
-    assert line.endswith("; bfloat16 as the folder serves it in the replays with its fast path's activations, float32 in "
-                         "those with x exact"), line
+    assert line.endswith("; bfloat16 as the folder serves it in the replays with its fast path's activations, "
+                         "float32 in those with x exact"), line
     assert "each key and value rounded to bfloat16 as its KV cache holds them" in limits["bf16"]["from"]
 
 
@@ -278,7 +278,8 @@ def test_an_int8_folder_of_a_bfloat16_dtype_keeps_a_bfloat16_kv_cache_and_passes
     names = set()
     for f in os.listdir(out):
         if f.endswith(".mindir"):
-            names |= {n.decode() for n in re.findall(rb"MsliteLlm[A-Za-z0-9]+", open(os.path.join(out, f), "rb").read())}
+            data = open(os.path.join(out, f), "rb").read()
+            names |= {n.decode() for n in re.findall(rb"MsliteLlm[A-Za-z0-9]+", data)}
     quant_kv16 = {cpu_kernels.fused_op(f, True, True) for f in (cpu_kernels.DECODE_QKV, cpu_kernels.DECODE_LAYER,
                                                                  cpu_kernels.DECODE_LAYER_VALID)}
     assert quant_kv16 == {"MsliteLlmQuantPagedDecodeQkvKv16", "MsliteLlmQuantPagedDecodeLayerKv16",

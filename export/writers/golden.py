@@ -190,8 +190,8 @@ def compute(model_cfg: ModelConfig, checkpoint: str, prefill_sizes: Sequence[int
         out, computed_by="export/writers/reference.py: float32 numpy on the checkpoint's weights" + (
             f", matrices rounded to {matrices_in} as the folder stores them" if matrices_in != "float32" else "") + (
             ", dequantized from the folder's weights files" if quant is not None else ""),
-        matrices_in=matrices_in, **({"kv_cache_in": kv_in} if kv_in != "float32" else {}), prompt_source=source, top_k=TOP_K, seq_length=seq_length, batch_size=batch_size,
-        seconds=round(time.perf_counter() - start, 3),
+        matrices_in=matrices_in, **({"kv_cache_in": kv_in} if kv_in != "float32" else {}), prompt_source=source,
+        top_k=TOP_K, seq_length=seq_length, batch_size=batch_size, seconds=round(time.perf_counter() - start, 3),
         **({} if agreement is None else {"quantization": quant[0], "agreement": agreement}),
         **({} if probe is None or not probe.steps else {"limits": derived_limits(probe.measured, kv_in)}))
 
@@ -251,9 +251,8 @@ class ArithmeticLanes:
     def start(self, caches) -> None:
         """After the prompts' prefill: each lane's caches begin as copies of the rows' (keys and values are replaced,
         never written in place, by the reference's attention: a shallow copy is a copy)."""
-        from export.writers.reference import RowCache
-
         from export.checkpoints.safetensors import rounded_to
+        from export.writers.reference import RowCache
 
         kv_in = getattr(self.net, "kv_in", "float32")
         for kind in self.kinds:

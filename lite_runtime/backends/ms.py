@@ -152,7 +152,8 @@ def _check_cache_dtype(model, path: str, spec) -> None:
             got = names.get(mind_ir_pb2.TensorProto.DataType.Name(param.data_type), "another dtype")
             if got != spec.dtype:
                 raise InferError(f"{path}: its KV cache {name} is {got}, the folder's yaml says {spec.dtype} "
-                                 "(infer.kv_cache); the graphs and the yaml are not of one export: re-export the folder")
+                                 "(infer.kv_cache); the graphs and the yaml are not of one export: re-export the "
+                                 "folder")
             return
 
 
