@@ -423,7 +423,6 @@ AttendRowsFn pick_attend_rows() {
 
 const AttendRowsFn g_attend_rows = pick_attend_rows();
 
-
 // Queries against the paged KV cache: q [N, H*D]; K, V caches [NB, KH, BS, D] (float32 or bfloat16); lengths [N]
 // int32 (query i reads positions 0 .. lengths[i]-1, itself included, as the graph's writes left them); rows [N] int32,
 // tables [R, M] int32: query i's sequence has the block table tables[rows[i]] (position p in block

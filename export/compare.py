@@ -55,7 +55,7 @@ def hf_model(checkpoint: str, dtype: str = "float32", matrices_in: str = "float3
             for param in model.parameters():
                 if param.ndim == 2:
                     param.copy_(param.to(getattr(torch, matrices_in)).to(param.dtype))
-    if kv_in != dtype:
+    if kv_in != "float32":
         model.set_attn_implementation(kv_rounding_attention(kv_in))
     return model.eval()
 

@@ -48,6 +48,14 @@ def hf_greedy(model, row, n):
     return [int(t) for t in out[0]]
 
 
+def calls(folder):
+    """The CPU kernel functions a folder's graphs call (test_cpu_kernels.custom_funcs over each graph)."""
+    from test_cpu_kernels import custom_funcs
+
+    return {f.rpartition(":")[2] for g in os.listdir(folder) if g.endswith(".mindir")
+            for f in custom_funcs(os.path.join(folder, g))[0]}
+
+
 @pytest.fixture(scope="module")
 def half_folders(tmp_path_factory, checkpoints):
     from export.config import ExportConfig
@@ -217,20 +225,13 @@ def test_a_bfloat16_folder_keeps_its_kv_cache_in_bfloat16_unless_asked(half_fold
     from export.pipeline import run_export
     from lite_runtime.folder import load_folder
 
-    def calls(folder):
-        names = set()
-        for f in os.listdir(folder):
-            if f.endswith(".mindir"):
-                data = open(os.path.join(folder, f), "rb").read()
-                names |= {n.decode() for n in re.findall(rb"MsliteLlm[A-Za-z0-9]+", data)}
-        return names
-
     kv16 = set(cpu_kernels.KV16_OPS.values())
     folder = load_folder(half_folders["bfloat16"], verify=False)
     assert folder.kv_cache.dtype == "bfloat16"
     assert folder.kv_cache.block_bytes == 2 * folder.kv_cache.layers * folder.kv_cache.block_size * \
         folder.kv_cache.kv_heads * folder.kv_cache.head_dim * 2
-    assert calls(half_folders["bfloat16"]) & kv16 and not (calls(half_folders["bfloat16"]) & set(cpu_kernels.KV16_OPS))
+    called = calls(half_folders["bfloat16"])
+    assert called & kv16 and not called & set(cpu_kernels.KV16_OPS)
     assert load_folder(half_folders["float16"], verify=False).kv_cache.dtype == "float32"
     assert not calls(half_folders["float16"]) & kv16
 
@@ -275,11 +276,7 @@ def test_an_int8_folder_of_a_bfloat16_dtype_keeps_a_bfloat16_kv_cache_and_passes
     run_export(ExportConfig(checkpoint=checkpoints["mha_untied"], output=out, name="int8", seq_length=32,
                             batch_size=2, dtype="bfloat16", device="cpu", prefill_buckets=(8,), quantize="int8"))
     assert load_folder(out, verify=False).kv_cache.dtype == "bfloat16"
-    names = set()
-    for f in os.listdir(out):
-        if f.endswith(".mindir"):
-            data = open(os.path.join(out, f), "rb").read()
-            names |= {n.decode() for n in re.findall(rb"MsliteLlm[A-Za-z0-9]+", data)}
+    names = calls(out)
     quant_kv16 = {cpu_kernels.fused_op(f, True, True) for f in (cpu_kernels.DECODE_QKV, cpu_kernels.DECODE_LAYER,
                                                                  cpu_kernels.DECODE_LAYER_VALID)}
     assert quant_kv16 == {"MsliteLlmQuantPagedDecodeQkvKv16", "MsliteLlmQuantPagedDecodeLayerKv16",

@@ -254,7 +254,7 @@ class ArithmeticLanes:
         from export.checkpoints.safetensors import rounded_to
         from export.writers.reference import RowCache
 
-        kv_in = getattr(self.net, "kv_in", "float32")
+        kv_in = self.net.kv_in
         for kind in self.kinds:
             self.caches[kind] = []
             for cache in caches:

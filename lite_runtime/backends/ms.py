@@ -143,13 +143,12 @@ def _check_cache_dtype(model, path: str, spec) -> None:
     from mindspore.train import mind_ir_pb2
 
     from lite_runtime.errors import InferError
-    from lite_runtime.folder import is_kv_cache
+    from lite_runtime.folder import MINDIR_DTYPES, is_kv_cache
 
-    names = {"FLOAT": "float32", "FLOAT16": "float16", "BFLOAT16": "bfloat16"}
     for param in model.graph.parameter:
         name = param.name.rsplit(":", 1)[-1]
         if is_kv_cache(name):
-            got = names.get(mind_ir_pb2.TensorProto.DataType.Name(param.data_type), "another dtype")
+            got = MINDIR_DTYPES.get(mind_ir_pb2.TensorProto.DataType.Name(param.data_type), "another dtype")
             if got != spec.dtype:
                 raise InferError(f"{path}: its KV cache {name} is {got}, the folder's yaml says {spec.dtype} "
                                  "(infer.kv_cache); the graphs and the yaml are not of one export: re-export the "
