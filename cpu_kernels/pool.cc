@@ -84,13 +84,20 @@ std::mutex g_pool_mutex;  // MindSpore may run two graphs' kernels from differen
 Pool* g_pool = nullptr;
 int g_threads = 0;  // 0: the cores this process may use
 
+// The cores, read once: std::thread::hardware_concurrency() reads /sys/devices/system/cpu/online on every call
+// (glibc's get_nprocs), ~5 us on a VM, and threads_to_use is asked several times per matmul (a SmolLM2 int4 layer
+// call spent about a third of its time there: docs/performance-log.md 53)
+int cores() {
+  static const int n = [] {
+    const unsigned c = std::thread::hardware_concurrency();
+    return c ? int(c) : 1;
+  }();
+  return n;
+}
+
 }  // namespace
 
-int threads_to_use() {
-  if (g_threads > 0) return g_threads;
-  const unsigned n = std::thread::hardware_concurrency();
-  return n ? int(n) : 1;
-}
+int threads_to_use() { return g_threads > 0 ? g_threads : cores(); }
 
 void set_threads(int threads) { g_threads = threads < 0 ? 0 : threads; }
 
