@@ -686,13 +686,14 @@ inline void x_quads(const int8_t* xb, int64_t blk, int j, int32_t* e4, int32_t* 
 }
 
 // How many bands one row of x reads at once (qbands_r16_vnni<1, B>, qbands_r16_avx2<1, B>: one stream of weights
-// each): 4 on Intel's CPUs, 2 on others (the AVX2 form at most 2); MSLITE_LLM_CPU_KERNELS_INT4_STREAMS (1 to 4, read
-// at load) sets it, for tests and benchmarks
+// each): 4 on Intel's CPUs (the AVX2 form at most 2), 1 on others (an AMD EPYC Zen 5 read SmolLM2's int4 and int8
+// bands 1.2-1.5x faster in one stream than in two, Zen 4 as fast: docs/performance-log.md 53);
+// MSLITE_LLM_CPU_KERNELS_INT4_STREAMS (1 to 4, read at load) sets it, for tests and benchmarks
 int row_streams() {
   static const int streams = [] {
     const char* env = std::getenv("MSLITE_LLM_CPU_KERNELS_INT4_STREAMS");
     const int n = env != nullptr ? std::atoi(env) : 0;
-    return n >= 1 && n <= 4 ? n : __builtin_cpu_is("intel") ? 4 : 2;
+    return n >= 1 && n <= 4 ? n : __builtin_cpu_is("intel") ? 4 : 1;
   }();
   return streams;
 }
@@ -1264,8 +1265,9 @@ MSLLM_AVX512_VNNI void qrows8w_vnni(const QuantWeight& w, int64_t rows, const fl
 // on an Intel Xeon (AVX-512 VNNI, AMX; 2 threads, out of cache, the 7B shapes' int4 matrices, alternating in fresh
 // processes): one row at 10-12 GB/s with one stream, 11-14 with two, 13-16 with four, where a plain read does 17-20
 // (docs/performance-log.md 45). On the AMD EPYC (Zen 4) of the int8 tiles' measurement (qrows_vnni_t) 4 streams a
-// thread read 10 % slower than 2 and 2 as fast as 1: so 4 streams on Intel's CPUs, 2 elsewhere (row_streams,
-// each_band_streams), for one row of x; more rows, one band at a time. Each band's sums are the same whatever B.
+// thread read 10 % slower than 2 and 2 as fast as 1, and on a Zen 5 one stream read 1.2-1.5x faster than two: so 4
+// streams on Intel's CPUs, 1 elsewhere (row_streams, each_band_streams), for one row of x; more rows, one band at a
+// time. Each band's sums are the same whatever B.
 // INT4 false: banded int8 (repack_int8_r16) against x in int8 in input order (PreparedX int8w): the band's 512 bytes
 // of a block in eight zmm, lane r 4 bytes of weight row r (q + 128), each against 4 of x's bytes broadcast (at most
 // 32 x 255 x 127 a lane a block: exact), the even runs and the odd ones in two accumulators as int4's low and high

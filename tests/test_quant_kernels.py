@@ -504,7 +504,7 @@ def test_the_avx2_path_gives_the_same_answers():
 @pytest.mark.parametrize("form,streams", [("avx512_vnni", 1), ("avx512_vnni", 2), ("avx512_vnni", 3),
                                           ("avx512_vnni", 4), ("avx2", 1), ("avx2", 2)])
 def test_int4_bands_of_one_row_in_any_number_of_streams(form, streams, monkeypatch):
-    """One row of x against banded int4 reads whole bands in several streams at once (4 on Intel's CPUs, 2 on others,
+    """One row of x against banded int4 reads whole bands in several streams at once (4 on Intel's CPUs, 1 on others,
     the AVX2 form at most 2; MSLITE_LLM_CPU_KERNELS_INT4_STREAMS forces each, in a new process on each form's path):
     every count gives the row-major op's answer as the one-stream form does (88 outputs: 5 bands and a tail, runs of
     unequal length)."""
