@@ -743,9 +743,10 @@ void run_bands(const QuantWeight& w, int64_t rows, const float* b, float* y, int
 // accumulators of more spill out of the 16 ymm. R rows share each band's unpacked block; B bands are B streams of
 // weights per thread, as qbands_r16_vnni's and for the same reason (on the Intel Xeon of that measurement, this form
 // too: docs/performance-log.md 45). Each band's sums are the same whatever R and B.
+// `next`: as qbands_r16_vnni's (the next band's bytes fetched block by block), or null.
 template <int R, int B>
 MSLLM_AVX2 void qbands_r16_avx2(const QuantWeight& w, int64_t m0, const int64_t* os, const float* const* bo,
-                                float* const* yo, int64_t ldy) {
+                                float* const* yo, int64_t ldy, const uint8_t* next = nullptr) {
   static_assert(R * B <= 2, "the accumulators of R x B > 2 spill out of the 16 ymm");
   const PreparedX& x = *w.x;
   const int64_t per = w.group / QBLOCK, blocks = w.k / QBLOCK;
@@ -763,6 +764,10 @@ MSLLM_AVX2 void qbands_r16_avx2(const QuantWeight& w, int64_t m0, const int64_t*
 #pragma GCC unroll 2
     for (int i = 0; i < B; ++i) total[r][i][0] = total[r][i][1] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < blocks; ++blk) {
+    if (next != nullptr)
+#pragma GCC unroll 4
+      for (int line = 0; line < 256; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + blk * 256 + line),
+                                                              _MM_HINT_T0);
     __m256i sum[R][B][2];
 #pragma GCC unroll 2
     for (int r = 0; r < R; ++r)
@@ -813,14 +818,15 @@ MSLLM_AVX2 void qbands_r16_avx2(const QuantWeight& w, int64_t m0, const int64_t*
     }
 }
 
-// One band (o) of every row of x, 2 rows at a time
+// One band (o) of every row of x, 2 rows at a time; the first pass fetches the next band (qband_rows_r16_vnni's)
 MSLLM_AVX2 void qband_rows_r16_avx2(const QuantWeight& w, int64_t rows, int64_t o, const float* bo, float* yo,
                                     int64_t ldy) {
-  for (int64_t m = 0; m < rows; m += 2) {
+  const uint8_t* next = o + 32 <= w.n - w.n % 16 ? static_cast<const uint8_t*>(w.q) + (o + 16) * (w.k / 2) : nullptr;
+  for (int64_t m = 0; m < rows; m += 2, next = nullptr) {
     if (rows - m == 1)
-      qbands_r16_avx2<1, 1>(w, m, &o, &bo, &yo, ldy);
+      qbands_r16_avx2<1, 1>(w, m, &o, &bo, &yo, ldy, next);
     else
-      qbands_r16_avx2<2, 1>(w, m, &o, &bo, &yo, ldy);
+      qbands_r16_avx2<2, 1>(w, m, &o, &bo, &yo, ldy, next);
   }
 }
 
@@ -1272,9 +1278,11 @@ MSLLM_AVX512_VNNI void qrows8w_vnni(const QuantWeight& w, int64_t rows, const fl
 // of a block in eight zmm, lane r 4 bytes of weight row r (q + 128), each against 4 of x's bytes broadcast (at most
 // 32 x 255 x 127 a lane a block: exact), the even runs and the odd ones in two accumulators as int4's low and high
 // nibbles; the same integers and scales as qtile8w_vnni (docs/performance-log.md 47).
+// `next` (B = 1, several rows of x): the next band's first byte, each of whose blocks is fetched into the cache as this
+// band's same block is computed (qband_rows_r16_vnni), or null.
 template <int R, int B, bool INT4 = true>
 MSLLM_AVX512_VNNI void qbands_r16_vnni(const QuantWeight& w, int64_t m0, const int64_t* os, const float* const* bo,
-                                       float* const* yo, int64_t ldy) {
+                                       float* const* yo, int64_t ldy, const uint8_t* next = nullptr) {
   const PreparedX& x = *w.x;
   const int64_t groups = w.k / w.group, per = w.group / QBLOCK, row_bytes = INT4 ? w.k / 2 : w.k;
   constexpr int64_t BLOCK_BYTES = INT4 ? 16 * QBLOCK / 2 : 16 * QBLOCK;
@@ -1306,6 +1314,10 @@ MSLLM_AVX512_VNNI void qbands_r16_vnni(const QuantWeight& w, int64_t m0, const i
 #pragma GCC unroll 4
       for (int i = 0; i < B; ++i) {
         const uint8_t* wp = band[i] + blk * BLOCK_BYTES;
+        if (next != nullptr)
+#pragma GCC unroll 8
+          for (int64_t line = 0; line < BLOCK_BYTES; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(next + blk * BLOCK_BYTES + line), _MM_HINT_T0);
         __m512i d0[R], d1[R];
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) d0[r] = d1[r] = _mm512_setzero_si512();
@@ -1365,16 +1377,22 @@ MSLLM_AVX512_VNNI void qbands_r16_vnni(const QuantWeight& w, int64_t m0, const i
   }
 }
 
-// One band (o) of every row of x, 4 rows at a time
+// One band (o) of every row of x, 4 rows at a time; the first pass fetches the next band's bytes as it goes (where
+// there is a next whole band): the passes over a band read it from the cache, and without the fetch its first pass
+// waited on memory with nothing to overlap (the band kernel at 9 rows out of cache took 1.7x its in-cache time;
+// docs/performance-log.md 53)
 template <bool INT4>
 MSLLM_AVX512_VNNI void qband_rows_r16_vnni(const QuantWeight& w, int64_t rows, int64_t o, const float* bo, float* yo,
                                            int64_t ldy) {
-  for (int64_t m = 0; m < rows; m += 4) {
+  const int64_t band_bytes = 16 * (INT4 ? w.k / 2 : w.k);
+  const uint8_t* next = o + 32 <= w.n - w.n % 16 ? static_cast<const uint8_t*>(w.q) + (o + 16) * band_bytes / 16
+                                                 : nullptr;
+  for (int64_t m = 0; m < rows; m += 4, next = nullptr) {
     switch (std::min<int64_t>(4, rows - m)) {
-      case 1: qbands_r16_vnni<1, 1, INT4>(w, m, &o, &bo, &yo, ldy); break;
-      case 2: qbands_r16_vnni<2, 1, INT4>(w, m, &o, &bo, &yo, ldy); break;
-      case 3: qbands_r16_vnni<3, 1, INT4>(w, m, &o, &bo, &yo, ldy); break;
-      default: qbands_r16_vnni<4, 1, INT4>(w, m, &o, &bo, &yo, ldy); break;
+      case 1: qbands_r16_vnni<1, 1, INT4>(w, m, &o, &bo, &yo, ldy, next); break;
+      case 2: qbands_r16_vnni<2, 1, INT4>(w, m, &o, &bo, &yo, ldy, next); break;
+      case 3: qbands_r16_vnni<3, 1, INT4>(w, m, &o, &bo, &yo, ldy, next); break;
+      default: qbands_r16_vnni<4, 1, INT4>(w, m, &o, &bo, &yo, ldy, next); break;
     }
   }
 }
