@@ -677,6 +677,12 @@ void each_band(const QuantWeight& w, int64_t rows, const float* b, float* y, int
   if (o1 > n16) tail(std::max(o0, n16), o1);
 }
 
+// The first byte of the whole band after band o (outputs o + 16 .. o + 31) of a banded weight of row_bytes bytes a
+// row, or null where there is none: what the several-row forms fetch ahead (qband_rows_r16_vnni, qband_rows_r16_avx2)
+inline const uint8_t* next_band(const QuantWeight& w, int64_t o, int64_t row_bytes) {
+  return o + 32 <= w.n - w.n % 16 ? static_cast<const uint8_t*>(w.q) + (o + 16) * row_bytes : nullptr;
+}
+
 // x's inputs 4j..4j+3 of block blk's even ones and of its odd ones, as the int32s a band's lanes are broadcast
 // (PreparedX xb's int8 layout: per 64 inputs, 32 evens twice, then 32 odds twice)
 inline void x_quads(const int8_t* xb, int64_t blk, int j, int32_t* e4, int32_t* o4) {
@@ -821,7 +827,7 @@ MSLLM_AVX2 void qbands_r16_avx2(const QuantWeight& w, int64_t m0, const int64_t*
 // One band (o) of every row of x, 2 rows at a time; the first pass fetches the next band (qband_rows_r16_vnni's)
 MSLLM_AVX2 void qband_rows_r16_avx2(const QuantWeight& w, int64_t rows, int64_t o, const float* bo, float* yo,
                                     int64_t ldy) {
-  const uint8_t* next = o + 32 <= w.n - w.n % 16 ? static_cast<const uint8_t*>(w.q) + (o + 16) * (w.k / 2) : nullptr;
+  const uint8_t* next = next_band(w, o, w.k / 2);
   for (int64_t m = 0; m < rows; m += 2, next = nullptr) {
     if (rows - m == 1)
       qbands_r16_avx2<1, 1>(w, m, &o, &bo, &yo, ldy, next);
@@ -1384,9 +1390,7 @@ MSLLM_AVX512_VNNI void qbands_r16_vnni(const QuantWeight& w, int64_t m0, const i
 template <bool INT4>
 MSLLM_AVX512_VNNI void qband_rows_r16_vnni(const QuantWeight& w, int64_t rows, int64_t o, const float* bo, float* yo,
                                            int64_t ldy) {
-  const int64_t band_bytes = 16 * (INT4 ? w.k / 2 : w.k);
-  const uint8_t* next = o + 32 <= w.n - w.n % 16 ? static_cast<const uint8_t*>(w.q) + (o + 16) * band_bytes / 16
-                                                 : nullptr;
+  const uint8_t* next = next_band(w, o, INT4 ? w.k / 2 : w.k);
   for (int64_t m = 0; m < rows; m += 4, next = nullptr) {
     switch (std::min<int64_t>(4, rows - m)) {
       case 1: qbands_r16_vnni<1, 1, INT4>(w, m, &o, &bo, &yo, ldy, next); break;
