@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -44,22 +46,49 @@ def tp_folder(tmp_path_factory, checkpoints):
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _scheduler_port() -> int:
+    """A free port BELOW the kernel's ephemeral range (32768-60999 by default) for msrun's scheduler.
+
+    A port the kernel hands out for `bind(0)` is also one it hands out as the source port of any outgoing connection:
+    between our closing it and the scheduler binding it, the other test worker's clients (the serving tests open
+    thousands) can take it, and msrun's worker then waits out the whole cluster timeout. Ports below the range are
+    never handed out that way."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000 for msrun's scheduler")
+
+
+CLUSTER_TIME_OUT = 120  # msrun's default is 600 s, the whole test's budget: a cluster that never forms fails sooner
 
 
 def msrun(tmp_path, *args, workers: int = 2):
-    """`msrun --worker_num N ... args` with this Python first on PATH; (exit code, the workers' logs)."""
-    log_dir = tmp_path / f"msrun-{_free_port()}"
+    """`msrun --worker_num N ... args` with this Python first on PATH; (exit code, the workers' logs).
+
+    When the cluster never formed (the scheduler's log never says so) the job is launched once more on another port:
+    that is MindSpore's launcher failing to meet, before any of our code runs, and its logs go in the failure."""
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "msrun"), "--worker_num", str(workers),
-                           "--local_worker_num", str(workers), "--master_port", str(_free_port()), "--log_dir",
-                           str(log_dir), "--join", "True", *map(str, args)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    logs = {p.name: p.read_text(errors="replace") for p in sorted(log_dir.glob("worker_*.log"))}
-    return proc.returncode, logs
+    for attempt in (1, 2):
+        log_dir = tmp_path / f"msrun-{attempt}"
+        proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "msrun"), "--worker_num", str(workers),
+                               "--local_worker_num", str(workers), "--master_port", str(_scheduler_port()),
+                               "--cluster_time_out", str(CLUSTER_TIME_OUT), "--log_dir", str(log_dir), "--join",
+                               "True", *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=CLUSTER_TIME_OUT + 480)
+        logs = {p.name: p.read_text(errors="replace") for p in sorted(log_dir.glob("worker_*.log"))}
+        scheduler = log_dir / "scheduler.log"
+        formed = scheduler.exists() and "Cluster is successfully initialized" in scheduler.read_text(errors="replace")
+        if proc.returncode == 0 or formed:
+            return proc.returncode, logs
+    sched = scheduler.read_text(errors="replace")[-2000:] if scheduler.exists() else "(no scheduler.log)"
+    raise AssertionError(f"msrun's cluster never formed, twice; scheduler log:\n{sched}\nmsrun:\n{proc.stdout[-2000:]}"
+                         f"\n{proc.stderr[-2000:]}")
 
 
 def check_under_msrun(tmp_path, folder: str, workers: int = 2):
