@@ -306,15 +306,16 @@ def _repack_bands(q, dtype: str, bits: int) -> None:
             raise ValueError(f"int{bits} weights of {inputs} inputs are not whole blocks of 32: not repacked")
 
 
-# cpu_kernels/matmul16.h: the rows of x for which bfloat16 weights take the AVX512-BF16 form
-BF16_MIN_ROWS, BF16_MAX_ROWS = 8, 64
+# cpu_kernels/matmul16.h: the rows of x for which bfloat16 weights take the AVX512-BF16 form (its rows form; from
+# BF16_GEMM_ROWS rows, a width in whole blocks of 32 takes its GEMM, with no upper bound)
+BF16_MIN_ROWS, BF16_MAX_ROWS, BF16_GEMM_ROWS = 8, 64, 17
 
 
 def bf16_form() -> Optional[str]:
-    """The form of the bfloat16 weights' matmul at BF16_MIN_ROWS to BF16_MAX_ROWS rows of x on this machine:
-    "avx512_bf16" (x rounded to bfloat16, vdpbf16ps: the AVX-512 path on a CPU with AVX512_BF16) or "float32" (widened
-    weights, float32 FMA); None when the library was not built. set_quant_activations("exact") holds it to float32's
-    form."""
+    """The form of the bfloat16 weights' matmul from BF16_MIN_ROWS rows of x on this machine (to BF16_MAX_ROWS, or
+    any count of a width in whole blocks of 32): "avx512_bf16" (x rounded to bfloat16, vdpbf16ps: the AVX-512 path on
+    a CPU with AVX512_BF16) or "float32" (widened weights, float32 FMA); None when the library was not built.
+    set_quant_activations("exact") holds it to float32's form."""
     lib = _library()
     if lib is None:
         return None

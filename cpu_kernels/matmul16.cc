@@ -885,6 +885,114 @@ MSLLM_AVX512 void rows_avx512_bf16(const float* x, int64_t rows, const void* wv,
   }
   rows_avx512<bf16>(x, rows, wv, b, in, y, ldy, o0, o1);
 }
+
+// ---- AVX512-BF16 GEMM: a prompt's rows against bfloat16 weights where there are no AMX tiles ---------------------
+// From BF16_GEMM_ROWS rows (a chunk call's 16 step rows and a piece of up to 128 tokens, a prompt, a step of 32
+// sequences) the rows form's dot products (a horizontal sum per output, x reloaded per weight row) fall behind a
+// GEMM, and the float32 GEMM on widened weights is bound by its FMAs (377 GF/s at 144 rows of 4864 x 896 on an AMD
+// EPYC Zen 5, 2 cores: docs/performance-log.md 53). This GEMM multiplies x rounded to bfloat16 once per call (as the rows form and the
+// tiles round it) by vdpbf16ps, two multiply-adds a lane an instruction: a block of W (inputs [pc, pc + kc) of 64
+// outputs) is packed once per task as bfloat16 pairs, 64 outputs a pair of inputs (bp[i][j] = (W[j][2i], W[j][2i+1])
+// as one uint32: 16 rows of W transposed as 32-bit elements in registers), in L2 while every row of x passes over it;
+// a tile is 6 rows of x by those 64 outputs, 24 float32 accumulators, each pair of x broadcast against 4 vectors of W.
+constexpr int64_t BF16_GEMM_NR = 64;    // outputs per packed block and per tile (NC: a GEMM task's outputs)
+constexpr int64_t BF16_GEMM_KC = 1024;  // at most this many inputs per packed block (128 KB of pairs)
+static_assert(BF16_GEMM_NR == NC, "a task's outputs are one packed block");
+
+// W[n0 .. n0 + ncols) x [k0 .. k0 + kc) (kc a multiple of 32) as bfloat16 pairs into bp (zeros past ncols)
+MSLLM_AVX512 void pack_bf16_pairs(const bf16* w, int64_t in, int64_t n0, int64_t ncols, int64_t k0, int64_t kc,
+                                  uint32_t* bp) {
+  for (int64_t h = 0; h < BF16_GEMM_NR; h += 16) {
+    const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(16, ncols - h));
+    const bf16* src = w + (n0 + h) * in + k0;
+    for (int64_t k = 0; k < kc; k += 32) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) {
+        if (j < valid) {
+          _mm_prefetch(reinterpret_cast<const char*>(src + j * in + k + 128), _MM_HINT_T0);
+          r[j] = _mm512_loadu_si512(src + j * in + k);
+        } else {
+          r[j] = _mm512_setzero_si512();
+        }
+      }
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_store_si512(bp + (k / 2 + i) * BF16_GEMM_NR + h, r[i]);
+    }
+  }
+}
+
+// y[R x ncols] (+)= xb[R x kc] . block (pairs bp), xb rows lda apart (bfloat16), y rows ldy apart; first: y = bias
+// (or 0) + product. ncols <= 64 (masked past it).
+template <int R>
+MSLLM_AVX512_BF16 void micro_dpbf16(int64_t kc, const uint16_t* xb, int64_t lda, const uint32_t* bp, float* y,
+                                    int64_t ldy, int64_t ncols, bool first, const float* bias) {
+  __mmask16 mask[4];
+  for (int q = 0; q < 4; ++q) {
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, ncols - 16 * q));
+    mask[q] = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  }
+  __m512 acc[R][4];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q)
+      acc[r][q] = first ? (bias != nullptr ? _mm512_maskz_loadu_ps(mask[q], bias + 16 * q) : _mm512_setzero_ps())
+                        : _mm512_maskz_loadu_ps(mask[q], y + r * ldy + 16 * q);
+  const int64_t pairs = kc / 2;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const uint32_t* bi = bp + i * BF16_GEMM_NR;
+    const __m512bh b0 = (__m512bh)_mm512_load_si512(bi), b1 = (__m512bh)_mm512_load_si512(bi + 16);
+    const __m512bh b2 = (__m512bh)_mm512_load_si512(bi + 32), b3 = (__m512bh)_mm512_load_si512(bi + 48);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, xb + r * lda + 2 * i, 4);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, b1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, b2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, b3);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) _mm512_mask_storeu_ps(y + r * ldy + 16 * q, mask[q], acc[r][q]);
+}
+
+typedef void (*MicroBf16Fn)(int64_t, const uint16_t*, int64_t, const uint32_t*, float*, int64_t, int64_t, bool,
+                            const float*);
+const MicroBf16Fn k_micro_dpbf16[MR + 1] = {nullptr, micro_dpbf16<1>, micro_dpbf16<2>, micro_dpbf16<3>,
+                                            micro_dpbf16<4>, micro_dpbf16<5>, micro_dpbf16<6>};
+
+// y[m0..m1, n0..n1) = x[m0..m1) . W[n0..n1)^T (+ b), a GemmFn whose `wv` is a Bf16Operand (x rounded in its xb, `in`
+// a multiple of 32: bf16_gemm_takes): one GEMM task, n1 - n0 <= 64.
+MSLLM_AVX512_BF16 void gemm_block_dpbf16(const float* x, const void* wv, const float* b, int64_t in, int64_t out,
+                                         float* y, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const Bf16Operand& a = *static_cast<const Bf16Operand*>(wv);
+  const bf16* w = static_cast<const bf16*>(a.w);
+  const int64_t ncols = n1 - n0;
+  const int64_t blocks = (in + BF16_GEMM_KC - 1) / BF16_GEMM_KC;
+  const int64_t block = ((in + blocks - 1) / blocks + 31) / 32 * 32;
+  uint32_t* bp = reinterpret_cast<uint32_t*>(t_scratch.get(size_t(block / 2 * BF16_GEMM_NR)));
+  if (bp == nullptr) {  // no memory for the packed block: the float32 rows form needs none
+    rows_avx512<bf16>(x + m0 * in, m1 - m0, w, b, in, y + m0 * out, out, n0, n1);
+    return;
+  }
+  const float* bias = b != nullptr ? b + n0 : nullptr;
+  for (int64_t pc = 0; pc < in; pc += block) {
+    const int64_t kc = std::min(block, in - pc);
+    pack_bf16_pairs(w, in, n0, ncols, pc, kc, bp);
+    for (int64_t ic = m0; ic < m1; ic += MC) {
+      const int64_t mc = std::min(MC, m1 - ic);
+      int64_t ir = ic;
+      for (; ir + MR <= ic + mc; ir += MR)
+        micro_dpbf16<MR>(kc, a.xb + ir * in + pc, in, bp, y + ir * out + n0, out, ncols, pc == 0, bias);
+      if (ir < ic + mc)
+        k_micro_dpbf16[ic + mc - ir](kc, a.xb + ir * in + pc, in, bp, y + ir * out + n0, out, ncols, pc == 0, bias);
+    }
+  }
+}
 #endif
 
 // ---- NEON (AArch64: the Atlas hosts' Kunpeng 920, ARMv8.2) -------------------------------------------
@@ -1177,6 +1285,27 @@ RowsFn bf16_prepare(const float* x, int64_t rows, int64_t in, std::vector<uint16
   return nullptr;
 }
 
+namespace {
+
+// matmul()'s bfloat16 GEMM (gemm_block_dpbf16) where it runs: from BF16_GEMM_ROWS rows of x (fewer: bf16_prepare's
+// rows form), `in` whole blocks of 32 (else the rows form up to BF16_MAX_ROWS, the float32 GEMM past it), the
+// AVX512-BF16 form here and the tiles not (they take every count from BF16_MIN_ROWS), activations not held exact: x
+// rounded to bfloat16 into `xb` (row-major), and the GemmFn that reads Bf16Operands as its weights; else nullptr.
+GemmFn bf16_gemm_prepare(const float* x, int64_t rows, int64_t in, std::vector<uint16_t>& xb) {
+#ifdef MSLLM_X86
+  if (rows >= BF16_GEMM_ROWS && in % 32 == 0 && g_bf16_form && !(g_bf16_tiles && tiles_on()) &&
+      quant_activations() != ACTIVATIONS_EXACT) {
+    xb.resize(size_t(rows * in));
+    x_to_bf16(x, rows * in, xb.data());
+    return gemm_block_dpbf16;
+  }
+#endif
+  (void)x, (void)rows, (void)in, (void)xb;
+  return nullptr;
+}
+
+}  // namespace
+
 bool bf16_tiles_here() {
 #ifdef MSLLM_X86
   return g_bf16_tiles;
@@ -1283,15 +1412,20 @@ void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* 
       return gemv_rows(quant_rows_kernel(), x, rows, &ws[0], b, in, out, y, up != nullptr ? &ws[1] : nullptr,
                        residual, quant_task_rows(ws[0]));
     }
-  } else if (wt == W_BF16) {  // the AVX512-BF16 form or the tiles where they run (bf16_prepare): x rounded once
-    thread_local std::vector<uint16_t> xb;
-    if (const RowsFn fn = bf16_prepare(x, rows, in, xb)) {
-      const Bf16Operand ops[2] = {{w, xb.data()}, {up, xb.data()}};
+  }
+  thread_local std::vector<uint16_t> xb;
+  Bf16Operand ops[2] = {{w, nullptr}, {up, nullptr}};
+  GemmFn gemm = wt == W_QUANT ? g_kernels.gemm_quant : g_kernels.gemm[wt];  // (gemm[] has no W_QUANT entry)
+  if (wt == W_BF16) {  // the AVX512-BF16 GEMM, rows form or tiles where they run: x rounded once
+    if (const GemmFn g = bf16_gemm_prepare(x, rows, in, xb)) {
+      gemm = g;
+      ops[0].xb = ops[1].xb = xb.data();
+    } else if (const RowsFn fn = bf16_prepare(x, rows, in, xb)) {
+      ops[0].xb = ops[1].xb = xb.data();
       return gemv_rows(fn, x, rows, &ops[0], b, in, out, y, up != nullptr ? &ops[1] : nullptr, residual,
                        bf16_task_rows(fn, out));
     }
   }
-  const GemmFn gemm = wt == W_QUANT ? g_kernels.gemm_quant : g_kernels.gemm[wt];  // (gemm[] has no W_QUANT entry)
   if (wt != W_QUANT && (rows <= GEMV_MAX_ROWS || gemm == nullptr))
     return gemv_rows(g_kernels.rows[wt], x, rows, w, b, in, out, y, up, residual);
   const auto product = [&](const void* wm, const float* bm, float* ym) {
@@ -1299,12 +1433,13 @@ void matmul(const float* x, int64_t rows, const void* w, WType wt, const float* 
       return quant_matmul(x, rows, *static_cast<const QuantWeight*>(wm), bm, ym);
     gemm_tasks(gemm, x, rows, wm, bm, in, out, ym);
   };
-  product(w, b, y);
+  const bool pairs = ops[0].xb != nullptr;  // the bfloat16 GEMM reads Bf16Operands as its weights
+  product(pairs ? &ops[0] : w, b, y);
   if (!fused) return;
   thread_local std::vector<float> u;
   if (up != nullptr) {
     u.resize(size_t(rows * out));
-    product(up, nullptr, u.data());
+    product(pairs ? &ops[1] : up, nullptr, u.data());
   }
   epilogue_tasks(y, rows, out, up != nullptr ? u.data() : nullptr, residual);
 }

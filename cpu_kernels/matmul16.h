@@ -31,9 +31,16 @@ WidenFn widen_kernel(WType wt);
 // AMD EPYC Zen 4, docs/performance-log.md 37: 2 and 4 rows slower in it than in float32's form, bound by the weights'
 // bytes; 8 level; 9, a verify of 8, and 16 faster) to BF16_MAX_ROWS (its rows form against float32's GEMM beyond
 // GEMV_MAX_ROWS: 1.2-1.5x faster at 18-64 rows, a chunk call of 16 step rows and a piece of 2 among them; longer
-// prompts keep the GEMM). cpu_kernels/__init__.py says the same.
+// prompts keep the GEMM; a width in whole blocks of 32 takes the GEMM below from BF16_GEMM_ROWS).
+// cpu_kernels/__init__.py says the same.
 constexpr int64_t BF16_MIN_ROWS = 8;
 constexpr int64_t BF16_MAX_ROWS = 64;
+// From this many rows of x, matmul() multiplies bfloat16 weights of a width in whole blocks of 32 by the AVX512-BF16
+// GEMM instead (matmul16.cc gemm_block_dpbf16: a block of W packed as bfloat16 pairs, tiles of 6 rows by 64 outputs;
+// x rounded as the rows form rounds it): on an AMD EPYC Zen 5, 2 cores, 1.0-1.4x the rows form at 17-28 rows, 1.5-1.9x
+// at 32-64, and 2.1-2.5x the float32 GEMM from 65 rows on (docs/performance-log.md 54). Not where AMX tiles run.
+constexpr int64_t BF16_GEMM_ROWS = 17;
+static_assert(BF16_GEMM_ROWS > GEMV_MAX_ROWS, "matmul() takes a GEMM past the GEMV's rows");
 
 // The form of the rows kernel for bfloat16 weights at BF16_MIN_ROWS to BF16_MAX_ROWS rows of x: "avx512_bf16" (x
 // rounded to bfloat16, vdpbf16ps; the AVX-512 path on a CPU with AVX512_BF16) or "float32" (the weights widened,

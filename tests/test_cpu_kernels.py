@@ -100,13 +100,12 @@ def bf16_tiles() -> bool:
 
 
 def x_as_computed(x: np.ndarray, dtype: str) -> np.ndarray:
-    """x as the kernels multiply it: rounded to bfloat16 where bfloat16 weights meet 8 to 64 rows of x in the
-    AVX512-BF16 form (cpu_kernels.bf16_form()), or 8 rows or more of a width that is whole blocks of 32 in AMX tiles
-    (bf16_tiles), unless the activations are held exact; else as given."""
+    """x as the kernels multiply it: rounded to bfloat16 where bfloat16 weights meet 8 rows of x or more where the CPU
+    has AVX512-BF16 (cpu_kernels.bf16_form()): up to 64 rows in its rows form, past that, of a width that is whole
+    blocks of 32, in its GEMM or in AMX tiles (bf16_tiles), unless the activations are held exact; else as given."""
     rows, width = x.shape
     if (dtype == "bfloat16" and cpu_kernels.bf16_form() == "avx512_bf16" and cpu_kernels.quant_activations() != "exact"
-            and rows >= cpu_kernels.BF16_MIN_ROWS
-            and (rows <= cpu_kernels.BF16_MAX_ROWS or (bf16_tiles() and width % 32 == 0))):
+            and rows >= cpu_kernels.BF16_MIN_ROWS and (rows <= cpu_kernels.BF16_MAX_ROWS or width % 32 == 0)):
         return bf16_rounded(x)
     return x
 
@@ -145,7 +144,7 @@ def test_matmul_with_any_weight_dtype_matches_float64_on_odd_shapes(dtype, bias)
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 def test_matmul_prefill_shapes_span_several_input_blocks_and_tasks(dtype):
     """The 0.5B down projection's input width (several packed blocks), rows of x split across threads."""
-    check_matmul(dtype, True, (17, 64), (130,), (4864,), seed=1)
+    check_matmul(dtype, True, (17, 64, 100), (130,), (4864,), seed=1)
 
 
 def test_matmul_result_does_not_depend_on_the_thread_count():
@@ -220,15 +219,17 @@ def test_embed_refuses_what_it_cannot_compute():
 
 def test_bfloat16_weights_at_several_rows_round_x_to_bfloat16_where_the_cpu_has_avx512_bf16():
     """The AVX512-BF16 form (cpu_kernels.bf16_form): 8 to 64 rows of x against bfloat16 weights multiply x rounded to
-    bfloat16, fewer and more rows keep x exact (the float32 rows form, the GEMM past 64), and the exact activations
-    (check's replays) hold every row to float32's form; at the SmolLM2 and 0.5B widths, and widths off 32. Where AMX
-    tiles run (bf16_tiles), from 8 rows of a width in whole blocks of 32 with no upper bound (a prompt's rows too),
-    x rounded alike; set_tiles(False) gives the rows past 64 back to the GEMM, x exact."""
+    bfloat16 (its rows form), and more rows of a width in whole blocks of 32 too (its GEMM: a prompt's rows, a chunk
+    call's), fewer rows and more of a width off 32 keep x exact (the float32 rows form, the float32 GEMM), and the
+    exact activations (check's replays) hold every row to float32's form; at the SmolLM2 and 0.5B widths, and widths
+    off 32. Where AMX tiles run (bf16_tiles), from 8 rows of a width in whole blocks of 32 with no upper bound, x
+    rounded alike; set_tiles(False) gives the rows past 64 to the vector form's GEMM, x rounded as well."""
     flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
     want = "avx512_bf16" if cpu_kernels.isa() == "avx512" and {"avx512_bf16", "avx512bw", "avx512vl"} <= flags \
         else "float32"
     assert cpu_kernels.bf16_form() == want
-    check_matmul("bfloat16", True, (1, 2, 3, 4, 7, 8, 9, 16, 17, 64, 65), (3, 47, 576), (31, 33, 576, 896), seed=5)
+    check_matmul("bfloat16", True, (1, 2, 3, 4, 7, 8, 9, 16, 17, 64, 65, 71, 144), (3, 47, 64, 129, 576),
+                 (31, 33, 576, 896, 1056), seed=5)
     x = np.random.default_rng(6).standard_normal((9, 576), dtype=np.float32)
     w, w64 = stored(np.random.default_rng(7).standard_normal((40, 576), dtype=np.float32), "bfloat16")
     y = np.empty((9, 40), np.float32)
@@ -238,12 +239,12 @@ def test_bfloat16_weights_at_several_rows_round_x_to_bfloat16_where_the_cpu_has_
     assert np.abs(y - (rounded if want == "avx512_bf16" else exact)).max() <= 1e-5 * np.abs(exact).max()
     if want == "avx512_bf16":  # the rounding is real: further from x exact than float32's sums could be
         assert np.abs(y - exact).max() > 1e-4 * np.abs(exact).max()
-    if bf16_tiles():  # the prompt's rows: rounded in the tiles, exact in the GEMM with the tiles off
+    if bf16_tiles():  # the prompt's rows: rounded in the tiles, and in the vector form's GEMM with the tiles off
         xp = np.random.default_rng(9).standard_normal((100, 576), dtype=np.float32)
         exact_p, rounded_p = xp.astype(np.float64) @ w64.T, bf16_rounded(xp).astype(np.float64) @ w64.T
         yp = np.empty((100, 40), np.float32)
         try:
-            for on, want_p in ((True, rounded_p), (False, exact_p)):
+            for on, want_p in ((True, rounded_p), (False, rounded_p)):
                 cpu_kernels.set_tiles(on)
                 assert call_kernel(cpu_kernels.GEMV, xp, w, yp, dtypes=["float32", "bfloat16", "float32"]) == 0
                 assert np.abs(yp - want_p).max() <= 1e-5 * np.abs(exact_p).max(), on
