@@ -308,7 +308,7 @@ def _repack_bands(q, dtype: str, bits: int) -> None:
 
 # cpu_kernels/matmul16.h: the rows of x for which bfloat16 weights take the AVX512-BF16 form (its rows form; from
 # BF16_GEMM_ROWS rows, a width in whole blocks of 32 takes its GEMM, with no upper bound)
-BF16_MIN_ROWS, BF16_MAX_ROWS, BF16_GEMM_ROWS = 8, 64, 17
+BF16_MIN_ROWS, BF16_MAX_ROWS, BF16_GEMM_ROWS = 5, 64, 17
 
 
 def bf16_form() -> Optional[str]:

@@ -284,19 +284,56 @@ int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const ch
   const float eps = *static_cast<const float*>(params[2]);
   const int64_t kv = ws[1].out;
   const int64_t live = valid_rows(rows);  // rows past it: padding (ValidRows), neither computed nor written
-  zero_rows(static_cast<float*>(params[out]), live, rows, ws[0].out);
+  float* const q = static_cast<float*>(params[out]);
+  const int64_t qw = ws[0].out;
+  zero_rows(q, live, rows, qw);
   rows = live;
   if (rows == 0) return 0;
-  thread_local std::vector<float> xn_buf, kv_buf;  // (common.h Scratch)
-  Scratch<float> xn_s(xn_buf), kv_s(kv_buf);
-  float* const xn = xn_s.get(rows * e);
-  float* const kvs = kv_s.get(2 * rows * kv);
-  norm_rows(static_cast<const float*>(params[0]), rows, e, static_cast<const float*>(params[1]), eps, xn);
-  float* const ys[3] = {static_cast<float*>(params[out]), kvs, kvs + rows * kv};
-  project_qkv_rope(xn, rows, e, ws, bs, ys, d, static_cast<const float*>(params[ci]),
-                   static_cast<const float*>(params[si]), norms ? static_cast<const float*>(params[li + 1]) : nullptr,
-                   norms ? static_cast<const float*>(params[li + 2]) : nullptr, eps);
-  write_paged(cache, ys[1], ys[2], rows, slots, params[kci], params[vci]);
+  // A row whose slot is negative (a prompt graph's padding past its prompt, an idle row of a step or a chunk call:
+  // lite_runtime/inputs.py) is never read after this op: it is not projected (its q comes out zero) nor written. So
+  // a prompt graph of B rows costs its prompts' tokens here, not B x its bucket (performance-log.md 55), as the
+  // GEMMs after the attention (GEMM_VALID) and the attention (length 0) already skip them.
+  thread_local std::vector<int64_t> keep_buf;
+  Scratch<int64_t> keep_s(keep_buf);
+  int64_t* const keep = keep_s.get(rows);
+  int64_t n = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    if (slots[r] >= 0) keep[n++] = r;
+  const float* x = static_cast<const float*>(params[0]);
+  const float* cos = static_cast<const float*>(params[ci]);
+  const float* sin = static_cast<const float*>(params[si]);
+  thread_local std::vector<float> xn_buf, kv_buf, gather_buf;  // (common.h Scratch)
+  thread_local std::vector<int32_t> slot_buf;
+  Scratch<float> xn_s(xn_buf), kv_s(kv_buf), gather_s(gather_buf);
+  Scratch<int32_t> slot_s(slot_buf);
+  float* const xn = xn_s.get(n * e);
+  float* const kvs = kv_s.get(2 * n * kv);
+  float* qs = q;  // every row kept: q in place, cos, sin and the slots as given
+  if (n < rows) {  // the kept rows gathered: their q, cos and sin, and slots, then q scattered back
+    float* const g = gather_s.get(n * (qw + 2 * d));
+    int32_t* const sl = slot_s.get(n);
+    qs = g;
+    float* const gc = g + n * qw;
+    float* const gs = gc + n * d;
+    for (int64_t j = 0; j < n; ++j) {
+      norm_rows(x + keep[j] * e, 1, e, static_cast<const float*>(params[1]), eps, xn + j * e);
+      std::memcpy(gc + j * d, cos + keep[j] * d, size_t(d) * sizeof(float));
+      std::memcpy(gs + j * d, sin + keep[j] * d, size_t(d) * sizeof(float));
+      sl[j] = slots[keep[j]];
+    }
+    cos = gc, sin = gs, slots = sl;
+  } else {
+    norm_rows(x, rows, e, static_cast<const float*>(params[1]), eps, xn);
+  }
+  float* const ys[3] = {qs, kvs, kvs + n * kv};
+  if (n > 0)
+    project_qkv_rope(xn, n, e, ws, bs, ys, d, cos, sin, norms ? static_cast<const float*>(params[li + 1]) : nullptr,
+                     norms ? static_cast<const float*>(params[li + 2]) : nullptr, eps);
+  write_paged(cache, ys[1], ys[2], n, slots, params[kci], params[vci]);
+  if (n < rows) {
+    std::memset(q, 0, size_t(rows * qw) * sizeof(float));
+    for (int64_t j = 0; j < n; ++j) std::memcpy(q + keep[j] * qw, qs + j * qw, size_t(qw) * sizeof(float));
+  }
   return 0;
 }
 
@@ -458,17 +495,68 @@ int decode_attend(void** params, int* ndims, int64_t** shapes, const char** dtyp
   return 0;
 }
 
-int decode_layer(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
-  if (nparam < 8 || ndims[0] != 1 || shapes[0][0] != 3 || std::strcmp(dtypes[0], "int32") != 0) return 1;
-  const int32_t* layout = static_cast<const int32_t*>(params[0]);
-  const int nq = layout[0], nt = layout[1], kc = layout[2];
-  if (nq < 4 || nt < 1 || kc < 1 || kc + 1 >= nq || 1 + nq + 3 + nt + 1 != nparam) return 1;
+namespace {
+
+int decode_layer_rows(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, int nq, int nt,
+                      int kc) {
   const int t0 = 1 + nq + 3;
   float* attn = nullptr;
   int64_t ashape[2];
   if (const int rc = decode_attend(params, ndims, shapes, dtypes, nq, kc, &attn, ashape)) return rc;
   return SubCall(params, ndims, shapes, dtypes).scratch(attn, ashape).take(t0, t0 + nt).take(nparam - 1)
       .run(decode_tail);
+}
+
+}  // namespace
+
+// Idle rows (slot < 0: lite_runtime/inputs.py) at either end of the rows computed (the ValidRows count) are left
+// out: the runner packs a step's live rows first in an inc graph of more rows (the 8-row graph for 5 sequences) and
+// last in a chunk or score graph's step rows, against the piece (a verify's idle step row, a chunk call of fewer
+// sequences than the graph's rows). Their outputs come out zero. The row tensors (x, cos, sin, slots, lengths, rows,
+// the tail's x, y) are viewed from the first live row; the tail's x is found as the tensor x itself (the graph passes
+// it twice), and where it is not found nothing is trimmed.
+int decode_layer(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam < 8 || ndims[0] != 1 || shapes[0][0] != 3 || std::strcmp(dtypes[0], "int32") != 0) return 1;
+  const int32_t* layout = static_cast<const int32_t*>(params[0]);
+  const int nq = layout[0], nt = layout[1], kc = layout[2];
+  if (nq < 4 || nt < 1 || kc < 1 || kc + 1 >= nq || 1 + nq + 3 + nt + 1 != nparam) return 1;
+  const int xi = 1, ci = 1 + kc - 2, si = 1 + kc - 1, li = 1 + kc + 2, a0 = 1 + nq, t0 = 1 + nq + 3, yi = nparam - 1;
+  const auto run = [&] { return decode_layer_rows(nparam, params, ndims, shapes, dtypes, nq, nt, kc); };
+  if (kc < 5 || li >= a0 || ndims[xi] != 2 || ndims[yi] != 2) return run();
+  const int64_t rows = shapes[xi][0];
+  int tx = -1;  // the tail's x
+  for (int i = t0; i < t0 + nt; ++i)
+    if (params[i] == params[xi] && ndims[i] == 2 && shapes[i][0] == rows && shapes[i][1] == shapes[xi][1])
+      tx = tx < 0 ? i : nparam;
+  const int per_row[] = {xi, ci, si, li, a0, a0 + 1, tx, yi};
+  for (int i : per_row) {
+    if (i < 0 || i >= nparam || ndims[i] < 1 || ndims[i] > 2 || shapes[i][0] != rows) return run();
+    const bool ints = i == li || i == a0 || i == a0 + 1;
+    if (ints ? (ndims[i] != 1 || std::strcmp(dtypes[i], "int32") != 0) : (ndims[i] != 2 || !is_f32(dtypes[i])))
+      return run();
+  }
+  const int32_t* slots = static_cast<const int32_t*>(params[li]);
+  const int64_t end = valid_rows(rows);
+  int64_t first = 0, last = end;
+  while (first < end && slots[first] < 0) ++first;
+  while (last > first && slots[last - 1] < 0) --last;
+  if (first == 0 && last == end) return run();
+  float* y = static_cast<float*>(params[yi]);
+  const int64_t e = shapes[yi][1];
+  std::vector<void*> p(params, params + nparam);
+  std::vector<int64_t*> sh(shapes, shapes + nparam);
+  int64_t view[8][2];
+  for (int k = 0; k < 8; ++k) {
+    const int i = per_row[k];
+    const int64_t width = ndims[i] == 2 ? shapes[i][1] : 1;
+    p[i] = static_cast<char*>(params[i]) + first * width * 4;  // float32 or int32
+    view[k][0] = last - first, view[k][1] = width;
+    sh[i] = view[k];
+  }
+  std::memset(y, 0, size_t(first * e) * sizeof(float));
+  std::memset(y + last * e, 0, size_t((rows - last) * e) * sizeof(float));
+  if (first == last) return 0;  // every row idle: nothing to compute, nothing written
+  return decode_layer_rows(nparam, p.data(), ndims, sh.data(), dtypes, nq, nt, kc);
 }
 
 }  // namespace msllm

@@ -29,11 +29,13 @@ WidenFn widen_kernel(WType wt);
 
 // Rows of x for which bfloat16 weights take the AVX512-BF16 form: from BF16_MIN_ROWS (measured on SmolLM2's step,
 // AMD EPYC Zen 4, docs/performance-log.md 37: 2 and 4 rows slower in it than in float32's form, bound by the weights'
-// bytes; 8 level; 9, a verify of 8, and 16 faster) to BF16_MAX_ROWS (its rows form against float32's GEMM beyond
+// bytes; 8 level; 9, a verify of 8, and 16 faster; from 5 since a step of 5-7 sequences computes its live rows only,
+// not the 8-row graph's 8, which it ran in this form: on an AMD EPYC Zen 5 5 rows 1.06-1.15x and 6 rows 1.15-1.17x
+// the float32 form, 4 rows 0.94-0.99x, performance-log.md 55) to BF16_MAX_ROWS (its rows form against float32's GEMM beyond
 // GEMV_MAX_ROWS: 1.2-1.5x faster at 18-64 rows, a chunk call of 16 step rows and a piece of 2 among them; longer
 // prompts keep the GEMM; a width in whole blocks of 32 takes the GEMM below from BF16_GEMM_ROWS).
 // cpu_kernels/__init__.py says the same.
-constexpr int64_t BF16_MIN_ROWS = 8;
+constexpr int64_t BF16_MIN_ROWS = 5;
 constexpr int64_t BF16_MAX_ROWS = 64;
 // From this many rows of x, matmul() multiplies bfloat16 weights of a width in whole blocks of 32 by the AVX512-BF16
 // GEMM instead (matmul16.cc gemm_block_dpbf16: a block of W packed as bfloat16 pairs, tiles of 6 rows by 64 outputs;

@@ -218,17 +218,17 @@ def test_embed_refuses_what_it_cannot_compute():
 
 
 def test_bfloat16_weights_at_several_rows_round_x_to_bfloat16_where_the_cpu_has_avx512_bf16():
-    """The AVX512-BF16 form (cpu_kernels.bf16_form): 8 to 64 rows of x against bfloat16 weights multiply x rounded to
+    """The AVX512-BF16 form (cpu_kernels.bf16_form): 5 to 64 rows of x against bfloat16 weights multiply x rounded to
     bfloat16 (its rows form), and more rows of a width in whole blocks of 32 too (its GEMM: a prompt's rows, a chunk
     call's), fewer rows and more of a width off 32 keep x exact (the float32 rows form, the float32 GEMM), and the
     exact activations (check's replays) hold every row to float32's form; at the SmolLM2 and 0.5B widths, and widths
-    off 32. Where AMX tiles run (bf16_tiles), from 8 rows of a width in whole blocks of 32 with no upper bound, x
+    off 32. Where AMX tiles run (bf16_tiles), from 5 rows of a width in whole blocks of 32 with no upper bound, x
     rounded alike; set_tiles(False) gives the rows past 64 to the vector form's GEMM, x rounded as well."""
     flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
     want = "avx512_bf16" if cpu_kernels.isa() == "avx512" and {"avx512_bf16", "avx512bw", "avx512vl"} <= flags \
         else "float32"
     assert cpu_kernels.bf16_form() == want
-    check_matmul("bfloat16", True, (1, 2, 3, 4, 7, 8, 9, 16, 17, 64, 65, 71, 144), (3, 47, 64, 129, 576),
+    check_matmul("bfloat16", True, (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 64, 65, 71, 144), (3, 47, 64, 129, 576),
                  (31, 33, 576, 896, 1056), seed=5)
     x = np.random.default_rng(6).standard_normal((9, 576), dtype=np.float32)
     w, w64 = stored(np.random.default_rng(7).standard_normal((40, 576), dtype=np.float32), "bfloat16")

@@ -101,11 +101,12 @@ def slots_at(tables, rows, positions, block_size):
                      for r, p in zip(rows, positions)], np.int32)
 
 
-@pytest.mark.parametrize("rows, qk_norm", [(1, False), (3, True)])
-def test_decode_qkv_normalises_projects_rotates_and_writes_the_cache_in_place(rows, qk_norm):
+@pytest.mark.parametrize("rows, qk_norm, positions", [(1, False, [2]), (3, True, [2, 11, -1]),
+                                                      (4, False, [-1, 2, -1, 11])])
+def test_decode_qkv_normalises_projects_rotates_and_writes_the_cache_in_place(rows, qk_norm, positions):
     """The decode step's first op: the input RMSNorm, q/k/v, Qwen3's head norms, RoPE, and k, v written into the
-    paged caches at each row's slot (a negative slot: not written; nothing else of the caches changes); a slot past
-    the pool is refused before anything is written."""
+    paged caches at each row's slot (a negative slot: an idle or padding row, not projected: its q zero, nothing
+    written; nothing else of the caches changes); a slot past the pool is refused before anything is written."""
     rng = np.random.default_rng(200 + rows)
     e, h, kh, d, s, bs, eps = 96, 4, 2, 16, 12, 4, 1e-6
     x = rng.standard_normal((rows, e), dtype=np.float32)
@@ -118,7 +119,7 @@ def test_decode_qkv_normalises_projects_rotates_and_writes_the_cache_in_place(ro
     kc, tables = paged(contiguous[0], bs, rng)
     caches = [kc, repage(contiguous[1], tables, bs, kc.shape[0])]
     before = [c.copy() for c in caches]
-    positions = np.array([2, 11, -1][:rows])  # the third row idle: written nowhere
+    positions = np.array(positions)  # -1: an idle row, written nowhere
     slots = slots_at(tables, range(rows), positions, bs)
     norms = [(1 + 0.1 * rng.standard_normal(d)).astype(np.float32) for _ in range(2)] if qk_norm else []
     q = np.full((rows, h * d), np.nan, np.float32)
@@ -137,7 +138,8 @@ def test_decode_qkv_normalises_projects_rotates_and_writes_the_cache_in_place(ro
     if qk_norm:
         plain[0], plain[1] = head_norm(plain[0], norms[0]), head_norm(plain[1], norms[1])
     q_ref, k_ref = rope64(plain[0], cos, sin, d), rope64(plain[1], cos, sin, d)
-    assert close(q, q_ref)
+    q_ref[slots < 0] = 0  # an idle row: never read, not computed
+    assert close(q, q_ref) and not q[slots < 0].any()
     for cache, old, ref in zip(caches, before, (k_ref, plain[2])):
         written = np.zeros(cache.shape, bool)
         for r, slot in enumerate(slots):
@@ -322,6 +324,64 @@ def test_the_chunk_graphs_ops_compute_their_valid_rows_only(valid):
     assert call_kernel(cpu_kernels.DECODE_LAYER_VALID, count.astype(np.int64), *bad, dtypes=["int64"] + types) == 2
     assert call_kernel(cpu_kernels.QKV_ROPE_VALID, np.array([3, 4], np.int32), x, *mats, cos, sin, *outs,
                        dtypes=["int32"] + [None] * 12) == 4
+
+
+@pytest.mark.parametrize("lead, trail, count", [(3, 2, None), (1, 0, None), (0, 4, None), (2, 1, 12), (5, 0, 5)])
+def test_the_layer_leaves_out_idle_rows_at_either_end(lead, trail, count):
+    """DECODE_LAYER (and its valid form): rows whose slot is negative at the start and the end of the rows it computes
+    (an idle step row before a verify's piece, an inc graph's rows past its live ones) are left out: the live rows
+    come out bit for bit as the layer over them alone, the caches as it leaves them, the idle rows zero; with a
+    valid count, the rows past it are padding (zero) and the idle rows before them are left out too (`count` 5 with 5
+    idle rows first: every row idle, all zero, nothing written). Where the tail's x is another tensor than x the
+    layer computes every row, the live ones as close as float32 sums allow."""
+    rng = np.random.default_rng(41)
+    live_n, e, h, kh, d, inter, bs, blocks = 9, 64, 4, 2, 16, 96, 8, 12
+    rows = lead + live_n + trail
+    x = rng.standard_normal((rows, e), dtype=np.float32)
+    mats = [t for o in (h * d, kh * d, kh * d) for t in (0.1 * rng.standard_normal((o, e), dtype=np.float32),
+                                                         rng.standard_normal(o, dtype=np.float32))]
+    angle = rng.uniform(0, 6, (rows, d // 2)).astype(np.float32)
+    cos, sin = np.cos(np.tile(angle, 2)).astype(np.float32), np.sin(np.tile(angle, 2)).astype(np.float32)
+    ln, eps = (1 + 0.1 * rng.standard_normal(e)).astype(np.float32), np.array([1e-6], np.float32)
+    wo, wg, wu, wd = (0.1 * rng.standard_normal(s, dtype=np.float32)
+                      for s in ((e, h * d), (inter, e), (inter, e), (e, inter)))
+    tables = np.array([[0, 0, 0, 0], [1, 2, 3, 4], [5, 6, 7, 8]], np.int32)  # row 0: an idle row's (the null block)
+    slot_of = lambda row, pos: int(tables[row, pos // bs]) * bs + pos % bs
+    # the live rows: a step row at position 20 of sequence 1, then 8 tokens of sequence 2 at positions 3..10
+    slots = np.array([-1] * lead + [slot_of(1, 20)] + [slot_of(2, 3 + i) for i in range(live_n - 1)] + [-1] * trail,
+                     np.int32)
+    lengths = np.array([1] * lead + [21] + [4 + i for i in range(live_n - 1)] + [1] * trail, np.int32)
+    query_rows = np.array([0] * lead + [1] + [2] * (live_n - 1) + [0] * trail, np.int32)
+    layout = np.array([14, 7, 11], np.int32)
+    types = ["int32"] + [None] * 13 + ["int32"] * 4 + [None] * 8
+    live = slice(lead, lead + live_n)
+
+    def layer(a, b, valid_count=None, tail_x=None):
+        caches = [np.random.default_rng(5).standard_normal((blocks, kh, bs, d), dtype=np.float32) for _ in range(2)]
+        y = np.full((b - a, e), np.nan, np.float32)
+        args = [layout, x[a:b], ln, eps, *mats, cos[a:b], sin[a:b], *caches, slots[a:b], lengths[a:b],
+                query_rows[a:b], tables, wo, x[a:b] if tail_x is None else tail_x, ln, eps, wg, wu, wd, y]
+        if valid_count is None:
+            assert call_kernel(cpu_kernels.DECODE_LAYER, *args, dtypes=types) == 0
+        else:
+            assert call_kernel(cpu_kernels.DECODE_LAYER_VALID, np.array([valid_count], np.int32), *args,
+                               dtypes=["int32"] + types) == 0
+        return y, caches
+
+    fresh = [np.random.default_rng(5).standard_normal((blocks, kh, bs, d), dtype=np.float32) for _ in range(2)]
+    y, caches = layer(0, rows, count)
+    if count is not None and count <= lead:  # every row idle or padding
+        assert not y.any() and all(np.array_equal(c, f) for c, f in zip(caches, fresh))
+        return
+    end = rows if count is None else count
+    want, want_caches = layer(lead, min(end, lead + live_n))
+    assert np.array_equal(y[lead:lead + len(want)], want)
+    assert not y[:lead].any() and not y[lead + len(want):].any()
+    for got, ref in zip(caches, want_caches):
+        assert np.array_equal(got, ref)
+    if count is None:
+        y2, _ = layer(0, rows, tail_x=x.copy())  # the tail's x not found as x: every row computed
+        assert close(y2[live], want)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 20])

@@ -59,7 +59,7 @@ def check(y, ref, what: str) -> None:
 
 @pytest.fixture
 def exact():
-    """The matmuls in float32's arithmetic (bfloat16 weights' AVX512-BF16 form rounds x at 8 to 64 rows)."""
+    """The matmuls in float32's arithmetic (bfloat16 weights' AVX512-BF16 form rounds x from 5 rows)."""
     cpu_kernels.set_quant_activations("exact")
     yield
     cpu_kernels.set_quant_activations(None)

@@ -365,18 +365,19 @@ class ModelRunner:
             with self.request():
                 step_logits = self.step(rows)
                 return step_logits, self.chunk(tokens, start, table, self.idle(), every)[1]
-        packed = rows if b == self.batch_size else [rows[i] for i in live] + [None] * (b - len(live))
+        # the live rows last, against the piece: the layer kernels leave out idle rows at either end of the rows they
+        # compute (cpu_kernels/decode_ops.cc decode_layer), so a verify's idle step row, or the idle rows of a chunk
+        # call of fewer sequences than the graph's rows, cost nothing
+        packed = [None] * (b - len(live)) + [rows[i] for i in live]
         step_tokens, lengths, tables, slots = self._step_arrays(packed, b)
         piece_slots = self.slots(table, start, len(tokens)) + [-1] * (size - len(tokens))
         arrays = self.inputs.chunk(step_tokens, lengths, tables, slots, tokens, size, start, self.tables([table]),
                                    piece_slots, self.pad)
         with self.request():
             logits = self._run(key, arrays)
-        if b == self.batch_size:
-            step_logits = logits[:b]
-        else:  # the live rows back where the caller has them; an idle row's logits are zeros, as step's
-            step_logits = np.zeros((self.batch_size,) + logits.shape[1:], logits.dtype)
-            step_logits[live] = logits[:len(live)]
+        # the live rows back where the caller has them; an idle row's logits are zeros, as step's
+        step_logits = np.zeros((self.batch_size,) + logits.shape[1:], logits.dtype)
+        step_logits[live] = logits[b - len(live):b]
         return step_logits, (logits[b:b + len(tokens)] if every else logits[b])
 
     def idle(self) -> List[Optional[StepRow]]:
