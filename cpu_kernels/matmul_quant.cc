@@ -1848,6 +1848,11 @@ bool int4_tiles_take(const QuantWeight& w, int64_t rows) {
 bool quant_rows_take(const QuantWeight& w, int64_t rows) {
   if (rows <= QUANT_ROWS_MAX) return true;
 #ifdef MSLLM_X86
+  // banded weights in the default activations (x in int8, as a decode step rounds it): their rows form takes any
+  // number of rows without the tiles too, passes of up to 4 rows over each band while it is in L1, vpdpbusd on
+  // AVX-512 VNNI: a chunk call of 144 rows of SmolLM2 on an AMD EPYC Zen 5 int8 145 -> 52 ms, int4 137 -> 71 (AVX2
+  // forced: int4 189 -> 141) against the float32 GEMM on dequantized weights (performance-log.md 56)
+  if (takes_int8w(w) || (w.int4 && w.r16 && int8_fits(w) && quant_activations() == ACTIVATIONS_INT8)) return true;
   return g_amx_here && tiles_on() && (takes_int8w(w) || int4_tiles_take(w, rows));
 #else
   (void)w;

@@ -123,8 +123,9 @@ const char* quant_form();
 // switch)
 bool int8_tiles_here();
 // whether the rows kernel (quant_rows_kernel) takes `rows` rows of x for w: up to QUANT_ROWS_MAX, and any number for
-// banded int8 and int4 weights where AMX tiles take them (x in int8, as a decode step's: the prompt's rows then round
-// x as the steps do); else the float32 GEMM on packed weights (matmul16.cc)
+// banded int8 and int4 weights in the default activations (x in int8, as a decode step's: the prompt's rows then round
+// x as the steps do; by AMX tiles where they run, else by the bands' vector form); else the float32 GEMM on packed
+// weights (matmul16.cc)
 bool quant_rows_take(const QuantWeight& w, int64_t rows);
 
 // W's rows [n0, n0 + rows) over the inputs [k0, k0 + kc), as float32 (q + offset) * scale: dst[r * ld + i] (k0 and

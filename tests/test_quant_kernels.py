@@ -542,8 +542,8 @@ def test_int8_in_bands_of_16_rows_is_the_int8_weights_answer():
     (int8_r16_runs: the AVX-512 VNNI form, x in int8, K a multiple of 64, the group too or 32): x rounded to int8 per
     block of 32 (rounded_to_int8_blocks) times q * scale, plus the offsets times x's exact sums, to float32's rounding
     of the sums (2e-6 of their magnitude): the form's only rounding is x's, by its documented rule, as llama.cpp's Q8_0
-    rounds it; past 16 rows too where AMX tiles take them (tiles() "amx"). Otherwise (the int16 and exact modes,
-    another form, past 16 rows without the tiles) the R16 ops compute the float32 product (1e-5 of the magnitude from
+    rounds it; past 16 rows too (a prompt's: the bands' form takes any rows, or AMX tiles where they run). Otherwise
+    (the int16 and exact modes, another form) the R16 ops compute the float32 product (1e-5 of the magnitude from
     float64's). K of 48 (not whole blocks): not repacked, and an R16 op refuses it
     (error 4)."""
     rng = np.random.default_rng(18)
@@ -568,8 +568,8 @@ def test_int8_in_bands_of_16_rows_is_the_int8_weights_answer():
                     w = dequantize(q, scale, offset)
                     size = np.abs(x).astype(np.float64) @ np.abs(w).T
                     where = (mode, k, g, n, m, with_offset)
-                    tiles = cpu_kernels.tiles() == "amx"  # the prompt's rows too (past 16) take x in int8
-                    if mode == "int8" and (m <= 16 or tiles) and cpu_kernels.int8_r16_runs(k, g):
+                    # the prompt's rows too (past 16) take x in int8: the bands' form (or AMX tiles) for any rows
+                    if mode == "int8" and cpu_kernels.int8_r16_runs(k, g):
                         wq = dequantize(q, scale)
                         ref = rounded_to_int8_blocks(x) @ wq.T
                         if with_offset:
@@ -702,12 +702,12 @@ def banded(q: np.ndarray) -> np.ndarray:
 def test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer():
     """The R16 ops read int4 weights repacked in place by MsliteLlmRepackInt4R16 into bands of 16 rows (the layout
     rule: `banded`), N with and without a partial band (1, 7, 16, 33, 40, 300: tasks over both threads), 1 to 40 rows
-    of x (the decode form, and the GEMM past 16), groups of 32 to per channel, with and without offsets. In the
+    of x (the decode form, and past 16 a prompt's), groups of 32 to per channel, with and without offsets. In the
     default mode where the banded form runs (int4_r16_runs, whatever the mode in force: AVX-512 VNNI and AVX2) each
-    output is the row-major op's to float32's reordering of the same sums (1e-6 of their magnitude); in the int16 and
-    exact modes, and past 16 rows, the R16 ops compute the float32 product (1e-5 of the magnitude from float64's),
-    except where AMX tiles take the prompt's rows (int4_tiles): x rounded to int8 per block of 32, as a step's (2e-6 of
-    the magnitude from that product). K of 48 (not whole blocks): not repacked, and an R16 op refuses it (error 4)."""
+    output is the row-major op's to float32's reordering of the same sums (1e-6 of their magnitude) up to 16 rows,
+    and past 16 (the row-major op's GEMM: x exact) x rounded to int8 per block of 32, as a step's (2e-6 of the
+    magnitude from that product: the bands' form, or AMX tiles where they run); in the int16 and exact modes the R16
+    ops compute the float32 product (1e-5 of the magnitude from float64's). K of 48 (not whole blocks): not repacked, and an R16 op refuses it (error 4)."""
     rng = np.random.default_rng(16)
     try:
         for mode in ("int8", "int16", "exact"):
@@ -732,8 +732,8 @@ def test_int4_in_bands_of_16_rows_is_the_row_major_weights_answer():
                     where = (mode, k, g, n, m, with_offset)
                     if mode == "int8" and m <= 16 and cpu_kernels.int4_r16_runs(k, g):
                         assert np.all(np.abs(yb - y) <= 1e-6 * size), where
-                    elif mode == "int8" and cpu_kernels.int4_r16_runs(k, g) and int4_tiles():
-                        wq = dequantize(q, scale)  # the prompt's rows in the tiles: x rounded to int8 as a step's
+                    elif mode == "int8" and cpu_kernels.int4_r16_runs(k, g):
+                        wq = dequantize(q, scale)  # the prompt's rows (the bands' form, or tiles): x in int8 as a step's
                         ref = rounded_to_int8_blocks(x) @ wq.T
                         if with_offset:
                             ref += x.astype(np.float64) @ (w - wq).T
