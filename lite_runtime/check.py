@@ -383,10 +383,10 @@ FAST_KERNEL_MODE = {"int16": "int16", "int8": "int8", "bf16": "int8"}
 # per fast mode: (what ran with x exact, how x is rounded as the folder serves)
 FAST_WORDS = {"int16": ("quantized matmuls", "x rounded to int16 per block of 32"),
               "int8": ("quantized matmuls", "x rounded to int8 per block of 32 where the form takes it so (int4 "
-                                            "weights; int8 ones in bands, on AVX-512 VNNI, and with AMX tiles in "
-                                            "prompts too; int16 at others)"),
-              "bf16": ("bfloat16 matmuls", "x rounded to bfloat16 in the matmuls of several rows (AVX512-BF16, and "
-                                           "with AMX tiles in prompts too; float32's form where the CPU lacks it)")}
+                                            "weights; int8 ones in bands, on AVX-512 VNNI; a prompt's rows too where "
+                                            "the weights are in bands; int16 at others)"),
+              "bf16": ("bfloat16 matmuls", "x rounded to bfloat16 in the matmuls of several rows (AVX512-BF16: from "
+                                           "5 rows, a prompt's too; float32's form where the CPU lacks it)")}
 
 
 @contextlib.contextmanager
