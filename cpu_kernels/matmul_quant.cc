@@ -358,6 +358,13 @@ bool int8w_fits(const QuantWeight& w) {
 bool takes_int8w(const QuantWeight& w) {
   return w.r16 && int8w_fits(w) && quant_activations() == ACTIVATIONS_INT8;
 }
+#ifdef MSLLM_X86
+// the same for int4 weights: banded, K and the group whole steps of 64 (or groups of 32), x in int8 in force (bands
+// are x86's only)
+bool takes_int4w(const QuantWeight& w) {
+  return w.r16 && int8_fits(w) && quant_activations() == ACTIVATIONS_INT8;
+}
+#endif
 
 // row r's int16 parts (exact: its low parts follow them, k int16 further on)
 const int16_t* prepared_row(const PreparedX& p, int64_t r) { return p.xq.data() + r * (p.exact ? 2 : 1) * p.k; }
@@ -1837,8 +1844,7 @@ const char* quant_form() { return g_kernels.form; }
 // int8 (the form's rule and mode), the tiles granted and on; prepare lays x out for them (PreparedX xa) where so
 bool int4_tiles_take(const QuantWeight& w, int64_t rows) {
 #ifdef MSLLM_X86
-  return rows >= AMX_MIN_ROWS_INT4 && g_amx_here && tiles_on() && w.int4 && w.r16 && int8_fits(w) &&
-         quant_activations() == ACTIVATIONS_INT8;
+  return rows >= AMX_MIN_ROWS_INT4 && g_amx_here && tiles_on() && takes_int4w(w);
 #else
   (void)w, (void)rows;
   return false;
@@ -1851,9 +1857,9 @@ bool quant_rows_take(const QuantWeight& w, int64_t rows) {
   // banded weights in the default activations (x in int8, as a decode step rounds it): their rows form takes any
   // number of rows without the tiles too, passes of up to 4 rows over each band while it is in L1, vpdpbusd on
   // AVX-512 VNNI: a chunk call of 144 rows of SmolLM2 on an AMD EPYC Zen 5 int8 145 -> 52 ms, int4 137 -> 71 (AVX2
-  // forced: int4 189 -> 141) against the float32 GEMM on dequantized weights (performance-log.md 56)
-  if (takes_int8w(w) || (w.int4 && w.r16 && int8_fits(w) && quant_activations() == ACTIVATIONS_INT8)) return true;
-  return g_amx_here && tiles_on() && (takes_int8w(w) || int4_tiles_take(w, rows));
+  // forced: int4 189 -> 141) against the float32 GEMM on dequantized weights (performance-log.md 56); where AMX
+  // tiles run they take these same calls (qbands_amx)
+  return takes_int8w(w) || takes_int4w(w);
 #else
   (void)w;
   return false;
