@@ -668,10 +668,10 @@ class MsBackend:
         self._owned = {}  # parameter name -> the Parameter every graph shares (weights and KV cache)
         self._owner = ""  # the graph whose parameters the others share
         self._bands = set()  # int4 and int8 weights repacked into bands of 16 rows at load (_repacked_weights)
-        # a call's inputs as Tensors over their own arrays (bind_inputs' fresh, contiguous int32 arrays, alive for the
-        # call): Tensor(array) copies each, ~25 us apiece between two decode steps of a 5 ms SmolLM2 int4 step (their
-        # caches cold), from_numpy ~10 (docs/performance-log.md 57)
-        self._tensor = ms.Tensor.from_numpy
+        # a call's inputs copied into Tensors of their own: Tensor.from_numpy (no copy, ~60 us less a SmolLM2 step)
+        # deadlocks, as MindSpore's actor threads free a graph's device addresses, which then take the GIL to let go
+        # of the numpy array while the launching thread holds it (docs/performance-log.md 57)
+        self._tensor = ms.Tensor
         self.standins: Dict[str, int] = {}  # fused op -> nodes replaced by CPU stand-ins, over the graphs loaded
         if cpu_kernels.library_path() is None:  # say so at load, not at the first decode step
             _relocate_kernels(self._parse("inc"), self._paths["inc"])
