@@ -85,6 +85,9 @@ R16_OPS = {f: f + "R16" for f in (QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMU
                                   *QUANTIZED_OPS.values(), MOE, DECODE_MOE_LAYER,
                                   *(KV16_OPS[f] for f in (QUANTIZED_OPS[DECODE_QKV], QUANTIZED_OPS[DECODE_LAYER],
                                                           QUANTIZED_OPS[DECODE_LAYER_VALID], DECODE_MOE_LAYER)))}
+# The ops that read a few rows of their table a call (a lookup): what only they read is not copied into huge pages at
+# load (lite_runtime/backends/ms.py _kernel_weights: a step touches a few of its pages; an untied embedding)
+ROW_READERS = (EMBED,)
 FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
              WRITE_CACHE, NORM_SWIGLU, DECODE_TAIL, QKV_ROPE_VALID, DECODE_LAYER_VALID, DECODE_LAYER, QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
              ATLAS_WEIGHT_QUANT_BATCH_MATMUL, MOE, DECODE_MOE_LAYER,

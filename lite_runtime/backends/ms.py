@@ -305,15 +305,17 @@ def _unmap_pages(view: np.ndarray) -> None:
 def _kernel_weights(model) -> set:
     """The parameters (names without their graph's prefix) a node calling our CPU kernels (cpu_kernels) reads, through
     Load and Depend: the matrices and vectors a step streams. Not the KV caches (those stay the runtime's zero pages)
-    nor what only MindSpore's own ops read (an untied embedding's Gather touches a few rows a step: mapped, only
-    those pages are ever read)."""
+    nor what only MindSpore's own ops or our lookups read (cpu_kernels.ROW_READERS: an untied embedding, Gather's or
+    our kernel's, touches a few rows a step: mapped, only those pages are ever read; a 7B's bfloat16 table is 1 GB)."""
+    import cpu_kernels
+
     from lite_runtime.folder import is_kv_cache
 
     funcs, _, resolve = _our_calls(model)
     params = {p.name for p in model.graph.parameter}
     reads = set()
     for node in model.graph.node:
-        if node.op_type.rpartition("::")[2] in funcs:
+        if funcs.get(node.op_type.rpartition("::")[2]) not in (None, *cpu_kernels.ROW_READERS):
             reads.update(n for n in map(resolve, node.input) if n in params)
     return {n.rsplit(":", 1)[-1] for n in reads if not is_kv_cache(n.rsplit(":", 1)[-1])}
 
