@@ -348,19 +348,19 @@ def test_the_export_leaves_its_weights_on_disk_and_the_load_puts_the_kernels_wei
     # a bfloat16 folder's untied table: our MsliteLlmEmbed alone reads it, a few rows a step
     looked_up = {"model.embed_tokens.weight"} if source == "mha_untied" else set()
     assert ours and ours == {n for n in names if not is_kv_cache(n)} - looked_up
+    maps = _mappings()
+    mapping_of = lambda param: next((m for m in maps if m[0] <= param.data_ptr() < m[1]), None)
     for table in looked_up:
-        param = pipe.backend._owned[table]
-        where = next((m for m in _mappings() if m[0] <= param.data_ptr() < m[1]), None)
+        where = mapping_of(pipe.backend._owned[table])
         assert where is not None and where[2] == data, (table, where)
     stored = _parameter_arrays(model, graph)
-    maps = _mappings()
     thp = os.path.isdir("/sys/kernel/mm/transparent_hugepage")
     for name in sorted(ours):
         param = pipe.backend._owned[name]
         got = param.asnumpy()  # bfloat16 (MindSpore's numpy dtype) against the file's uint16 bits
         assert np.array_equal(got.view(stored[name].dtype) if got.dtype != stored[name].dtype else got,
                               stored[name]), name
-        where = next((m for m in maps if m[0] <= param.data_ptr() < m[1]), None)
+        where = mapping_of(param)
         assert where is not None, name
         assert where[2] == ("" if huge_pages == "default" else data), (name, where[2])
         assert not thp or "hg" in where[3], (name, where[3])
