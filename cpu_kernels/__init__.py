@@ -88,6 +88,9 @@ R16_OPS = {f: f + "R16" for f in (QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMU
 # The ops that read a few rows of their table a call (a lookup): what only they read is not copied into huge pages at
 # load (lite_runtime/backends/ms.py _kernel_weights: a step touches a few of its pages; an untied embedding)
 ROW_READERS = (EMBED,)
+# One of our ops called with its weights as places in one arena (registry.cc; lite_runtime/backends/arena.py): written
+# by the runtime at load, never in a folder, so not among FUNCTIONS (a folder calling it is refused at load)
+ARENA_CALL = "MsliteLlmArenaCall"
 FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
              WRITE_CACHE, NORM_SWIGLU, DECODE_TAIL, QKV_ROPE_VALID, DECODE_LAYER_VALID, DECODE_LAYER, QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
              ATLAS_WEIGHT_QUANT_BATCH_MATMUL, MOE, DECODE_MOE_LAYER,
@@ -178,6 +181,16 @@ def _library():
             return None
         _loaded = ctypes.CDLL(path)
     return _loaded
+
+
+def function_address(function: str) -> int:
+    """The address of `function` in this installation's library as this process loaded it (the one MindSpore's
+    Custom ops call: the same file, so the same loaded copy): what an arena call's table holds
+    (lite_runtime/backends/arena.py). Raises AttributeError for a function the library lacks."""
+    lib = _library()
+    if lib is None:
+        raise FileNotFoundError(f"the mslite-llm CPU kernel library is not built in {_HERE}; {BUILD_HINT}")
+    return int(ctypes.cast(getattr(lib, function), ctypes.c_void_p).value)
 
 
 def set_threads(threads: int) -> None:

@@ -299,6 +299,74 @@ int MsliteLlmAtlasWeightQuantBatchMatmul(int nparam, void** params, int* ndims, 
   return weight_quant_batch_matmul(nparam, params, ndims, shapes, dtypes);
 }
 
+// One of our ops called with its weights as places in one arena (lite_runtime/backends/arena.py; docs/architecture.md
+// "Weights handed over as one arena"): MindSpore's CPU runtime pays per tensor it hands a kernel (~0.5-1 us each once a
+// step's weights have swept its caches, docs/performance-log.md 57), and a quantized layer op takes ~40. The runtime
+// rewrites such a node at load to call this with
+//   table int64 [T], arena uint8 [A], the op's other inputs in their order (passed), its outputs;
+// the table: ARENA_MAGIC, the op's function (its address in this library), n (the op's inputs), passed (how many
+// follow the arena), then per input of the op: where (0 passed: the next one; 1 arena, 2 table: at byte `offset`),
+// offset, dtype (ArenaDtype), rank, dims[rank]; a table input's bytes (a folded Constant) after the entries. The op's
+// tensor lists are rebuilt and it is called: the same pointers, the same results. Errors: 1 a table that does not
+// fit the call, 2 a dtype code outside ArenaDtype, 3 a rank over 8, 4 a place outside the arena or the table.
+namespace {
+constexpr int64_t ARENA_MAGIC = 0x314e524141534d4cLL;  // "LMSAARN1" little-endian: a table of this version
+constexpr const char* ARENA_DTYPES[] = {"float32", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64",
+                                        "bool", "float64"};
+constexpr int ARENA_MAX = 256;  // tensors of one op (inputs and outputs)
+using AotOp = int (*)(int, void**, int*, int64_t**, const char**, void*, void*);
+constexpr int64_t ARENA_SIZES[] = {4, 2, 2, 1, 1, 2, 4, 8, 1, 8};
+}  // namespace
+
+int MsliteLlmArenaCall(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                       void* extra) {
+  if (nparam < 2 || ndims[0] != 1 || ndims[1] != 1) return 1;
+  if (std::strcmp(dtypes[0], "int64") != 0 || std::strcmp(dtypes[1], "uint8") != 0) return 2;
+  const int64_t* t = static_cast<const int64_t*>(params[0]);
+  const int64_t tlen = shapes[0][0], alen = shapes[1][0];
+  char* arena = static_cast<char*>(params[1]);
+  if (tlen < 4 || t[0] != ARENA_MAGIC) return 1;
+  const int64_t n = t[2], passed = t[3], outputs = nparam - 2 - passed;
+  if (n < 0 || passed < 0 || outputs < 0 || n + outputs > ARENA_MAX) return 1;
+  void* p[ARENA_MAX];
+  int nd[ARENA_MAX];
+  int64_t* sh[ARENA_MAX];
+  const char* dt[ARENA_MAX];
+  int64_t at = 4, next = 2;
+  for (int64_t i = 0; i < n; ++i) {
+    if (at + 4 > tlen) return 1;
+    const int64_t where = t[at], offset = t[at + 1], dtype = t[at + 2], rank = t[at + 3];
+    if (where == 0) {
+      if (next >= 2 + passed) return 1;
+      p[i] = params[next], nd[i] = ndims[next], sh[i] = shapes[next], dt[i] = dtypes[next];
+      ++next, at += 4;
+      continue;
+    }
+    if (dtype < 0 || dtype >= int64_t(sizeof(ARENA_DTYPES) / sizeof(*ARENA_DTYPES))) return 2;
+    if (rank < 0 || rank > 8) return 3;
+    if (at + 4 + rank > tlen) return 1;
+    int64_t bytes = ARENA_SIZES[dtype];
+    for (int64_t d = 0; d < rank; ++d) {
+      const int64_t dim = t[at + 4 + d];
+      if (dim < 0 || (dim && bytes > (int64_t(1) << 56) / dim)) return 4;
+      bytes *= dim;
+    }
+    const int64_t limit = where == 1 ? alen : (where == 2 ? tlen * 8 : -1);
+    if (limit < 0) return 1;
+    if (offset < 0 || offset > limit || bytes > limit - offset) return 4;
+    p[i] = (where == 1 ? arena : reinterpret_cast<char*>(const_cast<int64_t*>(t))) + offset;
+    nd[i] = int(rank), sh[i] = const_cast<int64_t*>(t + at + 4), dt[i] = ARENA_DTYPES[dtype];
+    at += 4 + rank;
+  }
+  if (next != 2 + passed) return 1;
+  for (int64_t o = 0; o < outputs; ++o) {
+    p[n + o] = params[next + o], nd[n + o] = ndims[next + o], sh[n + o] = shapes[next + o];
+    dt[n + o] = dtypes[next + o];
+  }
+  const AotOp op = reinterpret_cast<AotOp>(static_cast<intptr_t>(t[1]));
+  return op(int(n + outputs), p, nd, sh, dt, stream, extra);
+}
+
 // With MSLITE_LLM_CPU_KERNELS_PROFILE set: per op (in Op's order), calls and nanoseconds since the last reset into
 // calls[OP_COUNT] and ns[OP_COUNT]; returns OP_COUNT, or 0 when profiling is off. reset: zero the counters after.
 int MsliteLlmProfile(int64_t* calls, int64_t* ns, int reset) {

@@ -174,7 +174,8 @@ def test_a_bfloat16_checkpoint_is_copied_bit_for_bit(tmp_path, checkpoints):
     reference.set_attn_implementation(kv_rounding_attention("bfloat16"))
     with exact_activations():
         assert rel_err(pipe.infer([row]).logits[0], hf_logits(reference, row)) < TOL
-    weights = pipe.backend._owned["model.layers.0.mlp.up_proj.weight"].asnumpy()  # bfloat16 -> float32
+    bits = pipe.backend._weights["model.layers.0.mlp.up_proj.weight"]  # as our ops read it: bfloat16 as uint16
+    weights = (bits.astype(np.uint32) << 16).view(np.float32)
     assert np.array_equal(weights, model.model.layers[0].mlp.up_proj.weight.float().detach().numpy())
 
 

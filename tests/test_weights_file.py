@@ -318,11 +318,14 @@ def test_the_export_leaves_its_weights_on_disk_and_the_load_puts_the_kernels_wei
     untied embedding only our lookup kernel reads, cpu_kernels.ROW_READERS, which stays in the file's mapping)
     is a copy of the file's bytes in private memory advised huge (_into_huge_pages; VmFlags `hg` where the kernel has
     transparent huge pages), the file's mapping advised huge too, and the copy counted against the memory available
-    (lite_runtime/memory.py weights_copy_bytes: the file's size where it and 1 GiB fit, else nothing); with
-    MSLITE_LLM_HUGE_PAGES=0 they are the mapping's pages. Either way check replays the golden record."""
+    (lite_runtime/memory.py weights_copy_bytes: the file's size where it and 1 GiB fit, else nothing), our ops handed
+    that copy as one Parameter and each weight's place in it (lite_runtime/backends/arena.py); with
+    MSLITE_LLM_HUGE_PAGES=0 they are the mapping's pages, a Parameter each. Either way check replays the golden
+    record."""
     from export.config import ExportConfig
     from export.pipeline import run_export
     from lite_runtime import pipeline
+    from lite_runtime.backends.arena import ARENA_PARAMETER
     from lite_runtime.backends.ms import _kernel_weights, _parameter_arrays, _read_mindir
     from lite_runtime.check import run_check
     from lite_runtime.folder import is_kv_cache
@@ -349,18 +352,24 @@ def test_the_export_leaves_its_weights_on_disk_and_the_load_puts_the_kernels_wei
     looked_up = {"model.embed_tokens.weight"} if source == "mha_untied" else set()
     assert ours and ours == {n for n in names if not is_kv_cache(n)} - looked_up
     maps = _mappings()
-    mapping_of = lambda param: next((m for m in maps if m[0] <= param.data_ptr() < m[1]), None)
+    mapping_of = lambda address: next((m for m in maps if m[0] <= address < m[1]), None)
     for table in looked_up:
-        where = mapping_of(pipe.backend._owned[table])
+        where = mapping_of(pipe.backend._owned[table].data_ptr())
         assert where is not None and where[2] == data, (table, where)
     stored = _parameter_arrays(model, graph)
     thp = os.path.isdir("/sys/kernel/mm/transparent_hugepage")
+    backend = pipe.backend
+    if huge_pages == "default":  # our ops read the weights in the arena, handed over as one Parameter (arena.py)
+        arena, places = backend._arena
+        assert backend._owned[ARENA_PARAMETER].data_ptr() == arena.ctypes.data and set(places) == ours
     for name in sorted(ours):
-        param = pipe.backend._owned[name]
-        got = param.asnumpy()  # bfloat16 (MindSpore's numpy dtype) against the file's uint16 bits
-        assert np.array_equal(got.view(stored[name].dtype) if got.dtype != stored[name].dtype else got,
-                              stored[name]), name
-        where = mapping_of(param)
+        got = backend._weights[name]  # what the graphs' Parameters or the arena's places hold (bfloat16 as uint16)
+        assert np.array_equal(got, stored[name]), name
+        if huge_pages == "default":
+            assert got.ctypes.data == arena.ctypes.data + places[name], name
+        else:
+            assert backend._owned[name].data_ptr() == got.ctypes.data, name
+        where = mapping_of(got.ctypes.data)
         assert where is not None, name
         assert where[2] == ("" if huge_pages == "default" else data), (name, where[2])
         assert not thp or "hg" in where[3], (name, where[3])

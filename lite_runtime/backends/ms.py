@@ -236,7 +236,8 @@ def _huge_arena(nbytes: int) -> np.ndarray:
     return whole[start:start + nbytes]
 
 
-def _into_huge_pages(arrays: Dict[str, np.ndarray], names, bands, threads: int) -> None:
+def _into_huge_pages(arrays: Dict[str, np.ndarray], names, bands,
+                     threads: int) -> Optional[Tuple[np.ndarray, Dict[str, int]]]:
     """The weights `names` (those our CPU kernels read: _kernel_weights, and the `bands`) copied from the weights file's
     mapping into one private arena of huge pages (_huge_arena), on every core, each at a 4 KiB boundary; arrays[name]
     then points there, `bands` are repacked there into bands of 16 rows (_repack), and the mapping's pages they came
@@ -248,18 +249,19 @@ def _into_huge_pages(arrays: Dict[str, np.ndarray], names, bands, threads: int) 
     (0.35-0.7 s a GB here), and those weights are this process's own memory, not page cache another process shares;
     the KV pool is sized after them, and where they do not fit only the bands are copied (lite_runtime/memory.py
     weights_copy_bytes). MSLITE_LLM_HUGE_PAGES=0 copies nothing (bands repacked in place, into the mapping's private
-    4 KiB copies, as before)."""
+    4 KiB copies, as before). Returns the arena and each weight's byte offset in it (what arena calls hand our ops:
+    lite_runtime/backends/arena.py), or None when nothing was copied."""
     if os.environ.get("MSLITE_LLM_HUGE_PAGES") == "0":
         for name in sorted(bands):
             _repack(arrays[name])  # in the copy-on-write mapping: these pages become private
-        return
+        return None
     names = sorted(n for n in names if n in arrays)
     at, offsets = 0, []
     for name in names:
         offsets.append(at)
         at += -(-arrays[name].nbytes // 4096) * 4096
     if not names:
-        return
+        return None
     arena = _huge_arena(at)
     pieces = []  # (destination, source) bytes, 16 MiB at most: the copy (and its page faults) on every core
     for name, offset in zip(names, offsets):
@@ -276,6 +278,7 @@ def _into_huge_pages(arrays: Dict[str, np.ndarray], names, bands, threads: int) 
             _repack(copy)
         arrays[name] = copy
         _unmap_pages(source)
+    return arena, dict(zip(names, offsets))
 
 
 def _repack(q: np.ndarray) -> None:
@@ -670,6 +673,10 @@ class MsBackend:
         self._owned = {}  # parameter name -> the Parameter every graph shares (weights and KV cache)
         self._owner = ""  # the graph whose parameters the others share
         self._bands = set()  # int4 and int8 weights repacked into bands of 16 rows at load (_repacked_weights)
+        self._weights: Dict[str, np.ndarray] = {}  # parameter name -> its array (not the KV caches), from the first graph
+        self._arena = None  # (the huge-page arena, weight -> byte offset in it): _into_huge_pages
+        # our ops handed the arena and a table rather than a tensor per weight (arena.py; MSLITE_LLM_ARENA_CALLS=0: not)
+        self._arena_calls = os.environ.get("MSLITE_LLM_ARENA_CALLS") != "0"
         # a call's inputs copied into Tensors of their own: Tensor.from_numpy (no copy, ~60 us less a SmolLM2 step)
         # deadlocks, as MindSpore's actor threads free a graph's device addresses, which then take the GIL to let go
         # of the numpy array while the launching thread holds it (docs/performance-log.md 57)
@@ -691,6 +698,11 @@ class MsBackend:
         cell = self.cells.get(key)
         if cell is not None:
             return cell
+        import cpu_kernels
+
+        from lite_runtime.backends import arena as arena_calls
+        from lite_runtime.folder import is_kv_cache
+
         path = self._paths[key]
         model = self._parse(key)
         if not self._owned and _int4_params(model, int8=True):  # the first graph of a quantized folder: which
@@ -706,27 +718,35 @@ class MsBackend:
             if self._copy_weights:  # what our kernels read in any graph (a prefill's last norm may not be)
                 copied |= _kernel_weights(model).union(*(_kernel_weights(self._parse(k)) for k in self._paths
                                                          if k != key))
-            _into_huge_pages(arrays, copied, self._bands, self._threads)
+            self._arena = _into_huge_pages(arrays, copied, self._bands, self._threads)
+            if self._arena is not None:
+                arrays[arena_calls.ARENA_PARAMETER] = self._arena[0]
+            self._weights = {name: a for name, a in arrays.items() if not is_kv_cache(name)}
         _relocate_kernels(model, path)
         _use_bands(model, self._bands)
         _substitute_standins(model, path, self.standins)
+        if self._arena is not None and self._arena_calls:
+            arena_calls.call_through_arena(model, self._arena[1], self._arena[0].nbytes, cpu_kernels.function_address,
+                                           cpu_kernels.local_func(cpu_kernels.ARENA_CALL), cpu_kernels.ROW_READERS)
         if self._tp:
             _retarget_collectives(model)
         cell = self._nn.GraphCell(_load_without_data(self._ms, model, os.path.basename(path)))
         params = list(cell.get_parameters())
         if arrays is None:
-            from lite_runtime.folder import is_kv_cache
-
-            missing = next((p.name for p in params if p.name not in self._owned and not is_kv_cache(p.name)), None)
+            missing = next((p.name for p in params if p.name not in self._owned and p.name not in self._weights
+                            and not is_kv_cache(p.name)), None)
             if missing is not None:
                 from lite_runtime.errors import InferError
 
                 raise InferError(f"{path}: parameter {missing} is not in {self._paths[self._owner]}; the graphs "
                                  "do not belong to one export")
         for param in params:
-            if arrays is not None:
+            if param.name in self._owned:
+                param.set_data(self._owned[param.name])
+            elif arrays is not None or param.name in self._weights:  # (a weight the first graph did not read itself:
+                # an arena call's, or the arena)
                 self._owned[param.name] = param
-                array = arrays[param.name]
+                array = (arrays if arrays is not None else self._weights)[param.name]
                 if param.dtype == self._ms.bfloat16:
                     # numpy has no bfloat16: the bits are read as uint16 and viewed as MindSpore's numpy bfloat16.
                     # A MindSpore-side view (Tensor.view) would be copied at the first run (1 GB for the 0.5B shape)
@@ -734,8 +754,6 @@ class MsBackend:
 
                     array = array.view(np_dtype.bfloat16)
                 param.set_data(self._ms.Tensor.from_numpy(array))
-            elif param.name in self._owned:
-                param.set_data(self._owned[param.name])
             else:  # a KV cache after use_cache_dtype: the loader's zeros of its shape and dtype, shared from here on
                 self._owned[param.name] = param
         if arrays is not None:

@@ -265,15 +265,25 @@ def _rebuild(model, constants) -> None:
 
 
 def set_nodes(model, nodes) -> None:
-    """A parsed MindIR's node list replaced by `nodes`, in that order (copies: a message cannot stay in the field it
+    """A parsed MindIR's node list replaced by `nodes`, in that order."""
+    _replace(model.graph.node, nodes)
+
+
+def set_parameters(model, params) -> None:
+    """A parsed MindIR's parameter list replaced by `params`, in that order."""
+    _replace(model.graph.parameter, params)
+
+
+def _replace(field, items) -> None:
+    """A repeated message field's items replaced by copies of `items` (a message cannot stay in the field it
     leaves)."""
     copies = []
-    for node in nodes:
-        copied = type(node)()
-        copied.CopyFrom(node)
+    for item in items:
+        copied = type(item)()
+        copied.CopyFrom(item)
         copies.append(copied)
-    del model.graph.node[:]
-    model.graph.node.extend(copies)
+    del field[:]
+    field.extend(copies)
 
 
 def describe(done: Dict[str, int]) -> Optional[str]:
