@@ -183,6 +183,12 @@ def _library():
     return _loaded
 
 
+def has_function(function: str) -> bool:
+    """Whether this installation's built library exports `function` (False where it was not built)."""
+    lib = _library()
+    return lib is not None and hasattr(lib, function)
+
+
 def function_address(function: str) -> int:
     """The address of `function` in this installation's library as this process loaded it (the one MindSpore's
     Custom ops call: the same file, so the same loaded copy): what an arena call's table holds

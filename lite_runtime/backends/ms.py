@@ -675,8 +675,10 @@ class MsBackend:
         self._bands = set()  # int4 and int8 weights repacked into bands of 16 rows at load (_repacked_weights)
         self._weights: Dict[str, np.ndarray] = {}  # parameter name -> its array (not the KV caches), from the first graph
         self._arena = None  # (the huge-page arena, weight -> byte offset in it): _into_huge_pages
-        # our ops handed the arena and a table rather than a tensor per weight (arena.py; MSLITE_LLM_ARENA_CALLS=0: not)
-        self._arena_calls = os.environ.get("MSLITE_LLM_ARENA_CALLS") != "0"
+        # our ops handed the arena and a table rather than a tensor per weight (arena.py; MSLITE_LLM_ARENA_CALLS=0: not;
+        # nor with a library built before the arena call: the graphs as exported)
+        self._arena_calls = os.environ.get("MSLITE_LLM_ARENA_CALLS") != "0" and \
+            cpu_kernels.has_function(cpu_kernels.ARENA_CALL)
         # a call's inputs copied into Tensors of their own: Tensor.from_numpy (no copy, ~60 us less a SmolLM2 step)
         # deadlocks, as MindSpore's actor threads free a graph's device addresses, which then take the GIL to let go
         # of the numpy array while the launching thread holds it (docs/performance-log.md 57)
