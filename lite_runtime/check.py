@@ -246,6 +246,7 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
     generator = pipeline("text_generation", model=dataclasses.replace(config, kv_cache_dtype="float32") if kv16 else
                          config, backend=backend)
     generator.runner.cycle_step_graphs, generator.runner.step_counts = True, counts  # every inc graph takes its turn
+    generator.runner.prefill_in_pieces = False  # its prefill replays prove the prefill graphs themselves
     loaded = time.perf_counter() - start
     # against golden's tight limit, or HF's float32, or (a bfloat16 folder before its limit) float32's constant
     exact = (quantized_cpu and (limits is not None or not golden)) or bf16_cpu

@@ -193,3 +193,74 @@ def test_graphs_run_through_the_executor_directly_with_the_cells_outputs(pipes):
     direct = backend._launchers[key](args)
     assert np.array_equal(direct, backend.cells[key](*args).asnumpy())
     assert np.isfinite(direct).all()
+
+
+def test_few_prompts_go_in_as_pieces_through_the_chunk_graphs(exported, checkpoints):
+    """prefill of prompts that fill at most a third of the prefill graph's rows x its bucket (runner.PIECES_FILL) runs
+    them as pieces through the chunk graphs (the server's path: a batch-16 folder computed every row of its prefill
+    graph for one prompt); more runs the prefill graph. Both give HF's last logits within float32's limit and HF's
+    greedy tokens; with prefill_in_pieces off (check's replays) the prefill graph runs whatever the fill."""
+    from lite_runtime import pipeline
+    from lite_runtime.engine.runner import PIECES_FILL, SequenceBlocks
+    from reference import TOL, hf_last_logits, rel_err
+
+    pipe = pipeline("text_generation", model=exported["gqa_tied_buckets"], backend="ms", warm_up="none")
+    runner, ckpt = pipe.runner, checkpoints["gqa_tied"]
+    assert PIECES_FILL == 1 / 3 and runner.batch_size == 2 and runner.chunk_sizes == [8, 32]
+
+    def prefill(rows, pieces):
+        runner.prefill_in_pieces = pieces
+        ran = set(runner._checked)
+        seqs = [SequenceBlocks(runner.pool) for _ in rows]
+        for seq, row in zip(seqs, rows):
+            seq.reserve(len(row))
+        try:
+            logits = runner.prefill(rows, [seq.blocks for seq in seqs])
+        finally:
+            for seq in seqs:
+                seq.release(False)
+        return logits, set(runner._checked) - ran
+
+    row = prompts(1, [20], seed=3)[0]  # 20 tokens of the 2 x 32 the prefill_32 graph computes: 0.31
+    want = hf_last_logits(ckpt, row)
+    first, graphs = prefill([row], True)
+    assert graphs == {"chunk_32"}  # one piece of the largest chunk graph
+    assert rel_err(first[0], want) < TOL
+    again, graphs = prefill([row], True)
+    assert not graphs and np.array_equal(again, first)
+    whole, graphs = prefill([row], False)
+    assert graphs == {"prefill_32"} and rel_err(whole[0], want) < TOL
+    two = prompts(2, [12, 10], seed=4)  # 22 of 2 x 16: 0.69, the prefill graph
+    logits, graphs = prefill(two, True)
+    assert graphs == {"prefill_16"}
+    for got, r in zip(logits, two):
+        assert rel_err(got, hf_last_logits(ckpt, r)) < TOL
+    runner.prefill_in_pieces = True
+    assert pipe.generate([row], max_new_tokens=6).sequences[0] == hf_generate(ckpt, row, max_new_tokens=6,
+                                                                                do_sample=False)
+
+
+def test_a_prompt_longer_than_the_chunk_graphs_goes_in_several_pieces(tmp_path, checkpoints):
+    """A batch-4 folder whose one chunk graph takes 8 tokens: a 20-token prompt prefills as pieces of 8, 8 and 4
+    (each after the positions before it are in its blocks), HF's last logits within float32's limit and its greedy
+    tokens."""
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+    from lite_runtime import pipeline
+    from reference import TOL, hf_last_logits, rel_err
+
+    out = str(tmp_path / "pieces")
+    run_export(ExportConfig(checkpoint=checkpoints["gqa_tied"], output=out, name="pieces", seq_length=32,
+                            batch_size=4, dtype="float32", device="cpu", prefill_buckets=(), chunk_sizes=(8,),
+                            score_sizes=(), block_size=8))
+    pipe = pipeline("text_generation", model=out, backend="ms", warm_up="none")
+    calls = []
+    chunk = pipe.runner.chunk
+    pipe.runner.chunk = lambda tokens, start, *a, **k: calls.append((len(tokens), start)) or chunk(tokens, start, *a,
+                                                                                                        **k)
+    row = prompts(1, [20], seed=5)[0]
+    logits = pipe.infer([row]).logits
+    assert calls == [(8, 0), (8, 8), (4, 16)]
+    assert rel_err(logits[0], hf_last_logits(checkpoints["gqa_tied"], row)) < TOL
+    assert pipe.generate([row], max_new_tokens=6).sequences[0] == hf_generate(checkpoints["gqa_tied"], row,
+                                                                                max_new_tokens=6, do_sample=False)

@@ -43,6 +43,10 @@ from lite_runtime.inputs import InputOfInfer
 log = logging.getLogger(__name__)
 
 IDLE_SECONDS = 0.2  # how long no request must have run before the idle warm-up compiles a graph
+# prefill goes in pieces through the chunk graphs where its prompts fill at most this share of the prefill graph's rows
+# x bucket (SmolLM2 bfloat16, a batch-16 folder, 32-300-token prompts on the Zen 5: pieces 1.4-6.4x faster at a
+# quarter or less, 0.68-0.96x at a half or more; docs/performance-log.md 60)
+PIECES_FILL = 1 / 3
 
 
 def warm_up_keys(setting: str, backend: str, keys: List[str]) -> List[str]:
@@ -114,6 +118,9 @@ class ModelRunner:
         self.piece_rows = {k: config.folder.graphs[k].rows for k in paths
                            if graph_role(k) in ("chunk", "score") and config.folder.graphs[k].rows is not None}
         self.cycle_step_graphs = False  # check: each step through the next graph that holds its rows (every one proved)
+        # few prompts for the prefill graph's rows go in as pieces through the chunk graphs (prefill; check turns it
+        # off: each graph is proved by a replay of its own)
+        self.prefill_in_pieces = True
         self._cycle = 0
         self.step_counts: Dict[str, int] = {}  # steps run by each inc graph (check reports them)
         self._checked = set()  # graphs whose engine specs were checked (and compiled, or about to be)
@@ -290,8 +297,16 @@ class ModelRunner:
     # --- graph calls --------------------------------------------------------------------------------
     def prefill(self, rows: Sequence[Sequence[int]], tables: Sequence[Sequence[int]]) -> np.ndarray:
         """Rows 0..n-1 prefilled with `rows`, each into its blocks `tables[i]` from position 0 (the other rows idle):
-        float32 logits [n, V]."""
+        float32 logits [n, V].
+
+        Where the prompts fill at most a third of the prefill graph's rows x its bucket (`PIECES_FILL`) and the chunk
+        graphs are loaded, on a folder of our CPU kernels, each prompt goes in as pieces through them instead
+        (`prefill_in_pieces`): a prefill graph computes every one of its rows' positions in parts of each layer (norms,
+        MindSpore's elementwise ops, zeroing the padding), so one 128-token prompt on a batch-16 folder cost 4.8x its
+        pieces (docs/performance-log.md 60). The same arithmetic as the server's prompts; check proves both."""
         tokens = self.prefill_size(max(len(r) for r in rows))
+        if self._pieces_pay(rows, tokens):
+            return self._prefill_in_pieces(rows, tables)
         full = [list(r) for r in rows] + [[self.pad]] * (self.batch_size - len(rows))
         slots = np.full((self.batch_size, tokens), -1, np.int32)
         for i, (row, table) in enumerate(zip(rows, tables)):
@@ -301,6 +316,22 @@ class ModelRunner:
         with self.request():
             logits = self._run(graph_key("prefill", tokens), arrays)
         return logits[:len(rows)]
+
+    def _pieces_pay(self, rows: Sequence[Sequence[int]], bucket: int) -> bool:
+        return (self.prefill_in_pieces and bool(self.chunk_sizes) and bool(self.config.folder.infer.get("cpu_kernels"))
+                and all(len(r) for r in rows) and sum(len(r) for r in rows) <= PIECES_FILL * self.batch_size * bucket)
+
+    def _prefill_in_pieces(self, rows: Sequence[Sequence[int]], tables: Sequence[Sequence[int]]) -> np.ndarray:
+        """prefill's logits, each prompt in pieces of the largest chunk graph (the last one in the smallest that holds
+        it), every step row idle."""
+        big = self.chunk_sizes[-1]
+        out = []
+        with self.request():
+            for row, table in zip(rows, tables):
+                for start in range(0, len(row), big):
+                    _, last = self.chunk(list(row[start:start + big]), start, table, self.idle())
+                out.append(np.array(last, copy=True))
+        return np.stack(out)
 
     def step(self, rows: Sequence[Optional[StepRow]]) -> np.ndarray:
         """One decode step: each graph row's token at position length - 1 of its sequence. float32 logits [B, V]
