@@ -46,7 +46,8 @@ class InferConfig:
     verify_checksums: Any = True
     cpu_threads: Optional[int] = None  # ms backend: CPU kernel threads (default: the cores this process may use)
     # graphs run once at load so a request does not pay their compilation: "smallest" (the inc graph and
-    # the smallest prefill graph; longer buckets compile on the first prompt that needs them), "all", "none";
+    # the smallest prefill graph, or the largest chunk graph where a prompt alone goes in pieces: ModelRunner.prefill;
+    # longer buckets compile on the first prompt that needs them), "all", "none";
     # "auto": "all" on mslite (GE compiles for minutes per graph: never inside a request), "smallest" on ms
     warm_up: str = "auto"
     # load the folder's chunk graphs (a prompt's piece at an offset beside the running rows' step: the engine's

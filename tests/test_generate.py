@@ -109,9 +109,9 @@ def test_output_indexes_like_hf_generate(pipes, checkpoints, tokenizer):
 
 
 def test_graphs_load_on_first_use_and_compile_while_idle(exported, checkpoints):
-    """Loading reads no graph; a request loads the prefill bucket it needs and the inc graph of its rows (one: inc_1);
-    idle time compiles the rest of the warm-up set (the inc graphs, then the smallest bucket) without running them,
-    so the next tokens are still HF's."""
+    """Loading reads no graph; a request of one prompt loads the chunk graph its pieces take (the largest: runner
+    prefill) and the inc graph of its rows (one: inc_1); idle time compiles the rest of the warm-up set (the inc
+    graphs, then that chunk graph) without running them, so the next tokens are still HF's."""
     import threading
     import time
 
@@ -123,13 +123,13 @@ def test_graphs_load_on_first_use_and_compile_while_idle(exported, checkpoints):
     row = list(ROWS[1])  # 13 tokens: the 16-token bucket
     assert lazy.generate([row], max_new_tokens=5).sequences[0] == hf_generate(ckpt, row, max_new_tokens=5,
                                                                             do_sample=False)
-    assert sorted(lazy.backend.cells) == ["inc_1", "prefill_16"]
+    assert sorted(lazy.backend.cells) == ["chunk_32", "inc_1"]
 
     idle = pipeline("text_generation", model=folder, backend="ms")  # warm_up "auto": compile while idle
     deadline = time.monotonic() + 120
     while any(t.name == "mslite-llm-warm-up" for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert sorted(idle.backend._compiled) == ["inc", "inc_1", "prefill_8"]
+    assert sorted(idle.backend._compiled) == ["chunk_32", "inc", "inc_1"]
     assert idle.generate([row[:6]], max_new_tokens=5).sequences[0] == hf_generate(ckpt, row[:6], max_new_tokens=5,
                                                                                 do_sample=False)
 
@@ -196,9 +196,9 @@ def test_graphs_run_through_the_executor_directly_with_the_cells_outputs(pipes):
 
 
 def test_few_prompts_go_in_as_pieces_through_the_chunk_graphs(exported, checkpoints):
-    """prefill of prompts that fill at most a third of the prefill graph's rows x its bucket (runner.PIECES_FILL) runs
-    them as pieces through the chunk graphs (the server's path: a batch-16 folder computed every row of its prefill
-    graph for one prompt); more runs the prefill graph. Both give HF's last logits within float32's limit and HF's
+    """prefill of one prompt, or of prompts that fill at most a third of the prefill graph's rows x its bucket
+    (runner.PIECES_FILL), runs them as pieces through the chunk graphs (the server's path: a batch-16 folder computed
+    every row of its prefill graph for one prompt); more prompts than that run the prefill graph. Both give HF's last logits within float32's limit and HF's
     greedy tokens; with prefill_in_pieces off (check's replays) the prefill graph runs whatever the fill."""
     from lite_runtime import pipeline
     from lite_runtime.engine.runner import PIECES_FILL, SequenceBlocks
@@ -230,6 +230,9 @@ def test_few_prompts_go_in_as_pieces_through_the_chunk_graphs(exported, checkpoi
     assert not graphs and np.array_equal(again, first)
     whole, graphs = prefill([row], False)
     assert graphs == {"prefill_32"} and rel_err(whole[0], want) < TOL
+    one = prompts(1, [30], seed=6)[0]  # 30 of 2 x 32: 0.47, but one prompt
+    logits, graphs = prefill([one], True)
+    assert graphs <= {"chunk_32"} and rel_err(logits[0], hf_last_logits(ckpt, one)) < TOL
     two = prompts(2, [12, 10], seed=4)  # 22 of 2 x 16: 0.69, the prefill graph
     logits, graphs = prefill(two, True)
     assert graphs == {"prefill_16"}

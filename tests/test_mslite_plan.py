@@ -283,6 +283,11 @@ def test_warm_up_compiles_every_graph_at_load_on_atlas_and_the_short_ones_on_the
     assert warm_up_keys("auto", "ms", keys) == ["prefill_8", "inc"]
     assert warm_up_keys("smallest", "mslite", keys) == ["prefill_8", "inc"]
     assert warm_up_keys("all", "ms", keys) == keys and warm_up_keys("none", "mslite", keys) == []
+    # where a prompt alone goes in pieces (a CPU folder with chunk graphs: ModelRunner.prefill), the chunk graph they take
+    pieces = keys + ["chunk_8", "chunk_32"]
+    assert warm_up_keys("auto", "ms", pieces, pieces=True) == ["chunk_32", "inc"]
+    assert warm_up_keys("auto", "ms", pieces) == ["prefill_8", "inc"]
+    assert warm_up_keys("auto", "ms", keys, pieces=True) == ["prefill_8", "inc"]  # no chunk graph loaded
 
 
 def test_the_pool_size_is_written_into_a_copy_of_each_graph_lite_builds(tmp_path, exported):

@@ -43,19 +43,21 @@ from lite_runtime.inputs import InputOfInfer
 log = logging.getLogger(__name__)
 
 IDLE_SECONDS = 0.2  # how long no request must have run before the idle warm-up compiles a graph
-# prefill goes in pieces through the chunk graphs where its prompts fill at most this share of the prefill graph's rows
-# x bucket (SmolLM2 bfloat16, a batch-16 folder, 32-300-token prompts on the Zen 5: pieces 1.4-6.4x faster at a
-# quarter or less, 0.68-0.96x at a half or more; docs/performance-log.md 60)
+# prefill goes in pieces through the chunk graphs for one prompt, or where its prompts fill at most this share of the
+# prefill graph's rows x bucket (SmolLM2 bfloat16, a batch-16 folder, 32-300-token prompts on the Zen 5: pieces 1.4-6.4x
+# faster at a quarter or less, 0.68-0.96x at a half or more; one prompt on a batch-1 folder 0.99-1.96x, bf16, int8
+# and int4; docs/performance-log.md 60)
 PIECES_FILL = 1 / 3
 
 
-def warm_up_keys(setting: str, backend: str, keys: List[str]) -> List[str]:
+def warm_up_keys(setting: str, backend: str, keys: List[str], pieces: bool = False) -> List[str]:
     """The graphs to run once at load, of `keys` (prefill graphs, `inc`, the chunk graph), for a warm_up setting.
 
     "auto" is "all" on mslite: GE compiles a graph for minutes on its first run, which must never
     happen inside a request (and GE's compile cache makes the next load fast). On ms it is
     "smallest": the inc graphs, one of which every step needs, and the smallest prefill graph, which
-    short prompts need. Longer buckets compile in seconds on the first prompt that needs them, so a
+    short prompts need, or with `pieces` (a prompt alone goes in pieces: ModelRunner.prefill) the largest chunk
+    graph, which takes them. Longer buckets compile in seconds on the first prompt that needs them, so a
     server that only sees short prompts never pays their compile time nor their activations' memory.
     """
     if setting == "auto":
@@ -64,7 +66,9 @@ def warm_up_keys(setting: str, backend: str, keys: List[str]) -> List[str]:
         return list(keys)
     if setting == "smallest":
         prefills = sorted((k for k in keys if graph_role(k) == "prefill"), key=graph_tokens)
-        return prefills[:1] + [k for k in keys if graph_role(k) == "inc"]  # every step runs one of them
+        chunks = sorted((k for k in keys if graph_role(k) == "chunk"), key=graph_tokens)
+        first = chunks[-1:] if pieces and chunks else prefills[:1]
+        return first + [k for k in keys if graph_role(k) == "inc"]  # every step runs one of them
     return []
 
 
@@ -144,7 +148,8 @@ class ModelRunner:
 
     def _warm_up(self) -> None:
         """Compile graphs so a request does not pay for it (warm_up_keys): at load, or while idle (`auto` on ms)."""
-        keys = warm_up_keys(self.config.warm_up, self.backend_name, list(self.config.graph_paths()))
+        keys = warm_up_keys(self.config.warm_up, self.backend_name, list(self.config.graph_paths()),
+                            pieces=self._pieces_here())
         if self.config.warm_up == "auto" and hasattr(self.backend, "prepare"):
             # inc first: every request needs it, and a short prompt's prefill compiles as fast as it would wait
             order = [k for k in keys if graph_role(k) == "inc"] + [k for k in keys if graph_role(k) != "inc"]
@@ -299,8 +304,8 @@ class ModelRunner:
         """Rows 0..n-1 prefilled with `rows`, each into its blocks `tables[i]` from position 0 (the other rows idle):
         float32 logits [n, V].
 
-        Where the prompts fill at most a third of the prefill graph's rows x its bucket (`PIECES_FILL`) and the chunk
-        graphs are loaded, on a folder of our CPU kernels, each prompt goes in as pieces through them instead
+        For one prompt, or prompts that fill at most a third of the prefill graph's rows x its bucket (`PIECES_FILL`),
+        where the chunk graphs are loaded, on a folder of our CPU kernels, each prompt goes in as pieces through them
         (`prefill_in_pieces`): a prefill graph computes every one of its rows' positions in parts of each layer (norms,
         MindSpore's elementwise ops, zeroing the padding), so one 128-token prompt on a batch-16 folder cost 4.8x its
         pieces (docs/performance-log.md 60). The same arithmetic as the server's prompts; check proves both."""
@@ -317,9 +322,13 @@ class ModelRunner:
             logits = self._run(graph_key("prefill", tokens), arrays)
         return logits[:len(rows)]
 
+    def _pieces_here(self) -> bool:
+        """Whether prefill may go in pieces here (prefill): on, chunk graphs loaded, a folder of our CPU kernels."""
+        return self.prefill_in_pieces and bool(self.chunk_sizes) and bool(self.config.folder.infer.get("cpu_kernels"))
+
     def _pieces_pay(self, rows: Sequence[Sequence[int]], bucket: int) -> bool:
-        return (self.prefill_in_pieces and bool(self.chunk_sizes) and bool(self.config.folder.infer.get("cpu_kernels"))
-                and all(len(r) for r in rows) and sum(len(r) for r in rows) <= PIECES_FILL * self.batch_size * bucket)
+        return (self._pieces_here() and all(len(r) for r in rows)
+                and (len(rows) == 1 or sum(len(r) for r in rows) <= PIECES_FILL * self.batch_size * bucket))
 
     def _prefill_in_pieces(self, rows: Sequence[Sequence[int]], tables: Sequence[Sequence[int]]) -> np.ndarray:
         """prefill's logits, each prompt in pieces of the largest chunk graph (the last one in the smallest that holds
