@@ -96,16 +96,42 @@ def _weights_file_bytes(folder, rank: int) -> int:
     return sum(os.path.getsize(f) for f in files if os.path.isfile(f))
 
 
+def _kernel_weight_bytes(folder, rank: int) -> int:
+    """What lite_runtime/backends/ms.py _into_huge_pages lays out for the rank: every weight a node calling our kernels
+    reads in its step graph (_kernel_weights: not the KV caches, not an untied embedding only a lookup reads), each at a
+    4 KiB boundary; the arena's size, exactly, for the folders measured (tied and untied, float and quantized: the step
+    graph reads every layer, the final norm and the head). The weights file's size where that graph cannot be read
+    here."""
+    try:
+        import numpy as np
+
+        from lite_runtime.backends.ms import _NUMPY, _kernel_weights, _read_mindir
+        from mindspore.train import mind_ir_pb2
+
+        model = _read_mindir(folder.graph_paths(rank)["inc"])
+        ours = _kernel_weights(model)
+    except Exception:  # no MindSpore, a graph missing or unreadable: the load says so; plan as before
+        return _weights_file_bytes(folder, rank)
+    total = 0
+    for param in model.graph.parameter:
+        dtype = _NUMPY.get(mind_ir_pb2.TensorProto.DataType.Name(param.data_type))
+        if param.name.rsplit(":", 1)[-1] in ours and dtype is not None:
+            nbytes = int(np.prod([int(d) for d in param.dims], dtype=np.int64)) * np.dtype(dtype).itemsize
+            total += -(-nbytes // 4096) * 4096
+    return total
+
+
 def weights_copy_bytes(folder, rank: int = 0, have: Optional[int] = None) -> int:
     """Bytes the `ms` backend copies at load into huge pages (lite_runtime/backends/ms.py _into_huge_pages): the
-    rank's weights file, an upper bound of the weights our CPU kernels read, for a folder whose graphs call them
+    weights our CPU kernels read (_kernel_weight_bytes: an untied embedding only a lookup reads is left out, 1 GiB at
+    the Qwen2.5-7B shape in bfloat16), for a folder whose graphs call them
     (manifest infer `cpu_kernels`); 0 where it copies nothing: MSLITE_LLM_HUGE_PAGES=0, no CPU kernels, or too little
     memory (`have`, default available_bytes() when first asked in this process, the answer kept: the copy and 1 GiB
     must fit, else the weights stay mapped, as page cache). The KV pool's default is sized after it
     (lite_runtime/engine/runner.py), and the load copies as it said (lite_runtime/backends/ms.py)."""
     if os.environ.get("MSLITE_LLM_HUGE_PAGES") == "0" or not folder.infer.get("cpu_kernels"):
         return 0
-    weights = _weights_file_bytes(folder, rank)
+    weights = _kernel_weight_bytes(folder, rank)
     if have is not None:
         return weights if weights + GIB <= have else 0
     key = (os.path.realpath(folder.path), rank)  # one answer a process: the pool's plan and the load agree
