@@ -103,9 +103,7 @@ def _kernel_weight_bytes(folder, rank: int) -> int:
     graph reads every layer, the final norm and the head). The weights file's size where that graph cannot be read
     here."""
     try:
-        import numpy as np
-
-        from lite_runtime.backends.ms import _NUMPY, _kernel_weights, _read_mindir
+        from lite_runtime.backends.ms import _NUMPY, _arena_slot, _kernel_weights, _param_nbytes, _read_mindir
         from mindspore.train import mind_ir_pb2
 
         model = _read_mindir(folder.graph_paths(rank)["inc"])
@@ -116,8 +114,7 @@ def _kernel_weight_bytes(folder, rank: int) -> int:
     for param in model.graph.parameter:
         dtype = _NUMPY.get(mind_ir_pb2.TensorProto.DataType.Name(param.data_type))
         if param.name.rsplit(":", 1)[-1] in ours and dtype is not None:
-            nbytes = int(np.prod([int(d) for d in param.dims], dtype=np.int64)) * np.dtype(dtype).itemsize
-            total += -(-nbytes // 4096) * 4096
+            total += _arena_slot(_param_nbytes(tuple(param.dims), dtype))
     return total
 
 
@@ -131,12 +128,12 @@ def weights_copy_bytes(folder, rank: int = 0, have: Optional[int] = None) -> int
     (lite_runtime/engine/runner.py), and the load copies as it said (lite_runtime/backends/ms.py)."""
     if os.environ.get("MSLITE_LLM_HUGE_PAGES") == "0" or not folder.infer.get("cpu_kernels"):
         return 0
-    weights = _kernel_weight_bytes(folder, rank)
     if have is not None:
+        weights = _kernel_weight_bytes(folder, rank)
         return weights if weights + GIB <= have else 0
     key = (os.path.realpath(folder.path), rank)  # one answer a process: the pool's plan and the load agree
-    if key not in _COPY_DECISIONS:
-        have = available_bytes()
+    if key not in _COPY_DECISIONS:  # (the step graph parsed once: the runner and the backend both ask)
+        weights, have = _kernel_weight_bytes(folder, rank), available_bytes()
         _COPY_DECISIONS[key] = weights if have is None or weights + GIB <= have else 0
     return _COPY_DECISIONS[key]
 

@@ -18,6 +18,7 @@ Importable without MindSpore (it edits the proto only).
 """
 from __future__ import annotations
 
+import math
 import struct
 from typing import Callable, Dict, List, Optional
 
@@ -32,17 +33,6 @@ MAX_TENSORS = 256  # registry.cc ARENA_MAX: an op's inputs and outputs
 MONADS = ("UMONAD", "IOMONAD")
 
 
-def _prims(model) -> Dict[str, object]:
-    return {prim.name: prim for prim in model.primitives}
-
-
-def _func(prim) -> Optional[str]:
-    for attr in prim.attribute:
-        if attr.name == "func_name":
-            return attr.s.decode("utf-8", "replace")
-    return None
-
-
 def _constant_tensor(node):
     """A Constant node's one tensor (dims, dtype code, bytes) when it holds one whose bytes are all there, else None."""
     if node.op_type != "Constant" or len(node.attribute) != 1:
@@ -54,22 +44,17 @@ def _constant_tensor(node):
     code = DTYPES.get(type(tensor).DataType.Name(tensor.data_type))
     if code is None:
         return None
-    count = 1
-    for d in tensor.dims:
-        count *= int(d)
-    if len(tensor.dims) > 8 or count * SIZES[code] != len(tensor.raw_data):
+    if len(tensor.dims) > 8 or math.prod(int(d) for d in tensor.dims) * SIZES[code] != len(tensor.raw_data):
         return None
     return [int(d) for d in tensor.dims], code, bytes(tensor.raw_data)
 
 
-def _is_monad(node, prims) -> bool:
+def _is_monad(node, op_of) -> bool:
     if node is None:
         return False
     if node.op_type == "Constant":
         return any(type(a).AttributeType.Name(a.type) in MONADS for a in node.attribute)
-    name = node.op_type[len("REF::"):] if node.op_type.startswith("REF::") else node.op_type
-    prim = prims.get(name)
-    return (prim.op_type if prim is not None else name) == "UpdateState"
+    return op_of(node) == "UpdateState"
 
 
 def _table(node_name: str, model, address: int, entries: List[tuple], passed: int, blobs: List[bytes]):
@@ -83,20 +68,10 @@ def _table(node_name: str, model, address: int, entries: List[tuple], passed: in
     words = [MAGIC, address, len(entries), passed]
     for where, offset, code, dims in entries:  # a table entry's offset: its blob's index, here its place
         words += [where, blob_at[offset] if where == IN_TABLE else offset, code, len(dims), *dims]
+    from lite_runtime.backends.standins import constant_bytes
+
     raw = struct.pack(f"<{len(words)}q", *(w - (1 << 64) if w >= 1 << 63 else w for w in words)) + data
-    const = type(model.graph.node[0])()
-    const.op_type = "Constant"
-    const.name = node_name + ":arena_table"
-    const.output.append(const.name)
-    attr = const.attribute.add()
-    attr.name = "value"
-    attr.type = type(attr).AttributeType.Value("TENSORS")
-    tensor = attr.tensors.add()
-    tensor.dims.append(len(raw) // 8)
-    tensor.data_type = type(tensor).DataType.Value("INT64")
-    tensor.name = "value0"
-    tensor.raw_data = raw
-    return const
+    return constant_bytes(model, node_name + ":arena_table", "INT64", len(raw) // 8, raw)
 
 
 def call_through_arena(model, places: Dict[str, int], arena_bytes: int, address: Callable[[str], int],
@@ -109,28 +84,26 @@ def call_through_arena(model, places: Dict[str, int], arena_bytes: int, address:
     weights' Parameters nothing else reads. Returns how many nodes."""
     import cpu_kernels
 
+    from lite_runtime.backends.ms import _our_calls
     from lite_runtime.backends.standins import _rebuild, set_parameters
 
-    prims = _prims(model)
-    funcs = {}  # a primitive calling one of our kernels -> its function
-    for prim in model.primitives:
-        func = _func(prim)
-        if func is not None and cpu_kernels.names_our_library(func):
-            function = func.rpartition(":")[2]
-            if function not in skip and function != cpu_kernels.ARENA_CALL:
-                funcs[prim.name] = function
+    ours, op_of, _ = _our_calls(model)  # a primitive calling one of our kernels -> its function
+    funcs = {prim: function for prim, function in ours.items() if function not in skip
+             and function != cpu_kernels.ARENA_CALL}
     if not funcs or not places:
         return 0
+    prims = {prim.name: prim for prim in model.primitives}
     params = {p.name: p for p in model.graph.parameter}
     nodes = {out: node for node in model.graph.node for out in node.output}
     short = lambda name: name.rsplit(":", 1)[-1]
+    arena_name = _arena_name(model)
 
     def in_arena(name: str) -> Optional[str]:
-        """The parameter `name` is (through Load nodes) when it is in the arena."""
+        """The parameter `name` is (through Load nodes, not Depend: _our_calls' resolve takes both) when it is in the
+        arena."""
         while name not in params:
             node = nodes.get(name)
-            if node is None or not node.input or node.op_type.rpartition("::")[2] not in prims or \
-                    prims[node.op_type.rpartition("::")[2]].op_type != "Load":
+            if node is None or not node.input or op_of(node) != "Load":
                 return None
             name = node.input[0]
         return name if short(name) in places else None
@@ -151,17 +124,14 @@ def call_through_arena(model, places: Dict[str, int], arena_bytes: int, address:
                 p = params[param]
                 code = DTYPES.get(type(p).DataType.Name(p.data_type))
                 dims = [int(d) for d in p.dims]
-                count = 1
-                for d in dims:
-                    count *= d
-                if code is None or len(dims) > 8 or places[short(param)] + count * SIZES[code] > arena_bytes:
+                if code is None or len(dims) > 8 or places[short(param)] + math.prod(dims) * SIZES[code] > arena_bytes:
                     entries = None  # not a weight of the arena's form: the node is left as it is
                     break
                 entries.append((IN_ARENA, places[short(param)], code, dims))
-            elif _is_monad(source, prims):
+            elif _is_monad(source, op_of):
                 monads.append(name)
-            elif source is not None and _constant_tensor(source) is not None:
-                dims, code, raw = _constant_tensor(source)
+            elif source is not None and (constant := _constant_tensor(source)) is not None:
+                dims, code, raw = constant
                 entries.append((IN_TABLE, len(blobs), code, dims))
                 blobs.append(raw)
             else:
@@ -183,13 +153,13 @@ def call_through_arena(model, places: Dict[str, int], arena_bytes: int, address:
         table = _table(node.name, model, address(function), entries, len(passed), blobs)
         tables.append(table)
         del node.input[:]
-        node.input.extend([table.output[0], _arena_name(model)] + passed + monads)
+        node.input.extend([table.output[0], arena_name] + passed + monads)
         node.op_type = "REF::" + wrappers[prim_name].name
         rewritten += 1
     if not rewritten:
         return 0
     arena = model.graph.parameter.add()
-    arena.name = _arena_name(model)
+    arena.name = arena_name
     arena.dims.append(int(arena_bytes))
     arena.data_type = type(arena).DataType.Value("UINT8")
     _rebuild(model, tables)

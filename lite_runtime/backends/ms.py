@@ -156,6 +156,19 @@ def _check_cache_dtype(model, path: str, spec) -> None:
             return
 
 
+def _param_nbytes(shape, dtype) -> int:
+    """Bytes of a parameter of `shape` and numpy `dtype` (_NUMPY's)."""
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+ARENA_ALIGN = 4096  # each weight's place in the huge-page arena starts at a page (_into_huge_pages)
+
+
+def _arena_slot(nbytes: int) -> int:
+    """The arena bytes a weight of `nbytes` takes (to the next ARENA_ALIGN)."""
+    return -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+
+
 def _parameter_arrays(model, path: str) -> Dict[str, np.ndarray]:
     """Each parameter of a parsed MindIR as a numpy array: external data memory-mapped copy-on-write, and the KV
     caches zeros of their (pool-sized) shape.
@@ -179,7 +192,7 @@ def _parameter_arrays(model, path: str) -> Dict[str, np.ndarray]:
             raise InferError(f"{path}: parameter {name} has dtype {type_name(param.data_type)}, which the ms "
                              "backend cannot run; re-export with --dtype float32")
         shape = tuple(param.dims)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        nbytes = _param_nbytes(shape, dtype)
         if is_kv_cache(name):
             arrays[name] = np.zeros(shape, dtype)
             continue
@@ -259,7 +272,7 @@ def _into_huge_pages(arrays: Dict[str, np.ndarray], names, bands,
     at, offsets = 0, []
     for name in names:
         offsets.append(at)
-        at += -(-arrays[name].nbytes // 4096) * 4096
+        at += _arena_slot(arrays[name].nbytes)
     if not names:
         return None
     arena = _huge_arena(at)

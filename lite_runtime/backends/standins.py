@@ -216,6 +216,12 @@ def _through(name: str, nodes, prims) -> str:
 
 def _constant(model, name: str, values: Sequence[float]):
     """A Constant node of a float32 [len(values)] tensor (not yet in the graph: substitute puts it first)."""
+    return constant_bytes(model, name, "FLOAT", len(values), struct.pack(f"<{len(values)}f", *values))
+
+
+def constant_bytes(model, name: str, data_type: str, length: int, raw: bytes):
+    """A Constant node (output `name`) of a one-dimensional tensor of `length` elements of MindIR's `data_type`, its
+    bytes `raw` (not yet in the graph: the caller puts it before its readers)."""
     node = type(model.graph.node[0])()
     node.op_type = "Constant"
     node.name = name
@@ -224,10 +230,10 @@ def _constant(model, name: str, values: Sequence[float]):
     attr.name = "value"
     attr.type = type(attr).AttributeType.Value("TENSORS")
     tensor = attr.tensors.add()
-    tensor.dims.append(len(values))
-    tensor.data_type = type(tensor).DataType.Value("FLOAT")
+    tensor.dims.append(length)
+    tensor.data_type = type(tensor).DataType.Value(data_type)
     tensor.name = "value0"
-    tensor.raw_data = struct.pack(f"<{len(values)}f", *values)
+    tensor.raw_data = raw
     return node
 
 
