@@ -22,6 +22,8 @@ GEMV_BIAS = "MsliteLlmGemvBias"  # the same plus b [O] float32
 GEMM_VALID = "MsliteLlmGemmValid"  # x [B*n, I], W [O, I], (b [O],) valid_length [B] int32 -> [B*n, O]: each row's
 #   first valid_length tokens computed, the padding rows zero (the full graph: cost follows the prompt, not the graph)
 EMBED = "MsliteLlmEmbed"  # ids [N] int32/int64, table [V, E] float32/float16/bfloat16 -> [N, E] float32
+EMBED_QUANT = "MsliteLlmEmbedQuant"  # ids [N], q [V, E] int8 or [V, E / 2] uint8 (int4), scale [G, V] float32
+#   (, offset [G, V] float32) -> [N, E] float32 = (q + offset) * scale: a quantized table's lookup in one call
 # the decode step's fused ops (float32 activations): one call for what MindSpore runs as a chain of small kernels
 RMS_NORM = "MsliteLlmRmsNorm"  # x [N, E], w [E], eps [1] -> [N, E]
 QKV_ROPE = "MsliteLlmQkvRope"  # x, Wq, bq, Wk, bk, Wv, bv, cos [N, D], sin [N, D] [, q_norm, k_norm [D], eps [1]]
@@ -87,11 +89,11 @@ R16_OPS = {f: f + "R16" for f in (QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMU
                                                           QUANTIZED_OPS[DECODE_LAYER_VALID], DECODE_MOE_LAYER)))}
 # The ops that read a few rows of their table a call (a lookup): what only they read is not copied into huge pages at
 # load (lite_runtime/backends/ms.py _kernel_weights: a step touches a few of its pages; an untied embedding)
-ROW_READERS = (EMBED,)
+ROW_READERS = (EMBED, EMBED_QUANT)
 # One of our ops called with its weights as places in one arena (registry.cc; lite_runtime/backends/arena.py): written
 # by the runtime at load, never in a folder, so not among FUNCTIONS (a folder calling it is refused at load)
 ARENA_CALL = "MsliteLlmArenaCall"
-FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
+FUNCTIONS = (GEMV, GEMV_BIAS, GEMM_VALID, EMBED, EMBED_QUANT, RMS_NORM, QKV_ROPE, GEMV_ADD, SWIGLU, DECODE_ATTENTION, DECODE_QKV,
              WRITE_CACHE, NORM_SWIGLU, DECODE_TAIL, QKV_ROPE_VALID, DECODE_LAYER_VALID, DECODE_LAYER, QUANT_MATMUL, QUANT_MATMUL_OFFSET, QUANT_MATMUL_VALID, QUANT_MATMUL_OFFSET_VALID,
              ATLAS_WEIGHT_QUANT_BATCH_MATMUL, MOE, DECODE_MOE_LAYER,
              *QUANTIZED_OPS.values(), *R16_OPS.values(), *KV16_OPS.values())

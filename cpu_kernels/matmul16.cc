@@ -1259,6 +1259,51 @@ struct EmbedJob : Job {
   }
 };
 
+// A quantized table's lookup (embed_quant): rows of int8 [V, E], or int4 two per byte [V, E / 2] (input 2j in the
+// low nibble, two's complement), and float32 scale [G, V] (and offset [G, V]) per group of E / G inputs of a row:
+// y = (q + offset) * scale in float32, as the plain ops compute it (export/network/layers.py Embedding).
+struct EmbedQuantJob : Job {
+  const void* ids;
+  bool ids64, packed;
+  const uint8_t* q;
+  const float *scale, *offset;
+  int64_t vocab, width, groups, n;
+  float* y;
+
+  void work() override {
+    constexpr int64_t IDS_PER_TASK = 16;
+    const int64_t group = width / groups, row_bytes = packed ? width / 2 : width;
+    for (;;) {
+      const int64_t i0 = next.fetch_add(IDS_PER_TASK, std::memory_order_relaxed);
+      if (i0 >= n) return;
+      for (int64_t i = i0; i < std::min(n, i0 + IDS_PER_TASK); ++i) {
+        const int64_t id = ids64 ? static_cast<const int64_t*>(ids)[i] : static_cast<const int32_t*>(ids)[i];
+        const uint8_t* row = q + id * row_bytes;
+        float* out = y + i * width;
+        for (int64_t g = 0; g < groups; ++g) {
+          const float s = scale[g * vocab + id], o = offset ? offset[g * vocab + id] : 0.f;
+          float* dst = out + g * group;
+          if (packed) {
+            const uint8_t* src = row + g * group / 2;
+            for (int64_t j = 0; j < group / 2; ++j) {
+              const int lo = src[j] & 15, hi = src[j] >> 4;
+              dst[2 * j] = offset ? (float(lo - ((lo & 8) << 1)) + o) * s : float(lo - ((lo & 8) << 1)) * s;
+              dst[2 * j + 1] = offset ? (float(hi - ((hi & 8) << 1)) + o) * s : float(hi - ((hi & 8) << 1)) * s;
+            }
+          } else {
+            const int8_t* src = reinterpret_cast<const int8_t*>(row) + g * group;
+            if (offset) {
+              for (int64_t j = 0; j < group; ++j) dst[j] = (float(src[j]) + o) * s;
+            } else {
+              for (int64_t j = 0; j < group; ++j) dst[j] = float(src[j]) * s;
+            }
+          }
+        }
+      }
+    }
+  }
+};
+
 }  // namespace
 
 RowsFn rows_kernel(WType wt) { return wt == W_QUANT ? quant_rows_kernel() : g_kernels.rows[wt]; }
@@ -1528,6 +1573,45 @@ int embed(int nparam, void** params, int* ndims, int64_t** shapes, const char** 
   job.width = width;
   job.n = n;
   job.y = static_cast<float*>(params[2]);
+  run(&job, n * width >= MIN_PARALLEL_WORK);
+  return 0;
+}
+
+int embed_quant(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 4 && nparam != 5) return 1;
+  const bool ids64 = std::strcmp(dtypes[0], "int64") == 0, with_offset = nparam == 5;
+  const bool packed = std::strcmp(dtypes[1], "uint8") == 0;
+  const int yi = nparam - 1;
+  if ((!ids64 && std::strcmp(dtypes[0], "int32") != 0) || (!packed && std::strcmp(dtypes[1], "int8") != 0) ||
+      !is_f32(dtypes[2]) || (with_offset && !is_f32(dtypes[3])) || !is_f32(dtypes[yi]))
+    return 2;
+  if (ndims[0] < 0 || ndims[1] != 2 || ndims[2] != 2 || (with_offset && ndims[3] != 2) || ndims[yi] != ndims[0] + 1)
+    return 3;
+  const int64_t vocab = shapes[1][0], width = shapes[1][1] * (packed ? 2 : 1), groups = shapes[2][0];
+  if (groups < 1 || shapes[2][1] != vocab || width % groups != 0 || (packed && (width / groups) % 2 != 0)) return 4;
+  if (with_offset && (shapes[3][0] != groups || shapes[3][1] != vocab)) return 4;
+  int64_t n = 1;
+  for (int d = 0; d < ndims[0]; ++d) {
+    if (shapes[yi][d] != shapes[0][d]) return 4;
+    n *= shapes[0][d];
+  }
+  if (shapes[yi][ndims[0]] != width) return 4;
+  for (int64_t i = 0; i < n; ++i) {  // all ids first: nothing is written for a bad call
+    const int64_t id = ids64 ? static_cast<const int64_t*>(params[0])[i] : static_cast<const int32_t*>(params[0])[i];
+    if (id < 0 || id >= vocab) return 5;
+  }
+  EmbedQuantJob job;
+  job.ids = params[0];
+  job.ids64 = ids64;
+  job.packed = packed;
+  job.q = static_cast<const uint8_t*>(params[1]);
+  job.scale = static_cast<const float*>(params[2]);
+  job.offset = with_offset ? static_cast<const float*>(params[3]) : nullptr;
+  job.vocab = vocab;
+  job.width = width;
+  job.groups = groups;
+  job.n = n;
+  job.y = static_cast<float*>(params[yi]);
   run(&job, n * width >= MIN_PARALLEL_WORK);
   return 0;
 }

@@ -13,6 +13,8 @@ namespace msllm {
 int gemv(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, bool with_bias,
          bool prompt_rows);
 int embed(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
+// ids, q int8 [V, E] | uint8 [V, E / 2] (int4), scale [G, V] f32 (, offset [G, V] f32), y f32: matmul16.cc
+int embed_quant(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);
 
 // attention.cc
 int decode_attention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes);

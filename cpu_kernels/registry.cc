@@ -10,6 +10,8 @@
 //   MsliteLlmGemvBias: params = x [M, I] f32, W [O, I] f32/f16/bf16, b [O] f32, y [M, O] f32
 //   MsliteLlmEmbed:    params = ids [N] int32/int64, table [V, E] f32/f16/bf16, y [N, E] f32
 //                      (ids may have any rank; y is ids' shape plus [E])
+//   MsliteLlmEmbedQuant: params = ids, q [V, E] int8 | [V, E / 2] uint8 (int4, input 2j low nibble), scale [G, V]
+//                      f32 (, offset [G, V] f32), y [N, E] f32 = (q + offset) * scale per group of E / G inputs
 // The decode step's fused ops (decode_ops.cc): MsliteLlmRmsNorm, MsliteLlmQkvRope, MsliteLlmGemvAdd,
 // MsliteLlmSwiGlu, MsliteLlmPagedDecodeQkv, MsliteLlmWriteCache, MsliteLlmNormSwiGlu, MsliteLlmDecodeTail (and
 // MsliteLlmQkvRopeValid, MsliteLlmPagedDecodeLayerValid: the chunk graph's, a row count first); the attention
@@ -89,6 +91,11 @@ int MsliteLlmGemmValid(int nparam, void** params, int* ndims, int64_t** shapes, 
 
 int MsliteLlmEmbed(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {
   return timed(OP_EMBED, [&] { return embed(nparam, params, ndims, shapes, dtypes); });
+}
+
+int MsliteLlmEmbedQuant(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*,
+                        void*) {
+  return timed(OP_EMBED, [&] { return embed_quant(nparam, params, ndims, shapes, dtypes); });
 }
 
 int MsliteLlmRmsNorm(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void*, void*) {

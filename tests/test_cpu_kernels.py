@@ -217,6 +217,73 @@ def test_embed_refuses_what_it_cannot_compute():
     assert call_kernel(cpu_kernels.EMBED, ids, table, np.zeros((2, 4), np.float32), dtypes=["int32", f32, f32]) == 4
 
 
+def embed_quant_reference(ids, q, scale, offset, packed):
+    """The plain ops' lookup (export/network/layers.py Embedding._lookup) in numpy, float32 step by step."""
+    rows = q[ids.reshape(-1)]
+    if packed:  # input 2j in the low nibble, two's complement
+        nib = np.stack((rows & 15, rows >> 4), -1).reshape(rows.shape[0], -1).astype(np.int32)
+        rows = nib - (nib >= 8) * 16
+    x = rows.astype(np.float32)
+    g = scale.shape[0]
+    x = x.reshape(x.shape[0], g, -1)
+    if offset is not None:
+        x = x + offset[:, ids.reshape(-1)].T[:, :, None]
+    x = x * scale[:, ids.reshape(-1)].T[:, :, None]
+    return x.reshape(*ids.shape, -1)
+
+
+@pytest.mark.parametrize("packed,groups,with_offset", [(False, 1, False), (False, 4, True), (True, 1, True),
+                                                       (True, 9, True), (True, 3, False)])
+def test_embed_quant_equals_the_plain_ops_bit_for_bit(packed, groups, with_offset):
+    """A quantized table's lookup (MsliteLlmEmbedQuant): int8 rows or int4 two a byte, a float32 scale (and offset)
+    per group of a row, ids of any shape, int32 or int64; enough ids to run on the pool's threads too."""
+    rng = np.random.default_rng(groups * 10 + packed)
+    vocab, width = 97, 72 * groups
+    q = rng.integers(0, 256, (vocab, width // 2)).astype(np.uint8) if packed else \
+        rng.integers(-128, 128, (vocab, width)).astype(np.int8)
+    scale = rng.standard_normal((groups, vocab), dtype=np.float32)
+    offset = rng.standard_normal((groups, vocab), dtype=np.float32) if with_offset else None
+    for ids_dtype, shape in (("int32", (5,)), ("int64", (2, 3)), ("int32", (20000 // groups,))):
+        ids = rng.integers(0, vocab, shape).astype(ids_dtype)
+        ids.reshape(-1)[0], ids.reshape(-1)[-1] = 0, vocab - 1
+        y = np.full(shape + (width,), np.nan, np.float32)
+        tensors = (ids, q, scale) + ((offset,) if with_offset else ()) + (y,)
+        dtypes = [ids_dtype, "uint8" if packed else "int8"] + ["float32"] * (len(tensors) - 2)
+        assert call_kernel(cpu_kernels.EMBED_QUANT, *tensors, dtypes=dtypes) == 0
+        assert np.array_equal(y, embed_quant_reference(ids, q, scale, offset, packed))
+
+
+def test_embed_quant_refuses_what_it_cannot_compute_and_writes_nothing():
+    ids, q, s = np.array([1, 2], np.int32), np.zeros((10, 8), np.int8), np.ones((2, 10), np.float32)
+    f32, i8 = "float32", "int8"
+
+    def code(*tensors, dtypes):
+        y = tensors[-1]
+        before = y.copy()
+        got = call_kernel(cpu_kernels.EMBED_QUANT, *tensors, dtypes=dtypes)
+        assert got == 0 or np.array_equal(y, before, equal_nan=True)
+        return got
+
+    y = np.full((2, 8), np.nan, np.float32)
+    assert code(ids, q, y, dtypes=["int32", i8, f32]) == 1
+    assert code(ids, q, s, s, s, y, dtypes=["int32", i8, f32, f32, f32, f32]) == 1
+    assert code(ids, q.astype(np.int16), s, y, dtypes=["int32", "int16", f32, f32]) == 2
+    assert code(ids, q, s.astype(np.float16), y, dtypes=["int32", i8, "float16", f32]) == 2
+    assert code(ids.astype(np.int16), q, s, y, dtypes=["int16", i8, f32, f32]) == 2
+    assert code(ids, q[0], s, y, dtypes=["int32", i8, f32, f32]) == 3
+    assert code(ids, q, s[0], y, dtypes=["int32", i8, f32, f32]) == 3
+    assert code(ids, q, np.ones((3, 10), np.float32), y, dtypes=["int32", i8, f32, f32]) == 4  # 8 in groups of 3
+    assert code(ids, q, np.ones((2, 11), np.float32), y, dtypes=["int32", i8, f32, f32]) == 4  # not the vocabulary
+    assert code(ids, q, s, np.ones((1, 10), np.float32), y, dtypes=["int32", i8, f32, f32, f32]) == 4
+    assert code(ids, q, s, np.full((2, 9), np.nan, np.float32), dtypes=["int32", i8, f32, f32]) == 4
+    assert code(ids, q.view(np.uint8)[:, :4].copy(), s, np.full((2, 8), np.nan, np.float32),
+                dtypes=["int32", "uint8", f32, f32]) == 0  # int4: 4 bytes a row are 8 inputs
+    assert code(ids, q.view(np.uint8)[:, :3].copy(), np.ones((2, 10), np.float32), np.full((2, 6), np.nan, np.float32),
+                dtypes=["int32", "uint8", f32, f32]) == 4  # int4 groups of 3 inputs: a byte split between groups
+    for bad in (10, -1):
+        assert code(np.array([1, bad], np.int32), q, s, y, dtypes=["int32", i8, f32, f32]) == 5
+
+
 def test_bfloat16_weights_at_several_rows_round_x_to_bfloat16_where_the_cpu_has_avx512_bf16():
     """The AVX512-BF16 form (cpu_kernels.bf16_form): 5 to 64 rows of x against bfloat16 weights multiply x rounded to
     bfloat16 (its rows form), and more rows of a width in whole blocks of 32 too (its GEMM: a prompt's rows, a chunk

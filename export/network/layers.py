@@ -73,6 +73,17 @@ def kernel_embed():
                       out_dtype=lambda ids, table: ms.float32, func_type="aot")
 
 
+def kernel_embed_quant(packed: bool):
+    """Our CPU kernel for a quantized table's lookup as an aot Custom op: ids [N] int32, q [V, E] int8 (or [V, E / 2]
+    uint8, two int4 a byte: `packed`), scale [G, V] float32 (, offset [G, V]) -> [N, E] float32, the plain ops'
+    (q + offset) * scale in one call (a step's lookup ran as eight or more small MindSpore kernels)."""
+    import cpu_kernels
+
+    return ops.Custom(cpu_kernels.local_func(cpu_kernels.EMBED_QUANT),
+                      out_shape=lambda ids, q, *scales: (ids[0], q[1] * (2 if packed else 1)),
+                      out_dtype=lambda ids, *rest: ms.float32, func_type="aot")
+
+
 class Linear(nn.Cell):
     """y = x @ W^T (+ b), W [out, in] as HF stores it, stored and multiplied by the layer's `method` (export/network/matmul.py:
     plain MatMul, our CPU kernel, or a quantized matmul), chosen once for the network. `few_rows` is the decode
@@ -576,6 +587,7 @@ class Embedding(nn.Cell):
             self.weight_scale = _weight((groups, self.rows), dtype, "weight_scale")
             if not e.symmetric:
                 self.weight_offset = _weight((groups, self.rows), dtype, "weight_offset")
+            self.kernel = kernel_embed_quant(self.packed) if k.decode_ops and dtype == ms.float32 else None
         else:
             self.weight = _weight((self.rows, hidden_size), k.table_dtype or dtype, "weight")
             self.kernel = kernel_embed() if k.table_dtype is not None else None
@@ -588,6 +600,9 @@ class Embedding(nn.Cell):
     def _lookup(self, ids):
         if not self.quantized:
             return self.kernel(ids, self.weight) if self.kernel is not None else ops.gather(self.weight, ids, 0)
+        if self.kernel is not None:
+            return (self.kernel(ids, self.weight, self.weight_scale) if self.weight_offset is None else
+                    self.kernel(ids, self.weight, self.weight_scale, self.weight_offset))
         if self.packed:  # rows of nibbles (input 2j low, 2j + 1 high, two's complement) -> -8..7
             v = ops.cast(ops.gather(self.weight, ids, 0), ms.int32)  # [N, E/2], 0..255
             high = ops.floor_div(v, 16)

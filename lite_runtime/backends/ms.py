@@ -396,7 +396,10 @@ def _our_calls(model):
 def _quant_op_inputs(model, int8: bool = False):
     """Per Custom primitive of a parsed MindIR that calls one of our ops: (its function, and per node the int4
     weights it reads, each as (parameter, the scale parameter after it)); and the int4 parameters any other node
-    reads (_int4_params); with `int8`, the int8 weights likewise."""
+    reads (_int4_params; our lookups among them, cpu_kernels.ROW_READERS: they read the table as stored); with
+    `int8`, the int8 weights likewise."""
+    import cpu_kernels
+
     params = {p.name: p for p in model.graph.parameter}
     int4 = _int4_params(model, int8)
     funcs, op_of, resolve = _our_calls(model)
@@ -413,7 +416,7 @@ def _quant_op_inputs(model, int8: bool = False):
         if not reads or op in ("Load", "Depend", "UpdateState"):  # Depend's second input only orders
             continue
         prim = node.op_type.rpartition("::")[2]
-        if prim in funcs:
+        if prim in funcs and funcs[prim] not in cpu_kernels.ROW_READERS:
             ops.setdefault(prim, (funcs[prim], []))[1].append(reads)
         elif op == "MakeTuple" and all(op_of(c) == "UpdateState" for out in node.output for c in consumers.get(out, ())):
             continue  # a side effect's ordering, not a read
@@ -501,7 +504,7 @@ def _split_shared_weights(model) -> int:
     split = set()
     out = []
     for node in model.graph.node:
-        if node.op_type.rpartition("::")[2] in funcs:
+        if funcs.get(node.op_type.rpartition("::")[2]) not in (None, *cpu_kernels.ROW_READERS):  # a lookup: as stored
             for j, name in enumerate(node.input):
                 if name in shared:
                     node.input[j] = name + KERNELS_COPY
