@@ -106,6 +106,8 @@ class Report:
         ops = describe(self.standins)
         path = self.info.get("cpu_kernels_path")
         kernels = f"; CPU kernels: {path}" if path else ""
+        if self.info.get("direct_steps"):
+            kernels += f"; run directly, not by MindSpore's executor: {', '.join(self.info['direct_steps'])}"
         if ops is None:
             return f"graph form: {self.graph}{kernels}"
         return (f"graph form: {self.graph}; Ascend's fused operators ran as CPU stand-ins ({ops}): this proves the "
@@ -298,6 +300,9 @@ def check_config(config: InferConfig, reference: Optional[Reference] = None, pro
         generator.backend.standins else None
     if path:
         info["cpu_kernels_path"] = path
+    plans = sorted(getattr(generator.backend, "plans", {}))
+    if plans:  # the graphs that ran as direct steps (lite_runtime/backends/direct.py), the rest through MindSpore
+        info["direct_steps"] = plans
     standins = dict(generator.backend.standins)
     info["standins"] = standins
     info["kv_cache"] = generator.runner.pool_plan.line() + "; every replay's block tables shuffled (not contiguous)" + (

@@ -141,22 +141,25 @@ def _run_every_graph(pipe):
     step, last = r.chunk([8, 9, 10], 8, b.blocks, [StepRow(token, length + 3, a.blocks), None])
     out += [step.copy(), np.array(last, copy=True)]
     out.append(np.array(r.chunk([11, 12, 13, 14], 11, b.blocks, r.idle(), every=True)[1], copy=True))
+    a.release(commit=False), b.release(commit=False)
     return out
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int4"])
 def test_arena_calls_change_no_bit_of_any_graphs_output(folders, kind):
-    """The folder loaded as it runs by default (arena calls) and with MSLITE_LLM_ARENA_CALLS=0 (a tensor per weight):
+    """The folder loaded with arena calls (the default) and with MSLITE_LLM_ARENA_CALLS=0 (a tensor per weight), every
+    graph run by MindSpore:
     prefill, step (graphs of 1 and 2 rows), chunk and score logits bit for bit equal; the default's step graph hands
     our ops the arena, and no layer's weight as a Parameter of its own."""
     from lite_runtime import pipeline
     from lite_runtime.folder import is_kv_cache
 
-    with _env("MSLITE_LLM_ARENA_CALLS", "0"):
-        plain = pipeline("text_generation", model=folders[kind], backend="ms", warm_up="none", chunk_graphs=True,
-                         score_graphs=True)
-    pipe = pipeline("text_generation", model=folders[kind], backend="ms", warm_up="none", chunk_graphs=True,
-                    score_graphs=True)
+    with _env("MSLITE_LLM_DIRECT_STEPS", "0"):  # MindSpore runs every graph (the direct steps: below)
+        with _env("MSLITE_LLM_ARENA_CALLS", "0"):
+            plain = pipeline("text_generation", model=folders[kind], backend="ms", warm_up="none", chunk_graphs=True,
+                             score_graphs=True)
+        pipe = pipeline("text_generation", model=folders[kind], backend="ms", warm_up="none", chunk_graphs=True,
+                        score_graphs=True)
     want, got = _run_every_graph(plain), _run_every_graph(pipe)
     assert len(got) == len(want) == 8
     for i, (g, w) in enumerate(zip(got, want)):
@@ -217,3 +220,79 @@ def test_the_rewrite_hands_an_op_a_table_the_arena_and_its_other_inputs(folders)
         raw = table.attribute[0].tensors[0].raw_data
         words = struct.unpack("<4q", raw[:32])
         assert words[0] == arena_calls.MAGIC and words[2] == len(old) - 1 and words[3] == len(kept) - 1
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int4"])
+def test_direct_steps_change_no_bit_of_any_graphs_output(folders, kind):
+    """The default (step, chunk and score graphs run directly: lite_runtime/backends/direct.py) against
+    MSLITE_LLM_DIRECT_STEPS=0 (MindSpore runs every graph): prefill, step (1 and 2 rows), chunk and score logits bit
+    for bit equal, on the folder's KV caches and again on float32 ones (use_cache_dtype: the caches are new arrays,
+    the plans built again on them); the prefill graphs (MindSpore's ops) have no plan and say why."""
+    from lite_runtime import pipeline
+
+    with _env("MSLITE_LLM_DIRECT_STEPS", "0"):
+        plain = pipeline("text_generation", model=folders[kind], backend="ms", warm_up="none", chunk_graphs=True,
+                         score_graphs=True)
+    pipe = pipeline("text_generation", model=folders[kind], backend="ms", warm_up="none", chunk_graphs=True,
+                    score_graphs=True)
+    for dtype in (None, "float32"):
+        if dtype is not None:
+            plain.runner.use_cache_dtype(dtype)
+            pipe.runner.use_cache_dtype(dtype)
+        want, got = _run_every_graph(plain), _run_every_graph(pipe)
+        assert len(got) == len(want) == 8
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g.dtype == w.dtype and np.array_equal(g, w), (kind, dtype, i)
+        backend = pipe.backend
+        assert sorted(backend.plans) == sorted(k for k in backend.cells if not k.startswith("prefill")), \
+            (sorted(backend.plans), backend.unplanned)
+        assert "inc" in backend.plans and any(k.startswith("chunk") for k in backend.plans) \
+            and any(k.startswith("score") for k in backend.plans)
+        assert all(k.startswith("prefill") and v.startswith("op ") for k, v in backend.unplanned.items())
+        assert not plain.backend.plans
+
+
+def test_a_direct_steps_kernel_error_names_the_op(folders):
+    """An id outside the table (what the runner never sends) through the int8 folder's step graph run directly: our
+    lookup's error code, raised naming the op, as MindSpore reports a failed kernel; nothing else changed."""
+    from lite_runtime import pipeline
+    from lite_runtime.backends.direct import KernelError
+
+    pipe = pipeline("text_generation", model=folders["int8"], backend="ms", warm_up="none")
+    backend = pipe.backend
+    backend.prepare("inc")
+    assert "inc" in backend.plans
+    inputs = {s.name.rsplit(":", 1)[-1]: np.zeros(s.shape, s.dtype) for s in backend.input_specs("inc")}
+    ids = next(name for name in inputs if name.endswith("input_ids"))
+    inputs[ids][...] = 10 ** 6
+    with pytest.raises(KernelError) as err:
+        backend.run("inc", inputs)
+    assert str(err.value) == f"{cpu_kernels.EMBED_QUANT} returned error 5 in a direct step"
+
+
+@pytest.mark.parametrize("kind,checkpoint,tied", [("int8", "gqa_tied", True), ("int4", "mha_untied", False)])
+def test_folders_exported_before_the_lookup_kernel_run_directly_too(tmp_path, checkpoints, monkeypatch, kind,
+                                                                    checkpoint, tied):
+    """A quantized CPU folder exported before MsliteLlmEmbedQuant looks its table up by plain ops (an int8 table:
+    Gather, Cast, Transpose, Mul; an untied int4 one: its bytes unpacked by FloorDiv and Stack too): its step, chunk and
+    score graphs still run directly, bit for bit as MindSpore runs them."""
+    import export.network.layers as layers
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+    from lite_runtime import pipeline
+
+    monkeypatch.setattr(layers, "kernel_embed_quant", lambda packed: None)  # the lookup as those folders have it
+    out = str(tmp_path / kind)
+    run_export(ExportConfig(checkpoint=checkpoints[checkpoint], output=out, name=kind, seq_length=32, batch_size=2,
+                            device="cpu", block_size=8, dtype="bfloat16", quantize=kind, group_size=32))
+    monkeypatch.undo()
+    graph = open(os.path.join(out, f"{kind}_inc_graph.mindir"), "rb").read()
+    assert cpu_kernels.EMBED_QUANT.encode() not in graph and (b"FloorDiv" in graph) == (not tied)
+    with _env("MSLITE_LLM_DIRECT_STEPS", "0"):
+        plain = pipeline("text_generation", model=out, backend="ms", warm_up="none", chunk_graphs=True,
+                         score_graphs=True)
+    pipe = pipeline("text_generation", model=out, backend="ms", warm_up="none", chunk_graphs=True, score_graphs=True)
+    want, got = _run_every_graph(plain), _run_every_graph(pipe)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and np.array_equal(g, w), (kind, i)
+    assert "inc" in pipe.backend.plans and not plain.backend.plans, pipe.backend.unplanned

@@ -175,15 +175,19 @@ def test_last_output_is_the_calling_threads_own(pipes):
     assert got == {"a": 3, "b": 7}
 
 
-def test_graphs_run_through_the_executor_directly_with_the_cells_outputs(pipes):
+def test_graphs_run_through_the_executor_directly_with_the_cells_outputs(exported, monkeypatch):
     """After its first call a graph runs through MindSpore's graph executor with the phase its compile recorded
-    (backends/ms.py _launcher, skipping GraphCell.__call__'s per-call Python): on this MindSpore every graph run has
-    that path, and it returns what the cell's own call returns, bit for bit."""
-    pipe = pipes["gqa_tied"]
+    (backends/ms.py _launcher, skipping GraphCell.__call__'s per-call Python): on this MindSpore every graph MindSpore
+    runs has that path (here all of them: MSLITE_LLM_DIRECT_STEPS=0; by default the graphs of our kernels run without
+    it, tests/test_arena_calls.py), and it returns what the cell's own call returns, bit for bit."""
+    from lite_runtime import pipeline
+
+    monkeypatch.setenv("MSLITE_LLM_DIRECT_STEPS", "0")
+    pipe = pipeline("text_generation", model=exported["gqa_tied"], backend="ms", warm_up="none")
     pipe.generate(ROWS, max_new_tokens=3)
     backend = pipe.backend
     ran = sorted(backend._launchers)
-    assert ran and all(backend._launchers[k] is not None for k in ran)
+    assert ran and all(backend._launchers[k] is not None for k in ran) and not backend.plans
     key = next(k for k in ran if k.startswith("inc"))
     inputs = {s.name: np.zeros(s.shape, s.dtype) for s in backend.input_specs(key)}
     inputs["input_ids"][:] = 7

@@ -103,14 +103,39 @@ def test_disconnects_under_load_give_every_block_back(server):
     bodies = [{"prompt": system + p, "max_tokens": 30, "temperature": 0, "stream": True}
               for p in prompts(12, [3, 9, 5, 12, 4, 7, 6, 10, 8, 11, 2, 13], seed=91)]
     before = _count(server, "mslite_llm:requests_total", endpoint="completions", finish_reason="cancelled")
+    before_length = _count(server, "mslite_llm:requests_total", endpoint="completions", finish_reason="length")
 
     def leave_early(body):
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
             assert response.status_code == 200
             assert next(line for line in response.iter_lines() if line.startswith("data:"))
 
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        list(pool.map(leave_early, bodies))
+    # the engine paced to a step per ~4 ms (MindSpore's lock held between its steps): the tiny model's step runs
+    # directly in ~0.2 ms, and 30 tokens could end a request by length before the server sees its client gone
+    from lite_runtime.mindspore_lock import MINDSPORE_LOCK
+
+    soaking = threading.Event()
+
+    def pace():
+        while not soaking.is_set():
+            with MINDSPORE_LOCK:
+                time.sleep(0.003)
+            time.sleep(0.001)
+
+    pacer = threading.Thread(target=pace)
+    pacer.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(leave_early, bodies))
+        deadline = time.time() + 30
+        while _count(server, "mslite_llm:requests_total", endpoint="completions", finish_reason="cancelled") \
+                + _count(server, "mslite_llm:requests_total", endpoint="completions", finish_reason="length") \
+                < before + before_length + 12:  # every request ended
+            assert time.time() < deadline, "not every request ended"
+            time.sleep(0.05)
+    finally:
+        soaking.set()
+        pacer.join()
     deadline = time.time() + 30
     while _count(server, "mslite_llm:requests_total", endpoint="completions", finish_reason="cancelled") < before + 12:
         assert time.time() < deadline, "not every request was cancelled"

@@ -699,6 +699,12 @@ class MsBackend:
         # deadlocks, as MindSpore's actor threads free a graph's device addresses, which then take the GIL to let go
         # of the numpy array while the launching thread holds it (docs/performance-log.md 57)
         self._tensor = ms.Tensor
+        # graphs of our kernels and a few small ops run directly, without MindSpore's executor (direct.py; "Direct
+        # steps"): key -> its plan; the others' keys -> why not (MSLITE_LLM_DIRECT_STEPS=0: none)
+        self._direct = os.environ.get("MSLITE_LLM_DIRECT_STEPS") != "0" and cpu_kernels.library_path() is not None
+        self.plans: Dict[str, object] = {}
+        self.unplanned: Dict[str, str] = {}
+        self._caches: Dict[str, np.ndarray] = {}  # KV cache name -> the array its Parameter holds
         self.standins: Dict[str, int] = {}  # fused op -> nodes replaced by CPU stand-ins, over the graphs loaded
         if cpu_kernels.library_path() is None:  # say so at load, not at the first decode step
             _relocate_kernels(self._parse("inc"), self._paths["inc"])
@@ -740,6 +746,7 @@ class MsBackend:
             if self._arena is not None:
                 arrays[arena_calls.ARENA_PARAMETER] = self._arena[0]
             self._weights = {name: a for name, a in arrays.items() if not is_kv_cache(name)}
+            self._caches = {name: a for name, a in arrays.items() if is_kv_cache(name)}
         _relocate_kernels(model, path)
         _use_bands(model, self._bands)
         _substitute_standins(model, path, self.standins)
@@ -748,6 +755,7 @@ class MsBackend:
                                            cpu_kernels.local_func(cpu_kernels.ARENA_CALL), cpu_kernels.ROW_READERS)
         if self._tp:
             _retarget_collectives(model)
+        plan_model = model if self._direct else None  # (a plan reads the proto's nodes, not its parameters' data)
         cell = self._nn.GraphCell(_load_without_data(self._ms, model, os.path.basename(path)))
         params = list(cell.get_parameters())
         if arrays is None:
@@ -772,12 +780,35 @@ class MsBackend:
 
                     array = array.view(np_dtype.bfloat16)
                 param.set_data(self._ms.Tensor.from_numpy(array))
-            else:  # a KV cache after use_cache_dtype: the loader's zeros of its shape and dtype, shared from here on
+            else:  # a KV cache after use_cache_dtype: zeros of its shape and dtype, ours (a direct step writes the
+                # memory MindSpore's graphs read), shared from here on
                 self._owned[param.name] = param
+                bf16 = param.dtype == self._ms.bfloat16
+                array = np.zeros(tuple(param.shape), np.uint16 if bf16 else self._ms.dtype_to_nptype(param.dtype))
+                self._caches[param.name] = array
+                if bf16:
+                    from mindspore.common import np_dtype
+
+                    array = array.view(np_dtype.bfloat16)
+                param.set_data(self._ms.Tensor.from_numpy(array))
         if arrays is not None:
             self._owner = key
+        if plan_model is not None:
+            self._plan(key, plan_model)
         self.cells[key] = cell
         return cell
+
+    def _plan(self, key: str, model) -> None:
+        """A direct run of graph `key` where it is our kernels and a few small ops (direct.py; "Direct steps")."""
+        import cpu_kernels
+
+        from lite_runtime.backends import direct
+
+        try:
+            self.plans[key] = direct.build(model, {**self._weights, **self._caches}, _our_calls(model)[0],
+                                           cpu_kernels._library())
+        except direct.NoPlan as exc:
+            self.unplanned[key] = str(exc)
 
     def use_cache_dtype(self, dtype: Optional[str]) -> None:
         """The graphs rebuilt with KV caches of `dtype` ("float32", or None: the folder's own), every weight Parameter
@@ -790,6 +821,8 @@ class MsBackend:
             self._kv_dtype = dtype
             self._owned = {name: p for name, p in self._owned.items() if not is_kv_cache(name)}
             self.cells, self._compiled, self._launchers, self._parsed, self.specs = {}, set(), {}, {}, {}
+            self.plans, self.unplanned = {}, {}
+            self._caches = {name: a for name, a in self._caches.items() if name in self._owned}
             self.standins = {}  # counted again as the graphs load
 
     def input_specs(self, key: str) -> Tuple[TensorSpec, ...]:
@@ -805,6 +838,9 @@ class MsBackend:
 
     def _prepare(self, key: str) -> None:
         cell = self._cell(key)
+        if key in self.plans:  # run directly: nothing for MindSpore to compile
+            self._compiled.add(key)
+            return
         args = [self._tensor(np.ones(s.shape, s.dtype)) for s in self.specs[key][0]]
         # what GraphCell.__call__ does before compile_and_run, then the compile half of it
         cell.phase = "graph_load_from_mindir"
@@ -816,6 +852,10 @@ class MsBackend:
     def run(self, key: str, inputs: Dict[str, np.ndarray]) -> np.ndarray:
         with MINDSPORE_LOCK:
             cell = self._cell(key)
+            plan = self.plans.get(key)
+            if plan is not None:
+                self._compiled.add(key)
+                return plan.run(bind_inputs(key, [s.name for s in self.specs[key][0]], inputs))
             args = [self._tensor(a) for a in bind_inputs(key, [s.name for s in self.specs[key][0]], inputs)]
             launch = self._launchers.get(key)
             if launch is not None:
