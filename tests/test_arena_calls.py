@@ -124,8 +124,8 @@ def _env(name, value):
 
 
 def _run_every_graph(pipe):
-    """A prompt prefilled, three steps (one row, then two: both step graphs), a chunk beside a step, a score piece:
-    every output, copied."""
+    """A prompt prefilled, three steps (one row, then two: both step graphs), a chunk beside a step, a score piece, a
+    prompt through the prefill graph: every output, copied."""
     from lite_runtime.engine.runner import SequenceBlocks, StepRow
 
     r = pipe.runner
@@ -141,7 +141,14 @@ def _run_every_graph(pipe):
     step, last = r.chunk([8, 9, 10], 8, b.blocks, [StepRow(token, length + 3, a.blocks), None])
     out += [step.copy(), np.array(last, copy=True)]
     out.append(np.array(r.chunk([11, 12, 13, 14], 11, b.blocks, r.idle(), every=True)[1], copy=True))
-    a.release(commit=False), b.release(commit=False)
+    c = SequenceBlocks(r.pool)
+    c.reserve(32)
+    r.prefill_in_pieces = False  # the prefill graph itself (one prompt goes in pieces by default)
+    try:
+        out.append(r.prefill([prompt[:7]], [c.blocks]).copy())
+    finally:
+        r.prefill_in_pieces = True
+    a.release(commit=False), b.release(commit=False), c.release(commit=False)
     return out
 
 
@@ -161,7 +168,7 @@ def test_arena_calls_change_no_bit_of_any_graphs_output(folders, kind):
         pipe = pipeline("text_generation", model=folders[kind], backend="ms", warm_up="none", chunk_graphs=True,
                         score_graphs=True)
     want, got = _run_every_graph(plain), _run_every_graph(pipe)
-    assert len(got) == len(want) == 8
+    assert len(got) == len(want) == 9
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.dtype == w.dtype and np.array_equal(g, w), (kind, i)
     backend = pipe.backend
@@ -225,9 +232,10 @@ def test_the_rewrite_hands_an_op_a_table_the_arena_and_its_other_inputs(folders)
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int4"])
 def test_direct_steps_change_no_bit_of_any_graphs_output(folders, kind):
     """The default (step, chunk and score graphs run directly: lite_runtime/backends/direct.py) against
-    MSLITE_LLM_DIRECT_STEPS=0 (MindSpore runs every graph): prefill, step (1 and 2 rows), chunk and score logits bit
-    for bit equal, on the folder's KV caches and again on float32 ones (use_cache_dtype: the caches are new arrays,
-    the plans built again on them); the prefill graphs (MindSpore's ops) have no plan and say why."""
+    MSLITE_LLM_DIRECT_STEPS=0 (MindSpore runs every graph): prefill (in pieces and through the prefill graph), step
+    (1 and 2 rows), chunk and score logits bit for bit equal, on the folder's KV caches and again on float32 ones
+    (use_cache_dtype: the caches are new arrays, the plans built again on them); the prefill graphs (MindSpore's
+    ops) have no plan and say why."""
     from lite_runtime import pipeline
 
     with _env("MSLITE_LLM_DIRECT_STEPS", "0"):
@@ -240,14 +248,16 @@ def test_direct_steps_change_no_bit_of_any_graphs_output(folders, kind):
             plain.runner.use_cache_dtype(dtype)
             pipe.runner.use_cache_dtype(dtype)
         want, got = _run_every_graph(plain), _run_every_graph(pipe)
-        assert len(got) == len(want) == 8
+        assert len(got) == len(want) == 9
         for i, (g, w) in enumerate(zip(got, want)):
             assert g.dtype == w.dtype and np.array_equal(g, w), (kind, dtype, i)
         backend = pipe.backend
-        assert sorted(backend.plans) == sorted(k for k in backend.cells if not k.startswith("prefill")), \
-            (sorted(backend.plans), backend.unplanned)
+        cells = set(backend.cells)
+        assert {k for k in cells if not k.startswith("prefill")} <= set(backend.plans), backend.unplanned
+        assert set(backend.plans) | set(backend.unplanned) == cells
         assert "inc" in backend.plans and any(k.startswith("chunk") for k in backend.plans) \
             and any(k.startswith("score") for k in backend.plans)
+        # the prefill graphs hold MindSpore's SiLU, MatMul, Tile
         assert all(k.startswith("prefill") and v.startswith("op ") for k, v in backend.unplanned.items())
         assert not plain.backend.plans
 
@@ -296,3 +306,33 @@ def test_folders_exported_before_the_lookup_kernel_run_directly_too(tmp_path, ch
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.dtype == w.dtype and np.array_equal(g, w), (kind, i)
     assert "inc" in pipe.backend.plans and not plain.backend.plans, pipe.backend.unplanned
+
+
+def test_a_mixture_of_experts_runs_directly_where_its_graph_is_our_ops(tmp_path):
+    """Qwen3-MoE (int4 experts, our MoE op; the chunk graph's fused q/k/v op gives three outputs, taken by
+    TupleGetItem): every step, chunk and score graph runs directly, bit for bit as MindSpore runs it. Qwen2-MoE's
+    shared expert is MindSpore's ops (SiLU, Sigmoid, MatMul): no plan, MindSpore runs those graphs, and says why."""
+    from export.checkpoints import random_checkpoint
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+    from lite_runtime import pipeline
+
+    for family, quantize in (("qwen3_moe", "int4"), ("qwen2_moe", None)):
+        ckpt = random_checkpoint.make_checkpoint(str(tmp_path / ("ckpt-" + family)), family=family, seed=3)
+        out = str(tmp_path / family)
+        run_export(ExportConfig(checkpoint=ckpt, output=out, name=family, seq_length=32, batch_size=2, device="cpu",
+                                block_size=8, dtype="bfloat16",
+                                **(dict(quantize=quantize, group_size=32) if quantize else {})))
+        with _env("MSLITE_LLM_DIRECT_STEPS", "0"):
+            plain = pipeline("text_generation", model=out, backend="ms", warm_up="none", chunk_graphs=True,
+                             score_graphs=True)
+        pipe = pipeline("text_generation", model=out, backend="ms", warm_up="none", chunk_graphs=True,
+                        score_graphs=True)
+        want, got = _run_every_graph(plain), _run_every_graph(pipe)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g.dtype == w.dtype and np.array_equal(g, w), (family, i)
+        backend = pipe.backend
+        if family == "qwen3_moe":
+            assert sorted(backend.plans) == sorted(k for k in backend.cells if not k.startswith("prefill"))
+        else:
+            assert not backend.plans and backend.unplanned["inc"] == "op SiLU"

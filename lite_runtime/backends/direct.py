@@ -96,11 +96,21 @@ def _prim_attr(prim, name: str):
     return None
 
 
+def _gives_tuple(node) -> bool:
+    """Whether the node's recorded output is a tuple (of one tensor each: our ops of several outputs; their
+    primitive's multi_output flag is not kept in the MindIR)."""
+    return any(attr.name == "shape" and type(attr).AttributeType.Name(attr.type) == "TUPLE" for attr in node.attribute)
+
+
 def _output_specs(node) -> List[Tuple[tuple, type, str]]:
     """The node's outputs as the graph recorded them: (shape, numpy dtype, kernel dtype string) each."""
     for attr in node.attribute:
         if attr.name == "shape":
-            return [(tuple(int(d) for d in t.dims),) + _numpy_of(t) for t in attr.tensors]
+            # one output: its tensor; several (a tuple): a value of one tensor each
+            tensors = list(attr.tensors) if attr.tensors else [v.tensors[0] for v in attr.values if len(v.tensors) == 1]
+            if attr.values and len(tensors) != len(attr.values):
+                raise NoPlan(f"node {node.name}: an output that is not a tensor")
+            return [(tuple(int(d) for d in t.dims),) + _numpy_of(t) for t in tensors]
     raise NoPlan(f"node {node.name} records no output shape")
 
 
@@ -173,12 +183,6 @@ def build(model, memory: Dict[str, np.ndarray], functions: Dict[str, str], libra
             raise NoPlan(f"{name} is used before it is made")
         return values[name]
 
-    def array_input(name: str) -> np.ndarray:
-        v = get(name)
-        if not isinstance(v, np.ndarray):
-            raise NoPlan(f"{name} is not a tensor")
-        return v
-
     steps: List[Callable[[], None]] = []
     for node in model.graph.node:
         op = op_of(node)
@@ -204,6 +208,13 @@ def build(model, memory: Dict[str, np.ndarray], functions: Dict[str, str], libra
         if op == "MakeTuple":  # a Concat's parts, or what an UpdateState orders
             values[out_name] = tuple(get(name) for name in node.input)
             continue
+        if op == "TupleGetItem":  # one output of one of our ops of several
+            whole, index = get(node.input[0]), get(node.input[1]) if len(node.input) == 2 else None
+            if not isinstance(whole, tuple) or not isinstance(index, int) or not 0 <= index < len(whole) or \
+                    not isinstance(kinds.get(node.input[0]), tuple):
+                raise NoPlan(f"TupleGetItem {node.name}")
+            values[out_name], kinds[out_name] = whole[index], kinds[node.input[0]][index]
+            continue
         function = functions.get(node.op_type.rpartition("::")[2])
         specs = _output_specs(node)
         if function is not None:
@@ -213,11 +224,15 @@ def build(model, memory: Dict[str, np.ndarray], functions: Dict[str, str], libra
             if any(not values[a].flags.c_contiguous for a in args):
                 raise NoPlan(f"node {node.name}: an input that is not contiguous")
             outs = [np.zeros(shape, dtype) for shape, dtype, _ in specs]
-            if len(outs) != 1:
-                raise NoPlan(f"node {node.name}: {len(outs)} outputs")
+            if not outs:
+                raise NoPlan(f"node {node.name}: no output")
             steps.append(_kernel_call(getattr(library, function), function, [values[a] for a in args] + outs,
                                       [kinds[a] for a in args] + [k for _, _, k in specs], keep))
-            values[out_name], kinds[out_name] = outs[0], specs[0][2]
+            multi = _gives_tuple(node)
+            if not multi and len(outs) != 1:
+                raise NoPlan(f"node {node.name}: {len(outs)} outputs")
+            values[out_name], kinds[out_name] = ((tuple(outs), tuple(k for _, _, k in specs)) if multi else
+                                                 (outs[0], specs[0][2]))
             continue
         if op not in PLAIN or len(specs) != 1:
             raise NoPlan(f"op {op}")
