@@ -86,7 +86,9 @@ def ours(folder: str, counts: List[int], prompt: int, new: int, mode: str) -> Di
         out[str(n)] = {"tok_s": n * new / seconds, "step_ms": 1000 * seconds / new,
                        "graphs": dict(runner.step_counts)}
         runner.step_counts = {}
-    return {"counts": out, "kernels": f"{cpu_kernels.paths()}, activations {cpu_kernels.quant_activations()}"}
+    plans = sorted(getattr(gen.backend, "plans", {}))  # the graphs run without MindSpore's executor (direct steps)
+    return {"counts": out, "kernels": f"{cpu_kernels.paths()}, activations {cpu_kernels.quant_activations()}",
+            "executor": f"direct steps ({', '.join(plans)})" if plans else "MindSpore's graph executor"}
 
 
 class Crashed(RuntimeError):
@@ -206,7 +208,8 @@ def main(argv=None) -> int:
                 res = _ours_process(folders[label], args, mode, args.isa, act)
                 runs.setdefault(f"ours {label} {mode}{suffix}", []).append(res)
                 print(f"round {r + 1}: ours {label} {mode}{suffix}: " + ", ".join(
-                    f"{n}: {res['counts'][str(n)]['tok_s']:.1f}" for n in counts), flush=True)
+                    f"{n}: {res['counts'][str(n)]['tok_s']:.1f}" for n in counts)
+                    + (f" [{res['executor']}]" if r == 0 and "executor" in res else ""), flush=True)
             if label in ggufs:
                 res = llama_run(ggufs[label])
                 runs.setdefault(f"llama.cpp {label}", []).append(res)
