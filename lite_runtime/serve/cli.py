@@ -118,20 +118,25 @@ def lookup_pays(config) -> bool:
     2.0x through generate with the AVX512-BF16 form, 1.48x with float32's: a verify of 8 costs 1.75-2.25 steps; free
     generation 0.93-0.98x, docs/performance.md "Speculative decoding"); int8 CPU folders where their matrices are
     banded (cpu_kernels.int8_r16_runs: AVX-512 VNNI; fixing typos 1.52x on the server's path, free generation 0.95x;
-    1.26x before the bands). Not on float16, int4, or int8 folders elsewhere (not measured since; 0.97x, 1.01x and
-    1.28x before), nor on Atlas (not measured); `--speculative prompt_lookup` turns it on anywhere."""
+    1.26x before the bands); int4 CPU folders where their matrices are banded on AVX-512 VNNI (since direct steps:
+    SmolLM2 input-grounded 1.67x through generate, fixing typos 1.83x on the server's path, free generation 0.96x at
+    worst; performance-log 63). Not on float16 folders, int8 ones elsewhere (not measured since; 0.97x and 1.28x
+    before), int4 ones on AVX2 (0.96-1.02x there: the same prompts' answers copied little), nor on Atlas (not
+    measured); `--speculative prompt_lookup` turns it on anywhere."""
     folder = config.folder
     quantization = folder.quantization if folder is not None else None
     if config.target != "CPU" or config.dtype not in ("float32", "bfloat16"):
         return False
     if quantization is None:
         return True
-    if quantization.get("bits") != 8:
+    if quantization.get("bits") not in (4, 8):
         return False
     try:
         import cpu_kernels
     except ImportError:
         return False
+    if quantization.get("bits") == 4:
+        return cpu_kernels.quant_form() == "avx512_vnni" and cpu_kernels.bands_here(4)
     return cpu_kernels.bands_here(8)
 
 
