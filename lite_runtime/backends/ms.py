@@ -822,7 +822,7 @@ class MsBackend:
             self._owned = {name: p for name, p in self._owned.items() if not is_kv_cache(name)}
             self.cells, self._compiled, self._launchers, self._parsed, self.specs = {}, set(), {}, {}, {}
             self.plans, self.unplanned = {}, {}
-            self._caches = {name: a for name, a in self._caches.items() if name in self._owned}
+            self._caches = {}  # the new caches' arrays are made as the graphs load (_cell)
             self.standins = {}  # counted again as the graphs load
 
     def input_specs(self, key: str) -> Tuple[TensorSpec, ...]:
