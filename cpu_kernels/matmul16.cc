@@ -1238,6 +1238,11 @@ struct GemmJob : Job {
   }
 };
 
+// A lookup's i-th id, of int64 or int32 ids.
+inline int64_t id_at(const void* ids, bool ids64, int64_t i) {
+  return ids64 ? static_cast<const int64_t*>(ids)[i] : static_cast<const int32_t*>(ids)[i];
+}
+
 struct EmbedJob : Job {
   WidenFn widen;
   const void* ids;
@@ -1252,7 +1257,7 @@ struct EmbedJob : Job {
       const int64_t i0 = next.fetch_add(IDS_PER_TASK, std::memory_order_relaxed);
       if (i0 >= n) return;
       for (int64_t i = i0; i < std::min(n, i0 + IDS_PER_TASK); ++i) {
-        const int64_t id = ids64 ? static_cast<const int64_t*>(ids)[i] : static_cast<const int32_t*>(ids)[i];
+        const int64_t id = id_at(ids, ids64, i);
         widen(table + id * row_bytes, width, y + i * width);
       }
     }
@@ -1277,7 +1282,7 @@ struct EmbedQuantJob : Job {
       const int64_t i0 = next.fetch_add(IDS_PER_TASK, std::memory_order_relaxed);
       if (i0 >= n) return;
       for (int64_t i = i0; i < std::min(n, i0 + IDS_PER_TASK); ++i) {
-        const int64_t id = ids64 ? static_cast<const int64_t*>(ids)[i] : static_cast<const int32_t*>(ids)[i];
+        const int64_t id = id_at(ids, ids64, i);
         const uint8_t* row = q + id * row_bytes;
         float* out = y + i * width;
         for (int64_t g = 0; g < groups; ++g) {
@@ -1547,6 +1552,29 @@ int quant_matmul_op(int nparam, void** params, int* ndims, int64_t** shapes, con
   return 0;
 }
 
+namespace {
+
+// A lookup's ids (params[0], of rank ndims[0]) against its output y (params[yi]: ids' shape plus [width]) and a table
+// of `vocab` rows: 0 with the ids' count in *n, else 4 (y's shape) or 5 (an id outside the table). Every id is read
+// before anything is written: nothing is written for a bad call.
+int lookup_ids(void** params, int* ndims, int64_t** shapes, bool ids64, int yi, int64_t width, int64_t vocab,
+               int64_t* n) {
+  int64_t count = 1;
+  for (int d = 0; d < ndims[0]; ++d) {
+    if (shapes[yi][d] != shapes[0][d]) return 4;
+    count *= shapes[0][d];
+  }
+  if (shapes[yi][ndims[0]] != width) return 4;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t id = id_at(params[0], ids64, i);
+    if (id < 0 || id >= vocab) return 5;
+  }
+  *n = count;
+  return 0;
+}
+
+}  // namespace
+
 int embed(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam != 3) return 1;
   const bool ids64 = std::strcmp(dtypes[0], "int64") == 0;
@@ -1554,16 +1582,8 @@ int embed(int nparam, void** params, int* ndims, int64_t** shapes, const char** 
   if ((!ids64 && std::strcmp(dtypes[0], "int32") != 0) || wt == W_NONE || !is_f32(dtypes[2])) return 2;
   if (ndims[0] < 0 || ndims[1] != 2 || ndims[2] != ndims[0] + 1) return 3;
   const int64_t vocab = shapes[1][0], width = shapes[1][1];
-  int64_t n = 1;
-  for (int d = 0; d < ndims[0]; ++d) {
-    if (shapes[2][d] != shapes[0][d]) return 4;
-    n *= shapes[0][d];
-  }
-  if (shapes[2][ndims[0]] != width) return 4;
-  for (int64_t i = 0; i < n; ++i) {  // all ids first: nothing is written for a bad call
-    const int64_t id = ids64 ? static_cast<const int64_t*>(params[0])[i] : static_cast<const int32_t*>(params[0])[i];
-    if (id < 0 || id >= vocab) return 5;
-  }
+  int64_t n = 0;
+  if (const int code = lookup_ids(params, ndims, shapes, ids64, 2, width, vocab, &n)) return code;
   EmbedJob job;
   job.widen = g_kernels.widen[wt];
   job.ids = params[0];
@@ -1590,16 +1610,8 @@ int embed_quant(int nparam, void** params, int* ndims, int64_t** shapes, const c
   const int64_t vocab = shapes[1][0], width = shapes[1][1] * (packed ? 2 : 1), groups = shapes[2][0];
   if (groups < 1 || shapes[2][1] != vocab || width % groups != 0 || (packed && (width / groups) % 2 != 0)) return 4;
   if (with_offset && (shapes[3][0] != groups || shapes[3][1] != vocab)) return 4;
-  int64_t n = 1;
-  for (int d = 0; d < ndims[0]; ++d) {
-    if (shapes[yi][d] != shapes[0][d]) return 4;
-    n *= shapes[0][d];
-  }
-  if (shapes[yi][ndims[0]] != width) return 4;
-  for (int64_t i = 0; i < n; ++i) {  // all ids first: nothing is written for a bad call
-    const int64_t id = ids64 ? static_cast<const int64_t*>(params[0])[i] : static_cast<const int32_t*>(params[0])[i];
-    if (id < 0 || id >= vocab) return 5;
-  }
+  int64_t n = 0;
+  if (const int code = lookup_ids(params, ndims, shapes, ids64, yi, width, vocab, &n)) return code;
   EmbedQuantJob job;
   job.ids = params[0];
   job.ids64 = ids64;

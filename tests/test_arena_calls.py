@@ -152,25 +152,40 @@ def _run_every_graph(pipe):
     return out
 
 
+def _load(folder):
+    from lite_runtime import pipeline
+
+    return pipeline("text_generation", model=folder, backend="ms", warm_up="none", chunk_graphs=True,
+                    score_graphs=True)
+
+
+def _mindspore_and_direct(folder):
+    """(the folder loaded with MSLITE_LLM_DIRECT_STEPS=0: MindSpore runs every graph; the folder loaded as by
+    default: direct steps)."""
+    with _env("MSLITE_LLM_DIRECT_STEPS", "0"):
+        plain = _load(folder)
+    return plain, _load(folder)
+
+
+def _assert_bit_for_bit(got, want, *label):
+    assert len(got) == len(want) == 9
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and np.array_equal(g, w), (*label, i)
+
+
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int4"])
 def test_arena_calls_change_no_bit_of_any_graphs_output(folders, kind):
     """The folder loaded with arena calls (the default) and with MSLITE_LLM_ARENA_CALLS=0 (a tensor per weight), every
     graph run by MindSpore:
     prefill, step (graphs of 1 and 2 rows), chunk and score logits bit for bit equal; the default's step graph hands
     our ops the arena, and no layer's weight as a Parameter of its own."""
-    from lite_runtime import pipeline
     from lite_runtime.folder import is_kv_cache
 
     with _env("MSLITE_LLM_DIRECT_STEPS", "0"):  # MindSpore runs every graph (the direct steps: below)
         with _env("MSLITE_LLM_ARENA_CALLS", "0"):
-            plain = pipeline("text_generation", model=folders[kind], backend="ms", warm_up="none", chunk_graphs=True,
-                             score_graphs=True)
-        pipe = pipeline("text_generation", model=folders[kind], backend="ms", warm_up="none", chunk_graphs=True,
-                        score_graphs=True)
-    want, got = _run_every_graph(plain), _run_every_graph(pipe)
-    assert len(got) == len(want) == 9
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g.dtype == w.dtype and np.array_equal(g, w), (kind, i)
+            plain = _load(folders[kind])
+        pipe = _load(folders[kind])
+    _assert_bit_for_bit(_run_every_graph(pipe), _run_every_graph(plain), kind)
     backend = pipe.backend
     arena, places = backend._arena
     inc = {p.name for p in backend._cell("inc").get_parameters()}
@@ -236,21 +251,12 @@ def test_direct_steps_change_no_bit_of_any_graphs_output(folders, kind):
     (1 and 2 rows), chunk and score logits bit for bit equal, on the folder's KV caches and again on float32 ones
     (use_cache_dtype: the caches are new arrays, the plans built again on them); the prefill graphs (MindSpore's
     ops) have no plan and say why."""
-    from lite_runtime import pipeline
-
-    with _env("MSLITE_LLM_DIRECT_STEPS", "0"):
-        plain = pipeline("text_generation", model=folders[kind], backend="ms", warm_up="none", chunk_graphs=True,
-                         score_graphs=True)
-    pipe = pipeline("text_generation", model=folders[kind], backend="ms", warm_up="none", chunk_graphs=True,
-                    score_graphs=True)
+    plain, pipe = _mindspore_and_direct(folders[kind])
     for dtype in (None, "float32"):
         if dtype is not None:
             plain.runner.use_cache_dtype(dtype)
             pipe.runner.use_cache_dtype(dtype)
-        want, got = _run_every_graph(plain), _run_every_graph(pipe)
-        assert len(got) == len(want) == 9
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert g.dtype == w.dtype and np.array_equal(g, w), (kind, dtype, i)
+        _assert_bit_for_bit(_run_every_graph(pipe), _run_every_graph(plain), kind, dtype)
         backend = pipe.backend
         cells = set(backend.cells)
         assert {k for k in cells if not k.startswith("prefill")} <= set(backend.plans), backend.unplanned
@@ -289,7 +295,6 @@ def test_folders_exported_before_the_lookup_kernel_run_directly_too(tmp_path, ch
     import export.network.layers as layers
     from export.config import ExportConfig
     from export.pipeline import run_export
-    from lite_runtime import pipeline
 
     monkeypatch.setattr(layers, "kernel_embed_quant", lambda packed: None)  # the lookup as those folders have it
     out = str(tmp_path / kind)
@@ -298,13 +303,8 @@ def test_folders_exported_before_the_lookup_kernel_run_directly_too(tmp_path, ch
     monkeypatch.undo()
     graph = open(os.path.join(out, f"{kind}_inc_graph.mindir"), "rb").read()
     assert cpu_kernels.EMBED_QUANT.encode() not in graph and (b"FloorDiv" in graph) == (not tied)
-    with _env("MSLITE_LLM_DIRECT_STEPS", "0"):
-        plain = pipeline("text_generation", model=out, backend="ms", warm_up="none", chunk_graphs=True,
-                         score_graphs=True)
-    pipe = pipeline("text_generation", model=out, backend="ms", warm_up="none", chunk_graphs=True, score_graphs=True)
-    want, got = _run_every_graph(plain), _run_every_graph(pipe)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g.dtype == w.dtype and np.array_equal(g, w), (kind, i)
+    plain, pipe = _mindspore_and_direct(out)
+    _assert_bit_for_bit(_run_every_graph(pipe), _run_every_graph(plain), kind)
     assert "inc" in pipe.backend.plans and not plain.backend.plans, pipe.backend.unplanned
 
 
@@ -315,7 +315,6 @@ def test_a_mixture_of_experts_runs_directly_where_its_graph_is_our_ops(tmp_path)
     from export.checkpoints import random_checkpoint
     from export.config import ExportConfig
     from export.pipeline import run_export
-    from lite_runtime import pipeline
 
     for family, quantize in (("qwen3_moe", "int4"), ("qwen2_moe", None)):
         ckpt = random_checkpoint.make_checkpoint(str(tmp_path / ("ckpt-" + family)), family=family, seed=3)
@@ -323,14 +322,8 @@ def test_a_mixture_of_experts_runs_directly_where_its_graph_is_our_ops(tmp_path)
         run_export(ExportConfig(checkpoint=ckpt, output=out, name=family, seq_length=32, batch_size=2, device="cpu",
                                 block_size=8, dtype="bfloat16",
                                 **(dict(quantize=quantize, group_size=32) if quantize else {})))
-        with _env("MSLITE_LLM_DIRECT_STEPS", "0"):
-            plain = pipeline("text_generation", model=out, backend="ms", warm_up="none", chunk_graphs=True,
-                             score_graphs=True)
-        pipe = pipeline("text_generation", model=out, backend="ms", warm_up="none", chunk_graphs=True,
-                        score_graphs=True)
-        want, got = _run_every_graph(plain), _run_every_graph(pipe)
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert g.dtype == w.dtype and np.array_equal(g, w), (family, i)
+        plain, pipe = _mindspore_and_direct(out)
+        _assert_bit_for_bit(_run_every_graph(pipe), _run_every_graph(plain), family)
         backend = pipe.backend
         if family == "qwen3_moe":
             assert sorted(backend.plans) == sorted(k for k in backend.cells if not k.startswith("prefill"))

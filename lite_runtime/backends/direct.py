@@ -21,16 +21,19 @@ from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
-# MindIR TensorProto.DataType name -> (numpy dtype, the dtype string MindSpore's aot CPU kernels are handed)
-DTYPES = {"FLOAT": (np.float32, "float32"), "FLOAT16": (np.float16, "float16"), "BFLOAT16": (np.uint16, "bfloat16"),
-          "DOUBLE": (np.float64, "float64"), "INT8": (np.int8, "int8"), "UINT8": (np.uint8, "uint8"),
-          "INT16": (np.int16, "int16"), "INT32": (np.int32, "int32"), "INT64": (np.int64, "int64"),
-          "BOOL": (np.bool_, "bool")}
+from lite_runtime.backends.ms import _NUMPY, _our_calls
+from lite_runtime.backends.standins import _scalar
+
+# MindIR TensorProto.DataType name -> the dtype string MindSpore's aot CPU kernels are handed (the numpy dtype:
+# ms._NUMPY's)
+KERNEL_DTYPES = {"FLOAT": "float32", "FLOAT16": "float16", "BFLOAT16": "bfloat16", "DOUBLE": "float64", "INT8": "int8",
+                 "UINT8": "uint8", "INT16": "int16", "INT32": "int32", "INT64": "int64", "BOOL": "bool"}
 MONAD = object()  # a side effect's ordering token: what Constant UMONAD/IOMONAD and UpdateState give
 # the ops a plan runs besides ours, each only in the forms handled below (anything else: no plan)
 PLAIN = ("Reshape", "Sub", "Add", "Mul", "Muls", "FloorDiv", "Minimum", "Maximum", "Less", "Cast", "Gather",
          "StridedSlice", "Concat", "Stack", "Transpose", "BroadcastTo", "ExpandDims", "Squeeze")
 PASS = ("Load", "Depend")  # pass their first input on
+VIEWS = ("Reshape", "ExpandDims", "Squeeze")  # of PLAIN's, those whose output is a view of their input
 STRIDED_MASKS = ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")
 
 
@@ -47,10 +50,11 @@ def _type_name(proto) -> str:
 
 
 def _numpy_of(proto) -> Tuple[type, str]:
-    got = DTYPES.get(_type_name(proto))
-    if got is None:
-        raise NoPlan(f"dtype {_type_name(proto)}")
-    return got
+    """(numpy dtype, kernel dtype string) of a tensor or parameter proto."""
+    name = _type_name(proto)
+    if name not in KERNEL_DTYPES or name not in _NUMPY:
+        raise NoPlan(f"dtype {name}")
+    return _NUMPY[name], KERNEL_DTYPES[name]
 
 
 def _constant(node):
@@ -61,8 +65,11 @@ def _constant(node):
     kind = type(attr).AttributeType.Name(attr.type)
     if kind in ("UMONAD", "IOMONAD"):
         return MONAD
-    if kind == "NONE":
-        return None
+    if kind in ("NONE", "INT64", "INT32", "INT8", "UINT8", "BOOL", "FLOAT", "DOUBLE"):
+        try:
+            return _scalar(node)
+        except ValueError:
+            raise NoPlan(f"constant {node.name}") from None
     if kind == "TENSORS" and len(attr.tensors) == 1:
         tensor = attr.tensors[0]
         dtype, _ = _numpy_of(tensor)
@@ -71,10 +78,6 @@ def _constant(node):
         if data.size != int(np.prod(shape, dtype=np.int64)):
             raise NoPlan(f"constant {node.name}: its bytes are not its shape's")
         return data.reshape(shape).copy()
-    if kind in ("INT64", "INT32", "INT8", "UINT8", "BOOL"):
-        return int(attr.i)
-    if kind in ("FLOAT", "DOUBLE"):
-        return float(attr.f if kind == "FLOAT" else attr.d)
     if kind in ("TUPLE", "LIST"):
         values = []
         for v in attr.values:
@@ -152,13 +155,12 @@ def _kernel_call(fn, name: str, tensors: List[np.ndarray], kinds: List[str], kee
     return call
 
 
-def build(model, memory: Dict[str, np.ndarray], functions: Dict[str, str], library: ctypes.CDLL) -> Plan:
+def build(model, memory: Dict[str, np.ndarray], library: ctypes.CDLL) -> Plan:
     """The plan of a parsed, rewritten MindIR (what the backend would load). `memory`: parameter name without its
-    graph's prefix -> the array MindSpore's Parameter holds (weights, arena, KV caches); `functions`: Custom primitive
-    -> our function's name (ms._our_calls); `library`: our kernels' library, loaded. Raises NoPlan."""
+    graph's prefix -> the array MindSpore's Parameter holds (weights, arena, KV caches); `library`: our kernels'
+    library, loaded. Raises NoPlan."""
+    functions, op_of, _ = _our_calls(model)  # Custom primitive -> our function's name
     prims = {p.name: p for p in model.primitives}
-    op_of = lambda node: (prims[node.op_type.rpartition("::")[2]].op_type
-                          if node.op_type.rpartition("::")[2] in prims else node.op_type)
     values: Dict[str, object] = {}
     kinds: Dict[str, str] = {}  # value name -> the kernel dtype string of an array value
     keep: list = []
@@ -190,7 +192,7 @@ def build(model, memory: Dict[str, np.ndarray], functions: Dict[str, str], libra
         if op == "Constant":
             values[node.output[0]] = _constant(node)
             if isinstance(values[node.output[0]], np.ndarray):
-                kinds[node.output[0]] = DTYPES[_type_name(node.attribute[0].tensors[0])][1]
+                kinds[node.output[0]] = KERNEL_DTYPES[_type_name(node.attribute[0].tensors[0])]
             continue
         if len(node.output) != 1:
             raise NoPlan(f"node {node.name} has {len(node.output)} outputs")
@@ -240,11 +242,16 @@ def build(model, memory: Dict[str, np.ndarray], functions: Dict[str, str], libra
         args = [get(name) for name in node.input]
         if any(a is MONAD for a in args):
             raise NoPlan(f"node {node.name}: a monad input")
+        if op in VIEWS:  # a view of its input: nothing to run
+            x = args[0]
+            if not isinstance(x, np.ndarray) or x.size != int(np.prod(shape, dtype=np.int64)) or \
+                    not x.flags.c_contiguous or x.dtype != dtype:
+                raise NoPlan(f"{op} {node.name}")
+            values[out_name], kinds[out_name] = x.reshape(shape), kind
+            continue
         out = np.zeros(shape, dtype)
         steps.append(_plain(op, prim, node.name, args, out))
-        # (a reshape's output is a view of its input: _plain checked it is a contiguous tensor of the same size)
-        values[out_name], kinds[out_name] = (args[0].reshape(shape) if op in ("Reshape", "ExpandDims", "Squeeze")
-                                             else out), kind
+        values[out_name], kinds[out_name] = out, kind
     if len(model.graph.output) != 1:
         raise NoPlan("the graph has several outputs")
     output = get(model.graph.output[0].name)
@@ -268,11 +275,6 @@ def _plain(op: str, prim, name: str, args: list, out: np.ndarray) -> Callable[[]
         if tuple(shape) != out.shape:
             raise NoPlan(f"{op} {name}: gives {tuple(shape)}, the graph records {out.shape}")
 
-    if op in ("Reshape", "ExpandDims", "Squeeze"):  # a view of the input: nothing to run
-        a = tensor(0)
-        if a.size != out.size or not a.flags.c_contiguous:
-            raise NoPlan(f"{op} {name}")
-        return lambda: None
     if op in ("Sub", "Add", "Mul", "Muls", "FloorDiv", "Minimum", "Maximum", "Less"):
         x, y = tensor(0), tensor(1)
         checked(np.broadcast_shapes(x.shape, y.shape))

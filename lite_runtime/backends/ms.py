@@ -805,8 +805,7 @@ class MsBackend:
         from lite_runtime.backends import direct
 
         try:
-            self.plans[key] = direct.build(model, {**self._weights, **self._caches}, _our_calls(model)[0],
-                                           cpu_kernels._library())
+            self.plans[key] = direct.build(model, {**self._weights, **self._caches}, cpu_kernels._library())
         except direct.NoPlan as exc:
             self.unplanned[key] = str(exc)
 
