@@ -742,6 +742,20 @@ void run_bands(const QuantWeight& w, int64_t rows, const float* b, float* y, int
   if (rows != 1 || !each_band_streams(w, o0, o1, streams, streamed, banded)) banded(o0, o1);
 }
 
+// Fetch into the cache the 16 scales (and offsets) of group g of the band whose first output is o: 64 bytes each, in
+// rows of the [G, N] arrays n floats apart, which the hardware prefetcher does not follow (a band reads one line of
+// each group's row). A hint: an o past the weight fetches nothing that matters.
+inline void fetch_group_params(const QuantWeight& w, int64_t g, int64_t o) {
+  const float* s = w.scale + g * w.n + o;
+  _mm_prefetch(reinterpret_cast<const char*>(s), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(s + 15), _MM_HINT_T0);  // the arrays need not start on a line
+  if (w.offset != nullptr) {
+    const float* f = w.offset + g * w.n + o;
+    _mm_prefetch(reinterpret_cast<const char*>(f), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(f + 15), _MM_HINT_T0);
+  }
+}
+
 // The AVX2 form (vpmaddubsw): per block of 32 inputs, run j's 64 bytes are two ymm, rows 0-7 and 8-15 of the band,
 // lane r 4 bytes of one weight row; their nibbles (q + 8 in 0..15, as qtile8_avx2's: the byte xor 0x88, then and and
 // shift) against 4 of x's bytes broadcast, in pairs into int16 lanes (vpmaddubsw), the block's 8 such products per lane
@@ -756,6 +770,12 @@ void run_bands(const QuantWeight& w, int64_t rows, const float* b, float* y, int
 // accumulators of more spill out of the 16 ymm. R rows share each band's unpacked block; B bands are B streams of
 // weights per thread, as qbands_r16_vnni's and for the same reason (on the Intel Xeon of that measurement, this form
 // too: docs/performance-log.md 45). Each band's sums are the same whatever R and B.
+// Each group's constant (add_group_constants': the offset times x's sum, less 8 times x's rounded sum) is added here
+// as the group ends, where a lane is a weight row, as qbands_r16_vnni adds it; the next band's scales and offsets of
+// the group are fetched as the group starts (fetch_group_params). A pass over the [G, N] scales and offsets after the
+// kernel read them a second time, and inline without the fetch each group waited on its lines from memory: one
+// SmolLM2 int4 sequence on an AMD EPYC Zen 3 (AVX2), in-process alternating, 1.10-1.20x the step (batch-1 and
+// batch-16 folders; 8 and 16 rows 1.00x and 1.06x, a verify of 8 1.03x: docs/performance-log.md 64).
 // `next`: as qbands_r16_vnni's (the next band's bytes fetched block by block), or null.
 template <int R, int B>
 MSLLM_AVX2 void qbands_r16_avx2(const QuantWeight& w, int64_t m0, const int64_t* os, const float* const* bo,
@@ -769,8 +789,12 @@ MSLLM_AVX2 void qbands_r16_avx2(const QuantWeight& w, int64_t m0, const int64_t*
   for (int i = 0; i < B; ++i) band[i] = static_cast<const uint8_t*>(w.q) + os[i] * (w.k / 2);
   const int8_t* xb[R];
   const float* bs[R];
+  const float* sums[R];
 #pragma GCC unroll 2
-  for (int r = 0; r < R; ++r) xb[r] = x.xb.data() + (m0 + r) * 2 * w.k, bs[r] = block_scales(x, m0 + r);
+  for (int r = 0; r < R; ++r)
+    xb[r] = x.xb.data() + (m0 + r) * 2 * w.k, bs[r] = block_scales(x, m0 + r), sums[r] = group_sums(x, m0 + r);
+  const int64_t groups = w.k / w.group;
+  const float bias = weight_bias(w);
   __m256 total[R][B][2];
 #pragma GCC unroll 2
   for (int r = 0; r < R; ++r)
@@ -781,6 +805,9 @@ MSLLM_AVX2 void qbands_r16_avx2(const QuantWeight& w, int64_t m0, const int64_t*
 #pragma GCC unroll 4
       for (int line = 0; line < 256; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + blk * 256 + line),
                                                               _MM_HINT_T0);
+    if (blk % per == 0)  // the next band's scales (and offsets) of this group: their own lines, a row apart
+#pragma GCC unroll 2
+      for (int i = 0; i < B; ++i) fetch_group_params(w, blk / per, os[i] + 16);
     __m256i sum[R][B][2];
 #pragma GCC unroll 2
     for (int r = 0; r < R; ++r)
@@ -808,9 +835,11 @@ MSLLM_AVX2 void qbands_r16_avx2(const QuantWeight& w, int64_t m0, const int64_t*
                                                                          _mm256_maddubs_epi16(hi, od[r])));
         }
     }
+    const int64_t gi = blk / per;
+    const bool group_ends = blk % per == per - 1;
 #pragma GCC unroll 2
     for (int i = 0; i < B; ++i) {
-      const float* ws = w.scale + (blk / per) * w.n + os[i];
+      const float* ws = w.scale + gi * w.n + os[i];
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         const __m256 s = _mm256_loadu_ps(ws + 8 * h);
@@ -818,6 +847,17 @@ MSLLM_AVX2 void qbands_r16_avx2(const QuantWeight& w, int64_t m0, const int64_t*
         for (int r = 0; r < R; ++r)
           total[r][i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][i][h], ones)),
                                            _mm256_mul_ps(_mm256_set1_ps(bs[r][blk]), s), total[r][i][h]);
+        if (group_ends) {  // the group's constant (add_group_constants'), here where a lane is a weight row
+          const __m256 off = w.offset != nullptr ? _mm256_loadu_ps(w.offset + gi * w.n + os[i] + 8 * h)
+                                                 : _mm256_setzero_ps();
+#pragma GCC unroll 2
+          for (int r = 0; r < R; ++r) {
+            const __m256 rounded = _mm256_set1_ps(bias * sums[r][groups + gi]);
+            const __m256 c = w.offset != nullptr ? _mm256_fmsub_ps(off, _mm256_set1_ps(sums[r][gi]), rounded)
+                                                 : _mm256_sub_ps(_mm256_setzero_ps(), rounded);
+            total[r][i][h] = _mm256_fmadd_ps(c, s, total[r][i][h]);
+          }
+        }
       }
     }
   }
@@ -881,7 +921,11 @@ MSLLM_AVX2 void qrows_avx2(const float*, int64_t rows, const void* wv, const flo
           else
             qbands_r16_avx2<1, 1>(w, 0, os, bo, yo, ldy);
         },
-        [&](int64_t t0, int64_t t1) { qrows8_avx2(w, rows, b, y, ldy, t0, t1); });
+        [&](int64_t t0, int64_t t1) {  // the bands add their groups' constants themselves: the rows past them here
+          qrows8_avx2(w, rows, b, y, ldy, t0, t1);
+          add_group_constants_avx2(w, rows, y, ldy, t0, t1);
+        });
+    return;
   } else if (w.x->int8) {
     qrows8_avx2(w, rows, b, y, ldy, o0, o1);
   } else if (w.x->exact) {
