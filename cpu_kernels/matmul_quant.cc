@@ -775,7 +775,8 @@ inline void fetch_group_params(const QuantWeight& w, int64_t g, int64_t o) {
 // the group are fetched as the group starts (fetch_group_params). A pass over the [G, N] scales and offsets after the
 // kernel read them a second time, and inline without the fetch each group waited on its lines from memory: one
 // SmolLM2 int4 sequence on an AMD EPYC Zen 3 (AVX2), in-process alternating, 1.10-1.20x the step (batch-1 and
-// batch-16 folders; 8 and 16 rows 1.00x and 1.06x, a verify of 8 1.03x: docs/performance-log.md 64).
+// batch-16 folders; 8 and 16 rows 1.00x and 1.06x, a verify of 8 1.03x; the Qwen2-0.5B shape's groups of 128, one
+// sequence, 1.04x: docs/performance-log.md 64).
 // `next`: as qbands_r16_vnni's (the next band's bytes fetched block by block), or null.
 template <int R, int B>
 MSLLM_AVX2 void qbands_r16_avx2(const QuantWeight& w, int64_t m0, const int64_t* os, const float* const* bo,
