@@ -157,33 +157,6 @@ MSLLM_AVX2 inline void tile_avx2(const float* x, const T* w, const float* b, int
   }
 }
 
-// One row of x (the decode step at batch 1) against one weight row at a time, 32 inputs a step in four accumulators:
-// each thread reads its weights as one sequential stream. Tiles of four weight rows side by side (tile_avx2<T, 1, 4>,
-// which this replaced) read four short streams at once (896 inputs: 3.5 KB of float32), which the hardware
-// prefetcher follows worse: the 0.5B shape's step matrices took 0.84x (float32) and 0.89x (16-bit) of the time,
-// interleaved in one process on an AMD EPYC (docs/performance-log.md, "The CPU decode step on the AVX2 path",
-// 2026-11-24); a plain read of rows side by side measured 0.67x the bandwidth of one stream there.
-template <class T>
-MSLLM_AVX2 inline void seq_rows_avx2(const float* x, const T* w, const float* b, int64_t in, float* y, int64_t o0,
-                                     int64_t o1) {
-  const int64_t in32 = in & ~int64_t(31);
-  for (int64_t o = o0; o < o1; ++o) {
-    const T* wo = w + o * in;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t i = 0;
-    for (; i < in32; i += 32) {
-      a0 = _mm256_fmadd_ps(load8(wo + i), _mm256_loadu_ps(x + i), a0);
-      a1 = _mm256_fmadd_ps(load8(wo + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-      a2 = _mm256_fmadd_ps(load8(wo + i + 16), _mm256_loadu_ps(x + i + 16), a2);
-      a3 = _mm256_fmadd_ps(load8(wo + i + 24), _mm256_loadu_ps(x + i + 24), a3);
-    }
-    for (; i + 8 <= in; i += 8) a0 = _mm256_fmadd_ps(load8(wo + i), _mm256_loadu_ps(x + i), a0);
-    float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; i < in; ++i) s += to_f32(wo[i]) * x[i];
-    y[o] = s + (b ? b[o] : 0.f);
-  }
-}
-
 // All rows of x against C weight rows: R rows of x at a time, again for the next R while the weight rows are in cache.
 template <class T, int R, int C>
 MSLLM_AVX2 inline void tiles_avx2(const float* x, int64_t rows, const T* w, const float* b, int64_t in, float* y,
@@ -199,8 +172,17 @@ MSLLM_AVX2 void rows_avx2(const float* x, int64_t rows, const void* wv, const fl
                           int64_t ldy, int64_t o0, int64_t o1) {
   const T* w = static_cast<const T*>(wv);
   int64_t o = o0;
-  if (rows == 1) {  // decode at batch 1: one weight row at a time
-    seq_rows_avx2<T>(x, w, b, in, y, o0, o1);
+  // Decode at batch 1: 1x2 tiles, each output summed in the very order of every tile (one accumulator over the
+  // inputs 8 at a time), so a row of x comes out bit for bit alike in a call of any number of rows: a step's logits
+  // are its verify's (speculative decoding's greedy tokens are plain decoding's; on a bfloat16 KV cache a sum that
+  // differs in its last bit can round a key to another bfloat16 and move the logits by 5e-3, which parted the tokens
+  // at a near tie). The 4-accumulator row-at-a-time form it replaces summed otherwise; on an AMD EPYC Zen 3 (AVX2)
+  // the tiles ran SmolLM2's bfloat16 step 1.04x as fast, in-process alternating (docs/performance-log.md 65; 1x4
+  // tiles 1.03x; on an AVX-512 EPYC in 2026-11-24, 1x4 tiles ran 0.89x: four streams, there this path is not the
+  // default).
+  if (rows == 1) {
+    for (; o + 2 <= o1; o += 2) tile_avx2<T, 1, 2>(x, w, b, in, y, ldy, o);
+    for (; o < o1; ++o) tile_avx2<T, 1, 1>(x, w, b, in, y, ldy, o);
     return;
   }
   if (rows < GEMV_WIDE_ROWS) {  // 2x4 tiles: 8 accumulators
@@ -498,10 +480,12 @@ MSLLM_AVX512 inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// seq_rows_avx2 with 16 weights per load: half the instructions per byte read (tiles of four weight rows in this
-// width took 35-38 ms for the float32 step against 50-57 for AVX2 ones: docs/performance-log.md, "The decode step:
-// where the time goes, and fused ops", 2026-11-23; one sequential row at a time took 0.89x (float32) to 0.78x
-// (bfloat16) of those tiles: the same log, "The CPU decode step on the AVX2 path", 2026-11-24).
+// One row of x against one weight row at a time, 64 inputs a step in four accumulators of 16 lanes: half the
+// instructions per byte read (tiles of four weight rows in this width took 35-38 ms for the float32 step against
+// 50-57 for AVX2 ones: docs/performance-log.md, "The decode step: where the time goes, and fused ops", 2026-11-23;
+// one sequential row at a time took 0.89x (float32) to 0.78x (bfloat16) of those tiles: the same log, "The CPU
+// decode step on the AVX2 path", 2026-11-24). It sums in another order than the AVX2 tiles that take 2 rows and more
+// here: a step and its verify agree to float rounding, not bit for bit, on this path (rows_avx2's note).
 template <class T>
 MSLLM_AVX512 inline void seq_rows512(const float* x, const T* w, const float* b, int64_t in, float* y, int64_t o0,
                                      int64_t o1) {
@@ -1397,6 +1381,39 @@ void gemv_rows(RowsFn fn, const float* x, int64_t rows, const void* w, const flo
   run(&job, out >= MIN_PARALLEL_ROWS);
 }
 
+// The rows of x [rows, in] past the zero rows at either end: [*first, *last). A graph's layers leave out a step's idle
+// rows and a piece's padding and write them zero (decode_ops.cc decode_layer, ops.h ValidRows), and the final norm
+// keeps them zero: the head (the one matmul after the layers, over every row of the graph) then computes only the
+// rows between (docs/architecture.md "Step graphs of fewer rows"; a verify of 2 tokens on an int8 SmolLM2 folder
+// 1.70 -> 1.12 steps, performance-log.md 65). A row of zeros gives y = b (x . W^T is 0 for finite W), which
+// `matmul_rows_between` writes for them; such rows are never read but are written as computed.
+void nonzero_rows(const float* x, int64_t rows, int64_t in, int64_t* first, int64_t* last) {
+  const auto zero = [&](int64_t r) {
+    const float* xr = x + r * in;
+    for (int64_t i = 0; i < in; ++i)
+      if (xr[i] != 0.f) return false;
+    return true;
+  };
+  int64_t f = 0, l = rows;
+  while (f < l && zero(f)) ++f;
+  while (l > f && zero(l - 1)) --l;
+  *first = f, *last = l;
+}
+
+// matmul() of the rows between the zero rows at either end (nonzero_rows), y = b (or 0) for those
+void matmul_rows_between(const float* x, int64_t rows, const void* w, WType wt, const float* b, int64_t in,
+                         int64_t out, float* y) {
+  int64_t first = 0, last = rows;
+  if (rows > 1) nonzero_rows(x, rows, in, &first, &last);
+  const auto bias_rows = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t o = 0; o < out; ++o) y[r * out + o] = b ? b[o] : 0.f;
+  };
+  bias_rows(0, first);
+  bias_rows(last, rows);
+  if (last > first) matmul(x + first * in, last - first, w, wt, b, in, out, y + first * out);
+}
+
 }  // namespace
 
 // x [M, I] . W[O, I]^T (+ b [O]) -> y [M, O]. With `prompt_rows` (the full graph's form, MsliteLlmGemmValid) a
@@ -1431,7 +1448,7 @@ int gemv(int nparam, void** params, int* ndims, int64_t** shapes, const char** d
     return 0;
   }
   if (!prompt_rows) {
-    matmul(x, rows, w, wt, b, in, out, y);
+    matmul_rows_between(x, rows, w, wt, b, in, out, y);
     return 0;
   }
   const int32_t* valid = static_cast<const int32_t*>(params[vi]);
@@ -1539,7 +1556,7 @@ int quant_matmul_op(int nparam, void** params, int* ndims, int64_t** shapes, con
     return 0;
   }
   if (!prompt_rows) {
-    matmul(x, m, &w, W_QUANT, nullptr, w.k, w.n, y);
+    matmul_rows_between(x, m, &w, W_QUANT, nullptr, w.k, w.n, y);
     return 0;
   }
   const int32_t* valid = static_cast<const int32_t*>(params[vi]);

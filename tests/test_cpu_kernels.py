@@ -58,6 +58,37 @@ def test_gemv_against_numpy(rows, inp, out, bias):
     assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_leaves_out_the_zero_rows_at_either_end(bias):
+    """A graph's layers write its idle and padding rows zero; the head (GEMV over every row of the graph) computes only
+    the rows between the zero rows at either end: those come out as the plain call on them alone gives them, bit for
+    bit, and the zero rows as b (or 0), what x . W^T + b is for them. A zero row between nonzero ones is computed."""
+    rng = np.random.default_rng(7)
+    inp, out = 576, 300
+    x = rng.standard_normal((9, inp), dtype=np.float32)
+    x[[0, 6, 7, 8]] = 0.0
+    x[3] = 0.0  # between: computed
+    x[7, 5] = -0.0  # a negative zero is zero
+    w = rng.standard_normal((out, inp), dtype=np.float32)
+    b = rng.standard_normal((out,), dtype=np.float32)
+    y = np.full((9, out), np.nan, np.float32)
+    args = (x, w, b, y) if bias else (x, w, y)
+    assert call_kernel(cpu_kernels.GEMV_BIAS if bias else cpu_kernels.GEMV, *args) == 0
+    alone = np.full((5, out), np.nan, np.float32)
+    middle = np.ascontiguousarray(x[1:6])
+    assert call_kernel(cpu_kernels.GEMV_BIAS if bias else cpu_kernels.GEMV,
+                       *((middle, w, b, alone) if bias else (middle, w, alone))) == 0
+    assert np.array_equal(y[1:6], alone)
+    for r in (0, 6, 7, 8):
+        assert np.array_equal(y[r], b if bias else np.zeros(out, np.float32))
+    ref = x.astype(np.float64) @ w.T.astype(np.float64) + (b if bias else 0)
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+    x[:] = 0.0  # every row zero: nothing computed, every row b (or 0)
+    y[:] = np.nan
+    assert call_kernel(cpu_kernels.GEMV_BIAS if bias else cpu_kernels.GEMV, *args) == 0
+    assert np.array_equal(y, np.broadcast_to(b if bias else np.zeros(out, np.float32), y.shape))
+
+
 def test_gemv_refuses_what_it_cannot_compute():
     x, w, y = np.zeros((2, 8), np.float32), np.zeros((3, 8), np.float32), np.zeros((2, 3), np.float32)
     assert call_kernel(cpu_kernels.GEMV, x, w) == 1  # wrong number of tensors
@@ -132,6 +163,26 @@ def check_matmul(dtype: str, bias: bool, rows_list, outs, ins, seed: int = 0) ->
 
 
 ODD_ROWS, ODD_OUTS, ODD_INS = (1, 2, 5, 7, 17, 100), (1, 15, 17, 300), (1, 7, 9, 896)
+
+
+def check_rows_alike(dtype: str) -> None:
+    """A row of x comes out bit for bit alike alone and among 2 to 9 rows (a decode step's row and the same row in a
+    verify of 8 drafts: speculative decoding's greedy tokens are then plain decoding's), on the paths that promise it:
+    AVX2 and the plain C++ one (test_each_code_path_gives_the_same_answers runs it on both)."""
+    rng = np.random.default_rng(11)
+    for out, inp in ((300, 576), (17, 9), (64, 100)):
+        x = rng.standard_normal((9, inp), dtype=np.float32)
+        w, _ = stored(rng.standard_normal((out, inp), dtype=np.float32), dtype)
+        b = rng.standard_normal((out,), dtype=np.float32)
+        names = ["float32", dtype, "float32", "float32"]
+        for rows in range(2, 10):
+            y = np.full((rows, out), np.nan, np.float32)
+            assert call_kernel(cpu_kernels.GEMV_BIAS, np.ascontiguousarray(x[:rows]), w, b, y, dtypes=names) == 0
+            for r in (0, rows - 1):
+                one = np.full((1, out), np.nan, np.float32)
+                assert call_kernel(cpu_kernels.GEMV_BIAS, np.ascontiguousarray(x[r:r + 1]), w, b, one,
+                                   dtypes=names) == 0
+                assert np.array_equal(one[0], y[r]), (dtype, out, inp, rows, r)
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
@@ -340,6 +391,8 @@ def test_each_code_path_gives_the_same_answers(isa):
             sys.exit("isa: " + lib.MsliteLlmIsa().decode())
         for dtype in t.WEIGHT_DTYPES:
             t.check_matmul(dtype, True, t.ODD_ROWS, t.ODD_OUTS, t.ODD_INS)
+            if "{isa}" != "avx512":  # AVX-512's one-row form sums in its own order (matmul16.cc seq_rows512)
+                t.check_rows_alike(dtype)
             t.test_embed_copies_and_widens_the_rows_of_the_ids(dtype, "int64")
         t.test_embed_refuses_ids_outside_the_table_and_writes_nothing()
         import test_fused_kernels as f
