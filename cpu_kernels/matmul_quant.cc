@@ -520,11 +520,12 @@ MSLLM_AVX2 void qtile_avx2(const QuantWeight& w, int64_t m0, const int64_t* n, i
   const float* bs[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) xq[r] = prepared_row(x, m0 + r), bs[r] = block_scales(x, m0 + r);
-  __m256 total[R][C];
-#pragma GCC unroll 8
+  // each group's sums in memory: held in registers beside acc they spilled acc itself at R x C = 8 (4 rows by 2 weight
+  // rows: a store and a reload on every block's FMA chain); 8192 x 2048 int8, 4 to 16 rows 1.05-1.16x, a SmolLM2 int8
+  // verify of 8 tokens 1.06x (docs/performance-log.md 65)
+  alignas(32) float total[R][C][8];
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) total[r][c] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) _mm256_store_ps(total[r][c], _mm256_setzero_ps());
   for (int64_t gi = 0; gi < groups; ++gi) {
     __m256 acc[R][C];
 #pragma GCC unroll 8
@@ -537,25 +538,25 @@ MSLLM_AVX2 void qtile_avx2(const QuantWeight& w, int64_t m0, const int64_t* n, i
       const char* ahead = next + blk * C * block_bytes;
 #pragma GCC unroll 8
       for (int64_t off = 0; off < C * block_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-      __m256 sb[R];
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) sb[r] = _mm256_set1_ps(bs[r][blk]);
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
         const WideAvx2 v = widen_avx2<INT4>(row[c], blk);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(dot_avx2<INT4, EXACT>(v, xq[r], w.k, blk), sb[r], acc[r][c]);
+        for (int r = 0; r < R; ++r)
+          acc[r][c] = _mm256_fmadd_ps(dot_avx2<INT4, EXACT>(v, xq[r], w.k, blk), _mm256_broadcast_ss(bs[r] + blk),
+                                      acc[r][c]);
       }
     }
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
       const float s = w.scale[gi * w.n + n[c]];
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) total[r][c] = _mm256_fmadd_ps(acc[r][c], _mm256_set1_ps(s), total[r][c]);
+      for (int r = 0; r < R; ++r)
+        _mm256_store_ps(total[r][c], _mm256_fmadd_ps(acc[r][c], _mm256_set1_ps(s), _mm256_load_ps(total[r][c])));
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < cols; ++c) y[(m0 + r) * ldy + n[c]] = hsum8(total[r][c]) + (b ? b[n[c]] : 0.f);
+    for (int c = 0; c < cols; ++c) y[(m0 + r) * ldy + n[c]] = hsum8(_mm256_load_ps(total[r][c])) + (b ? b[n[c]] : 0.f);
 }
 
 // ---- int4 weights against x in int8 (ACTIVATIONS_INT8): 64 inputs a step ---------------------------------------

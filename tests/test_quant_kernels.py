@@ -686,6 +686,26 @@ def test_the_full_graphs_form_computes_only_each_rows_prompt(bits):
     assert call_kernel(cpu_kernels.QUANT_MATMUL_VALID, x, q, scale, np.zeros(5, np.int32), y2) == 4  # 72 rows / 5
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_zero_rows_at_either_end_are_left_out(bits):
+    """The head over a score graph's rows (MsliteLlmQuantMatmul[Offset]): the zero rows at either end (a verify's idle
+    step row, the piece's padding: the layers write them zero) are not computed and come out zero, what x . W^T is
+    for them; the rows between are the plain call's answer on them alone, bit for bit."""
+    rng = np.random.default_rng(40 + bits)
+    k, outs = 256, 72
+    x, q, scale, offset = case(rng, bits, 9, outs, k, k // 32, True)
+    x[[0, 5, 6, 7, 8]] = 0.0
+    x[2] = 0.0  # between: computed
+    y = np.full((9, outs), np.nan, np.float32)
+    assert call_kernel(QMO, x, q, scale, offset, y) == 0
+    alone = np.full((4, outs), np.nan, np.float32)
+    assert call_kernel(QMO, np.ascontiguousarray(x[1:5]), q, scale, offset, alone) == 0
+    assert np.array_equal(y[1:5], alone)
+    assert not y[[0, 5, 6, 7, 8]].any()
+    check(y, x.astype(np.float64) @ dequantize(q, scale, offset).T, f"int{bits} zero rows",
+          rounding=int16_rounding(x, dequantize(q, scale), 32, bits == 4))
+
+
 def banded(q: np.ndarray) -> np.ndarray:
     """int4 q [N, K / 2] in bands of 16 rows as cpu_kernels/matmul_quant.h documents the layout, built here from the
     rule (independently of the library): per band of 16 rows and block b of 32 inputs (each row's bytes 16b..16b+15),
