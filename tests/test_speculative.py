@@ -123,6 +123,33 @@ def test_pacer_holds_speculation_to_its_loss_budget():
     assert drafty.draft_time == pytest.approx(0.010) and drafty.plan() == 0
 
 
+def test_pacer_takes_the_k_that_makes_the_most_tokens_a_second():
+    """Under the heuristic's bound, K is the one whose round makes the most tokens a second: expected tokens at the
+    recent rate of kept drafts over the measured verify time of K + 1 tokens (unmeasured lengths on the line through a
+    plain step and the nearest measured one). A verify that costs a step more per 2 tokens (a quantized form on an
+    AVX2 CPU) drafts few after a miss; one that costs little more than a step keeps the bound."""
+    step = 0.010
+
+    def after_a_miss(verify_of_8: float) -> Pacer:
+        pacer = Pacer(7, 7)
+        pacer.plain(step)
+        pacer.plain(step)
+        assert pacer.plan() == 7  # nothing measured: a verify is taken as 2 steps at any length, so the bound
+        pacer.round(verify_of_8, verify_of_8, 7, 7)  # all kept
+        assert pacer.verify_seconds(8) == verify_of_8
+        assert pacer.verify_seconds(4) == pytest.approx(step + (verify_of_8 - step) * 3 / 7)
+        assert pacer.plan() == 7  # every draft kept lately: 8 tokens a round, the most a second at either cost
+        pacer.round(verify_of_8, verify_of_8, 7, 1)  # a miss: the rate of kept drafts (3.5 + 1) / (4.5 + 1)
+        assert pacer.k == 6
+        return pacer
+
+    steep = after_a_miss(0.040)  # 4 steps for 8 tokens
+    assert steep.plan() == 2  # E(2) = 1 + a + a^2 = 2.49 tokens in 1.86 steps: 1.34 a step; E(3) 1.33, E(6) 1.16
+    assert after_a_miss(0.013).plan() == 6  # 1.3 steps for 8 tokens: the bound
+    steep.round(0.018, 0.018, 2, 2)  # measured: a verify of 3 tokens costs 1.8 steps
+    assert steep.verify_seconds(3) == 0.018 and steep.verify_seconds(2) == pytest.approx(0.014)  # the line to 3
+
+
 def test_refusals(target, score_folders):
     row = prompts(1, [5], seed=1)[0]
     with pytest.raises(InferError, match="vocabulary|tokenizer") as err:

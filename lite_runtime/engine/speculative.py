@@ -23,10 +23,13 @@ processors (repetition penalty, temperature, top-k, top-p). Prompt lookup's q is
 then distributed as the target's own sampling (`accept`; tests/test_speculative.py checks it statistically).
 
 K adapts as transformers' "heuristic" schedule does (+2 after a round that kept every draft token, -1 otherwise,
-between 1 and the asked number), and `Pacer` holds speculation to a loss budget: it times plain steps, verifies and
-draft tokens as it goes, sets each round against what plain steps would have cost for the tokens it made, and
-drafts only while a round's worst case fits in a few percent of the generation's plain time. Free generation where
-drafts are rarely right therefore loses at most about that budget and one round.
+between 1 and the asked number); under that bound `Pacer` takes the K that makes the most tokens a second by what it
+measured: each piece length's verify time and the recent rate of kept drafts (where a verify's cost grows steeply
+with K, as the quantized forms' on an AVX2 CPU, it drafts fewer tokens after a miss). It also holds speculation to a
+loss budget: it times plain steps, verifies and draft tokens as it goes, sets each round against what plain steps
+would have cost for the tokens it made, and drafts only while a round's worst case fits in a few percent of the
+generation's plain time. Free generation where drafts are rarely right therefore loses at most about that budget and
+one round.
 """
 from __future__ import annotations
 
@@ -103,13 +106,20 @@ class SpecStats:
 
 class Pacer:
     """How many tokens to draft next, 0 for a plain step (module doc). K follows transformers' heuristic (+2 after a
-    round that kept every draft, -1 otherwise, within 1..k_max), and a loss budget keeps speculation from making a
-    generation slower than plain steps by more than a few percent: every round's time is set against what plain
-    steps would have taken for the tokens it made (`lost`, net of gains, credit capped), and a round runs only while
-    its worst case (nothing kept: a draft model's catch-up, K draft tokens and a verify, for one token) fits in what
-    is left of BUDGET of the request's plain-step time (the tokens made and those it may still make) plus ALLOWANCE
-    steps. A request whose drafts keep failing stops drafting and loses at most about BUDGET of a request that runs
-    to its limit, plus one round; the costs are measured as it goes (plain step, verify, one draft token)."""
+    round that kept every draft, -1 otherwise, within 1..k_max) as a bound; under it, the K whose round makes the most
+    tokens a second as measured: a round of K drafts makes E(K) = 1 + a + ... + a^K tokens on average where a is the
+    recent rate of kept drafts (each round's kept and rejected drafts, the older rounds' counts halved: RECENT), and
+    costs K draft tokens and a verify of K + 1 tokens, each piece length's time as measured (those not measured yet
+    estimated on the line through a plain step and the nearest measured one; none measured: 2 steps each, so the
+    bound is taken). A verify of 8 tokens costs 1.3 steps on one CPU form and 3.6 on another (SmolLM2 int8 on an AVX2
+    CPU: 1.04 steps for 2 tokens, 1.57 for 4, 3.56 for 8; docs/performance-log.md 65). And a loss budget keeps
+    speculation from making a generation slower than plain steps by more than a few percent: every round's time is
+    set against what plain steps would have taken for the tokens it made (`lost`, net of gains, credit capped), and a
+    round runs only while its worst case (nothing kept: a draft model's catch-up, K draft tokens and a verify, for
+    one token) fits in what is left of BUDGET of the request's plain-step time (the tokens made and those it may still
+    make) plus ALLOWANCE steps. A request whose drafts keep failing stops drafting and loses at most about BUDGET of a
+    request that runs to its limit, plus one round; the costs are measured as it goes (plain step, verify, one draft
+    token)."""
 
     WARM = 2  # plain steps timed before the first round
     # a token a draft model has not seen yet costs it about this many plain steps to take in (a prompt's token in
@@ -119,6 +129,7 @@ class Pacer:
     BUDGET = 0.03  # of the plain-step time of the tokens made, that speculation may lose net
     ALLOWANCE = 2.0  # plain steps it may lose before it has made anything
     CREDIT = 4.0  # plain steps of gains kept as credit at most
+    RECENT = 0.5  # the weight a round's kept and rejected draft counts keep at each later round (the kept rate's)
 
     def __init__(self, k_max: int, k: Optional[int] = None) -> None:
         self.k_max = max(1, int(k_max))
@@ -127,7 +138,9 @@ class Pacer:
         # while rounds win no plain step refreshes it; steps slow a little as the row grows, so this errs toward
         # counting a round as lost)
         self.step_time: Optional[float] = None
-        self.verify_time: Optional[float] = None  # seconds of a verify call (running mean)
+        self.verify_by: dict = {}  # seconds of a verify call by its tokens (drafts + 1; running means)
+        self.kept_recent = 0.0  # drafts kept and rejected in recent rounds (older rounds' counts weigh RECENT each)
+        self.missed_recent = 0.0
         self.draft_time = 0.0  # seconds to propose one draft token (running mean; ~0 for prompt lookup)
         self.tokens = 0  # tokens made, plain and speculative
         self.lost = 0.0  # seconds lost to speculation, net of its gains
@@ -142,11 +155,33 @@ class Pacer:
         step = self.step_time
         room = (self.BUDGET * (self.tokens + remaining) + self.ALLOWANCE) * step - self.lost \
             - lacking * self.INGEST * step
-        verify = self.verify_time if self.verify_time is not None else 2 * step
+        best, best_rate = 0, 0.0
         for k in range(self.k, 0, -1):
-            if k * self.draft_time + verify - step <= room:  # the round's loss if nothing is kept
-                return k
-        return 0
+            cost = k * self.draft_time + self.verify_seconds(k + 1)
+            if cost - step > room:  # the round's loss if nothing is kept does not fit
+                continue
+            rate = self.expected_tokens(k) / cost
+            if rate > best_rate * (1 + 1e-9):  # ties: the larger K (met first)
+                best, best_rate = k, rate
+        return best
+
+    def verify_seconds(self, tokens: int) -> float:
+        """A verify of `tokens` tokens: as measured, else on the line through a plain step (1 token) and the measured
+        length nearest to it (the larger of two as near), else 2 plain steps."""
+        step = self.step_time
+        if tokens in self.verify_by:
+            return self.verify_by[tokens]
+        if not self.verify_by:
+            return 2 * step
+        near = min(self.verify_by, key=lambda n: (abs(n - tokens), -n))
+        per_token = max(self.verify_by[near] - step, 0.0) / max(near - 1, 1)
+        return step + per_token * (tokens - 1)
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a round of k drafts makes on average at the recent rate of kept drafts: 1 + a + ... + a^k."""
+        seen = self.kept_recent + self.missed_recent
+        a = self.kept_recent / seen if seen > 0 else 1.0
+        return float(sum(a ** i for i in range(k + 1)))
 
     def plain(self, seconds: float) -> None:
         self.step_time = seconds if self.step_time is None else min(self.step_time, seconds)
@@ -160,8 +195,11 @@ class Pacer:
         self.tokens += made
         step = self.step_time or seconds
         self.lost = max(self.lost + seconds - made * step, -self.CREDIT * step)
-        self.verify_time = verify_seconds if self.verify_time is None else \
-            0.7 * self.verify_time + 0.3 * verify_seconds
+        n = drafted + 1
+        self.verify_by[n] = verify_seconds if n not in self.verify_by else \
+            0.7 * self.verify_by[n] + 0.3 * verify_seconds
+        self.kept_recent = self.RECENT * self.kept_recent + kept
+        self.missed_recent = self.RECENT * self.missed_recent + (1 if kept < drafted else 0)
         if drafted:
             per = max(seconds - verify_seconds, 0.0) / drafted
             self.draft_time = 0.7 * self.draft_time + 0.3 * per if self.draft_time else per
