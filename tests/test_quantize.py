@@ -234,13 +234,13 @@ def test_a_quantized_cpu_folder_is_what_its_checkpoint_rounds_to(tmp_path, capsy
         assert np.all(np.abs(values - w).reshape(blocks.shape) <= step[..., None] * 0.5 + 1e-6), name
     _check_and_compare(ckpt, folder, capsys)
     _assert_banded(folder, bits, tied=family != "llama")
-    # `--speculative auto`: prompt lookup on for an int8 folder where its matrices are banded, an int4 one where they
-    # are banded on AVX-512 VNNI (measured to pay there)
+    # `--speculative auto`: prompt lookup on for an int8 folder on the x86 forms, an int4 one where its matrices are
+    # banded on AVX-512 VNNI (measured to pay there)
     import cpu_kernels
     from lite_runtime import InferConfig
     from lite_runtime.serve.cli import lookup_pays
 
-    want = cpu_kernels.int8_r16_runs(64, 64) if bits == 8 else \
+    want = cpu_kernels.quant_form() in ("avx2", "avx512_vnni") if bits == 8 else \
         cpu_kernels.quant_form() == "avx512_vnni" and cpu_kernels.int4_r16_runs(64, 64)
     assert lookup_pays(InferConfig.from_folder(folder)) == want
     if family == "qwen2":

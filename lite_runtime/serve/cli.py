@@ -115,15 +115,16 @@ def reasoning_parser_of(generator, choice: str = "auto"):
 def lookup_pays(config) -> bool:
     """Whether `--speculative auto` turns prompt lookup on for this folder: CPU folders of float32 or bfloat16 weights,
     where rewriting or editing a text went 1.85x (float32 SmolLM2) and 1.9x (bfloat16 SmolLM2 on the server's path,
-    2.0x through generate with the AVX512-BF16 form, 1.48x with float32's, 1.95x natively on an AVX2-only Zen 3: a
-    verify of 8 costs 1.75-2.25 steps; free generation 0.93-0.98x, docs/performance.md "Speculative decoding"); int8
-    CPU folders where their matrices are banded (cpu_kernels.int8_r16_runs: AVX-512 VNNI; fixing typos 1.52x on the
-    server's path, free generation 0.95x; 1.26x before the bands); int4 CPU folders where their matrices are banded on
-    AVX-512 VNNI (since direct steps: SmolLM2 input-grounded 1.67x through generate, fixing typos 1.83x on the
-    server's path, free generation 0.96x at worst; performance-log 63). Not on float16 folders, int8 ones elsewhere
-    (1.00x natively on a Zen 3, performance-log 64; 0.97x and 1.28x before), int4 ones on AVX2 (0.96-1.02x there,
-    0.99x on the Zen 3: the same prompts' answers copied little), nor on Atlas (not measured);
-    `--speculative prompt_lookup` turns it on anywhere."""
+    2.0x through generate with the AVX512-BF16 form, 1.48x with float32's, 1.92x natively on an AVX2-only Zen 3: a
+    verify of 8 costs 1.7 steps there since the head leaves out the graph's zero rows; free generation 0.93-1.06x,
+    docs/performance.md "Speculative decoding"); int8 CPU folders (fixing typos 1.52x on the server's path with the
+    banded AVX-512 VNNI form, free generation 0.95x; on an AVX2-only Zen 3 input-grounded 1.35-1.42x through generate,
+    free 0.95x, since the head's zero rows and the K each round's measured verify cost picks: performance-log 65,
+    1.00x before); int4 CPU folders where their matrices are banded on AVX-512 VNNI (since direct steps: SmolLM2
+    input-grounded 1.67x through generate, fixing typos 1.83x on the server's path, free generation 0.96x at worst;
+    performance-log 63). Not on float16 folders, int8 ones on NEON or the plain C++ form (not measured), int4 ones on
+    AVX2 (1.04x input-grounded, 0.94x free on the Zen 3: the same prompts' answers copied little; performance-log
+    65), nor on Atlas (not measured); `--speculative prompt_lookup` turns it on anywhere."""
     folder = config.folder
     quantization = folder.quantization if folder is not None else None
     if config.target != "CPU" or config.dtype not in ("float32", "bfloat16"):
@@ -136,9 +137,9 @@ def lookup_pays(config) -> bool:
         import cpu_kernels
     except ImportError:
         return False
-    if quantization.get("bits") == 4:
-        return cpu_kernels.quant_form() == "avx512_vnni" and cpu_kernels.bands_here(4)
-    return cpu_kernels.bands_here(8)
+    if quantization.get("bits") == 8:  # the x86 forms, where it was measured (not NEON or plain C++)
+        return cpu_kernels.quant_form() in ("avx2", "avx512_vnni")
+    return cpu_kernels.quant_form() == "avx512_vnni" and cpu_kernels.bands_here(4)
 
 
 def draining_server(uvicorn, config, service, drain_timeout: float):
