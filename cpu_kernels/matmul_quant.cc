@@ -807,9 +807,10 @@ MSLLM_AVX2 void qbands_r16_avx2(const QuantWeight& w, int64_t m0, const int64_t*
 #pragma GCC unroll 4
       for (int line = 0; line < 256; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + blk * 256 + line),
                                                               _MM_HINT_T0);
+    const int64_t gi = blk / per;
     if (blk % per == 0)  // the next band's scales (and offsets) of this group: their own lines, a row apart
 #pragma GCC unroll 2
-      for (int i = 0; i < B; ++i) fetch_group_params(w, blk / per, os[i] + 16);
+      for (int i = 0; i < B; ++i) fetch_group_params(w, gi, os[i] + 16);
     __m256i sum[R][B][2];
 #pragma GCC unroll 2
     for (int r = 0; r < R; ++r)
@@ -837,7 +838,6 @@ MSLLM_AVX2 void qbands_r16_avx2(const QuantWeight& w, int64_t m0, const int64_t*
                                                                          _mm256_maddubs_epi16(hi, od[r])));
         }
     }
-    const int64_t gi = blk / per;
     const bool group_ends = blk % per == per - 1;
 #pragma GCC unroll 2
     for (int i = 0; i < B; ++i) {
