@@ -120,11 +120,12 @@ def lookup_pays(config) -> bool:
     docs/performance.md "Speculative decoding"); int8 CPU folders (fixing typos 1.52x on the server's path with the
     banded AVX-512 VNNI form, free generation 0.95x; on an AVX2-only Zen 3 input-grounded 1.35-1.42x through generate,
     fixing typos 1.33x on the server's path, free 0.95-0.97x, since the head's zero rows and the K each round's
-    measured verify cost picks: performance-log 65, 1.00x before); int4 CPU folders where their matrices are banded on AVX-512 VNNI (since direct steps: SmolLM2
-    input-grounded 1.67x through generate, fixing typos 1.83x on the server's path, free generation 0.96x at worst;
-    performance-log 63). Not on float16 folders, int8 ones on NEON or the plain C++ form (not measured), int4 ones on
-    AVX2 (1.04x input-grounded, 0.94x free on the Zen 3: the same prompts' answers copied little; performance-log
-    65), nor on Atlas (not measured); `--speculative prompt_lookup` turns it on anywhere."""
+    measured verify cost picks: performance-log 65, 1.00x before); int4 CPU folders where their matrices are banded
+    on AVX-512 VNNI (since direct steps: SmolLM2 input-grounded 1.67x through generate, fixing typos 1.83x on the
+    server's path, free generation 0.96x at worst; performance-log 63). Not on float16 folders, int8 ones on NEON or
+    the plain C++ form (not measured), int4 ones on AVX2 (1.04x input-grounded, 0.94x free on the Zen 3: the same
+    prompts' answers copied little; performance-log 65), nor on Atlas (not measured); `--speculative prompt_lookup`
+    turns it on anywhere."""
     folder = config.folder
     quantization = folder.quantization if folder is not None else None
     if config.target != "CPU" or config.dtype not in ("float32", "bfloat16"):
