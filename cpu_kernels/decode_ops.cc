@@ -330,10 +330,13 @@ int decode_qkv(int nparam, void** params, int* ndims, int64_t** shapes, const ch
     project_qkv_rope(xn, n, e, ws, bs, ys, d, cos, sin, norms ? static_cast<const float*>(params[li + 1]) : nullptr,
                      norms ? static_cast<const float*>(params[li + 2]) : nullptr, eps);
   write_paged(cache, ys[1], ys[2], n, slots, params[kci], params[vci]);
-  if (n < rows) {
-    std::memset(q, 0, size_t(rows * qw) * sizeof(float));
-    for (int64_t j = 0; j < n; ++j) std::memcpy(q + keep[j] * qw, qs + j * qw, size_t(qw) * sizeof(float));
-  }
+  if (n < rows)  // the kept rows' q back in place, the others zero (keep is ascending)
+    for (int64_t r = 0, j = 0; r < rows; ++r) {
+      if (j < n && keep[j] == r)
+        std::memcpy(q + r * qw, qs + j++ * qw, size_t(qw) * sizeof(float));
+      else
+        std::memset(q + r * qw, 0, size_t(qw) * sizeof(float));
+    }
   return 0;
 }
 

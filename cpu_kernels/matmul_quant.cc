@@ -342,10 +342,11 @@ int default_activations() {
 std::atomic<int> g_activations{default_activations()};
 
 bool int16_fits(const QuantWeight& w) { return w.k % QBLOCK == 0 && w.group % QBLOCK == 0; }
-// the int8 form's unit: 64 inputs, a weight row's 32 bytes (two blocks); K and the group whole units
+// the x-in-int8 forms' unit: 64 inputs (two blocks; an int4 weight row's 32 bytes)
 constexpr int64_t QSTEP = 2 * QBLOCK;
-// (or groups of 32, a step's two blocks two groups: G32 below)
-bool int8_fits(const QuantWeight& w) {
+// whether int4 weights fit the form that takes x in int8 (below, "int4 weights against x in int8"): K whole units, the
+// group too (or groups of 32, a step's two blocks two groups: G32 below)
+bool int4_x8_fits(const QuantWeight& w) {
   return w.int4 && w.k % QSTEP == 0 && (w.group % QSTEP == 0 || w.group == QBLOCK);
 }
 
@@ -362,7 +363,7 @@ bool takes_int8w(const QuantWeight& w) {
 // the same for int4 weights: banded, K and the group whole steps of 64 (or groups of 32), x in int8 in force (bands
 // are x86's only)
 bool takes_int4w(const QuantWeight& w) {
-  return w.r16 && int8_fits(w) && quant_activations() == ACTIVATIONS_INT8;
+  return w.r16 && int4_x8_fits(w) && quant_activations() == ACTIVATIONS_INT8;
 }
 #endif
 
@@ -2068,7 +2069,7 @@ bool r16_runs(int64_t k, int64_t group) {
   QuantWeight w;
   w.int4 = true, w.k = k, w.group = group;
   return k > 0 && group > 0 && k % group == 0 && (!std::strcmp(quant_form(), "avx512_vnni") || !std::strcmp(quant_form(), "avx2")) &&
-         default_activations() == ACTIVATIONS_INT8 && int16_fits(w) && int8_fits(w);
+         default_activations() == ACTIVATIONS_INT8 && int16_fits(w) && int4_x8_fits(w);
 }
 
 // rows [0, n - n % 16) of q (rows of kb bytes, blocks of `block` bytes, a multiple of 4) into bands of 16 rows, in
@@ -2219,7 +2220,7 @@ void prepare(const float* x, int64_t rows, const QuantWeight& w, PreparedX* out)
   out->x = x, out->rows = rows, out->k = w.k, out->group = w.group, out->int4 = w.int4;
   out->int16 = int16_fits(w);
   out->exact = quant_activations() == ACTIVATIONS_EXACT;
-  out->int8 = out->int16 && quant_activations() == ACTIVATIONS_INT8 && int8_fits(w);
+  out->int8 = out->int16 && quant_activations() == ACTIVATIONS_INT8 && int4_x8_fits(w);
   out->int8w = takes_int8w(w);
   out->sums = w.offset != nullptr;
   if (!out->int16) return;
